@@ -1,0 +1,68 @@
+"""gdsload.loader: put a model's weights into memory as fast as the hardware allows.
+
+>>> from gdsload.loader import load_rank
+>>> result = load_rank("/models/llama-tp2", rank=0, device="cpu")  # doctest: +SKIP
+>>> print(result.report.summary())
+rank 0: 8.03 GB in 3.912 s (2.05 GB/s) backend=cpu io=cpu files=2
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import load_rank
+from .config import LoadConfig, format_bytes, parse_size
+from .discover import RankFiles, discover, list_ranks
+from .errors import (
+    BackendUnavailableError,
+    CodecError,
+    ConfigError,
+    FormatError,
+    GdsloadError,
+    HeaderError,
+    IntegrityError,
+    ManifestError,
+    NoFilesForRankError,
+    TruncatedFileError,
+)
+from .format import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
+from .manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
+from .plan import LoadPlan, plan_rank
+from .result import FileReport, LoadReport, LoadResult
+
+__all__ = [
+    "__version__",
+    "load_rank",
+    "LoadConfig",
+    "LoadResult",
+    "LoadReport",
+    "FileReport",
+    "discover",
+    "list_ranks",
+    "RankFiles",
+    "plan_rank",
+    "LoadPlan",
+    "read_header",
+    "parse_header",
+    "SafetensorsHeader",
+    "TensorInfo",
+    "TensorSpec",
+    "AlignedWriter",
+    "save_file",
+    "MANIFEST_NAME",
+    "Manifest",
+    "ManifestFile",
+    "write_manifest",
+    "parse_size",
+    "format_bytes",
+    "GdsloadError",
+    "FormatError",
+    "HeaderError",
+    "TruncatedFileError",
+    "ManifestError",
+    "NoFilesForRankError",
+    "BackendUnavailableError",
+    "CodecError",
+    "IntegrityError",
+    "ConfigError",
+]

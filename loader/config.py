@@ -1,0 +1,104 @@
+"""Load options: one frozen dataclass, ``GDSLOAD_*`` environment variables parsed in one place.
+
+Precedence: explicit argument > environment variable > default.
+
+| variable              | accepted values                           | default  |
+|-----------------------|-------------------------------------------|----------|
+| GDSLOAD_BACKEND       | auto, or a backend name (see BACKENDS)    | auto     |
+| GDSLOAD_NUM_THREADS   | integer 1..256                            | 8        |
+| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | 16MiB    |
+| GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | 0        |
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["LoadConfig", "parse_size", "format_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int, *, what: str = "size") -> int:
+    """``"16MiB"`` -> 16777216; plain integers are bytes. Decimal (MB) and binary (MiB) units."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    unit = m[2].lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB")
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """1073741824 -> '1.07 GB' (decimal units, as throughput is quoted in GB/s)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _parse_bool(value: str, what: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{what}={value!r} is not a boolean; use 0/1, true/false or yes/no")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How ``load_rank`` reads. Build with :meth:`resolve` to apply the environment."""
+
+    backend: str = "auto"
+    """Reader backend: ``auto`` (try cufile, pinned, fastsafetensors, cpu in order) or one name."""
+    num_threads: int = 8
+    """Reader threads per rank."""
+    chunk_bytes: int = 16 << 20
+    """Largest single read; also the unit of progress reports."""
+    verify: bool = False
+    """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
+
+    def __post_init__(self) -> None:
+        from .backends import BACKENDS
+
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *BACKENDS]}")
+        if type(self.num_threads) is not int or not 1 <= self.num_threads <= 256:
+            raise ConfigError(f"num_threads={self.num_threads!r} must be an integer in 1..256")
+        if type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be between 4 KiB and 1 GiB")
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LoadConfig:
+        """Defaults, then ``GDSLOAD_*`` from ``env`` (default ``os.environ``), then non-None ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        if "GDSLOAD_BACKEND" in env:
+            values["backend"] = env["GDSLOAD_BACKEND"].strip()
+        if "GDSLOAD_NUM_THREADS" in env:
+            raw = env["GDSLOAD_NUM_THREADS"]
+            if not raw.strip().isdigit():
+                raise ConfigError(f"GDSLOAD_NUM_THREADS={raw!r} is not an integer")
+            values["num_threads"] = int(raw)
+        if "GDSLOAD_CHUNK_BYTES" in env:
+            values["chunk_bytes"] = parse_size(env["GDSLOAD_CHUNK_BYTES"], what="GDSLOAD_CHUNK_BYTES")
+        if "GDSLOAD_VERIFY" in env:
+            values["verify"] = _parse_bool(env["GDSLOAD_VERIFY"], "GDSLOAD_VERIFY")
+        known = {f.name for f in fields(cls)}
+        for k, v in overrides.items():
+            if k not in known:
+                raise TypeError(f"unknown load option {k!r}; known: {sorted(known)}")
+            if v is not None:
+                values[k] = v
+        return replace(cls(), **values)

@@ -1,0 +1,164 @@
+"""The ``gdsload`` command line. A thin shell: parse, call the library, format.
+
+Only this boundary turns a :class:`GdsloadError` into a one-line message and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gdsload.loader import (
+    GdsloadError,
+    format_bytes,
+    list_ranks,
+    load_rank,
+    parse_size,
+    read_header,
+)
+from gdsload.loader import __version__
+
+__all__ = ["main", "cli"]
+
+
+class _Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value, what=param.name if param else "size")
+        except GdsloadError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = _Size()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gdsload")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """gdsload: load model weights into GPU memory as fast as the hardware allows."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--tensors", is_flag=True, help="List every tensor.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(path: str, tensors: bool, as_json: bool) -> None:
+    """Show ranks, files, tensors, dtypes, bytes and alignment of a checkpoint."""
+    source, tp, ranks = list_ranks(path)
+    doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": tp, "ranks": {}}
+    for rank, files in sorted(ranks.items()):
+        out = []
+        for f in files:
+            h = read_header(f)
+            entry: dict[str, Any] = {
+                "file": Path(f).name,
+                "bytes": h.file_size,
+                "tensors": len(h.tensors),
+                "dtypes": dict(Counter(t.dtype for t in h.tensors)),
+                "data_offset": h.data_offset,
+                "data_aligned_4k": h.data_aligned,
+                "misaligned_tensors": len(h.misaligned()),
+                "metadata": h.metadata,
+            }
+            if tensors:
+                entry["tensor_list"] = [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": h.data_offset + t.start,
+                     "bytes": t.nbytes}
+                    for t in h.tensors
+                ]
+            out.append(entry)
+        doc["ranks"][rank] = out
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"{doc['path']}: {source} layout, tp={tp}, {len(ranks)} rank(s)")
+    for rank, files in doc["ranks"].items():
+        for e in files:
+            dtypes = ", ".join(f"{k}×{v}" for k, v in sorted(e["dtypes"].items()))
+            align = "data@4K" if e["data_aligned_4k"] else f"data@{e['data_offset']} (unaligned)"
+            mis = f", {e['misaligned_tensors']} misaligned" if e["misaligned_tensors"] else ""
+            click.echo(f"  rank {rank}  {e['file']}: {format_bytes(e['bytes'])}, {e['tensors']} tensors ({dtypes}), {align}{mis}")
+            for t in e.get("tensor_list", []):
+                click.echo(f"      {t['name']}  {t['dtype']}{t['shape']}  @{t['offset']}  {format_bytes(t['bytes'])}")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--rank", default=0, show_default=True, help="Tensor-parallel rank to load.")
+@click.option("--device", default="cpu", show_default=True, help="Target device: cpu, cuda, cuda:N.")
+@click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
+@click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
+@click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
+@click.option("--verify/--no-verify", default=None, help="Check manifest digests; env GDSLOAD_VERIFY.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def load(path: str, rank: int, device: str, backend: str | None, num_threads: int | None,
+         chunk_bytes: int | None, verify: bool | None, as_json: bool) -> None:
+    """Load one rank and print the load report."""
+    result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
+                       chunk_bytes=chunk_bytes, verify=verify)
+    _print_report(result.report, as_json)
+
+
+def _print_report(report: Any, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    click.echo(report.summary())
+    phases = "  ".join(f"{k}={v * 1000:.1f}ms" for k, v in report.phases.items())
+    click.echo(f"  phases: {phases}")
+    click.echo(f"  stored {format_bytes(report.stored_bytes)}, logical {format_bytes(report.logical_bytes)}, "
+               f"source={report.source}, verified={report.verified}")
+    for f in report.files:
+        extra = f", {f.copied_tensors} copied (misaligned)" if f.copied_tensors else ""
+        click.echo(f"  {Path(f.path).name}: io={f.io_mode}, {f.tensors} tensors, {format_bytes(f.logical_bytes)}{extra}")
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where to build the demo model (default: a temporary directory, removed afterwards).")
+@click.option("--tp", default=2, show_default=True, help="Ranks to shard the demo model into.")
+@click.option("--size", type=SIZE, default="64MiB", show_default=True, help="Approximate model size.")
+def demo(workdir: str | None, tp: int, size: int) -> None:
+    """Build a small synthetic Llama, write it as rank shards, load every rank on CPU, print the reports."""
+    from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+
+    with tempfile.TemporaryDirectory(prefix="gdsload-demo-") as tmp:
+        root = Path(workdir) if workdir else Path(tmp)
+        shape = shape_for_size(size)
+        click.echo(f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}")
+        make_checkpoint(root, shape, tp=tp)
+        for rank in range(tp):
+            result = load_rank(root, rank, device="cpu", verify=True)
+            _print_report(result.report, as_json=False)
+            result.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``gdsload`` command."""
+    try:
+        cli.main(args=argv, prog_name="gdsload", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except GdsloadError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The installed ``gdsload`` command, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gdsload.loader.dtypes import ITEMSIZE
+
+GDSLOAD = [sys.executable, "-m", "gdsload.server.cli"]
+
+
+def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([*GDSLOAD, *args], capture_output=True, text=True, timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_entry_point_is_installed():
+    exe = shutil.which("gdsload") or str(__import__("pathlib").Path(sys.executable).with_name("gdsload"))
+    p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "gdsload" in p.stdout
+
+
+def test_inspect(sharded_dir):
+    out = run("inspect", str(sharded_dir)).stdout
+    assert "tp=2" in out and "model-rank-1-part-1.safetensors" in out and "data@4K" in out
+    doc = json.loads(run("inspect", str(sharded_dir), "--json", "--tensors").stdout)
+    assert doc["tp_size"] == 2 and doc["source"] == "manifest"
+    f = doc["ranks"]["0"][0]
+    assert f["data_aligned_4k"] and f["misaligned_tensors"] == 0 and f["metadata"] == {"rank": "0", "part": "0"}
+    assert all(t["offset"] % ITEMSIZE[t["dtype"]] == 0 for t in f["tensor_list"])
+    assert len(f["tensor_list"]) == f["tensors"]
+
+
+def test_load_prints_report(sharded_dir):
+    out = run("load", str(sharded_dir), "--rank", "1", "--threads", "2", "--chunk", "64KiB", "--verify").stdout
+    assert out.startswith("rank 1: ") and "backend=cpu io=cpu files=2" in out and "verified=True" in out
+    doc = json.loads(run("load", str(sharded_dir), "--json").stdout)
+    assert doc["rank"] == 0 and doc["logical_bytes"] > 0 and len(doc["files"]) == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["load", "{d}", "--rank", "5"], "error: No files for rank 5"),
+        (["load", "{d}", "--backend", "warp"], "error: backend='warp' is not known"),
+        (["load", "{d}", "--chunk", "huge"], "is not a size"),
+    ],
+)
+def test_errors_are_one_line_and_nonzero(sharded_dir, args, message):
+    p = run(*[a.format(d=sharded_dir) for a in args], ok=False)
+    assert p.returncode != 0
+    assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_demo_builds_shards_and_loads(tmp_path):
+    out = run("demo", "--workdir", str(tmp_path / "demo"), "--size", "8MiB").stdout
+    assert "rank 0: " in out and "rank 1: " in out and out.count("verified=True") == 2
+    assert (tmp_path / "demo" / "gdsload.json").exists()

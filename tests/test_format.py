@@ -1,0 +1,132 @@
+"""The format layer against the reference: safetensors opens what we write, we load what it writes."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from conftest import all_dtypes, mixed_tensors, random_tensor
+from gdsload.loader import AlignedWriter, TensorSpec, load_rank, read_header, save_file
+from gdsload.loader.dtypes import ITEMSIZE, from_torch, to_torch
+from gdsload.loader.format import DATA_ALIGNMENT
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_dtype_table_round_trips_every_torch_dtype():
+    for dt in all_dtypes():
+        name = from_torch(dt)
+        assert to_torch(name) == dt
+        assert ITEMSIZE[name] == torch.empty((), dtype=dt).element_size()
+
+
+def test_our_files_open_in_safetensors_bit_identical(tmp_path):
+    tensors = mixed_tensors()
+    path = tmp_path / "ours.safetensors"
+    save_file(tensors, path, {"format": "pt", "note": "ünïcode"})
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "ünïcode"}
+        assert set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            assert _bit_equal(f.get_tensor(name), t), name
+
+
+def test_our_files_are_aligned(tmp_path):
+    path = tmp_path / "ours.safetensors"
+    save_file(mixed_tensors(), path)
+    h = read_header(path)
+    assert h.data_offset % DATA_ALIGNMENT == 0 and h.data_aligned
+    assert h.misaligned() == []
+    for t in h.tensors:
+        assert (h.data_offset + t.start) % t.itemsize == 0, t.name
+    # Element sizes never increase along the file: the ordering that makes natural alignment hold.
+    sizes = [t.itemsize for t in h.tensors if t.nbytes]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_safetensors_files_load_bit_identical(tmp_path):
+    tensors = mixed_tensors(seed=3)
+    path = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    assert read_header(path).metadata == {"format": "pt"}
+    result = load_rank(path)
+    assert set(result.tensors) == set(tensors)
+    for name, t in tensors.items():
+        assert _bit_equal(result.tensors[name], t), name
+
+
+@pytest.mark.parametrize("dtype", all_dtypes(), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (3, 0, 2), (2, 3, 5, 7)])
+def test_each_dtype_and_shape_round_trips_both_ways(tmp_path, dtype, shape):
+    t = random_tensor(shape, dtype, seed=hash((str(dtype), shape)) % 1000)
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    save_file({"t": t}, ours)
+    safetensors.torch.save_file({"t": t}, str(theirs))
+    assert _bit_equal(safetensors.torch.load_file(str(ours))["t"], t)
+    assert _bit_equal(load_rank(theirs).tensors["t"], t)
+    assert _bit_equal(load_rank(ours).tensors["t"], t)
+
+
+def test_header_is_space_padded_json(tmp_path):
+    path = tmp_path / "a.safetensors"
+    save_file({"a": torch.ones(3)}, path, {"k": "v"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + n].decode()
+    assert text.rstrip(" ").endswith("}") and text.endswith(" ")
+    assert json.loads(text)["__metadata__"] == {"k": "v"}
+
+
+def test_writer_streams_in_declared_order_and_checks_each_tensor(tmp_path):
+    specs = [TensorSpec("small", "U8", (3,)), TensorSpec("big", "F64", (2,)), TensorSpec("mid", "BF16", (4,))]
+    with AlignedWriter(tmp_path / "s.safetensors", specs) as w:
+        assert [s.name for s in w.order] == ["big", "mid", "small"]
+        with pytest.raises(ValueError, match="expected tensor 'big' next"):
+            w.write("small", torch.zeros(3, dtype=torch.uint8))
+        with pytest.raises(ValueError, match=r"declared F64\[2\], got F32\[2\]"):
+            w.write("big", torch.zeros(2, dtype=torch.float32))
+        w.write("big", torch.zeros(2, dtype=torch.float64))
+        w.write("mid", torch.zeros(4, dtype=torch.bfloat16))
+        w.write("small", torch.zeros(3, dtype=torch.uint8))
+    assert safetensors.torch.load_file(str(tmp_path / "s.safetensors"))["big"].dtype == torch.float64
+
+
+def test_failed_write_leaves_nothing_on_disk(tmp_path):
+    specs = [TensorSpec("a", "F32", (2,)), TensorSpec("b", "F32", (2,))]
+    with pytest.raises(ValueError, match="never written"):
+        with AlignedWriter(tmp_path / "x.safetensors", specs) as w:
+            w.write("a", torch.zeros(2))
+    with pytest.raises(RuntimeError, match="boom"):
+        with AlignedWriter(tmp_path / "y.safetensors", specs) as w:
+            w.write("a", torch.zeros(2))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="unique"):
+        AlignedWriter(tmp_path / "d.safetensors", [TensorSpec("a", "F32", (1,)), TensorSpec("a", "F32", (1,))])
+    with pytest.raises(TypeError, match="str to str"):
+        save_file({"a": torch.ones(1)}, tmp_path / "m.safetensors", {"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="cannot be stored in safetensors"):
+        save_file({"a": torch.ones(1, dtype=torch.complex128)}, tmp_path / "c.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_contiguous_and_views_are_written_by_value(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {"t": base.t(), "slice": base[1:3, ::2]}
+    save_file(tensors, tmp_path / "v.safetensors")
+    loaded = safetensors.torch.load_file(str(tmp_path / "v.safetensors"))
+    assert torch.equal(loaded["t"], base.t()) and torch.equal(loaded["slice"], base[1:3, ::2])

@@ -1,0 +1,267 @@
+"""load_rank on the CPU backend: discovery, planning, reading, views, reports, verification."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from conftest import mixed_tensors
+from gdsload.loader import (
+    BackendUnavailableError,
+    ConfigError,
+    HeaderError,
+    IntegrityError,
+    LoadConfig,
+    ManifestError,
+    NoFilesForRankError,
+    TruncatedFileError,
+    discover,
+    load_rank,
+    plan_rank,
+    save_file,
+    write_manifest,
+)
+
+
+def _reference(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(str(f)))
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_load_rank_matches_safetensors(sharded_dir, rank):
+    result = load_rank(sharded_dir, rank, verify=True)
+    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith(f"r{rank}.")}
+    assert set(result.tensors) == set(ref)
+    for name, t in ref.items():
+        assert _same_bits(result.tensors[name], t), name
+    r = result.report
+    assert r.rank == rank and r.backend == "cpu" and r.source == "manifest" and r.verified
+    assert [Path(f.path).name for f in r.files] == [f"model-rank-{rank}-part-{p}.safetensors" for p in (0, 1)]
+    assert all(f.io_mode == "cpu" and f.data_aligned and f.copied_tensors == 0 for f in r.files)
+    assert r.logical_bytes == r.stored_bytes == sum(t.nbytes for t in ref.values())
+    assert set(r.phases) == {"discover", "plan", "read", "decode", "verify"}
+    assert r.seconds > 0 and r.gbps > 0
+    assert f"rank {rank}:" in r.summary() and "backend=cpu io=cpu files=2" in r.summary()
+    json.dumps(r.to_dict())
+
+
+def test_tensors_are_views_into_one_arena(sharded_dir):
+    result = load_rank(sharded_dir, 0)
+    (arena,) = result.arenas
+    base = arena.untyped_storage().data_ptr()
+    for name, t in result.tensors.items():
+        if t.numel():
+            assert t.untyped_storage().data_ptr() == base, name
+    plan = plan_rank(discover(sharded_dir, 0))
+    assert arena.numel() == plan.arena_bytes
+
+
+@pytest.mark.parametrize("threads, chunk", [(1, 4096), (3, 4096), (8, 1 << 20)])
+def test_threads_and_chunk_sizes_give_identical_bytes(sharded_dir, threads, chunk):
+    done = []
+    result = load_rank(sharded_dir, 1, num_threads=threads, chunk_bytes=chunk, progress=done.append)
+    ref = _reference(sharded_dir)
+    for name, t in result.tensors.items():
+        assert _same_bits(t, ref[name]), name
+    assert sum(done) == result.report.stored_bytes
+    assert max(done) <= chunk
+
+
+def _misaligned_file(path: Path) -> dict[str, torch.Tensor]:
+    """A valid safetensors file whose header length and tensor offsets break natural alignment."""
+    tensors = {
+        "a.u8": torch.arange(3, dtype=torch.uint8),
+        "b.f32": torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32),
+        "c.bf16": torch.tensor([0.5, 7.0], dtype=torch.bfloat16),
+        "d.i64": torch.tensor([-(2**40), 5], dtype=torch.int64),
+    }
+    header, off = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
+                                  torch.int64: "I64"}[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header).encode() + b" "  # odd header length: data starts unaligned too
+    data = b"".join(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
+                    for t in tensors.values())
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return tensors
+
+
+def test_foreign_misaligned_files_load_and_are_counted(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    tensors = _misaligned_file(path)
+    ref = safetensors.torch.load_file(str(path))  # the reference reads it too
+    result = load_rank(path)
+    for name, t in tensors.items():
+        assert _same_bits(result.tensors[name], t) and _same_bits(result.tensors[name], ref[name]), name
+    (f,) = result.report.files
+    assert f.copied_tensors == 3 and not f.data_aligned
+    assert "copied=3" in result.report.summary()
+
+
+def test_vllm_trtllm_and_plain_directories_load_without_manifest(tmp_path, sharded_dir):
+    vllm = tmp_path / "vllm"
+    shutil.copytree(sharded_dir, vllm)
+    (vllm / "gdsload.json").unlink()
+    rf = discover(vllm, 1)
+    assert rf.source == "vllm" and rf.tp_size == 2 and [Path(p).name for p in rf.files] == [
+        "model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors"]
+    assert load_rank(vllm, 1).report.source == "vllm"
+
+    trt = tmp_path / "trt"
+    trt.mkdir()
+    for r in range(3):
+        save_file({f"w{r}": torch.full((4,), float(r))}, trt / f"rank{r}.safetensors")
+    assert discover(trt, 2).tp_size == 3
+    assert torch.equal(load_rank(trt, 2).tensors["w2"], torch.full((4,), 2.0))
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"x": torch.ones(2)}, plain / "model-00001-of-00002.safetensors")
+    save_file({"y": torch.zeros(3)}, plain / "model-00002-of-00002.safetensors")
+    (plain / ".model.safetensors.tmp-1").write_bytes(b"junk")  # a leftover temp file is ignored
+    res = load_rank(plain)
+    assert set(res.tensors) == {"x", "y"} and res.report.source == "plain"
+
+
+def test_missing_rank_names_what_is_there(tmp_path, sharded_dir):
+    with pytest.raises(NoFilesForRankError, match=r"No files for rank 3 .* holds ranks 0-1 — was it sharded for tp=2\?"):
+        load_rank(sharded_dir, 3)
+    vllm = tmp_path / "vllm"
+    shutil.copytree(sharded_dir, vllm)
+    (vllm / "gdsload.json").unlink()
+    with pytest.raises(NoFilesForRankError, match="model-rank-\\{rank\\}-part-\\{part\\}"):
+        load_rank(vllm, 2)
+    (vllm / "model-rank-1-part-0.safetensors").unlink()
+    with pytest.raises(NoFilesForRankError, match=r"rank 1 .* has parts \[1\] but not \[0\]"):
+        discover(vllm, 1)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_rank(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoFilesForRankError, match="no .safetensors files"):
+        load_rank(tmp_path / "empty")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"x": torch.ones(1)}, plain / "model.safetensors")
+    with pytest.raises(NoFilesForRankError, match="gdsload shard"):
+        load_rank(plain, 1)
+
+
+def test_manifest_problems_are_typed(tmp_path, sharded_dir):
+    d = tmp_path / "m"
+    shutil.copytree(sharded_dir, d)
+    doc = json.loads((d / "gdsload.json").read_text())
+    (d / "gdsload.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        load_rank(d)
+    for mutate, match in [
+        (lambda m: m.update(format_version=99), "format_version 99"),
+        (lambda m: m.update(tp_size=3), r"ranks \[2\] have no files"),
+        (lambda m: m["ranks"]["0"][0].update(path="../escape.safetensors"), "inside the directory"),
+        (lambda m: m.update(layout="weird"), "layout 'weird'"),
+    ]:
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        (d / "gdsload.json").write_text(json.dumps(bad))
+        with pytest.raises(ManifestError, match=match):
+            load_rank(d)
+    (d / "gdsload.json").write_text(json.dumps(doc))
+    (d / "model-rank-0-part-1.safetensors").unlink()
+    with pytest.raises(ManifestError, match="file is missing"):
+        load_rank(d, 0)
+
+
+def test_verify_catches_a_changed_file(tmp_path, sharded_dir):
+    d = tmp_path / "v"
+    shutil.copytree(sharded_dir, d)
+    victim = d / "model-rank-0-part-1.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF  # flip bits in the last tensor's data: the header still parses
+    victim.write_bytes(bytes(raw))
+    assert load_rank(d, 0, verify=False).report.verified is False
+    with pytest.raises(IntegrityError, match="model-rank-0-part-1.safetensors.*does not match"):
+        load_rank(d, 0, verify=True)
+    assert load_rank(d, 1, verify=True).report.verified
+
+
+def test_verify_without_digests_reports_unverified(tmp_path, caplog):
+    save_file({"x": torch.ones(2)}, tmp_path / "model.safetensors")
+    assert load_rank(tmp_path, verify=True).report.verified is False
+    assert "nothing verified" in caplog.text
+
+
+def test_duplicate_tensor_across_files_of_a_rank(tmp_path):
+    save_file({"x": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"x": torch.ones(2)}, tmp_path / "b.safetensors")
+    with pytest.raises(HeaderError, match="appears in both"):
+        load_rank(tmp_path)
+
+
+def test_backend_selection(sharded_dir):
+    with pytest.raises(ConfigError, match="backend='nope' is not known"):
+        load_rank(sharded_dir, backend="nope")
+    with pytest.raises(BackendUnavailableError, match="backend 'cpu' cannot load to 'meta'.*auto"):
+        load_rank(sharded_dir, backend="cpu", device="meta")
+    with pytest.raises(BackendUnavailableError, match="no backend can load to 'meta'"):
+        load_rank(sharded_dir, device="meta")
+
+
+def test_config_precedence_and_validation():
+    env = {"GDSLOAD_NUM_THREADS": "3", "GDSLOAD_CHUNK_BYTES": "1MiB", "GDSLOAD_VERIFY": "yes"}
+    cfg = LoadConfig.resolve(env)
+    assert (cfg.num_threads, cfg.chunk_bytes, cfg.verify, cfg.backend) == (3, 1 << 20, True, "auto")
+    assert LoadConfig.resolve(env, num_threads=5, verify=None).num_threads == 5
+    assert LoadConfig.resolve({}) == LoadConfig()
+    for env, match in [
+        ({"GDSLOAD_NUM_THREADS": "many"}, "not an integer"),
+        ({"GDSLOAD_NUM_THREADS": "0"}, r"num_threads=0 must be an integer in 1..256"),
+        ({"GDSLOAD_CHUNK_BYTES": "lots"}, "GDSLOAD_CHUNK_BYTES 'lots' is not a size"),
+        ({"GDSLOAD_CHUNK_BYTES": "1"}, "between 4 KiB and 1 GiB"),
+        ({"GDSLOAD_VERIFY": "maybe"}, "not a boolean"),
+        ({"GDSLOAD_BACKEND": "warp"}, "backend='warp' is not known"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            LoadConfig.resolve(env)
+    with pytest.raises(TypeError, match="unknown load option"):
+        LoadConfig.resolve({}, threads=2)
+
+
+def test_file_shrinking_during_read_is_an_error(tmp_path, monkeypatch):
+    save_file({"x": torch.ones(4096)}, tmp_path / "model.safetensors")
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: 0)
+    with pytest.raises(TruncatedFileError, match="shrank while it was being loaded"):
+        load_rank(tmp_path)
+
+
+def test_empty_file_set_and_zero_byte_tensors(tmp_path):
+    save_file({"e": torch.empty(0), "s": torch.tensor(3.0)}, tmp_path / "model.safetensors")
+    res = load_rank(tmp_path)
+    assert res.tensors["e"].shape == (0,) and res.tensors["s"].item() == 3.0
+
+
+def test_manifest_round_trip(tmp_path):
+    save_file({"x": torch.ones(8)}, tmp_path / "model-rank-0-part-0.safetensors")
+    m = write_manifest(tmp_path, {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf", extra={"k": 1})
+    (entry,) = m.ranks[0]
+    assert entry.bytes == (tmp_path / "model-rank-0-part-0.safetensors").stat().st_size
+    assert entry.stored_bytes == entry.logical_bytes == 32 and entry.digest.startswith("sha256:")
+    from gdsload.loader import Manifest
+    assert Manifest.read(tmp_path) == m

@@ -1,0 +1,64 @@
+"""A wheel built from the repository installs on its own and imports under the gdsload namespace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True, timeout=300,
+    )
+    (whl,) = out.glob("gdsload-*.whl")
+    return whl
+
+
+def test_wheel_contents_are_namespaced(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"gdsload", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    for pkg in ("gdsload/loader/__init__.py", "gdsload/loader/backends/cpu.py", "gdsload/server/cli.py",
+                "gdsload/bench/__init__.py"):
+        assert pkg in names
+    assert not any(n.startswith(("loader/", "server/", "bench/", "tests/")) for n in names)
+
+
+def test_wheel_metadata_keeps_gpu_packages_in_extras(wheel):
+    meta_name = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("dist-info/METADATA"))
+    meta = Parser().parsestr(zipfile.ZipFile(wheel).read(meta_name).decode())
+    requires = meta.get_all("Requires-Dist")
+    core = [r for r in requires if "extra ==" not in r]
+    assert not any(gpu in r for r in core for gpu in ("kvikio", "nvcomp", "cupy"))
+    for extra in ("cu12", "cu13"):
+        assert any("kvikio" in r and f'extra == "{extra}"' in r for r in requires)
+    assert "gdsload = gdsload.server.cli:main" in zipfile.ZipFile(wheel).read(
+        meta_name.replace("METADATA", "entry_points.txt")).decode()
+
+
+def test_installed_wheel_imports_from_its_own_location(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    code = (
+        "import gdsload.loader, gdsload.server.cli, gdsload.bench, importlib.util, sys;"
+        "print(gdsload.loader.__file__);"
+        "assert importlib.util.find_spec('loader') is None and importlib.util.find_spec('server') is None;"
+        "print(gdsload.loader.__version__)"
+    )
+    # Run from an empty directory so the repository's own loader/ is not on the path.
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0].startswith(str(target))
