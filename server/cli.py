@@ -5,6 +5,7 @@ Only this boundary turns a :class:`GdsloadError` into a one-line message and a n
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import sys
@@ -41,7 +42,24 @@ class _Size(click.ParamType):
 SIZE = _Size()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Subcommands that live in their own modules: name -> "module:attr", imported when used.
+_LAZY_COMMANDS: dict[str, str] = {}
+
+
+class _LazyGroup(click.Group):
+    """A group whose heavier subcommands are imported only when they run (or when help lists them)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in _LAZY_COMMANDS:
+            module, attr = _LAZY_COMMANDS[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gdsload")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 def cli(verbose: int) -> None:
