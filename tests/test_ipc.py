@@ -1,0 +1,74 @@
+"""IPC hand-off: another process maps a loaded rank and sees the same bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gdsload.loader import load_rank
+from gdsload.loader.ipc import IpcError, export_rank, import_rank
+
+_CHILD = r"""
+import json, sys, hashlib
+from gdsload.loader.ipc import import_rank
+doc = json.loads(sys.stdin.read())
+tensors = import_rank(doc)
+out = {}
+for name, t in sorted(tensors.items()):
+    raw = t.contiguous().reshape(-1).view(__import__("torch").uint8).cpu().numpy().tobytes() if t.numel() else b""
+    out[name] = [str(t.dtype), list(t.shape), str(t.device), hashlib.sha256(raw).hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    import hashlib
+
+    out = {}
+    for name, t in sorted(tensors.items()):
+        raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
+        out[name] = [str(t.dtype), list(t.shape), str(t.device), hashlib.sha256(raw).hexdigest()]
+    return out
+
+
+def _map_in_child(doc: dict) -> dict:
+    p = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(doc), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_cpu_arena_maps_in_another_process(sharded_dir):
+    result = load_rank(sharded_dir, 1)
+    before = _digests(result.tensors)
+    doc = json.loads(json.dumps(export_rank(result)))  # survives JSON, as over HTTP
+    assert doc["kind"] == "cpu" and doc["rank"] == 1
+    assert _digests(result.tensors) == before  # moving the arena to shared memory kept every view valid
+    assert _map_in_child(doc) == before
+
+
+def test_import_in_same_process_gives_views_of_one_mapping(sharded_dir):
+    result = load_rank(sharded_dir, 0)
+    tensors = import_rank(export_rank(result))
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+    assert len(ptrs) == 1
+    assert _digests(tensors) == _digests(result.tensors)
+
+
+def test_bad_documents_are_typed_errors():
+    with pytest.raises(IpcError, match="version"):
+        import_rank({"version": 99})
+    with pytest.raises(IpcError, match="kind"):
+        import_rank({"version": 1, "kind": "tpu"})
+
+
+@pytest.mark.gpu
+def test_cuda_arena_maps_in_another_process(sharded_dir):
+    result = load_rank(sharded_dir, 1, device="cuda")
+    doc = json.loads(json.dumps(export_rank(result)))
+    assert doc["kind"] == "cuda"
+    assert _map_in_child(doc) == _digests(result.tensors)
