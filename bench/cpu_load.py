@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .pagecache import evict, resident_fraction
+from gdsload.loader.pagecache import evict, resident_fraction
 
 METHODS = ("gdsload-cpu", "safetensors")
 

@@ -12,6 +12,7 @@ import torch
 
 from .backends import ReadOptions, select_backend
 from .config import LoadConfig
+from .decode import load_compressed
 from .discover import RankFiles, discover
 from .dtypes import to_torch
 from .errors import IntegrityError
@@ -33,6 +34,7 @@ def load_rank(
     num_threads: int | None = None,
     chunk_bytes: int | None = None,
     verify: bool | None = None,
+    pinned_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> LoadResult:
     """Load every tensor of tensor-parallel rank ``rank`` from ``path`` onto ``device``.
@@ -48,8 +50,11 @@ def load_rank(
     >>> print(result.report.summary())
     rank 1: 8.03 GB in 3.912 s (2.05 GB/s) backend=cpu io=cpu files=2
     """
-    cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify)
+    cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
+                             pinned_bytes=pinned_bytes)
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     phases: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -58,22 +63,26 @@ def load_rank(
 
     t = time.perf_counter()
     plan = plan_rank(rank_files)
-    reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes))
+    reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     try:
         arena = reader.allocate(plan.arena_bytes)
+        reader.open(plan)
         phases["plan"] = _lap(t)
 
         t = time.perf_counter()
-        io_modes = reader.read(plan, arena, progress)
+        reader.read(plan.extents, arena, progress)
+        stats = load_compressed(plan, reader, arena, verify=cfg.verify, progress=progress,
+                                threads=cfg.num_threads or 4)
         _sync(dev)
-        phases["read"] = _lap(t)
+        phases["read"] = _lap(t) - stats.tail_seconds
+        io_modes, direct = reader.io_modes(), reader.direct_io()
     finally:
         reader.close()
 
     t = time.perf_counter()
     tensors = {p.name: _materialize(arena, p) for p in plan.placements}
     _sync(dev)
-    phases["decode"] = _lap(t)
+    phases["decode"] = _lap(t) + stats.tail_seconds
 
     t = time.perf_counter()
     verified = cfg.verify and _verify(rank_files, plan, arena)
@@ -84,9 +93,11 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[_file_report(f, mode) for f, mode in zip(plan.files, io_modes)],
+        files=[_file_report(f, mode, d) for f, mode, d in zip(plan.files, io_modes, direct)],
         phases=phases,
         verified=verified,
+        decode_busy_seconds=stats.decode_busy_seconds,
+        staging_bytes=stats.staging_bytes,
     )
     log.info("%s", report.summary())
     return LoadResult(tensors=tensors, arenas=[arena], report=report)
@@ -111,7 +122,7 @@ def _materialize(arena: torch.Tensor, p: Placement) -> torch.Tensor:
     return dst.view(dtype).view(p.shape)
 
 
-def _file_report(f: FilePlan, io_mode: str) -> FileReport:
+def _file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
     return FileReport(
         path=f.path,
         io_mode=io_mode,
@@ -120,6 +131,8 @@ def _file_report(f: FilePlan, io_mode: str) -> FileReport:
         tensors=len(f.header.tensors),
         copied_tensors=f.copied,
         data_aligned=f.header.data_aligned,
+        direct_io=direct_io,
+        compressed_tensors=f.compressed,
     )
 
 
@@ -132,7 +145,7 @@ def _verify(rank_files: RankFiles, plan: LoadPlan, arena: torch.Tensor) -> bool:
         return False
     for f, entry in zip(plan.files, entries):
         assert entry is not None and entry.digest is not None
-        if arena.device.type == "cpu":
+        if arena.device.type == "cpu" and f.mirror_offset >= 0:
             # The arena mirrors the data section: hash the header from disk and the data from memory.
             h = hashlib.sha256()
             with open(f.path, "rb") as fh:

@@ -5,8 +5,9 @@ Precedence: explicit argument > environment variable > default.
 | variable              | accepted values                           | default  |
 |-----------------------|-------------------------------------------|----------|
 | GDSLOAD_BACKEND       | auto, or a backend name (see BACKENDS)    | auto     |
-| GDSLOAD_NUM_THREADS   | integer 1..256                            | 8        |
-| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | 16MiB    |
+| GDSLOAD_NUM_THREADS   | integer 1..256                            | per backend (cpu 8, pinned 16, cufile 16) |
+| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | per backend (cpu 16MiB, pinned 4MiB, cufile 4MiB) |
+| GDSLOAD_PINNED_BYTES  | size: upper bound on pinned host staging  | 1GiB     |
 | GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | 0        |
 """
 
@@ -62,10 +63,13 @@ class LoadConfig:
 
     backend: str = "auto"
     """Reader backend: ``auto`` (try cufile, pinned, fastsafetensors, cpu in order) or one name."""
-    num_threads: int = 8
-    """Reader threads per rank."""
-    chunk_bytes: int = 16 << 20
-    """Largest single read; also the unit of progress reports."""
+    num_threads: int | None = None
+    """Reader threads per rank; None picks the backend's default."""
+    chunk_bytes: int | None = None
+    """Largest single read (the pinned pipeline's buffer size, kvikio's task size); None picks the
+    backend's default."""
+    pinned_bytes: int = 1 << 30
+    """Upper bound on pinned host memory used for staging."""
     verify: bool = False
     """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
 
@@ -74,10 +78,14 @@ class LoadConfig:
 
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *BACKENDS]}")
-        if type(self.num_threads) is not int or not 1 <= self.num_threads <= 256:
+        if self.num_threads is not None and (type(self.num_threads) is not int or not 1 <= self.num_threads <= 256):
             raise ConfigError(f"num_threads={self.num_threads!r} must be an integer in 1..256")
-        if type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30:
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be between 4 KiB and 1 GiB")
+        if self.chunk_bytes is not None and (
+            type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30 or self.chunk_bytes % 4096
+        ):
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of 4 KiB between 4 KiB and 1 GiB")
+        if type(self.pinned_bytes) is not int or self.pinned_bytes < 1 << 20:
+            raise ConfigError(f"pinned_bytes={self.pinned_bytes!r} must be at least 1 MiB")
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LoadConfig:
@@ -93,6 +101,8 @@ class LoadConfig:
             values["num_threads"] = int(raw)
         if "GDSLOAD_CHUNK_BYTES" in env:
             values["chunk_bytes"] = parse_size(env["GDSLOAD_CHUNK_BYTES"], what="GDSLOAD_CHUNK_BYTES")
+        if "GDSLOAD_PINNED_BYTES" in env:
+            values["pinned_bytes"] = parse_size(env["GDSLOAD_PINNED_BYTES"], what="GDSLOAD_PINNED_BYTES")
         if "GDSLOAD_VERIFY" in env:
             values["verify"] = _parse_bool(env["GDSLOAD_VERIFY"], "GDSLOAD_VERIFY")
         known = {f.name for f in fields(cls)}

@@ -153,7 +153,10 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 
 def logical_bytes(header: SafetensorsHeader) -> int:
     """Bytes the file's tensors occupy once decoded."""
-    return sum(t.nbytes for t in header.tensors)
+    from .compression import parse_compression
+
+    compressed = parse_compression(header)
+    return sum(compressed[t.name].nbytes if t.name in compressed else t.nbytes for t in header.tensors)
 
 
 def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool = True) -> ManifestFile:

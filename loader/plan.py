@@ -6,20 +6,46 @@ and every naturally aligned tensor is a view at ``mirror + tensor.start`` — no
 A tensor whose offset is not a multiple of its element size (foreign files) cannot be a view
 of the mirror; it gets its own aligned slot after the mirrors and is copied there after the
 read (``Placement.copy_from``), and the report counts it.
+
+Compressed files (see :mod:`.compression`) are not mirrored: every tensor gets a 256-byte
+aligned slot of its decoded size. Raw tensors of such files are read straight into their slots;
+compressed ones are read into a staging buffer and decoded into their slots
+(``LoadPlan.compressed``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .compression import CompressedEntry, parse_compression
 from .discover import RankFiles
 from .errors import HeaderError
 from .format import DATA_ALIGNMENT, SafetensorsHeader, read_header
 from .manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "FilePlan", "LoadPlan", "plan_rank", "align_up"]
+__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents"]
 
 _COPY_ALIGNMENT = 64
+_SLOT_ALIGNMENT = 256
+
+
+def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
+    """Cut extents into reads of at most ``chunk_bytes``, files interleaved round-robin so that
+    all of a rank's files are in flight together."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    per_file: dict[int, list[Extent]] = {}
+    for e in extents:
+        per_file.setdefault(e.file_index, []).extend(
+            Extent(e.file_index, e.file_offset + off, min(chunk_bytes, e.length - off), e.arena_offset + off)
+            for off in range(0, e.length, chunk_bytes)
+        )
+    queues = list(per_file.values())
+    out: list[Extent] = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -51,14 +77,28 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class CompressedTensor:
+    """A compressed tensor: its stored bytes go to staging, and decode into ``arena_offset``."""
+
+    file_index: int
+    file_offset: int
+    """Absolute file offset of the stored (compressed) bytes."""
+    arena_offset: int
+    entry: CompressedEntry
+
+
+@dataclass(frozen=True)
 class FilePlan:
     path: str
     header: SafetensorsHeader
     mirror_offset: int
+    """Arena offset of the mirrored data section (uncompressed files), else -1."""
     extents: tuple[Extent, ...]
     logical_bytes: int
     copied: int
     """Tensors of this file that are copied rather than viewed."""
+    compressed: int = 0
+    """Tensors of this file that are stored compressed."""
 
     @property
     def stored_bytes(self) -> int:
@@ -73,6 +113,7 @@ class LoadPlan:
     files: tuple[FilePlan, ...]
     placements: tuple[Placement, ...]
     arena_bytes: int
+    compressed: tuple[CompressedTensor, ...] = ()
 
     @property
     def extents(self) -> list[Extent]:
@@ -91,22 +132,8 @@ class LoadPlan:
         return sum(f.copied for f in self.files)
 
     def chunks(self, chunk_bytes: int) -> list[Extent]:
-        """Every extent cut into reads of at most ``chunk_bytes``, files interleaved so that
-        all of a rank's files are in flight together."""
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-        per_file = []
-        for e in self.extents:
-            per_file.append(
-                [
-                    Extent(e.file_index, e.file_offset + off, min(chunk_bytes, e.length - off), e.arena_offset + off)
-                    for off in range(0, e.length, chunk_bytes)
-                ]
-            )
-        out: list[Extent] = []
-        for i in range(max((len(c) for c in per_file), default=0)):
-            out.extend(c[i] for c in per_file if i < len(c))
-        return out
+        """Every direct extent cut into reads of at most ``chunk_bytes`` (see :func:`split_extents`)."""
+        return split_extents(self.extents, chunk_bytes)
 
 
 def plan_rank(rank_files: RankFiles) -> LoadPlan:
@@ -126,25 +153,56 @@ def plan_rank(rank_files: RankFiles) -> LoadPlan:
                 )
             seen[t.name] = h.path
 
-    cursor = 0
-    mirrors = []
-    for h in headers:
-        cursor = align_up(cursor, DATA_ALIGNMENT)
-        mirrors.append(cursor)
-        cursor += h.data_len
-
-    files: list[FilePlan] = []
+    entries = [parse_compression(h) for h in headers]
+    files: list[FilePlan | None] = [None] * len(headers)
     placements: list[Placement] = []
-    for i, (h, mirror) in enumerate(zip(headers, mirrors)):
+    compressed: list[CompressedTensor] = []
+    cursor = 0
+    # Plain files: mirror the data section, tensors are views of it.
+    for i, (h, comp) in enumerate(zip(headers, entries)):
+        if comp:
+            continue
+        cursor = align_up(cursor, DATA_ALIGNMENT)
+        mirror = cursor
+        cursor += h.data_len
         extents = (Extent(i, h.data_offset, h.data_len, mirror),) if h.data_len else ()
         copied = 0
         for t in h.tensors:
             if t.start % t.itemsize == 0:
                 placements.append(Placement(t.name, t.dtype, t.shape, i, mirror + t.start, t.nbytes))
             else:
-                cursor = align_up(cursor, _COPY_ALIGNMENT)
-                placements.append(Placement(t.name, t.dtype, t.shape, i, cursor, t.nbytes, copy_from=mirror + t.start))
-                cursor += t.nbytes
                 copied += 1
-        files.append(FilePlan(h.path, h, mirror, extents, logical_bytes(h), copied))
-    return LoadPlan(rank=rank_files.rank, files=tuple(files), placements=tuple(placements), arena_bytes=cursor)
+                placements.append(Placement(t.name, t.dtype, t.shape, i, -1, t.nbytes, copy_from=mirror + t.start))
+        files[i] = FilePlan(h.path, h, mirror, extents, logical_bytes(h), copied)
+    # Compressed files: every tensor gets its own aligned slot of its decoded size.
+    for i, (h, comp) in enumerate(zip(headers, entries)):
+        if not comp:
+            continue
+        extents_c: list[Extent] = []
+        logical = 0
+        for t in h.tensors:
+            e = comp.get(t.name)
+            cursor = align_up(cursor, _SLOT_ALIGNMENT)
+            if e is None:
+                if t.nbytes:
+                    extents_c.append(Extent(i, h.data_offset + t.start, t.nbytes, cursor))
+                placements.append(Placement(t.name, t.dtype, t.shape, i, cursor, t.nbytes))
+                size = t.nbytes
+            else:
+                compressed.append(CompressedTensor(i, h.data_offset + t.start, cursor, e))
+                placements.append(Placement(t.name, e.dtype, e.shape, i, cursor, e.nbytes))
+                size = e.nbytes
+            cursor += size
+            logical += size
+        files[i] = FilePlan(h.path, h, -1, tuple(extents_c), logical, 0, compressed=len(comp))
+    # Misaligned tensors of foreign files get their own slots, filled by a copy after the read.
+    final: list[Placement] = []
+    for p in placements:
+        if p.copy_from is not None:
+            cursor = align_up(cursor, _COPY_ALIGNMENT)
+            p = Placement(p.name, p.dtype, p.shape, p.file_index, cursor, p.nbytes, copy_from=p.copy_from)
+            cursor += p.nbytes
+        final.append(p)
+    assert all(f is not None for f in files)
+    return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final), arena_bytes=cursor,
+                    compressed=tuple(compressed))

@@ -27,6 +27,9 @@ class FileReport:
     """Misaligned tensors that had to be copied instead of viewed."""
     data_aligned: bool
     """Data section starts on a 4096-byte boundary (O_DIRECT/GDS friendly)."""
+    direct_io: bool = False
+    """Read with O_DIRECT (bypassing the page cache)."""
+    compressed_tensors: int = 0
 
 
 @dataclass
@@ -38,6 +41,10 @@ class LoadReport:
     files: list[FileReport]
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     verified: bool = False
+    decode_busy_seconds: float = 0.0
+    """Time spent decoding compressed tensors, most of it hidden behind reads."""
+    staging_bytes: int = 0
+    """Staging memory used for compressed bytes (on the target device)."""
 
     @property
     def logical_bytes(self) -> int:
@@ -70,6 +77,8 @@ class LoadReport:
         copied = sum(f.copied_tensors for f in self.files)
         if copied:
             line += f" copied={copied}"
+        if self.stored_bytes and self.stored_bytes != self.logical_bytes:
+            line += f" ratio={self.logical_bytes / self.stored_bytes:.2f}"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,6 +93,9 @@ class LoadReport:
             "gbps": self.gbps,
             "phases": dict(self.phases),
             "verified": self.verified,
+            "decode_busy_seconds": self.decode_busy_seconds,
+            "staging_bytes": self.staging_bytes,
+            "compression_ratio": self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0,
             "files": [asdict(f) for f in self.files],
         }
 

@@ -43,7 +43,11 @@ SIZE = _Size()
 
 
 # Subcommands that live in their own modules: name -> "module:attr", imported when used.
-_LAZY_COMMANDS: dict[str, str] = {}
+_LAZY_COMMANDS: dict[str, str] = {
+    "compress": "gdsload.server.cmd_compress:compress",
+    # The benchmark lives in gdsload.bench; the shell names it here and imports it only when run.
+    "bench": "gdsload.bench.cli:bench",
+}
 
 
 class _LazyGroup(click.Group):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..errors import BackendUnavailableError, ConfigError
-from ..plan import LoadPlan
+from ..plan import Extent, LoadPlan
 
 __all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "IO_MODES", "select_backend", "backend_class"]
 
@@ -26,9 +26,15 @@ log = logging.getLogger(__name__)
 
 # name -> "module:Class", imported only when asked for.
 BACKENDS: dict[str, str] = {
+    "cufile": "gdsload.loader.backends.cufile:CuFileBackend",
+    "pinned": "gdsload.loader.backends.pinned:PinnedBackend",
+    "fastsafetensors": "gdsload.loader.backends.fastsafetensors:FastSafetensorsBackend",
     "cpu": "gdsload.loader.backends.cpu:CpuBackend",
 }
-AUTO_ORDER: tuple[str, ...] = ("cpu",)
+AUTO_ORDER: tuple[str, ...] = ("cufile", "pinned", "cpu")
+"""``auto`` tries these in order. ``cufile`` is first only where it can do better than our own
+pipeline (true GDS or P2PDMA); ``fastsafetensors`` is never picked automatically (it is there for
+comparison and its users)."""
 IO_MODES = ("gds", "p2pdma", "compat", "posix", "cpu")
 """What the report may say ran for a file: true GDS DMA, P2PDMA, cuFile compat (bounce buffers),
 POSIX reads staged through host memory to the GPU, or plain reads into host memory."""
@@ -38,36 +44,63 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True)
 class ReadOptions:
-    num_threads: int
-    """Reader threads per rank."""
-    chunk_bytes: int
-    """Largest single read."""
+    num_threads: int | None = None
+    """Reader threads per rank; None: the backend's default."""
+    chunk_bytes: int | None = None
+    """Largest single read (pinned: staging buffer size; cufile: kvikio task size); None: the backend's default."""
+    pinned_bytes: int = 1 << 30
+    """Upper bound on pinned host staging memory."""
 
 
 class Backend(abc.ABC):
-    """Moves the bytes of a :class:`LoadPlan` into an arena on ``device``."""
+    """Moves file bytes into a uint8 buffer on ``device``.
+
+    Life cycle: ``open(plan)`` (open files, decide the I/O mode of each), any number of
+    ``read(extents, dst)`` calls (each returns when the bytes are in ``dst``), ``close()``.
+    An extent's ``arena_offset`` is its offset in ``dst``: the arena for direct reads, a
+    staging buffer for compressed bytes.
+    """
 
     name: ClassVar[str]
 
     def __init__(self, device: torch.device, options: ReadOptions):
         self.device = device
         self.options = options
+        self.plan: LoadPlan | None = None
 
     @classmethod
     @abc.abstractmethod
     def probe(cls, device: torch.device) -> str | None:
         """Why this backend cannot load to ``device`` here, or None when it can."""
 
-    @abc.abstractmethod
+    @classmethod
+    def auto_skip(cls, device: torch.device) -> str | None:
+        """Why ``auto`` should prefer a later backend although this one can run (None: take it)."""
+        return None
+
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A uint8 arena of ``nbytes`` on the target device."""
+        """A uint8 buffer of ``nbytes`` on the target device (the arena, or staging)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def open(self, plan: LoadPlan) -> None:
+        """Prepare to read ``plan``'s files."""
+        self.plan = plan
 
     @abc.abstractmethod
-    def read(self, plan: LoadPlan, arena: torch.Tensor, progress: Progress | None = None) -> list[str]:
-        """Fill ``arena`` with every extent of ``plan``; return the I/O mode that ran, per file."""
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        """Copy every extent into ``dst``; return once the bytes are there (device work synchronized)."""
+
+    @abc.abstractmethod
+    def io_modes(self) -> list[str]:
+        """The I/O mode that really ran, per file of the plan (see ``IO_MODES``)."""
+
+    def direct_io(self) -> list[bool]:
+        """Whether each file was read with O_DIRECT (bypassing the page cache)."""
+        assert self.plan is not None
+        return [False] * len(self.plan.files)
 
     def close(self) -> None:
-        """Release buffers the backend holds beyond the arena."""
+        """Close files and release buffers the backend holds beyond the arena."""
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -94,7 +127,7 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
     for candidate in AUTO_ORDER:
         try:
             cls = backend_class(candidate)
-            reason = cls.probe(device)
+            reason = cls.probe(device) or cls.auto_skip(device)
         except ImportError as e:
             reason = f"cannot import it ({e})"
         if reason is None:

@@ -1,18 +1,19 @@
-"""``cpu``: parallel ``pread`` straight into a host-memory arena. No CUDA at all.
+"""``cpu``: parallel ``pread`` straight into host memory. No CUDA at all.
 
 The embedded default (CI, CPU-only hosts). Reader threads each take whole chunks and read
-them into their final place in the arena; nothing is buffered beyond the arena itself.
+them into their final place; nothing is buffered beyond the destination itself.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import TruncatedFileError
-from ..plan import Extent, LoadPlan
+from ..plan import Extent, LoadPlan, split_extents
 from . import Backend, Progress
 
 __all__ = ["CpuBackend", "pread_into"]
@@ -33,6 +34,8 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
 
 class CpuBackend(Backend):
     name = "cpu"
+    DEFAULT_THREADS = 8
+    DEFAULT_CHUNK = 16 << 20
 
     @classmethod
     def probe(cls, device: torch.device) -> str | None:
@@ -40,26 +43,31 @@ class CpuBackend(Backend):
             return f"it reads into host memory only, not {device.type!r}"
         return None
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def open(self, plan: LoadPlan) -> None:
+        super().open(plan)
+        self._fds = [os.open(f.path, os.O_RDONLY) for f in plan.files]
 
-    def read(self, plan: LoadPlan, arena: torch.Tensor, progress: Progress | None = None) -> list[str]:
-        view = memoryview(arena.numpy()) if arena.numel() else memoryview(bytearray())
-        fds = [os.open(f.path, os.O_RDONLY) for f in plan.files]
-        try:
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        assert self.plan is not None
+        view = memoryview(dst.numpy()) if dst.numel() else memoryview(bytearray())
+        paths = [f.path for f in self.plan.files]
 
-            def work(c: Extent) -> None:
-                pread_into(fds[c.file_index], view[c.arena_offset : c.arena_offset + c.length], c.file_offset,
-                           plan.files[c.file_index].path)
-                if progress is not None:
-                    progress(c.length)
+        def work(c: Extent) -> None:
+            pread_into(self._fds[c.file_index], view[c.arena_offset : c.arena_offset + c.length], c.file_offset,
+                       paths[c.file_index])
+            if progress is not None:
+                progress(c.length)
 
-            chunks = plan.chunks(self.options.chunk_bytes)
-            threads = max(1, min(self.options.num_threads, len(chunks)))
-            with ThreadPoolExecutor(threads, thread_name_prefix="gdsload-cpu") as pool:
-                # list() re-raises the first reader error here.
-                list(pool.map(work, chunks))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return ["cpu"] * len(plan.files)
+        chunks = split_extents(extents, self.options.chunk_bytes or self.DEFAULT_CHUNK)
+        threads = max(1, min(self.options.num_threads or self.DEFAULT_THREADS, len(chunks)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="gdsload-cpu") as pool:
+            list(pool.map(work, chunks))  # re-raises the first reader error here
+
+    def io_modes(self) -> list[str]:
+        assert self.plan is not None
+        return ["cpu"] * len(self.plan.files)
+
+    def close(self) -> None:
+        for fd in getattr(self, "_fds", []):
+            os.close(fd)
+        self._fds = []

@@ -1,0 +1,68 @@
+"""``gdsload bench``: build a synthetic checkpoint, run the cold-start benchmark, draw its chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gdsload.loader import parse_size
+
+
+@click.command()
+@click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--compressed", "compressed_dir", type=click.Path(exists=True, file_okay=False),
+              help="A compressed copy of MODEL_DIR (gdsload compress), for the :compressed methods.")
+@click.option("--methods", default=None, help="Comma-separated methods (default: every one installed here).")
+@click.option("--cold", "conditions", flag_value="cold", multiple=True, help="Page cache dropped before each run.")
+@click.option("--warm", "conditions", flag_value="warm", multiple=True, help="Files in the page cache.")
+@click.option("--tmpfs", "conditions", flag_value="tmpfs", multiple=True, help="A copy of the files in /dev/shm.")
+@click.option("--repeat", default=3, show_default=True, help="Runs per method and condition (median, min, max shown).")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False),
+              help="Where results.json and chart.png go (with --make-model: where the model goes).")
+@click.option("--make-model", "make_model", default=None,
+              help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.")
+@click.option("--tp", default=1, show_default=True, help="With --make-model: ranks to split it into.")
+@click.option("--compress", "compress_codec", default=None, help="With --make-model: also write OUT-CODEC compressed.")
+@click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Only draw chart.png from an existing results.json.")
+def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
+          repeat: int, device: str, out: str, make_model: str | None, tp: int, compress_codec: str | None,
+          plot_json: str | None) -> None:
+    """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
+    if plot_json:
+        from .plot import plot
+
+        click.echo(plot(plot_json, Path(plot_json).with_name("chart.png")))
+        return
+    if make_model:
+        from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+
+        shape = shape_for_size(parse_size(make_model))
+        click.echo(f"synthetic Llama: {shape}")
+        make_checkpoint(out, shape, tp=tp)
+        if compress_codec:
+            from gdsload.loader.compress import compress_dir
+
+            stats = compress_dir(out, f"{out.rstrip('/')}-{compress_codec}", codec=compress_codec)
+            click.echo(f"compressed with {compress_codec}: ratio {stats.ratio:.3f}")
+        return
+    if not model_dir:
+        raise click.UsageError("give MODEL_DIR, or --make-model SIZE, or --plot results.json")
+    from .coldstart import BenchConfig, format_table, run_bench
+
+    cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,
+                      methods=methods.split(",") if methods else [], repeat=repeat, device=device, out=Path(out),
+                      conditions=tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold"))
+    doc = run_bench(cfg, log=click.echo)
+    click.echo(format_table(doc))
+    for m, why in doc["skipped"].items():
+        click.echo(f"skipped {m}: {why}")
+    try:
+        from .plot import plot
+
+        click.echo(f"chart: {plot(doc, cfg.out / 'chart.png')}")
+    except ImportError:
+        click.echo("chart: matplotlib is not installed (pip install matplotlib); draw it later with --plot")
+    click.echo(f"results: {cfg.out / 'results.json'}")

@@ -1,0 +1,232 @@
+"""The cold-start benchmark: every method, every condition, the hardware limits, in one run.
+
+Each load runs in a fresh process (:mod:`gdsload.bench.methods`) on the same bytes. Conditions:
+
+- ``cold``: the files are evicted from the page cache before every run (``drop_caches`` as root,
+  plus ``posix_fadvise(DONTNEED)``), and the resident fraction is measured and recorded;
+- ``warm``: the files are in the page cache (one untimed run first);
+- ``tmpfs``: a copy of the files in ``/dev/shm`` (the stand-in for very fast storage).
+
+Compressed methods (``…:compressed``) load a compressed copy of the same checkpoint and are
+timed in logical (decoded) bytes. Output: a terminal table, ``results.json`` with every run and
+the machine facts, and (with matplotlib) ``chart.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gdsload.loader.pagecache import evict, resident_fraction
+
+from .limits import decode_gbps, h2d_gbps, raw_read_gbps
+from .methods import PEER_MODULES, PEERS
+
+__all__ = ["BenchConfig", "run_bench", "default_methods", "machine_facts"]
+
+CONDITIONS = ("tmpfs", "warm", "cold")
+OUR_BACKENDS = ("pinned", "cufile", "fastsafetensors")
+
+
+@dataclass
+class BenchConfig:
+    model_dir: Path
+    compressed_dir: Path | None = None
+    methods: list[str] = field(default_factory=list)
+    conditions: tuple[str, ...] = CONDITIONS
+    repeat: int = 3
+    device: str = "cuda"
+    out: Path = Path("bench-out")
+    tmpfs_root: Path = Path("/dev/shm")
+    timeout: float = 600.0
+
+
+def _installed(module: str) -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec(module) else f"{module} is not installed"
+
+
+def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str, str]]:
+    """Every method that can run here, and why the others were skipped."""
+    methods, skipped = [], {}
+    if device == "cpu":
+        methods = ["gdsload:cpu", "safetensors"] + (["gdsload:cpu:compressed"] if compressed else [])
+        return methods, skipped
+    for b in OUR_BACKENDS:
+        from gdsload.loader.backends import backend_class
+
+        reason = backend_class(b).probe(__import__("torch").device(device))
+        if reason:
+            skipped[f"gdsload:{b}"] = reason
+            continue
+        methods.append(f"gdsload:{b}")
+        if compressed and b != "fastsafetensors":
+            methods.append(f"gdsload:{b}:compressed")
+    for p in PEERS:
+        reason = _installed(PEER_MODULES[p])
+        if reason:
+            skipped[p] = reason
+        else:
+            methods.append(p)
+    return methods, skipped
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
+                             "platform": platform.platform(), "python": platform.python_version(),
+                             "cpus": os.cpu_count()}
+    for pkg in ("gdsload", "torch", "safetensors", "kvikio-cu13", "kvikio-cu12", "nvidia-nvcomp-cu13",
+                "nvidia-nvcomp-cu12", "fastsafetensors", "instanttensor", "runai-model-streamer", "cupy-cuda13x"):
+        try:
+            facts.setdefault("versions", {})[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    if device.startswith("cuda"):
+        import torch
+
+        facts["gpu"] = torch.cuda.get_device_name()
+        facts["cuda"] = torch.version.cuda
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.width.current",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            facts["nvidia_smi"] = q.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        from gdsload.loader.iomode import kvikio_state, nvidia_fs_loaded
+
+        facts["nvidia_fs"] = nvidia_fs_loaded()
+        facts["kvikio"] = kvikio_state().__dict__
+    return facts
+
+
+def _one(method: str, model_dir: Path, device: str, timeout: float) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, str(model_dir), device],
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return {"method": method, "error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _files(d: Path) -> list[str]:
+    return sorted(str(p) for p in d.glob("*.safetensors"))
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Run every method under every condition; returns (and writes) the results document."""
+    compressed = cfg.compressed_dir is not None
+    methods, skipped = (cfg.methods, {}) if cfg.methods else default_methods(cfg.device, compressed)
+    doc: dict[str, Any] = {"facts": machine_facts(cfg.device), "config": {
+        "model_dir": str(cfg.model_dir), "compressed_dir": str(cfg.compressed_dir) if compressed else None,
+        "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": list(cfg.conditions)},
+        "skipped": skipped, "limits": {}, "runs": []}
+    if cfg.device.startswith("cuda"):
+        doc["limits"]["h2d_gbps"] = h2d_gbps(cfg.device)
+        if compressed:
+            doc["limits"]["decode_gbps"] = decode_gbps(cfg.compressed_dir, cfg.device)
+    log(f"limits: {doc['limits']}")
+    for condition in cfg.conditions:
+        dirs = {"plain": cfg.model_dir, "compressed": cfg.compressed_dir}
+        copies: list[Path] = []
+        if condition == "tmpfs":
+            for k, d in list(dirs.items()):
+                if d is None:
+                    continue
+                dst = cfg.tmpfs_root / f"gdsload-bench-{k}"
+                if not dst.exists():
+                    shutil.copytree(d, dst)
+                copies.append(dst)
+                dirs[k] = dst
+        try:
+            plain_files = _files(dirs["plain"])
+            if condition == "cold":
+                how = evict(plain_files)
+                doc["limits"][f"raw_read_gbps.{condition}"] = raw_read_gbps(plain_files, direct=_direct_ok(plain_files[0]))
+                doc["limits"]["evicted_by"] = how
+            else:
+                raw_read_gbps(plain_files, direct=False)  # fills the cache
+                doc["limits"][f"raw_read_gbps.{condition}"] = raw_read_gbps(plain_files, direct=False)
+            log(f"{condition}: raw read {doc['limits'][f'raw_read_gbps.{condition}']:.2f} GB/s")
+            for method in methods:
+                is_comp = method.endswith(":compressed")
+                d = dirs["compressed" if is_comp else "plain"]
+                m = method.removesuffix(":compressed")
+                files = _files(d)
+                if condition != "cold":
+                    _one(m, d, cfg.device, cfg.timeout)  # warm-up, untimed
+                for i in range(cfg.repeat):
+                    evicted = evict(files) if condition == "cold" else None
+                    resident = resident_fraction(files)
+                    r = _one(m, d, cfg.device, cfg.timeout)
+                    r.update(method=method, condition=condition, run=i, resident_before=round(resident, 4),
+                             evicted_by=evicted)
+                    doc["runs"].append(r)
+                    msg = r.get("error") or f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s"
+                    log(f"  {condition:5} {method:34} run {i}: {msg} (resident before {resident:.2f})")
+        finally:
+            for c in copies:
+                shutil.rmtree(c, ignore_errors=True)
+    doc["summary"] = summarize(doc)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
+def _direct_ok(path: str) -> bool:
+    from gdsload.loader.iomode import o_direct_supported
+
+    return o_direct_supported(path)
+
+
+def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for condition in doc["config"]["conditions"]:
+        best_peer = 0.0
+        cond_rows = []
+        for method in doc["config"]["methods"]:
+            runs = [r for r in doc["runs"] if r["method"] == method and r["condition"] == condition and "error" not in r]
+            if not runs:
+                errs = [r["error"] for r in doc["runs"] if r["method"] == method and r["condition"] == condition]
+                cond_rows.append({"method": method, "condition": condition, "error": errs[:1]})
+                continue
+            rates = [r["bytes"] / r["seconds"] / 1e9 for r in runs]
+            row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),
+                   "min_gbps": min(rates), "max_gbps": max(rates), "seconds": statistics.median(r["seconds"] for r in runs),
+                   "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
+                   "max_resident_before": max(r["resident_before"] for r in runs)}
+            if not method.startswith("gdsload"):
+                best_peer = max(best_peer, row["median_gbps"])
+            cond_rows.append(row)
+        raw = doc["limits"].get(f"raw_read_gbps.{condition}")
+        h2d = doc["limits"].get("h2d_gbps")
+        for row in cond_rows:
+            if "median_gbps" in row:
+                row["vs_raw_read"] = row["median_gbps"] / raw if raw else None
+                row["vs_h2d"] = row["median_gbps"] / h2d if h2d else None
+                row["vs_best_peer"] = row["median_gbps"] / best_peer if best_peer else None
+        rows.extend(cond_rows)
+    return rows
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    lines = [f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'s':>7} "
+             f"{'/raw':>6} {'/h2d':>6} {'/peer':>6}  io"]
+    for r in doc["summary"]:
+        if "error" in r:
+            lines.append(f"{r['condition']:9} {r['method']:34} error: {r['error']}")
+            continue
+        f = lambda v: f"{v:6.2f}" if v is not None else "     -"  # noqa: E731
+        lines.append(f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
+                     f"{r['max_gbps']:7.2f} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
+                     f"{f(r['vs_best_peer'])}  {','.join(sorted(set(r['io_modes'] or []))) or '-'}")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Hardware limits measured in the same run as the loaders: what no loader can beat.
+
+- ``raw_read_gbps``: parallel reads of the same files into host memory, no GPU (O_DIRECT when
+  the files are cold and the file system allows it);
+- ``h2d_gbps``: pinned host memory to the device;
+- ``decode_gbps``: nvCOMP decoding the largest compressed tensor of a directory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+__all__ = ["raw_read_gbps", "h2d_gbps", "decode_gbps"]
+
+
+def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20) -> float:
+    """Read every byte of ``files`` with ``threads`` readers into reused aligned buffers."""
+    jobs = [(f, off, min(chunk, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f), chunk)]
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    fds = {f: os.open(f, flags) for f in files}
+    it, lock = iter(jobs), threading.Lock()
+
+    def worker() -> int:
+        buf = mmap.mmap(-1, chunk + 4096)  # page aligned, as O_DIRECT requires
+        view = memoryview(buf)
+        done = 0
+        while True:
+            with lock:
+                job = next(it, None)
+            if job is None:
+                return done
+            f, off, n = job
+            length = -(-n // 4096) * 4096 if direct else n
+            got = os.preadv(fds[f], [view[:length]], off)
+            done += min(got, n)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(lambda _: worker(), range(threads)))
+    seconds = time.perf_counter() - t
+    for fd in fds.values():
+        os.close(fd)
+    return total / seconds / 1e9
+
+
+def h2d_gbps(device: str = "cuda", nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """Pinned host-to-device copy rate (best of ``repeat``)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) -> float | None:
+    """nvCOMP decode rate of the largest compressed tensor under ``model_dir`` (decoded GB/s)."""
+    import torch
+
+    from gdsload.loader import read_header
+    from gdsload.loader.codecs import GpuCodecs
+    from gdsload.loader.compression import parse_compression
+
+    best_entry, best_file = None, None
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        for e in parse_compression(read_header(f)).values():
+            if best_entry is None or e.nbytes > best_entry.nbytes:
+                best_entry, best_file = e, f
+    if best_entry is None:
+        return None
+    h = read_header(best_file)
+    t = h[best_entry.name]
+    with open(best_file, "rb") as fh:
+        fh.seek(h.data_offset + t.start)
+        blob = torch.frombuffer(bytearray(fh.read(t.nbytes)), dtype=torch.uint8).to(device)
+    out = torch.empty(best_entry.nbytes, dtype=torch.uint8, device=device)
+    codecs = GpuCodecs(torch.device(device))
+    best = float("inf")
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        codecs.decode(best_entry, blob, out, path=str(best_file))
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - s)
+    return best_entry.nbytes / best / 1e9

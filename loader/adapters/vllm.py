@@ -1,0 +1,382 @@
+"""vLLM: load format ``gdsload``, registered in every vLLM process through a plugin entry point.
+
+Install gdsload next to vLLM and start it with ``--load-format gdsload``; options go through
+``--model-loader-extra-config`` (see :class:`~gdsload.loader.adapters.base.AdapterOptions`)::
+
+    vllm serve /models/llama-tp2 --tensor-parallel-size 2 --load-format gdsload \\
+        --model-loader-extra-config '{"sidecar_url": "http://127.0.0.1:8471", "token_file": "/run/gdsload/token"}'
+
+The package declares the entry point ``[project.entry-points."vllm.general_plugins"]
+gdsload = "gdsload.loader.adapters.vllm:register"``; vLLM calls :func:`register` in the API
+process and in every worker, which registers :class:`GdsloadModelLoader` as load format
+``gdsload`` (a ``BaseModelLoader`` subclass, built lazily so this module imports without vLLM).
+
+What the loader does, per worker (tensor-parallel rank ``r`` of ``tp``):
+
+- ``vllm`` layout (vLLM's own parameter names and per-rank shapes, what ``save_sharded_state``
+  and ``gdsload shard --layout vllm`` write), sharded for exactly ``tp`` ranks: copy rank ``r``'s
+  tensors into ``model.state_dict()`` by name, with vLLM's sharded_state rules — tensors that
+  share memory with another state-dict entry are not targets, and a parameter larger than its
+  checkpoint tensor (LoRA padding) is written only in its leading part;
+- ``hf`` layout at TP=1 (an ordinary checkpoint): ``model.load_weights(iterator)`` — vLLM's
+  own weight loaders fuse q/k/v and gate/up and slice for each rank, so this also serves tp > 1
+  (every worker reads the whole checkpoint, as vLLM's default loader does);
+- anything else (``hf`` shards, another tp, TensorRT-LLM files) is a :class:`LayoutError` naming the fix.
+
+With ``sidecar_url``, the rank's tensors are mapped from the sidecar's GPU memory over CUDA IPC
+instead of being read from storage again, copied into the parameters, and released.
+
+Checked against vLLM's source (``vllm/model_executor/model_loader/``: ``base_loader.py``,
+``__init__.py`` ``register_model_loader``, ``sharded_state_loader.py``; ``vllm/plugins/__init__.py``;
+``vllm/config/load.py``), 2025-2026 main branch.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .base import (
+    AdapterOptions,
+    CheckpointLayout,
+    EngineNotInstalledError,
+    InjectError,
+    InjectReport,
+    Injector,
+    LayoutError,
+    StateDictInjector,
+    Target,
+    Weights,
+    collect_weights,
+    describe_checkpoint,
+    import_engine,
+    open_rank,
+)
+
+__all__ = [
+    "LOAD_FORMAT",
+    "ShardedStateInjector",
+    "LoadWeightsInjector",
+    "EngineLoadPlan",
+    "plan_load",
+    "load_into_model",
+    "filter_shared_tensors",
+    "loader_class",
+    "register",
+]
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMAT = "gdsload"
+"""The ``--load-format`` value the plugin registers."""
+
+
+def filter_shared_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop state-dict entries whose memory another entry covers (tied weights, views of fused tensors).
+
+    vLLM's sharded_state rule: of tensors over the same storage, keep the one covering the most
+    memory; among identical spans keep the smallest name. Non-contiguous tensors never cover others.
+    """
+    groups: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor]]] = collections.defaultdict(list)
+    for name, t in state.items():
+        if t.numel():
+            groups[(t.device, t.untyped_storage().data_ptr())].append((name, t))
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        return t.data_ptr(), t.view(-1)[-1].data_ptr() + t.element_size()
+
+    kept: dict[str, torch.Tensor] = {}
+    for group in groups.values():
+        for name, t in group:
+            start, end = span(t)
+            covered = False
+            for other, o in group:
+                if other == name or not o.is_contiguous():
+                    continue
+                o_start, o_end = span(o)
+                if not (o_start <= start and end <= o_end):
+                    continue  # o does not contain t
+                if (o_start, o_end) != (start, end) or not t.is_contiguous() or other < name:
+                    covered = True  # o covers strictly more, or is the same span under a smaller name
+                    break
+            if not covered:
+                kept[name] = t
+    return kept
+
+
+class ShardedStateInjector(StateDictInjector):
+    """Copy a pre-sharded rank into ``model.state_dict()`` by name (vLLM/SGLang ``sharded_state`` semantics)."""
+
+    engine = "vllm"
+    allow_narrow = True
+    fix = ("the directory must hold this model's per-rank state dict for this tensor-parallel size "
+           "(vLLM's save_sharded_state, or `gdsload shard --layout vllm`), or pass strict=False")
+
+    def __init__(self, model: nn.Module, *, engine: str = "vllm"):
+        self.model = model
+        self.engine = engine  # type: ignore[misc]
+        self._state = filter_shared_tensors(model.state_dict())
+
+    @property
+    def model_name(self) -> str:
+        return type(self.model).__name__
+
+    def targets(self) -> Mapping[str, Target]:
+        return {name: Target(tuple(t.shape), t.dtype) for name, t in self._state.items()}
+
+    def apply(self, tensors: Mapping[str, torch.Tensor], report: InjectReport) -> int:
+        narrowed = set(report.narrowed)
+        with torch.no_grad():
+            for name, t in tensors.items():
+                dst = self._state[name]
+                if name in narrowed:
+                    for dim, size in enumerate(t.shape):
+                        if size < dst.shape[dim]:
+                            dst = dst.narrow(dim, 0, size)
+                    log.debug("%r: checkpoint %s into parameter %s (leading part only)",
+                              name, list(t.shape), list(self._state[name].shape))
+                dst.copy_(t)
+        return 0
+
+
+class LoadWeightsInjector(Injector):
+    """Feed HF-named tensors to ``model.load_weights(iterable)``, the engine's own name mapping and TP slicing.
+
+    vLLM (and SGLang) models return the set of parameter names they filled; parameters not in
+    it are reported missing (vLLM's default-loader check, which vLLM skips for quantized models
+    whose extra parameters no checkpoint holds: ``check_unfilled=False``). Names the model does
+    not know make its ``load_weights`` raise; that is re-raised as :class:`InjectError` naming the tensor.
+    """
+
+    def __init__(self, model: nn.Module, *, engine: str = "vllm", check_unfilled: bool = True):
+        self.model = model
+        self.engine = engine  # type: ignore[misc]
+        self.check_unfilled = check_unfilled
+
+    def inject(self, weights: Weights, *, strict: bool = True) -> InjectReport:
+        start = time.perf_counter()
+        tensors = collect_weights(weights)
+        name = type(self.model).__name__
+        report = InjectReport(engine=self.engine, model=name)
+        current: list[str] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for key, t in tensors.items():
+                current[:] = [key]
+                report.bytes += t.numel() * t.element_size()
+                report.loaded.append(key)
+                yield key, t
+
+        try:
+            filled = self.model.load_weights(stream())
+        except (KeyError, AttributeError, IndexError, AssertionError, ValueError, RuntimeError) as e:
+            at = f" at tensor {current[0]!r}" if current else ""
+            raise InjectError(
+                f"{name}.load_weights failed{at}: {type(e).__name__}: {e}; the checkpoint's names or shapes do not "
+                f"match this model (is it an unsharded HF checkpoint of the same architecture?)"
+            ) from e
+        if self.check_unfilled and isinstance(filled, (set, frozenset)):
+            params = {n for n, _ in self.model.named_parameters()}
+            report.missing = sorted(params - set(filled))
+        report.seconds = time.perf_counter() - start
+        if report.missing:
+            msg = (f"{name}.load_weights left {len(report.missing)} parameters unfilled: "
+                   f"{', '.join(map(repr, report.missing[:12]))}")
+            if strict:
+                raise InjectError(msg + "; the checkpoint lacks them — use the full checkpoint, or strict=False",
+                                  report)
+            log.warning("%s", msg)
+        log.info("%s", report.summary())
+        return report
+
+
+@dataclass(frozen=True)
+class EngineLoadPlan:
+    """How one engine worker loads its rank: which path, and which files' rank."""
+
+    kind: str
+    """``sharded_state`` (copy by state-dict name) or ``load_weights`` (the model maps HF names)."""
+    file_rank: int
+    """The rank whose files (or sidecar arena) this worker reads."""
+    layout: CheckpointLayout
+
+
+def plan_load(
+    path: str | os.PathLike[str] | None,
+    *,
+    rank: int,
+    tp_size: int,
+    options: AdapterOptions,
+    engine: str = "vLLM",
+) -> EngineLoadPlan:
+    """Decide how tensor-parallel rank ``rank`` of ``tp_size`` loads ``path``; :class:`LayoutError` if it can't.
+
+    >>> plan_load("/models/llama-tp2", rank=1, tp_size=2, options=AdapterOptions()).kind  # doctest: +SKIP
+    'sharded_state'
+    """
+    if options.layout is not None:
+        layout = CheckpointLayout(options.layout, tp_size if options.layout == "vllm" else 1, "option")
+    elif path is None or not os.path.exists(path):
+        raise LayoutError(
+            f"{engine}: model path {str(path)!r} is not readable here, so its layout is unknown; give "
+            "\"layout\": \"vllm\" or \"hf\" in the loader's extra config (needed when loading from a sidecar only)"
+        )
+    else:
+        layout = describe_checkpoint(path)
+    where = f"{str(path)!r}"
+    if layout.layout == "vllm":
+        if layout.tp_size != tp_size:
+            raise LayoutError(
+                f"{engine}: {where} was sharded for tensor-parallel size {layout.tp_size} (vllm layout) but the "
+                f"engine runs tp={tp_size}; start it with --tensor-parallel-size {layout.tp_size}, or re-shard "
+                f"with `gdsload shard SRC OUT --tp {tp_size} --layout vllm`"
+            )
+        return EngineLoadPlan("sharded_state", rank, layout)
+    if layout.layout == "hf":
+        if layout.tp_size != 1:
+            raise LayoutError(
+                f"{engine}: {where} holds hf-layout shards for tp={layout.tp_size}; {engine}'s load_weights slices "
+                "full HF tensors itself, so it needs the unsharded (TP=1) checkpoint — point it there, or write "
+                f"engine-native shards with `gdsload shard SRC OUT --tp {tp_size} --layout vllm`"
+            )
+        if options.sidecar_url is not None and tp_size > 1:
+            raise LayoutError(
+                f"{engine}: with a sidecar, an hf-layout checkpoint serves tp=1 only (every rank would map rank 0's "
+                f"arena from one GPU); run tp=1, load from storage, or shard with `--tp {tp_size} --layout vllm`"
+            )
+        return EngineLoadPlan("load_weights", 0, layout)
+    raise LayoutError(
+        f"{engine}: {where} is a TensorRT-LLM checkpoint (rank{{N}}.safetensors with TensorRT-LLM names); "
+        "load it with gdsload.loader.adapters.trtllm, or give this engine an HF or vllm-layout directory"
+    )
+
+
+def load_into_model(
+    model: nn.Module,
+    path: str | os.PathLike[str] | None,
+    *,
+    rank: int,
+    tp_size: int,
+    options: AdapterOptions | None = None,
+    engine: str = "vllm",
+    plan: EngineLoadPlan | None = None,
+    check_unfilled: bool = True,
+) -> InjectReport:
+    """Load tensor-parallel rank ``rank``'s weights from ``path`` (or the sidecar) into an engine's ``model``.
+
+    This is what the registered loader runs in each worker; it needs no engine import, so it
+    also serves engine-shaped plain torch modules. ``check_unfilled=False`` skips the
+    unfilled-parameter check of the ``load_weights`` path (quantized models).
+
+    >>> load_into_model(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
+    """
+    options = options or AdapterOptions()
+    plan = plan or plan_load(path, rank=rank, tp_size=tp_size, options=options, engine=engine)
+    device = _model_device(model)
+    injector: Injector = (ShardedStateInjector(model, engine=engine) if plan.kind == "sharded_state"
+                          else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled))
+    with open_rank(path, plan.file_rank, options=options, device=device, expect_device=True) as weights:
+        report = injector.inject(weights.tensors, strict=options.strict)
+    log.info("rank %d: %s (%s, %s layout, from %s)", rank, report.summary(), plan.kind, plan.layout.layout,
+             weights.origin)
+    return report
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The vLLM classes, built on first use so that importing this module never imports vLLM.
+
+
+@functools.cache
+def loader_class() -> type:
+    """The ``BaseModelLoader`` subclass for load format ``gdsload`` (imports vLLM)."""
+    base_loader = import_engine("vllm.model_executor.model_loader.base_loader", "vllm", "the gdsload vLLM loader")
+
+    class GdsloadModelLoader(base_loader.BaseModelLoader):  # type: ignore[name-defined,misc]
+        """vLLM load format ``gdsload``: pre-sharded ranks by state-dict name, or HF checkpoints via load_weights."""
+
+        def __init__(self, load_config: Any):
+            super().__init__(load_config)
+            self.options = AdapterOptions.from_mapping(
+                _as_dict(load_config.model_loader_extra_config), where="--model-loader-extra-config"
+            )
+
+        def download_model(self, model_config: Any) -> None:
+            path = _weights_path(model_config)
+            if self.options.sidecar_url is None and not os.path.isdir(path) and not os.path.isfile(path):
+                raise LayoutError(
+                    f"load format {LOAD_FORMAT!r} reads local directories only and {path!r} is not one; download "
+                    "the model first (e.g. `huggingface-cli download`), or give sidecar_url to map it from a sidecar"
+                )
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            self.download_model(model_config)
+            # vLLM checks for unfilled parameters only when the model is not quantized; so do we.
+            load_into_model(model, _weights_path(model_config), rank=get_tensor_model_parallel_rank(),
+                            tp_size=get_tensor_model_parallel_world_size(), options=self.options, engine="vllm",
+                            check_unfilled=getattr(model_config, "quantization", None) is None)
+
+    GdsloadModelLoader.__module__ = __name__
+    GdsloadModelLoader.__qualname__ = "GdsloadModelLoader"  # picklable by name (module __getattr__)
+    return GdsloadModelLoader
+
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group: register load format ``gdsload`` in this process.
+
+    vLLM may call plugins more than once per process; only the first call registers.
+
+    >>> register()  # inside a process where vLLM is installed  # doctest: +SKIP
+    """
+    global _registered
+    if _registered:
+        return
+    cls = loader_class()
+    model_loader = import_engine("vllm.model_executor.model_loader", "vllm", "the gdsload vLLM plugin")
+    register_fn: Callable[[str], Callable[[type], type]] | None = getattr(model_loader, "register_model_loader", None)
+    if register_fn is None:
+        raise EngineNotInstalledError(
+            "this vLLM has no vllm.model_executor.model_loader.register_model_loader (vLLM 0.9 and later have "
+            "it); upgrade vLLM to use --load-format gdsload"
+        )
+    register_fn(LOAD_FORMAT)(cls)
+    _registered = True
+    log.info("registered vLLM load format %r", LOAD_FORMAT)
+
+
+def _weights_path(model_config: Any) -> str:
+    return str(getattr(model_config, "model_weights", None) or model_config.model)
+
+
+def _as_dict(extra: Any) -> Mapping[str, Any] | None:
+    if extra is None or isinstance(extra, Mapping):
+        return extra
+    raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r} must be a JSON object of "
+                      f"gdsload options, got {type(extra).__name__}")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GdsloadModelLoader":
+        return loader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,93 @@
+"""``cufile``: kvikio ``CuFile.pread`` straight into the device arena.
+
+With nvidia-fs (or P2PDMA) this is true GPUDirect Storage: storage DMAs into HBM. Without it,
+kvikio (or cuFile) bounces through host memory; the report then says ``compat`` or ``posix``,
+never ``gds``. Reads are submitted for every file at once and split by kvikio's thread pool
+into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import TruncatedFileError
+from ..iomode import KvikioState, cufile_io_mode, kvikio_state, o_direct_supported
+from ..plan import Extent, LoadPlan
+from . import Backend, Progress
+
+__all__ = ["CuFileBackend"]
+
+log = logging.getLogger(__name__)
+
+
+class CuFileBackend(Backend):
+    name = "cufile"
+    DEFAULT_THREADS = 16
+    DEFAULT_TASK = 4 << 20
+
+    @classmethod
+    def probe(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"it loads to CUDA devices, not {device.type!r}"
+        state = kvikio_state()
+        if not state.importable:
+            return f"kvikio is not importable ({state.error}); install gdsload[cu12] or gdsload[cu13]"
+        return None
+
+    @classmethod
+    def auto_skip(cls, device: torch.device) -> str | None:
+        """Why ``auto`` prefers another backend even though this one can run."""
+        state = kvikio_state()
+        if state.compat_preferred or not state.gds_available:
+            return ("no GPUDirect Storage here (kvikio compat mode "
+                    f"{'on' if state.compat_preferred else 'off'}, cuFile is_gds_available={state.gds_available}); "
+                    "it would bounce through host memory")
+        return None
+
+    def open(self, plan: LoadPlan) -> None:
+        import kvikio
+
+        super().open(plan)
+        torch.cuda.set_device(self.device)
+        self._state: KvikioState = kvikio_state()
+        self._files = [kvikio.CuFile(f.path, "r") for f in plan.files]
+        self._modes = [cufile_io_mode(self._state, o_direct_supported(f.path)) for f in plan.files]
+        self._direct = [m in ("gds", "p2pdma") for m in self._modes]
+
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        import kvikio.defaults
+
+        assert self.plan is not None
+        threads = self.options.num_threads or self.DEFAULT_THREADS
+        task = self.options.chunk_bytes or self.DEFAULT_TASK
+        torch.cuda.set_device(self.device)
+        with kvikio.defaults.set({"num_threads": threads, "task_size": task}):
+            futures = [
+                (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
+                                                    e.file_offset))
+                for e in extents if e.length
+            ]
+            for e, fut in futures:
+                got = fut.get()
+                if got != e.length:
+                    raise TruncatedFileError(
+                        f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at {e.file_offset}; "
+                        "the file shrank while it was being loaded"
+                    )
+                if progress is not None:
+                    progress(e.length)
+        torch.cuda.synchronize(self.device)
+
+    def io_modes(self) -> list[str]:
+        return list(self._modes)
+
+    def direct_io(self) -> list[bool]:
+        return list(self._direct)
+
+    def close(self) -> None:
+        for f in getattr(self, "_files", []):
+            f.close()
+        self._files = []

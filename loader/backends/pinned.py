@@ -1,0 +1,253 @@
+"""``pinned``: the fast path for hosts without GPUDirect Storage.
+
+Files are read into small pinned host buffers and copied to the GPU asynchronously, all of a
+rank's files in flight together, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
+chosen per file from its page-cache residency (``mincore``):
+
+- **cached files** (page cache or tmpfs) go through kvikio's C++ POSIX engine with
+  compatibility mode forced on: a thread pool ``pread``s into pinned bounce buffers and copies
+  each to the device. Measured on the H200 machine from tmpfs: 43.6 GB/s with 16 threads and
+  4 MiB tasks, against 33 GB/s for the same pipeline in Python threads, whose per-chunk
+  overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
+  small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
+  Without kvikio, the Python ring below serves cached files too.
+- **cold files** use our own ring: reader threads ``preadv`` with O_DIRECT (4 KiB-rounded, lead
+  discarded) into their own double-buffered pinned buffers, and start the host-to-device copy on
+  their stream while reading the next chunk. With the disk as the limit, 32 O_DIRECT readers
+  reached 2.11 GB/s on the H200 machine's disk, against 1.75 buffered and 1.98 for kvikio.
+
+The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import TruncatedFileError
+from ..pagecache import resident_fraction
+from ..plan import Extent, LoadPlan, align_up, split_extents
+from . import Backend, Progress
+
+__all__ = ["PinnedBackend", "COLD_RESIDENCY"]
+
+log = logging.getLogger(__name__)
+
+_PAGE = 4096
+COLD_RESIDENCY = 0.5
+"""Files with less than this fraction of their pages cached are read with O_DIRECT."""
+
+
+class _Slot:
+    """One ring thread's buffers, events and stream."""
+
+    def __init__(self, device: torch.device, nbuf: int, nbytes: int):
+        self.stream = torch.cuda.Stream(device=device)
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
+        # O_DIRECT needs page-aligned buffers; cudaHostAlloc returns page-aligned memory.
+        assert all(b.data_ptr() % _PAGE == 0 for b in self.buffers), "pinned buffers must be page aligned"
+        self.views = [memoryview(b.numpy()) for b in self.buffers]
+        self.events = [torch.cuda.Event() for _ in range(nbuf)]
+        self.pending = [False] * nbuf
+        self.next = 0
+
+
+def _kvikio() -> Any | None:
+    try:
+        import kvikio
+        import kvikio.defaults
+
+        return kvikio
+    except Exception:  # not installed, or its CUDA libraries do not load
+        return None
+
+
+class PinnedBackend(Backend):
+    name = "pinned"
+    KVIKIO_THREADS = 16
+    KVIKIO_TASK = 4 << 20
+    RING_THREADS = 32
+    RING_CHUNK = 16 << 20
+    BUFFERS_PER_THREAD = 2
+
+    @classmethod
+    def probe(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"it loads to CUDA devices, not {device.type!r}"
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device (CPU build of torch, or no driver)"
+        return None
+
+    def open(self, plan: LoadPlan) -> None:
+        super().open(plan)
+        self._kv = _kvikio()
+        self._fds: list[int] = []
+        self._direct: list[bool] = []
+        self._engine: list[str] = []
+        for f in plan.files:
+            fd, direct = self._open(f.path)
+            self._fds.append(fd)
+            self._direct.append(direct)
+            self._engine.append("kvikio" if (not direct and self._kv is not None) else "ring")
+        self._cufiles: dict[int, Any] = {}
+        if "kvikio" in self._engine:
+            with self._kvikio_settings():
+                self._cufiles = {i: self._kv.CuFile(f.path, "r") for i, f in enumerate(plan.files)
+                                 if self._engine[i] == "kvikio"}
+        self._chunk = self.options.chunk_bytes or self.RING_CHUNK
+        threads = self.options.num_threads or self.RING_THREADS
+        per_thread = self.BUFFERS_PER_THREAD * (self._chunk + 2 * _PAGE)
+        budget = self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
+        self._threads = max(1, min(threads, budget // per_thread))
+        if self._threads < threads:
+            log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
+                     self._threads, threads, self.options.pinned_bytes)
+        self._slots: list[_Slot] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _open(self, path: str) -> tuple[int, bool]:
+        if resident_fraction([path]) < COLD_RESIDENCY:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
+                log.debug("pinned: O_DIRECT refused for %s (%s); reading through the page cache", path, e)
+        return os.open(path, os.O_RDONLY), False
+
+    def _kvikio_threads(self) -> int:
+        return self.options.num_threads or self.KVIKIO_THREADS
+
+    def _kvikio_task(self) -> int:
+        return self.options.chunk_bytes or self.KVIKIO_TASK
+
+    def _kvikio_settings(self) -> Any:
+        kv = self._kv
+        task = self._kvikio_task()
+        return kv.defaults.set({"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
+                                "task_size": task, "bounce_buffer_size": task})
+
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        assert self.plan is not None
+        torch.cuda.set_device(self.device)
+        kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
+        ring_extents = [e for e in extents if self._engine[e.file_index] == "ring"]
+        if not kv_extents:
+            self._ring(ring_extents, dst, progress)
+            return
+        with self._kvikio_settings():
+            futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
+                                                             e.length, e.file_offset)) for e in kv_extents]
+            try:
+                self._ring(ring_extents, dst, progress)  # cold files meanwhile, on our own threads
+            finally:
+                for e, fut in futures:
+                    got = fut.get()
+                    if got != e.length:
+                        raise TruncatedFileError(
+                            f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
+                            f"{e.file_offset}; the file shrank while it was being loaded"
+                        )
+                    if progress is not None:
+                        progress(e.length)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def _ring(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None) -> None:
+        assert self.plan is not None
+        chunks = split_extents(extents, self._chunk)
+        if not chunks:
+            return
+        while len(self._slots) < min(self._threads, len(chunks)):
+            self._slots.append(_Slot(self.device, self.BUFFERS_PER_THREAD, self._chunk + 2 * _PAGE))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdsload-pinned")
+        slots = self._slots[: min(self._threads, len(chunks))]
+        it = iter(chunks)
+        lock = threading.Lock()
+        failed = threading.Event()
+        paths = [f.path for f in self.plan.files]
+
+        def worker(slot: _Slot) -> None:
+            torch.cuda.set_device(self.device)
+            try:
+                while not failed.is_set():
+                    with lock:
+                        c = next(it, None)
+                    if c is None:
+                        break
+                    k = slot.next
+                    slot.next = (k + 1) % len(slot.buffers)
+                    if slot.pending[k]:
+                        slot.events[k].synchronize()
+                    lead = self._pread(c, slot.views[k], paths[c.file_index])
+                    with torch.cuda.stream(slot.stream):
+                        dst[c.arena_offset : c.arena_offset + c.length].copy_(
+                            slot.buffers[k][lead : lead + c.length], non_blocking=True)
+                        slot.events[k].record(slot.stream)
+                    slot.pending[k] = True
+                    if progress is not None:
+                        progress(c.length)
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                slot.stream.synchronize()
+                slot.pending = [False] * len(slot.buffers)
+
+        for fu in [self._pool.submit(worker, s) for s in slots]:
+            fu.result()
+
+    def _pread(self, c: Extent, buf: memoryview, path: str) -> int:
+        """Read chunk ``c`` into ``buf``; returns where its first byte landed in ``buf``."""
+        fd = self._fds[c.file_index]
+        if self._direct[c.file_index]:
+            start = c.file_offset - c.file_offset % _PAGE
+            lead = c.file_offset - start
+            want, length = lead + c.length, align_up(lead + c.length, _PAGE)
+        else:
+            start, lead, want, length = c.file_offset, 0, c.length, c.length
+        done = 0
+        while done < want:
+            n = os.preadv(fd, [buf[done:length]], start + done)
+            if n == 0:
+                raise TruncatedFileError(
+                    f"{path!r}: end of file at byte {start + done} while reading {c.length} bytes at "
+                    f"{c.file_offset}; the file shrank while it was being loaded"
+                )
+            done += n
+        return lead
+
+    def io_modes(self) -> list[str]:
+        assert self.plan is not None
+        return ["posix"] * len(self.plan.files)
+
+    def direct_io(self) -> list[bool]:
+        return list(self._direct)
+
+    def engines(self) -> list[str]:
+        """Per file: ``kvikio`` (C++ POSIX engine) or ``ring`` (our threads)."""
+        return list(self._engine)
+
+    def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        cufiles = getattr(self, "_cufiles", {})
+        for f in cufiles.values():
+            f.close()
+        if cufiles:
+            self._kv.bounce_buffer_free()  # kvikio's pinned bounce buffers go back to the driver
+        self._cufiles = {}
+        for fd in getattr(self, "_fds", []):
+            os.close(fd)
+        self._fds = []
+        self._slots = []
+        if torch.cuda.is_available():
+            # Give the ring's pinned staging back to the driver, not to torch's host cache.
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()

@@ -1,0 +1,211 @@
+"""Codecs: nvCOMP on the GPU (ANS, GDeflate, Zstd), ``zstandard`` on the CPU (Zstd only).
+
+Encoding picks the codec's parameters from the tensor's dtype; decoding writes straight into
+the tensor's slot in the arena. nvCOMP is imported only when a GPU codec is used, so the CPU
+path works on hosts without CUDA.
+"""
+
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from .compression import CODECS, CompressedEntry
+from .errors import CodecError
+
+__all__ = [
+    "ans_data_type",
+    "default_params",
+    "ZSTD_CHUNK",
+    "encode_tensor",
+    "cpu_decode",
+    "GpuCodecs",
+    "nvcomp_available",
+]
+
+ZSTD_CHUNK = 256 << 10
+"""Decoded bytes per Zstd frame (``layout: chunks``)."""
+ANS_CHUNK = 256 << 10
+"""nvCOMP's internal chunk for native streams. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against
+1.46x at nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
+
+
+def ans_data_type(dtype: str) -> str:
+    """nvCOMP ANS symbol type for a safetensors dtype: ``<f2`` for 16-bit floats, ``<f4`` for fp32,
+    bytes for the rest (fp8 gains nothing from ``|f1`` over ``|u1``)."""
+    return {"BF16": "<f2", "F16": "<f2", "F32": "<f4"}.get(dtype, "|u1")
+
+
+def default_params(codec: str, dtype: str) -> dict[str, Any]:
+    if codec == "ans":
+        return {"data_type": ans_data_type(dtype)}
+    if codec == "gdeflate":
+        return {"algorithm_type": 1}
+    if codec == "zstd":
+        return {"level": 3}
+    raise CodecError(f"codec {codec!r} is not one of {sorted(CODECS)}")
+
+
+def nvcomp_available() -> str | None:
+    """None when nvCOMP and a CUDA device are usable, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError as e:
+        return f"nvidia-nvcomp is not installed ({e}); install gdsload[cu12] or gdsload[cu13]"
+    return None
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int) -> list[bytes]:
+    import zstandard
+
+    def one(i: int) -> bytes:
+        # A compressor per call: ZstdCompressor objects are not thread-safe.
+        c = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        return c.compress(data[i : i + ZSTD_CHUNK].tobytes())
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(0, len(data), ZSTD_CHUNK)))
+
+
+def encode_tensor(
+    name: str, tensor: torch.Tensor, dtype: str, codec: str, *, params: dict[str, Any] | None = None,
+    checksum: bool = True, threads: int = 4,
+) -> tuple[CompressedEntry, np.ndarray]:
+    """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array).
+
+    CUDA tensors are compressed on their GPU with nvCOMP; CPU tensors only with Zstd
+    (``zstandard``), which writes the same standard frames nvCOMP decodes.
+    """
+    params = dict(default_params(codec, dtype) if params is None else params)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    nbytes = raw.numel()
+    layout = CODECS[codec]
+    on_gpu = raw.is_cuda
+    if not on_gpu and codec != "zstd":
+        raise CodecError(
+            f"tensor {name!r}: codec {codec!r} compresses on a GPU only (nvCOMP); run on a CUDA host or use --codec zstd"
+        )
+    crc = None
+    if checksum:
+        crc = zlib.crc32(raw.cpu().numpy()) if on_gpu else zlib.crc32(raw.numpy())
+    if not on_gpu:
+        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads)
+        blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
+                                ZSTD_CHUNK, tuple(len(f) for f in frames), crc)
+        return entry, blob
+    codecs = GpuCodecs(raw.device, encode=True)
+    if layout == "native":
+        enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
+        out = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)
+        blob = out.cpu().numpy()
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params, crc32=crc)
+        return entry, blob
+    pieces = list(raw.split(ZSTD_CHUNK))
+    enc = codecs.chunked(codec).encode(codecs.nv.as_arrays(pieces))
+    frames = [torch.from_dlpack(enc[i]).view(torch.uint8).reshape(-1) for i in range(len(pieces))]
+    blob = torch.cat(frames).cpu().numpy()
+    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
+                            ZSTD_CHUNK, tuple(int(f.numel()) for f in frames), crc)
+    return entry, blob
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, verify: bool, path: str,
+               threads: int = 4) -> None:
+    """Decode ``entry`` from its stored bytes ``src`` into ``dst`` (both host memory)."""
+    where = f"{path!r}: tensor {entry.name!r}"
+    if entry.codec != "zstd":
+        raise CodecError(
+            f"{where} is compressed with {entry.codec!r}, which only a GPU decodes (nvCOMP); load it with "
+            "device='cuda' on a GPU host, or re-compress with `gdsload compress --codec zstd` for CPU hosts"
+        )
+    import zstandard
+
+    def one(span: tuple[int, int, int, int]) -> None:
+        s_off, s_len, d_off, d_len = span
+        try:
+            out = zstandard.ZstdDecompressor().decompress(bytes(src[s_off : s_off + s_len]), max_output_size=d_len)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"{where}: Zstd frame at stored byte {s_off} is corrupt ({e})") from None
+        if len(out) != d_len:
+            raise CodecError(f"{where}: a chunk decoded to {len(out)} bytes, the metadata says {d_len}")
+        dst[d_off : d_off + d_len] = out
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, entry.chunk_spans()))
+    if verify and entry.crc32 is not None and zlib.crc32(dst) != entry.crc32:
+        raise CodecError(f"{where}: decoded bytes fail the crc32 check; the file is corrupt")
+
+
+class GpuCodecs:
+    """nvCOMP codecs for one device and stream, created once and reused."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, *, encode: bool = False,
+                 verify: bool = False):
+        from nvidia import nvcomp
+
+        self.nv = nvcomp
+        self.device = device
+        self.stream = stream
+        policy = nvcomp.ChecksumPolicy
+        # Encoders store checksums in native streams; decoders check them only when asked to.
+        if encode:
+            self.policy = policy.COMPUTE_AND_NO_VERIFY
+        else:
+            self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
+        self._cache: dict[Any, Any] = {}
+
+    def _kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"device_id": self.device.index if self.device.index is not None else torch.cuda.current_device()}
+        if self.stream is not None:
+            kw["cuda_stream"] = self.stream.cuda_stream
+        return kw
+
+    def native(self, codec: str, params: dict[str, Any]) -> Any:
+        key = ("native", codec, tuple(sorted(params.items())))
+        if key not in self._cache:
+            nv = self.nv
+            algo = {"ans": "ANS", "gdeflate": "GDeflate"}[codec]
+            opts = {k: v for k, v in params.items() if k in ("data_type", "algorithm_type")}
+            self._cache[key] = nv.Codec(algorithm=algo, uncomp_chunk_size=ANS_CHUNK, checksum_policy=self.policy,
+                                        **opts, **self._kwargs())
+        return self._cache[key]
+
+    def chunked(self, codec: str) -> Any:
+        key = ("chunks", codec)
+        if key not in self._cache:
+            nv = self.nv
+            self._cache[key] = nv.Codec(algorithm="Zstd", bitstream_kind=nv.BitstreamKind.RAW, **self._kwargs())
+        return self._cache[key]
+
+    def decode(self, entry: CompressedEntry, src: torch.Tensor, dst: torch.Tensor, *, path: str) -> None:
+        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst`` (asynchronous on the stream)."""
+        where = f"{path!r}: tensor {entry.name!r}"
+        nv = self.nv
+        try:
+            if entry.layout == "native":
+                codec = self.native(entry.codec, entry.params)
+                out = codec.decode(nv.as_array(src), out=nv.as_array(dst))
+                if out.buffer_size != entry.nbytes:
+                    raise CodecError(f"{where}: decoded {out.buffer_size} bytes, the metadata says {entry.nbytes}")
+            else:
+                spans = entry.chunk_spans()
+                srcs = nv.as_arrays([src[s : s + n] for s, n, _, _ in spans])
+                dsts = nv.as_arrays([dst[d : d + n] for _, _, d, n in spans])
+                self.chunked(entry.codec).decode(srcs, out=dsts)
+        except CodecError:
+            raise
+        except Exception as e:  # nvCOMP reports corrupt streams and bad checksums as exceptions
+            raise CodecError(f"{where}: nvCOMP could not decode it ({type(e).__name__}: {e})") from None

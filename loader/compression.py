@@ -1,0 +1,160 @@
+"""Compressed safetensors: the metadata that describes compressed tensors, and its validation.
+
+A compressed file is still a valid safetensors file. Each compressed tensor is stored as a 1-D
+``U8`` tensor under its own name; ``__metadata__["gdsload.compression"]`` is a JSON document::
+
+    {"version": 1,
+     "tensors": {
+       "model.layers.0.mlp.up_proj.weight": {
+          "dtype": "BF16", "shape": [14336, 4096], "nbytes": 117440512,
+          "codec": "ans", "params": {"data_type": "<f2"},
+          "layout": "native",                 # one nvCOMP stream (nvCOMP's own chunking inside)
+          "crc32": 1234567890},               # of the decoded bytes
+       "model.norm.weight": {..., "codec": "zstd", "layout": "chunks",
+          "chunk_bytes": 262144, "chunks": "<base64 of little-endian uint32 compressed sizes>"}}}
+
+``layout: chunks`` (Zstd) stores independent standard frames, one per ``chunk_bytes`` of
+decoded data, so the CPU ``zstandard`` package decodes them and nvCOMP's batch API decodes them
+in parallel on the GPU. ``layout: native`` (ANS, GDeflate) is nvCOMP's own container, which
+carries its chunk table and optional checksums. A reader that ignores the metadata sees U8
+tensors of the wrong shape and fails loudly rather than reading garbage.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dtypes import ITEMSIZE
+from .errors import CodecError
+from .format import SafetensorsHeader
+
+__all__ = [
+    "METADATA_KEY",
+    "FORMAT_VERSION",
+    "CODECS",
+    "CompressedEntry",
+    "parse_compression",
+    "encode_chunk_sizes",
+]
+
+METADATA_KEY = "gdsload.compression"
+FORMAT_VERSION = 1
+CODECS: dict[str, str] = {"ans": "native", "gdeflate": "native", "zstd": "chunks"}
+"""Codec name -> the layout its streams use."""
+
+
+@dataclass(frozen=True)
+class CompressedEntry:
+    """What a compressed tensor decodes to, and how."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    codec: str
+    layout: str
+    stored_bytes: int
+    params: dict[str, Any] = field(default_factory=dict)
+    chunk_bytes: int = 0
+    chunks: tuple[int, ...] = ()
+    """Compressed size of each chunk (``layout == "chunks"``)."""
+    crc32: int | None = None
+
+    def chunk_spans(self) -> list[tuple[int, int, int, int]]:
+        """``(stored_offset, stored_len, decoded_offset, decoded_len)`` per chunk."""
+        spans, src = [], 0
+        for i, n in enumerate(self.chunks):
+            dst = i * self.chunk_bytes
+            spans.append((src, n, dst, min(self.chunk_bytes, self.nbytes - dst)))
+            src += n
+        return spans
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
+                               "codec": self.codec, "layout": self.layout, "params": self.params}
+        if self.layout == "chunks":
+            doc["chunk_bytes"] = self.chunk_bytes
+            doc["chunks"] = encode_chunk_sizes(self.chunks)
+        if self.crc32 is not None:
+            doc["crc32"] = self.crc32
+        return doc
+
+
+def encode_chunk_sizes(sizes: tuple[int, ...] | list[int]) -> str:
+    return base64.b64encode(np.asarray(sizes, dtype="<u4").tobytes()).decode("ascii")
+
+
+def _decode_chunk_sizes(text: Any, where: str) -> tuple[int, ...]:
+    try:
+        raw = base64.b64decode(str(text).encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        raise CodecError(f"{where}: 'chunks' is not base64") from None
+    if len(raw) % 4:
+        raise CodecError(f"{where}: 'chunks' holds {len(raw)} bytes, not a whole number of uint32 sizes")
+    return tuple(int(x) for x in np.frombuffer(raw, dtype="<u4"))
+
+
+def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
+    """The compressed tensors of a file, validated against its header; {} for plain files.
+
+    Raises :class:`CodecError` naming the file, the tensor and the field when the metadata
+    lies (unknown codec, sizes that disagree with the stored bytes, shapes that disagree with
+    ``nbytes``).
+    """
+    raw = header.metadata.get(METADATA_KEY)
+    if raw is None:
+        return {}
+    path = header.path
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CodecError(f"{path!r}: __metadata__[{METADATA_KEY!r}] is not JSON ({e}); the file is corrupt") from None
+    if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("tensors"), dict):
+        raise CodecError(
+            f"{path!r}: compression metadata version {doc.get('version') if isinstance(doc, dict) else doc!r} "
+            f"is not {FORMAT_VERSION}; upgrade gdsload or re-run `gdsload compress`"
+        )
+    stored = {t.name: t for t in header.tensors}
+    out: dict[str, CompressedEntry] = {}
+    for name, e in doc["tensors"].items():
+        where = f"{path!r}: compressed tensor {name!r}"
+        if name not in stored:
+            raise CodecError(f"{where} is described in the metadata but not stored in the file")
+        t = stored[name]
+        if t.dtype != "U8" or len(t.shape) != 1:
+            raise CodecError(f"{where} must be stored as 1-D U8, found {t.dtype}{list(t.shape)}")
+        try:
+            dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
+            layout, params = e.get("layout", CODECS.get(codec)), dict(e.get("params") or {})
+        except (KeyError, TypeError) as err:
+            raise CodecError(f"{where}: metadata entry is missing {err}") from None
+        if dtype not in ITEMSIZE:
+            raise CodecError(f"{where}: unknown dtype {dtype!r}")
+        if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
+            raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")
+        if codec not in CODECS or layout != CODECS[codec]:
+            raise CodecError(f"{where}: codec {codec!r} with layout {layout!r} is not one of {CODECS}")
+        chunk_bytes, chunks = 0, ()
+        if layout == "chunks":
+            chunk_bytes = e.get("chunk_bytes")
+            if type(chunk_bytes) is not int or chunk_bytes <= 0:
+                raise CodecError(f"{where}: chunk_bytes {chunk_bytes!r} must be a positive integer")
+            chunks = _decode_chunk_sizes(e.get("chunks", ""), where)
+            if len(chunks) != -(-nbytes // chunk_bytes):
+                raise CodecError(
+                    f"{where}: {len(chunks)} chunks cannot hold {nbytes} bytes in chunks of {chunk_bytes}"
+                )
+            if sum(chunks) != t.nbytes:
+                raise CodecError(f"{where}: chunk sizes add up to {sum(chunks)} but {t.nbytes} bytes are stored")
+        crc = e.get("crc32")
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
+            raise CodecError(f"{where}: crc32 {crc!r} is not a 32-bit unsigned integer")
+        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes,
+                                    chunks, crc)
+    return out

@@ -1,0 +1,156 @@
+"""The decode stage: compressed bytes land in staging buffers and decode into their arena slots.
+
+On a GPU, two device staging buffers alternate: while nvCOMP decodes group *i* from one (on a
+decode thread, on its own stream), the backend reads group *i+1* into the other. Each group is
+at most ``staging_bytes`` of stored data (or one tensor, if a tensor is larger), so GPU memory
+peaks at the arena plus two staging buffers. On the CPU, Zstd frames are decoded by
+``zstandard`` in a thread pool straight into the arena.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .backends import Backend
+from .codecs import GpuCodecs, cpu_decode, nvcomp_available
+from .errors import CodecError
+from .plan import CompressedTensor, Extent, LoadPlan, align_up
+
+__all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING"]
+
+DEFAULT_STAGING = 256 << 20
+_ALIGN = 4096
+
+
+@dataclass
+class DecodeStats:
+    read_seconds: float = 0.0
+    """Wall time until the last compressed byte was read."""
+    tail_seconds: float = 0.0
+    """Wall time after that until the last decode finished (the part not hidden behind reads)."""
+    decode_busy_seconds: float = 0.0
+    """Time the decoder spent decoding (mostly overlapped with reads)."""
+    stored_bytes: int = 0
+    staging_bytes: int = 0
+
+
+def _groups(tensors: tuple[CompressedTensor, ...], staging: int) -> list[list[tuple[CompressedTensor, int]]]:
+    """Pack tensors (in file order) into groups of at most ``staging`` bytes; each with its staging offset."""
+    groups: list[list[tuple[CompressedTensor, int]]] = []
+    used = staging  # forces a new group first
+    for t in tensors:
+        n = align_up(t.entry.stored_bytes, _ALIGN)
+        if used + n > staging and (not groups or groups[-1]):
+            groups.append([])
+            used = 0
+        groups[-1].append((t, used))
+        used += n
+    return [g for g in groups if g]
+
+
+def load_compressed(
+    plan: LoadPlan,
+    reader: Backend,
+    arena: torch.Tensor,
+    *,
+    verify: bool,
+    staging_bytes: int = DEFAULT_STAGING,
+    progress: Callable[[int], None] | None = None,
+    threads: int = 4,
+) -> DecodeStats:
+    """Read and decode every compressed tensor of ``plan`` into ``arena``."""
+    stats = DecodeStats(stored_bytes=sum(t.entry.stored_bytes for t in plan.compressed))
+    if not plan.compressed:
+        return stats
+    biggest = max(align_up(t.entry.stored_bytes, _ALIGN) for t in plan.compressed)
+    staging = max(staging_bytes, biggest)
+    groups = _groups(plan.compressed, staging)
+    paths = [f.path for f in plan.files]
+    t0 = time.perf_counter()
+    if arena.device.type == "cpu":
+        buf = torch.empty(staging, dtype=torch.uint8)
+        stats.staging_bytes = staging
+        view, out = memoryview(buf.numpy()), memoryview(arena.numpy())
+        for group in groups:
+            reader.read([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group], buf,
+                        progress)
+            d = time.perf_counter()
+            for t, off in group:
+                cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
+                           out[t.arena_offset : t.arena_offset + t.entry.nbytes], verify=verify,
+                           path=paths[t.file_index], threads=threads)
+            stats.decode_busy_seconds += time.perf_counter() - d
+        stats.read_seconds = time.perf_counter() - t0
+        return stats
+
+    reason = nvcomp_available()
+    if reason is not None:
+        raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
+                         f"{reason}")
+    slots = [reader.allocate(staging) for _ in range(min(2, len(groups)))]
+    stats.staging_bytes = staging * len(slots)
+    free = [threading.Event() for _ in slots]
+    for ev in free:
+        ev.set()
+    work: queue.Queue = queue.Queue()
+    errors: list[BaseException] = []
+    device = arena.device
+
+    def decoder() -> None:
+        torch.cuda.set_device(device)
+        stream = torch.cuda.Stream(device=device)
+        codecs = GpuCodecs(device, stream, verify=verify)
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            group, k = item
+            d = time.perf_counter()
+            try:
+                if not errors:
+                    with torch.cuda.stream(stream):
+                        for t, off in group:
+                            dst = arena[t.arena_offset : t.arena_offset + t.entry.nbytes]
+                            codecs.decode(t.entry, slots[k][off : off + t.entry.stored_bytes], dst,
+                                          path=paths[t.file_index])
+                    stream.synchronize()
+                    if verify:
+                        for t, _ in group:
+                            if t.entry.layout == "chunks" and t.entry.crc32 is not None:
+                                host = arena[t.arena_offset : t.arena_offset + t.entry.nbytes].cpu().numpy()
+                                if zlib.crc32(host) != t.entry.crc32:
+                                    raise CodecError(f"{paths[t.file_index]!r}: tensor {t.entry.name!r} fails the "
+                                                     "crc32 check after decoding; the file is corrupt")
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                stats.decode_busy_seconds += time.perf_counter() - d
+                free[k].set()
+
+    thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
+    thread.start()
+    try:
+        for i, group in enumerate(groups):
+            k = i % len(slots)
+            free[k].wait()
+            if errors:
+                break
+            free[k].clear()
+            reader.read([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group],
+                        slots[k], progress)
+            work.put((group, k))
+        stats.read_seconds = time.perf_counter() - t0
+    finally:
+        work.put(None)
+        thread.join()
+    stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds
+    if errors:
+        raise errors[0]
+    return stats

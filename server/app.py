@@ -1,0 +1,291 @@
+"""The sidecar's HTTP API (FastAPI; OpenAPI at ``/docs``). A thin shell over :class:`Supervisor`.
+
+| endpoint                        | token | answers                                                         |
+|---------------------------------|-------|-----------------------------------------------------------------|
+| ``GET /healthz``                | no    | 200 while the process lives                                     |
+| ``GET /readyz``                 | no    | 200 when every served rank is loaded, else 503; per-rank states |
+| ``GET /v1/status``              | no    | model, per-rank state, bytes, phases, GB/s, errors, time-to-ready |
+| ``GET /metrics``                | no    | Prometheus text exposition                                      |
+| ``POST /v1/reload``             | yes   | 202: load another model directory (under ``--allow-root``)      |
+| ``POST /v1/unload``             | yes   | 200: stop the workers, free the memory                          |
+| ``GET /v1/ipc/{rank}``          | yes   | the rank's IPC document (handle + tensor table) and a lease id  |
+| ``POST /v1/ipc/{rank}/release`` | yes   | the engine is done with a lease                                 |
+
+The server answers from its first second: the supervisor loads in the background, and the
+lifespan only starts it (returning at once) and stops it at shutdown. Errors are
+``{"error": {"type": ..., "message": ...}}``: 400 bad model or request, 401 missing or wrong
+token, 403 no token configured or path outside the allowed roots, 404 unknown rank or lease,
+409 rank not ready or exports outstanding, 413 body too large, 422 malformed body, 503 worker gone.
+
+>>> app = create_app(Supervisor(ServeConfig.resolve(model_dir="/models/m")))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from gdsload.loader import __version__
+from gdsload.loader.errors import GdsloadError
+
+from .metrics import make_registry, render
+from .settings import ENV_VARS, TOKEN_ENV
+from .supervisor import ExportsOutstandingError, RankNotReadyError, Supervisor, WorkerError
+from .workers import error_doc
+
+__all__ = ["create_app", "UnauthorizedError", "TokenNotConfiguredError", "MAX_BODY_BYTES"]
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 10
+"""Largest request body accepted; every body of this API is a few hundred bytes."""
+
+_Scope = MutableMapping[str, Any]
+_Message = MutableMapping[str, Any]
+_ASGIApp = Callable[[_Scope, Callable[[], Awaitable[_Message]], Callable[[_Message], Awaitable[None]]], Awaitable[None]]
+
+
+class UnauthorizedError(GdsloadError, PermissionError):
+    """The request carries no bearer token, or the wrong one."""
+
+
+class TokenNotConfiguredError(GdsloadError, PermissionError):
+    """The endpoint needs a token and the server was started without one."""
+
+
+def _http_status(exc: GdsloadError) -> int:
+    if isinstance(exc, UnauthorizedError):
+        return 401
+    if isinstance(exc, PermissionError):
+        return 403
+    if isinstance(exc, LookupError):
+        return 404
+    if isinstance(exc, (ExportsOutstandingError, RankNotReadyError)):
+        return 409
+    if isinstance(exc, WorkerError):
+        return 503
+    return 400
+
+
+class ReloadRequest(BaseModel):
+    """Body of ``POST /v1/reload``."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_dir: str = Field(min_length=1, max_length=4096,
+                           description="Absolute path of the model directory to serve; must lie under an --allow-root "
+                                       "directory once symlinks and '..' are resolved.")
+    ranks: list[Annotated[StrictInt, Field(ge=0, le=4095)]] | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="Ranks to serve; default: the --ranks/--tp of the server, else every rank of the model.")
+    wait_s: float = Field(default=0.0, ge=0, le=600, strict=True,
+                          description="Seconds to wait for outstanding IPC exports to be released before refusing.")
+    force: StrictBool = Field(default=False, description="Reload even while IPC exports are outstanding "
+                                                         "(their memory becomes invalid).")
+
+    @field_validator("model_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if "\x00" in v or not os.path.isabs(v):
+            raise ValueError("must be an absolute path without NUL characters")
+        return v
+
+
+class UnloadRequest(BaseModel):
+    """Body of ``POST /v1/unload`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wait_s: float = Field(default=0.0, ge=0, le=600, strict=True,
+                          description="Seconds to wait for outstanding IPC exports to be released before refusing.")
+    force: StrictBool = Field(default=False, description="Unload even while IPC exports are outstanding.")
+
+
+class ReleaseRequest(BaseModel):
+    """Body of ``POST /v1/ipc/{rank}/release``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$",
+                              description="The lease id returned by GET /v1/ipc/{rank}; omitted: every outstanding "
+                                          "lease of the rank (one engine per rank).")
+
+
+class _BodyLimit:
+    """ASGI wrapper: refuse request bodies over ``limit`` bytes with 413 (before any parsing)."""
+
+    def __init__(self, app: _ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                       send: Callable[[_Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                await self._refuse(send)
+                return
+        # Chunked bodies carry no length: read them here (they are small) and replay them to the app.
+        buffered: list[_Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> _Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Callable[[_Message], Awaitable[None]]) -> None:
+        body = JSONResponse({"error": {"type": "RequestTooLarge",
+                                       "message": f"request bodies are limited to {self.limit} bytes"}}).body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+_bearer = HTTPBearer(auto_error=False, description=f"The token from {TOKEN_ENV} or --token-file.")
+
+
+def _require_token(request: Request,
+                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    token = request.app.state.supervisor.config.token
+    if token is None:
+        raise TokenNotConfiguredError(
+            f"this endpoint needs a bearer token and the server has none; restart it with {TOKEN_ENV}=... "
+            f"or --token-file FILE ({ENV_VARS['token_file']}=FILE)"
+        )
+    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+        raise UnauthorizedError("missing or wrong bearer token; send the header 'Authorization: Bearer TOKEN'")
+
+
+class _ReadyzFastPath:
+    """ASGI wrapper: answer ``GET /readyz`` from the prebuilt body without routing or validation.
+
+    Autoscalers and load balancers poll it hard; the route of the same name documents it in OpenAPI and
+    answers identically.
+    """
+
+    def __init__(self, app: _ASGIApp, supervisor: Supervisor):
+        self.app = app
+        self.supervisor = supervisor
+
+    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                       send: Callable[[_Message], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and scope["path"] == "/readyz" and scope["method"] == "GET":
+            code, body = self.supervisor.readiness()
+            await send({"type": "http.response.start", "status": code,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(supervisor: Supervisor) -> FastAPI:
+    """The FastAPI application of one sidecar; its lifespan starts and stops ``supervisor``.
+
+    >>> uvicorn.run(create_app(Supervisor(config)), host="127.0.0.1", port=8471)  # doctest: +SKIP
+    """
+    registry = make_registry(supervisor)
+    started = time.monotonic()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        supervisor.start()  # returns at once: loading runs in the background, the API answers meanwhile
+        try:
+            yield
+        finally:
+            await run_in_threadpool(supervisor.stop)
+
+    app = FastAPI(
+        title="gdsload sidecar",
+        version=__version__,
+        description="Loads a model's tensor-parallel ranks (one worker process per rank) and reports liveness, "
+                    "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
+        lifespan=lifespan,
+    )
+    app.state.supervisor = supervisor
+    protected = [Depends(_require_token)]
+
+    @app.exception_handler(GdsloadError)
+    async def _typed_error(request: Request, exc: GdsloadError) -> JSONResponse:
+        code = _http_status(exc)
+        if code >= 500:
+            log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        headers = {"WWW-Authenticate": 'Bearer realm="gdsload"'} if code == 401 else None
+        return JSONResponse({"error": error_doc(exc)}, status_code=code, headers=headers)
+
+    @app.get("/healthz", tags=["probes"], summary="Liveness: 200 while the process lives")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "alive", "uptime_s": round(time.monotonic() - started, 3)}
+
+    @app.get("/readyz", tags=["probes"], summary="Readiness: 200 only when every served rank is loaded",
+             responses={200: {"description": "Every rank is ready"},
+                        503: {"description": "Not ready: per-rank states and the reason"}})
+    async def readyz() -> Response:
+        code, body = supervisor.readiness()
+        return Response(body, status_code=code, media_type="application/json")
+
+    @app.get("/v1/status", tags=["status"], summary="Model, per-rank state, bytes, phase timings, GB/s, errors")
+    async def status() -> JSONResponse:
+        """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``, ``files``,
+        ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, ``error``,
+        ``restarts``; ``process.time_to_ready_s`` counts from process start to the first readiness."""
+        return JSONResponse(supervisor.status())
+
+    @app.get("/metrics", tags=["status"], summary="Prometheus metrics")
+    async def metrics() -> Response:
+        body, content_type = render(registry)
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected,
+              summary="Serve another model directory (e.g. a new version)")
+    def reload(body: ReloadRequest) -> dict[str, Any]:
+        """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
+        4xx and the current model stays. Then stops the current workers and starts the new ones; poll
+        ``/readyz`` for the result."""
+        return supervisor.reload(body.model_dir, body.ranks, wait_s=body.wait_s, force=body.force)
+
+    @app.post("/v1/unload", tags=["control"], dependencies=protected, summary="Stop the workers and free memory")
+    def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
+        body = body or UnloadRequest()
+        return supervisor.unload(wait_s=body.wait_s, force=body.force)
+
+    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected,
+             summary="IPC document of a rank for a local engine process")
+    def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
+        """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
+        (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.ipc.import_rank`. The memory stays
+        valid until the returned ``lease`` is released or the model is unloaded."""
+        return supervisor.export(rank)
+
+    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected,
+              summary="The engine is done with an exported rank")
+    def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None) -> dict[str, Any]:
+        return supervisor.release(rank, (body or ReleaseRequest()).lease)
+
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(_ReadyzFastPath, supervisor=supervisor)  # added last: runs first
+    return app

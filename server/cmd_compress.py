@@ -1,0 +1,43 @@
+"""``gdsload compress SRC OUT``: a thin shell over :func:`gdsload.loader.compress.compress_dir`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+from gdsload.loader import format_bytes
+from gdsload.loader.compress import compress_dir, compress_file
+from gdsload.loader.compression import CODECS
+
+
+def _total_bytes(src: Path) -> int:
+    files = [src] if src.is_file() else sorted(src.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+@click.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("out", type=click.Path())
+@click.option("--codec", type=click.Choice(sorted(CODECS)), default="ans", show_default=True,
+              help="ans (GPU, best ratio and speed), gdeflate (GPU), zstd (GPU or CPU; CPU hosts can load it).")
+@click.option("--min-gain", type=float, default=0.02, show_default=True,
+              help="Keep a tensor raw unless it shrinks by at least this fraction.")
+@click.option("--device", default=None, help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
+def compress(src: str, out: str, codec: str, min_gain: float, device: str | None) -> None:
+    """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""
+    src_p = Path(src)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(f"compressing ({codec})", total=_total_bytes(src_p))
+        step = lambda n: bar.advance(task, n)  # noqa: E731
+        if src_p.is_file():
+            stats = compress_file(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step)
+        else:
+            stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step)
+    click.echo(f"{out}: {stats.compressed} of {stats.tensors} tensors compressed with {codec}; "
+               f"{format_bytes(stats.logical_bytes)} -> {format_bytes(stats.stored_bytes)} "
+               f"(ratio {stats.ratio:.3f}) in {stats.seconds:.1f} s")
+    for dtype, (logical, stored) in sorted(stats.per_dtype.items()):
+        click.echo(f"  {dtype}: ratio {logical / stored:.3f} over {format_bytes(logical)}")

@@ -1,0 +1,125 @@
+"""``gdsload serve``: the sidecar command. Parses flags, then hands over to the supervisor and uvicorn.
+
+>>> # gdsload serve /models/llama-tp2 --tp 2 --allow-root /models --port 8471   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from types import FrameType
+
+import click
+
+from gdsload.loader.errors import GdsloadError
+
+from .settings import ENV_VARS, LOG_FORMATS, LOG_LEVELS, TOKEN_ENV, ServeConfig, configure_logging
+
+__all__ = ["serve", "run_server"]
+
+log = logging.getLogger(__name__)
+
+
+def _env(name: str) -> str:
+    return f"env {ENV_VARS[name]}"
+
+
+@click.command("serve")
+@click.argument("model_dir", required=False)
+@click.option("--ranks", default=None, help=f"Ranks this host serves, e.g. 0-7 or 0,2,4 (default: all); {_env('ranks')}.")
+@click.option("--tp", type=int, default=None, help=f"Serve ranks 0..N-1; {_env('tp')}.")
+@click.option("--device-map", default=None,
+              help=f"auto (i-th rank -> i-th visible GPU, CPU without GPUs), cpu, or RANK:GPU pairs like 0:0,1:1; "
+                   f"{_env('device_map')}.")
+@click.option("--backend", default=None, help=f"Reader backend, auto by default; {_env('backend')}.")
+@click.option("--host", default=None, help=f"Address to bind (default 127.0.0.1); {_env('host')}.")
+@click.option("--port", type=int, default=None, help=f"Port (default 8471, 0: any free port); {_env('port')}.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help=f"File holding the bearer token for reload/unload/IPC; {_env('token_file')}, or the token in {TOKEN_ENV}.")
+@click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(file_okay=False),
+              help=f"Directory model paths must lie in (repeatable); {_env('allow_roots')} (':'-separated).")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default=None, help=f"text or json; {_env('log_format')}.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, help=f"Default info; {_env('log_level')}.")
+@click.option("--restart-backoff", type=float, default=None,
+              help=f"Seconds before the first restart of a crashed worker (default 1, doubling); {_env('restart_backoff')}.")
+@click.option("--restart-backoff-max", type=float, default=None,
+              help=f"Longest restart delay in seconds (default 30); {_env('restart_backoff_max')}.")
+@click.option("--max-restarts", type=int, default=None,
+              help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
+@click.option("--stop-timeout", type=float, default=None,
+              help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.")
+def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: str | None, backend: str | None,
+          host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
+          log_format: str | None, log_level: str | None, restart_backoff: float | None,
+          restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None) -> None:
+    """Serve MODEL_DIR: one worker process per local rank, and an HTTP API for health, readiness, status,
+    metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a GDSLOAD_* variable."""
+    try:
+        config = ServeConfig.resolve(
+            model_dir=model_dir, ranks=ranks, tp=tp, device_map=device_map, backend=backend, host=host, port=port,
+            token_file=token_file, allow_roots=allow_roots, log_format=log_format, log_level=log_level,
+            restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
+            stop_timeout=stop_timeout,
+        )
+    except GdsloadError as e:
+        raise click.UsageError(str(e)) from None
+    run_server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({e}); pick another --port or --host") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _exit_quietly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def run_server(config: ServeConfig) -> None:
+    """Bind, start the workers, serve HTTP until SIGTERM/SIGINT, then stop the workers (they free their memory).
+
+    >>> run_server(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
+    """
+    configure_logging(config.log_format, config.log_level)
+    sock = _bind(config.host, config.port)
+    if not config.is_loopback and config.token is None:
+        log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
+                    TOKEN_ENV)
+    if config.token is None:
+        log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
+                 TOKEN_ENV)
+
+    from .supervisor import Supervisor
+
+    supervisor = Supervisor(config)
+    # uvicorn handles SIGTERM gracefully, then re-raises it with the handler it found: make that a clean exit.
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    supervisor.start()  # the workers start importing while the HTTP stack is imported here
+    try:
+        import uvicorn
+
+        from .app import create_app
+
+        server = uvicorn.Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
+                                               lifespan="on", timeout_graceful_shutdown=5, server_header=False))
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        log.info("listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
+        server.run(sockets=[sock])
+    finally:
+        supervisor.stop()
+        sock.close()
+        log.info("stopped")
+
+
+if __name__ == "__main__":
+    serve(prog_name="gdsload serve")

@@ -1,0 +1,62 @@
+"""``gdsload shard``: the thin command around :mod:`gdsload.loader.shard` (parse, call, show progress)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from gdsload.loader.shard import ShardOptions, execute_plan, plan_shard
+
+from .cli import SIZE
+
+__all__ = ["shard"]
+
+
+@click.command("shard")
+@click.argument("src", type=click.Path(file_okay=False, exists=True))
+@click.argument("out", type=click.Path(dir_okay=True, file_okay=False))
+@click.option("--tp", type=int, required=True, help="Tensor-parallel size: write files for ranks 0..N-1.")
+@click.option("--layout", type=click.Choice(["vllm", "hf"]), default="vllm", show_default=True,
+              help="vllm: fused per-rank parameters for vLLM's sharded_state loader; hf: HF names, per-rank slices.")
+@click.option("--quantize", default=None, metavar="fp8[:per-tensor|per-channel]",
+              help="Quantize linear-layer weights to float8_e4m3fn with fp32 scales.")
+@click.option("--max-file-size", "max_file_bytes", type=SIZE, default="5GiB", show_default=True,
+              help="Start a new part file before one would exceed this.")
+@click.option("--digest/--no-digest", default=True, show_default=True,
+              help="Record each file's sha256 in gdsload.json.")
+@click.option("--progress/--no-progress", "show_progress", default=None,
+              help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_file_bytes: int,
+          digest: bool, show_progress: bool | None, as_json: bool) -> None:
+    """Pre-shard the Hugging Face checkpoint SRC (Llama, Mistral, Qwen2) into OUT by TP rank.
+
+    Streams tensor by tensor; rerunning after an interruption resumes.
+
+    \b
+        gdsload shard /models/Llama-3-8B /models/llama3-tp2-fp8 --tp 2 --quantize fp8
+    """
+    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest)
+    plan = plan_shard(src, options)
+    console = Console(stderr=True)
+    enabled = console.is_terminal if show_progress is None else show_progress
+    columns = (TextColumn("[bold]shard[/] tp={task.fields[tp]}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
+        task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
+        result = execute_plan(plan, out, progress=lambda n: bar.advance(task, n))
+    if as_json:
+        click.echo(json.dumps(asdict(result), indent=2))
+    else:
+        click.echo(result.summary())

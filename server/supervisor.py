@@ -1,0 +1,723 @@
+"""The rank state machine: one worker per served rank, restarts with backoff, reload, unload, IPC leases.
+
+Each rank is ``pending`` (worker starting) -> ``loading`` -> ``ready``, or ``failed``:
+
+- a load that raises reports its typed error; the rank stays ``failed`` (a retry needs ``POST /v1/reload``);
+- a worker that dies (crash, OOM kill, ``kill -9``) turns its rank ``failed`` and is restarted after
+  ``restart_backoff`` seconds, doubling per consecutive crash up to ``restart_backoff_max``; after
+  ``max_restarts`` consecutive crashes it stays ``failed``. The other ranks keep their tensors.
+
+One thread (the supervisor loop) owns the worker processes and their pipes: it reads worker
+messages, notices deaths through the process sentinels, restarts, and runs the operations the
+HTTP handlers post to it (reload, unload, export, release) one at a time. Readers of the state
+(``/readyz``, ``/v1/status``, ``/metrics``) only take a short lock; ``/readyz`` answers from a
+body prebuilt at every state change.
+
+>>> sup = Supervisor(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
+>>> sup.start(); sup.readiness()[0]                                        # doctest: +SKIP
+503
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for
+from typing import Any, TypeVar
+
+from gdsload.loader import __version__
+from gdsload.loader.errors import GdsloadError
+
+from .settings import ServeConfig, confine_path
+from .workers import (
+    RankNotReadyError,
+    WorkerHandle,
+    WorkerSpec,
+    assign_devices,
+    describe_exit,
+    error_doc,
+    visible_gpus,
+)
+
+__all__ = [
+    "Supervisor",
+    "RankState",
+    "WorkerError",
+    "UnknownRankError",
+    "UnknownLeaseError",
+    "ExportsOutstandingError",
+    "RankNotReadyError",
+    "process_start_time",
+]
+
+log = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 300.0
+"""Longest wait for a worker's export (a CPU arena is copied to shared memory on its first export)."""
+
+T = TypeVar("T")
+
+
+class RankState(str, enum.Enum):
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class WorkerError(GdsloadError, RuntimeError):
+    """A worker died, did not answer, or failed a command."""
+
+
+class UnknownRankError(GdsloadError, LookupError):
+    """The rank is not served by this sidecar."""
+
+
+class UnknownLeaseError(GdsloadError, LookupError):
+    """The IPC lease is not outstanding (released already, or voided by a restart or reload)."""
+
+
+class ExportsOutstandingError(GdsloadError, RuntimeError):
+    """Unload or reload refused: engines still map exported tensors."""
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from ``/proc``; the import time where that is missing)."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(after_name[19])  # field 22 of stat(5); fields after the name start at 3
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
+@dataclass
+class _Rank:
+    rank: int
+    cuda_visible_devices: str
+    gpu_explicit: bool
+    files: list[str] = field(default_factory=list)
+    state: RankState = RankState.PENDING
+    handle: WorkerHandle | None = None
+    pid: int | None = None
+    device: str | None = None
+    gpu: dict[str, Any] | None = None
+    stored_bytes: int = 0
+    logical_bytes: int = 0
+    bytes_done: int = 0
+    report: dict[str, Any] | None = None
+    error: dict[str, str] | None = None
+    last_error: dict[str, str] | None = None
+    error_reported: bool = False
+    """The worker reported its load error: its exit is expected and not restarted."""
+    consecutive_crashes: int = 0
+    next_restart_at: float | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    leases: set[str] = field(default_factory=set)
+    pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    path: str
+    real_path: str
+    source: str
+    tp_size: int
+    files: dict[int, tuple[str, ...]]
+    devices: dict[int, tuple[str, bool]]
+    errors: dict[int, dict[str, str]]
+
+
+class Supervisor:
+    """Runs the workers of the served ranks and keeps their state for the HTTP API."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.process_start = process_start_time()
+        self._lock = threading.Lock()
+        self._ranks: dict[int, _Rank] = {}
+        self._model: dict[str, Any] | None = None
+        self._model_error: dict[str, str] | None = None
+        self._generation = 0
+        self._gen_started_mono = time.monotonic()
+        self._gen_started_wall = time.time()
+        self._gen_ready_s: float | None = None
+        self._first_ready_wall: float | None = None
+        self._failures: Counter[int] = Counter()
+        self._restarts: Counter[int] = Counter()
+        self._actions: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._readyz: tuple[int, bytes] = (503, b"")
+        with self._lock:
+            if config.model_dir is not None:  # shown from the first request on, before discovery has run
+                self._model = {"path": config.model_dir, "real_path": os.path.realpath(config.model_dir),
+                               "source": None, "tp_size": None}
+            self._publish()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the supervisor loop, which loads the configured model in the background; returns at once."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="gdsload-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop every worker (each frees its memory, or is killed after ``stop_timeout``); idempotent."""
+        thread = self._thread
+        if thread is None or self._stop.is_set() and not thread.is_alive():
+            return
+        self._stop.set()
+        self._wake()
+        thread.join(self.config.stop_timeout + 15)
+        if thread.is_alive():
+            log.error("the supervisor loop did not stop within %.0f s", self.config.stop_timeout + 15)
+
+    # ------------------------------------------------------------------ readers
+
+    def readiness(self) -> tuple[int, bytes]:
+        """``(200 or 503, JSON body)`` for ``/readyz``, prebuilt at the last state change."""
+        return self._readyz
+
+    def status(self) -> dict[str, Any]:
+        """The whole state for ``/v1/status`` (and ``/metrics``)."""
+        now_wall, now = time.time(), time.monotonic()
+        with self._lock:
+            ranks = {str(r): self._rank_doc(x, now) for r, x in sorted(self._ranks.items())}
+            ready = self._is_ready()
+            if ready:
+                state = "ready"
+            elif self._model is None and self._model_error is None:
+                state = "unloaded"
+            elif self._model_error is not None or any(x.state is RankState.FAILED for x in self._ranks.values()):
+                state = "failed"
+            else:
+                state = "loading"
+            return {
+                "version": __version__,
+                "state": state,
+                "ready": ready,
+                "model": dict(self._model) if self._model else None,
+                "error": self._model_error,
+                "generation": self._generation,
+                "process": {
+                    "pid": os.getpid(),
+                    "started_at": self.process_start,
+                    "uptime_s": now_wall - self.process_start,
+                    "time_to_ready_s": (self._first_ready_wall - self.process_start
+                                        if self._first_ready_wall is not None else None),
+                },
+                "load": {
+                    "started_at": self._gen_started_wall,
+                    "time_to_ready_s": self._gen_ready_s,
+                },
+                "ranks": ranks,
+                "leases": sum(len(x.leases) for x in self._ranks.values()),
+                "failures_total": {str(r): n for r, n in sorted(self._failures.items())},
+                "restarts_total": {str(r): n for r, n in sorted(self._restarts.items())},
+                "config": self.config.public_dict(),
+            }
+
+    def outstanding_leases(self) -> dict[int, int]:
+        """``{rank: IPC exports not yet released}`` for ranks that have any."""
+        with self._lock:
+            return {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
+
+    # ------------------------------------------------------------------ operations
+
+    def reload(self, model_dir: str, ranks: Sequence[int] | None = None, *, wait_s: float = 0.0,
+               force: bool = False) -> dict[str, Any]:
+        """Replace the served model by ``model_dir`` (which must lie under an allowed root).
+
+        The new directory is checked (confinement, discovery, device placement) before anything is
+        stopped: a bad target raises and the current model stays. Waits up to ``wait_s`` for IPC
+        leases to be released, then raises :class:`ExportsOutstandingError` unless ``force``.
+
+        >>> sup.reload("/models/llama-v2")  # doctest: +SKIP
+        {'generation': 2, 'model': '/models/llama-v2', 'ranks': [0, 1]}
+        """
+        real = confine_path(model_dir, self.config.allow_roots)
+        plan = self._plan(model_dir, real, ranks, strict=True)
+        self._await_leases(wait_s)
+        return self._call(lambda: self._switch(plan, force))
+
+    def unload(self, *, wait_s: float = 0.0, force: bool = False) -> dict[str, Any]:
+        """Stop every worker and free the model's memory; the same lease rules as :meth:`reload`."""
+        self._await_leases(wait_s)
+        return self._call(lambda: self._switch(None, force))
+
+    def export(self, rank: int) -> dict[str, Any]:
+        """The IPC document of ``rank`` (see :func:`gdsload.loader.ipc.export_rank`) plus a ``lease`` id.
+
+        The exported memory stays valid until the lease is released or the model is unloaded.
+        """
+        lease = uuid.uuid4().hex
+        fut: Future[dict[str, Any]] = self._call(lambda: self._command(rank, "export", lease))
+        try:
+            doc = fut.result(timeout=EXPORT_TIMEOUT_S)
+        except FutureTimeout:
+            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s") from None
+        with self._lock:
+            model = self._model["path"] if self._model else None
+        return {**doc, "lease": lease, "generation": self._generation, "model": model}
+
+    def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
+        """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank."""
+        return self._call(lambda: self._release(rank, lease))
+
+    # ------------------------------------------------------------------ the loop
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:
+            pass
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the supervisor loop and return its result (or raise its error)."""
+        if self._thread is None or self._stop.is_set():
+            raise WorkerError("the sidecar is not running (starting or shutting down); try again")
+        fut: Future[T] = Future()
+        self._actions.put((fn, fut))
+        self._wake()
+        limit = self.config.stop_timeout * 3 + 60
+        try:
+            return fut.result(timeout=limit)
+        except FutureTimeout:
+            raise WorkerError(f"the supervisor did not finish the operation within {limit:.0f} s; see the log") from None
+
+    def _loop(self) -> None:
+        try:
+            if self.config.model_dir is not None:
+                self._initial_load(self.config.model_dir)
+            while not self._stop.is_set():
+                with self._lock:
+                    handles = [x.handle for x in self._ranks.values() if x.handle is not None]
+                waitables: list[Any] = [self._wake_r]
+                for h in handles:
+                    waitables.append(h.sentinel)
+                    if h.conn is not None:
+                        waitables.append(h.conn)
+                ready = wait_for(waitables, timeout=self._next_timeout())
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                self._run_actions()
+                for h in handles:
+                    if h.retired:
+                        continue
+                    if h.conn is not None and h.conn in ready:
+                        for kind, payload in h.receive():
+                            self._on_event(h, kind, payload)
+                    if h.sentinel in ready:
+                        self._reap(h)
+                self._restart_due()
+        except Exception:
+            log.exception("the supervisor loop failed; stopping the workers")
+        finally:
+            self._stop.set()
+            self._shutdown()
+
+    def _run_actions(self) -> None:
+        while True:
+            try:
+                fn, fut = self._actions.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # handed to the caller, who raises it
+                fut.set_exception(e)
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            due = [x.next_restart_at for x in self._ranks.values() if x.next_restart_at is not None]
+        return max(0.0, min(due) - now) if due else 5.0
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            handles = [x.handle for x in self._ranks.values() if x.handle is not None]
+            leases = {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
+            for x in self._ranks.values():
+                self._fail_pending(x, "the sidecar is shutting down")
+        if leases:
+            log.warning("shutting down with IPC exports not released: %s", leases)
+        self._stop_handles(handles)
+        while True:  # anything posted meanwhile is refused, not left hanging
+            try:
+                _, fut = self._actions.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(WorkerError("the sidecar is shutting down"))
+        log.info("all workers stopped")
+
+    # ------------------------------------------------------------------ generations
+
+    def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
+        from gdsload.loader.discover import discover, list_ranks
+
+        source, tp, files = list_ranks(real)
+        served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
+        errors: dict[int, dict[str, str]] = {}
+        for r in (r for r in served if r not in files):
+            try:
+                discover(real, r)  # raises NoFilesForRankError, naming the ranks the directory does hold
+            except GdsloadError as e:
+                if strict:
+                    raise
+                errors[r] = error_doc(e)
+        if self.config.allow_roots:  # a file may be a symlink out of the root even when its directory is not
+            for r in served:
+                for f in files.get(r, ()):
+                    confine_path(f, self.config.allow_roots)
+        devices = assign_devices(served, self.config.device_map, visible_gpus())
+        return _Plan(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
+                     errors=errors)
+
+    def _initial_load(self, path: str) -> None:
+        try:
+            plan = self._plan(path, os.path.realpath(path), None, strict=False)
+        except GdsloadError as e:
+            log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
+            with self._lock:
+                self._model_error = error_doc(e)
+                self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
+                for r in self.config.ranks or ():
+                    self._ranks[r] = _Rank(r, "", False, state=RankState.FAILED, error=error_doc(e))
+                self._publish()
+            return
+        self._switch(plan, force=True)
+
+    def _switch(self, plan: _Plan | None, force: bool) -> dict[str, Any]:
+        """Install ``plan`` as the next generation (None: unload); runs on the loop."""
+        with self._lock:
+            leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
+            if leases and not force:
+                raise ExportsOutstandingError(
+                    f"IPC exports are still outstanding ({ {r: len(v) for r, v in leases.items()} } by rank; "
+                    f"leases {sum(leases.values(), [])}); the engine must POST /v1/ipc/RANK/release first — "
+                    "or pass wait_s to wait for it, or force=true to invalidate them"
+                )
+            old = [x.handle for x in self._ranks.values() if x.handle is not None]
+            for x in self._ranks.values():
+                self._fail_pending(x, "the model was unloaded")
+            previous = self._model["path"] if self._model else None
+            self._generation += 1
+            self._gen_started_mono, self._gen_started_wall = time.monotonic(), time.time()
+            self._gen_ready_s = None
+            self._model_error = None
+            if plan is None:
+                self._model, self._ranks = None, {}
+            else:
+                self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
+                               "tp_size": plan.tp_size}
+                self._ranks = {}
+                for r, (cvd, explicit) in plan.devices.items():
+                    x = _Rank(r, cvd, explicit,
+                              files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
+                    if r in plan.errors:
+                        x.state, x.error = RankState.FAILED, plan.errors[r]
+                        self._failures[r] += 1
+                    self._ranks[r] = x
+            self._publish()
+        if leases:
+            log.warning("invalidating IPC exports %s (force)", leases)
+        if old:
+            self._stop_handles(old)
+        if plan is None:
+            log.info("unloaded %s", previous)
+            return {"unloaded": previous, "generation": self._generation}
+        log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, plan.path, plan.source,
+                 plan.tp_size, sorted(plan.devices))
+        for x in list(self._ranks.values()):
+            if x.state is RankState.PENDING:
+                self._spawn(x)
+        return {"generation": self._generation, "model": plan.path, "ranks": sorted(plan.devices)}
+
+    def _spawn(self, x: _Rank) -> None:
+        assert self._model is not None
+        spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
+                          cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
+                          generation=self._generation, log_format=self.config.log_format,
+                          log_level=self.config.log_level)
+        try:
+            handle = WorkerHandle.spawn(spec)
+        except OSError as e:
+            with self._lock:
+                self._crashed(x, f"worker for rank {x.rank} could not be started ({e})")
+            return
+        with self._lock:
+            x.handle, x.pid = handle, handle.pid
+            x.state = RankState.PENDING
+            if x.error is not None:
+                x.last_error = x.error
+            x.error, x.error_reported, x.report = None, False, None
+            x.bytes_done, x.started_at, x.ready_at = 0, time.time(), None
+            self._publish()
+
+    def _stop_handles(self, handles: list[WorkerHandle]) -> None:
+        """Ask workers to free their memory and exit; kill those that do not within ``stop_timeout``."""
+        for h in handles:
+            h.retired = True
+            h.send("unload")
+        deadline = time.monotonic() + self.config.stop_timeout
+        waiting = list(handles)
+        while waiting and time.monotonic() < deadline:
+            waitables: list[Any] = [h.sentinel for h in waiting] + [h.conn for h in waiting if h.conn is not None]
+            wait_for(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            for h in waiting:
+                h.receive()  # keep the pipes flowing so no worker blocks on a full one
+            waiting = [h for h in waiting if h.process.exitcode is None]
+        for h in handles:
+            h.kill_after(deadline)
+            log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, describe_exit(h.process.exitcode))
+            h.close()
+
+    # ------------------------------------------------------------------ worker events
+
+    def _rank_of(self, h: WorkerHandle) -> _Rank | None:
+        x = self._ranks.get(h.spec.rank)
+        return x if x is not None and x.handle is h else None
+
+    def _on_event(self, h: WorkerHandle, kind: str, payload: dict[str, Any]) -> None:
+        note: str | None = None
+        with self._lock:
+            x = self._rank_of(h)
+            if x is None:
+                return
+            if kind == "progress":
+                x.bytes_done = max(x.bytes_done, int(payload["bytes_done"]))
+                return
+            if kind == "hello":
+                x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
+            elif kind == "loading":
+                x.state = RankState.LOADING
+                x.files = list(payload["files"])
+                x.stored_bytes, x.logical_bytes = int(payload["stored_bytes"]), int(payload["logical_bytes"])
+            elif kind == "ready":
+                report = payload["report"]
+                x.state, x.report, x.error = RankState.READY, report, None
+                x.stored_bytes, x.logical_bytes = report["stored_bytes"], report["logical_bytes"]
+                x.bytes_done, x.ready_at, x.consecutive_crashes = report["stored_bytes"], time.time(), 0
+                note = (f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
+                        f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}")
+            elif kind == "failed":
+                x.state, x.error, x.error_reported = RankState.FAILED, payload["error"], True
+                self._failures[x.rank] += 1
+            elif kind == "reply":
+                fut, lease = x.pending.pop(payload["id"], (None, None))
+                if fut is not None:
+                    if payload["ok"]:
+                        if lease is not None:
+                            x.leases.add(lease)
+                        fut.set_result(payload["value"])
+                    else:
+                        fut.set_exception(_remote_error(x.rank, payload["error"]))
+            else:
+                log.error("rank %d: unknown message %r from the worker; ignored", x.rank, kind)
+                return
+            self._publish()
+        if note:
+            log.info("%s", note)
+
+    def _reap(self, h: WorkerHandle) -> None:
+        for kind, payload in h.receive():  # its last words may still be in the pipe
+            self._on_event(h, kind, payload)
+        h.process.join(1.0)
+        pid, code = h.pid, h.process.exitcode
+        h.close()
+        with self._lock:
+            x = self._rank_of(h)
+            if x is None:
+                return
+            x.handle, x.pid = None, None
+            self._fail_pending(x, f"the worker {describe_exit(code)}")
+            if x.error_reported:
+                self._publish()
+                log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid,
+                         describe_exit(code))
+                return
+            what = f"worker for rank {x.rank} (pid {pid}) {describe_exit(code)}"
+            if x.state is RankState.READY:
+                what += "; its tensors are gone"
+            if x.leases:
+                what += f"; {len(x.leases)} IPC export(s) are void"
+            self._crashed(x, what)
+
+    def _crashed(self, x: _Rank, what: str) -> None:
+        """Mark ``x`` failed after an unplanned exit and schedule its restart; call with the lock held."""
+        x.leases.clear()
+        x.state = RankState.FAILED
+        self._failures[x.rank] += 1
+        x.consecutive_crashes += 1
+        if x.consecutive_crashes > self.config.max_restarts:
+            what += (f"; not restarted after {self.config.max_restarts} consecutive restart(s) — "
+                     "see the log, then POST /v1/reload")
+            x.next_restart_at = None
+        else:
+            delay = min(self.config.restart_backoff * 2 ** (x.consecutive_crashes - 1), self.config.restart_backoff_max)
+            what += f"; restarting in {delay:.1f} s (restart {x.consecutive_crashes} of {self.config.max_restarts})"
+            x.next_restart_at = time.monotonic() + delay
+        x.error = {"type": "WorkerCrashedError", "message": what}
+        self._publish()
+        log.error("%s", what)
+
+    def _restart_due(self) -> None:
+        if self._stop.is_set():
+            return
+        now = time.monotonic()
+        with self._lock:
+            due = [x for x in self._ranks.values()
+                   if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None]
+            for x in due:
+                x.next_restart_at = None
+                self._restarts[x.rank] += 1
+        for x in due:
+            log.info("rank %d: restarting its worker", x.rank)
+            self._spawn(x)
+
+    def _fail_pending(self, x: _Rank, why: str) -> None:
+        for fut, _ in x.pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerError(f"rank {x.rank}: {why}"))
+        x.pending.clear()
+
+    # ------------------------------------------------------------------ commands
+
+    def _command(self, rank: int, kind: str, lease: str) -> Future[Any]:
+        with self._lock:
+            x = self._ranks.get(rank)
+            if x is None:
+                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
+            if x.state is not RankState.READY or x.handle is None:
+                raise RankNotReadyError(f"rank {rank} is {x.state.value}; poll /readyz until it answers 200, then ask again")
+            request_id = uuid.uuid4().hex
+            fut: Future[Any] = Future()
+            x.pending[request_id] = (fut, lease)
+            handle = x.handle
+        if not handle.send(kind, id=request_id, lease=lease):
+            with self._lock:
+                x.pending.pop(request_id, None)
+            raise WorkerError(f"rank {rank}: the worker cannot be reached (it is exiting); try again after /readyz")
+        return fut
+
+    def _release(self, rank: int, lease: str | None) -> dict[str, Any]:
+        with self._lock:
+            x = self._ranks.get(rank)
+            if x is None:
+                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
+            if lease is not None and lease not in x.leases:
+                raise UnknownLeaseError(
+                    f"lease {lease!r} is not outstanding on rank {rank} ({len(x.leases)} are); it was released "
+                    "already, or a worker restart or reload voided it"
+                )
+            released = [lease] if lease is not None else sorted(x.leases)
+            x.leases.difference_update(released)
+            left, handle = len(x.leases), x.handle
+            self._publish()
+        if handle is not None:
+            for one in released:
+                handle.send("release", lease=one)
+        return {"released": released, "rank": rank, "outstanding": left}
+
+    def _await_leases(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while self.outstanding_leases() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ derived state (lock held)
+
+    def _is_ready(self) -> bool:
+        return (self._model is not None and self._model_error is None and bool(self._ranks)
+                and all(x.state is RankState.READY for x in self._ranks.values()))
+
+    def _publish(self) -> None:
+        """Rebuild the ``/readyz`` answer; call with the lock held after every state change."""
+        ready = self._is_ready()
+        if ready and self._gen_ready_s is None:
+            self._gen_ready_s = time.monotonic() - self._gen_started_mono
+            first = self._first_ready_wall is None
+            if first:
+                self._first_ready_wall = time.time()
+            log.info("all %d rank(s) ready in %.3f s%s", len(self._ranks), self._gen_ready_s,
+                     f" ({self._first_ready_wall - self.process_start:.3f} s after process start)" if first else "")
+        states = {str(r): x.state.value for r, x in sorted(self._ranks.items())}
+        body: dict[str, Any] = {"ready": ready, "model": self._model["path"] if self._model else None,
+                                "generation": self._generation, "ranks": states}
+        if not ready:
+            if self._model_error is not None:
+                body["reason"] = f"{self._model_error['type']}: {self._model_error['message']}"
+            elif self._model is None:
+                body["reason"] = "no model loaded; POST /v1/reload"
+            elif not self._ranks:
+                body["reason"] = "starting"
+            else:
+                waiting = [r for r, s in states.items() if s != RankState.READY.value]
+                body["reason"] = f"waiting for rank(s) {', '.join(waiting)}"
+        self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())
+
+    def _rank_doc(self, x: _Rank, now: float) -> dict[str, Any]:
+        report = x.report or {}
+        files = report.get("files") or []
+        return {
+            "rank": x.rank,
+            "state": x.state.value,
+            "pid": x.pid,
+            "device": x.device,
+            "gpu": x.gpu,
+            "cuda_visible_devices": x.cuda_visible_devices,
+            "backend": report.get("backend"),
+            "io_mode": ",".join(sorted({f["io_mode"] for f in files})) or None,
+            "files": x.files,
+            "logical_bytes": x.logical_bytes,
+            "stored_bytes": x.stored_bytes,
+            "bytes_done": x.bytes_done,
+            "phases": report.get("phases", {}),
+            "seconds": report.get("seconds"),
+            "gbps": report.get("gbps"),
+            "verified": report.get("verified"),
+            "error": x.error,
+            "last_error": x.last_error,
+            "restarts": self._restarts[x.rank],
+            "failures": self._failures[x.rank],
+            "next_restart_in_s": max(0.0, x.next_restart_at - now) if x.next_restart_at is not None else None,
+            "started_at": x.started_at,
+            "ready_at": x.ready_at,
+            "leases": len(x.leases),
+            "report": x.report,
+        }
+
+
+def _remote_error(rank: int, doc: dict[str, str]) -> GdsloadError:
+    if doc.get("type") == "RankNotReadyError":
+        return RankNotReadyError(doc["message"])
+    return WorkerError(f"rank {rank}: {doc.get('type')}: {doc.get('message')}")

@@ -1,0 +1,444 @@
+"""Worker processes: one per served rank, each loading its rank and keeping the tensors resident.
+
+A worker is a ``multiprocessing`` **spawn** child (never fork: the parent runs threads and an
+event loop, and CUDA does not survive a fork). It sees only its own GPU: the parent sets
+``CUDA_VISIBLE_DEVICES`` in the environment the child is started with, so CUDA (and cuFile)
+never opens a context on any other device. A worker with no GPU loads into host memory.
+
+Parent and worker talk over one duplex pipe of ``(kind, payload)`` messages.
+
+worker -> parent: ``hello`` (pid, device), ``loading`` (files, byte totals), ``progress``
+(bytes read so far, at most every :data:`PROGRESS_INTERVAL_S`), ``ready`` (the load report),
+``failed`` (the typed error), ``reply`` (to a command).
+
+parent -> worker: ``export`` (IPC document of the rank, see :mod:`gdsload.loader.ipc`),
+``release`` (an engine is done with an export), ``unload`` (free everything and exit).
+
+A worker whose load fails reports the error and exits with :data:`EXIT_LOAD_FAILED`; a worker
+that loses its parent exits at once.
+
+>>> handle = WorkerHandle.spawn(WorkerSpec(rank=0, model_dir="/models/m", backend="auto",
+...                                        cuda_visible_devices="", gpu_explicit=False))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from gdsload.loader.errors import ConfigError, GdsloadError
+
+from .settings import configure_logging, parse_device_map
+
+__all__ = [
+    "WorkerSpec",
+    "WorkerHandle",
+    "GpuUnavailableError",
+    "RankNotReadyError",
+    "visible_gpus",
+    "assign_devices",
+    "error_doc",
+    "worker_main",
+    "EXIT_LOAD_FAILED",
+    "PROGRESS_INTERVAL_S",
+]
+
+log = logging.getLogger(__name__)
+
+EXIT_LOAD_FAILED = 3
+"""Exit status of a worker whose load raised (the error was reported first)."""
+PROGRESS_INTERVAL_S = 0.2
+"""Fewest seconds between two progress messages of one worker."""
+
+_SPAWN = multiprocessing.get_context("spawn")
+_ENV_LOCK = threading.Lock()
+
+
+class GpuUnavailableError(GdsloadError, RuntimeError):
+    """A rank was mapped to a GPU explicitly, but its worker cannot use CUDA."""
+
+
+class RankNotReadyError(GdsloadError, RuntimeError):
+    """The rank has no loaded tensors (still loading, failed, or restarting)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker loads and where; picklable, sent to the child at spawn."""
+
+    rank: int
+    model_dir: str
+    """Real path of the model directory."""
+    backend: str
+    cuda_visible_devices: str
+    """The child's ``CUDA_VISIBLE_DEVICES``: one GPU (index or UUID), or ``""`` for a host-memory load."""
+    gpu_explicit: bool
+    """The GPU came from an explicit ``--device-map``: failing to use it is an error, not a CPU fallback."""
+    generation: int = 0
+    log_format: str = "text"
+    log_level: str = "info"
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
+    """GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries, found without initialising CUDA.
+
+    The server's own ``CUDA_VISIBLE_DEVICES`` wins when set; otherwise the NVIDIA driver's
+    ``/proc/driver/nvidia/gpus`` (or the ``/dev/nvidiaN`` nodes) are counted.
+
+    >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"})
+    ['2', '3']
+    """
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        out: list[str] = []
+        for token in env["CUDA_VISIBLE_DEVICES"].split(","):
+            token = token.strip()
+            if not token or token.startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            out.append(token)
+        return out
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return [str(i) for i in range(sum(1 for _ in proc.iterdir()))]
+    nodes = [p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
+    return [str(i) for i in range(len(nodes))]
+
+
+def assign_devices(ranks: Sequence[int], device_map: str, visible: Sequence[str]) -> dict[int, tuple[str, bool]]:
+    """``{rank: (CUDA_VISIBLE_DEVICES for its worker, explicit?)}``; ``""`` means a host-memory load.
+
+    ``auto``: the i-th served rank gets ``visible[i]``, or the CPU when no GPU is visible at all.
+
+    >>> assign_devices([4, 5], "auto", ["0", "1"])
+    {4: ('0', False), 5: ('1', False)}
+    """
+    dm = parse_device_map(device_map)
+    if dm == "cpu" or (dm == "auto" and not visible):
+        return {r: ("", False) for r in ranks}
+    if dm == "auto":
+        if len(ranks) > len(visible):
+            raise ConfigError(
+                f"{len(ranks)} ranks to serve ({list(ranks)}) but only {len(visible)} GPU(s) visible "
+                f"({list(visible)}); serve a subset per host with --ranks, or place ranks with --device-map"
+            )
+        return {r: (visible[i], False) for i, r in enumerate(ranks)}
+    assert isinstance(dm, dict)
+    out: dict[int, tuple[str, bool]] = {}
+    for r in ranks:
+        if r not in dm:
+            raise ConfigError(f"--device-map {device_map!r} does not place rank {r}; add {r}:GPU or {r}:cpu")
+        gpu = dm[r]
+        if gpu is None:
+            out[r] = ("", True)
+        elif gpu >= len(visible):
+            raise ConfigError(
+                f"--device-map {device_map!r} puts rank {r} on GPU {gpu}, but this host shows "
+                f"{len(visible)} GPU(s) ({list(visible)}); fix the map or CUDA_VISIBLE_DEVICES"
+            )
+        else:
+            out[r] = (visible[gpu], True)
+    return out
+
+
+def error_doc(exc: BaseException) -> dict[str, str]:
+    """``{"type": ..., "message": ...}`` of an exception, as the status API shows it."""
+    return {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
+
+
+class WorkerHandle:
+    """The parent's end of one worker: the process, its pipe, and the spec it was started with."""
+
+    def __init__(self, spec: WorkerSpec, process: multiprocessing.process.BaseProcess, conn: Connection):
+        self.spec = spec
+        self.process = process
+        self.conn: Connection | None = conn
+        self.retired = False
+        """Set when the parent stops the worker on purpose (unload, reload, shutdown): its exit is no crash."""
+
+    @classmethod
+    def spawn(cls, spec: WorkerSpec) -> WorkerHandle:
+        """Start a worker process for ``spec`` with its own ``CUDA_VISIBLE_DEVICES``."""
+        parent_conn, child_conn = _SPAWN.Pipe(duplex=True)
+        process = _SPAWN.Process(target=worker_main, args=(spec, child_conn), name=f"gdsload-rank{spec.rank}",
+                                 daemon=True)
+        # The spawned interpreter inherits os.environ as it is at start(): set the variable there so it is in
+        # force before anything in the child can initialise CUDA. The lock keeps concurrent spawns apart.
+        with _ENV_LOCK:
+            before = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+            try:
+                process.start()
+            finally:
+                if before is None:
+                    del os.environ["CUDA_VISIBLE_DEVICES"]
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = before
+        child_conn.close()
+        log.info("rank %d: started worker pid %s (CUDA_VISIBLE_DEVICES=%r)", spec.rank, process.pid,
+                 spec.cuda_visible_devices)
+        return cls(spec, process, parent_conn)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def send(self, kind: str, **payload: Any) -> bool:
+        """Send a command; False when the worker can no longer receive it."""
+        if self.conn is None:
+            return False
+        try:
+            self.conn.send((kind, payload))
+            return True
+        except (OSError, EOFError, ValueError):
+            return False
+
+    def receive(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every message waiting in the pipe, without blocking; closes the pipe on end-of-file."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        while self.conn is not None:
+            try:
+                if not self.conn.poll():
+                    break
+                out.append(self.conn.recv())
+            except (EOFError, OSError):
+                self.conn.close()
+                self.conn = None
+        return out
+
+    def kill_after(self, deadline: float) -> None:
+        """Wait for the process until ``deadline`` (monotonic), then SIGTERM it, then SIGKILL it."""
+        self.process.join(max(0.0, deadline - time.monotonic()))
+        if self.process.exitcode is None:
+            log.warning("rank %d: worker pid %s did not exit in time; sending SIGTERM", self.spec.rank, self.pid)
+            self.process.terminate()
+            self.process.join(2.0)
+        if self.process.exitcode is None:
+            log.warning("rank %d: worker pid %s ignored SIGTERM; sending SIGKILL", self.spec.rank, self.pid)
+            self.process.kill()
+            self.process.join(2.0)
+
+    def close(self) -> None:
+        """Release the pipe and the process object (the process must have exited)."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.process.exitcode is not None:
+            self.process.close()
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``-9`` -> ``'was killed by SIGKILL'``."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The child side.
+
+
+class _Channel:
+    """The worker's end of the pipe: sends from any thread; a vanished parent ends the process."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, kind: str, **payload: Any) -> None:
+        with self._lock:
+            try:
+                self._conn.send((kind, payload))
+            except (OSError, EOFError):
+                _exit_orphaned()
+
+    def recv(self) -> tuple[str, dict[str, Any]]:
+        return self._conn.recv()
+
+
+def _exit_orphaned() -> None:
+    log.warning("the server process is gone; exiting")
+    logging.shutdown()
+    os._exit(0)
+
+
+class _Progress:
+    """The ``progress`` callback of ``load_rank``: counts bytes, sends at most every ``interval`` seconds."""
+
+    def __init__(self, channel: _Channel, interval: float = PROGRESS_INTERVAL_S):
+        self._channel = channel
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last = 0.0
+        self.done = 0
+
+    def __call__(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            now = time.monotonic()
+            if now - self._last < self._interval:
+                return
+            self._last = now
+            done = self.done
+        self._channel.send("progress", bytes_done=done)
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, channel: _Channel):
+        self.spec = spec
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._result: Any = None  # LoadResult once loaded
+        self._leases: set[str] = set()
+        self._unload = threading.Event()
+
+    def run(self) -> None:
+        threading.Thread(target=self._serve_commands, name="gdsload-commands", daemon=True).start()
+        try:
+            result = self._load()
+        except Exception as e:  # the process boundary: every load error goes to the parent, typed
+            if isinstance(e, GdsloadError):
+                log.error("load failed: %s: %s", type(e).__name__, e)
+            else:
+                log.exception("load failed")
+            self.channel.send("failed", error=error_doc(e))
+            logging.shutdown()
+            os._exit(EXIT_LOAD_FAILED)
+        with self._lock:
+            self._result = result
+        self.channel.send("ready", report=result.report.to_dict())
+        self._unload.wait()
+        self._free()
+        # Everything worth freeing by hand is freed; skip the interpreter's teardown of torch (slow, and CUDA
+        # teardown order at exit is fragile). The process's exit releases what is left, the CUDA context included.
+        logging.shutdown()
+        os._exit(0)
+
+    def _load(self) -> Any:
+        from gdsload.loader import discover, load_rank, plan_rank
+
+        device = self._device()
+        self.channel.send("hello", pid=os.getpid(), device=device, gpu=_gpu_facts(device))
+        plan = plan_rank(discover(self.spec.model_dir, self.spec.rank))
+        self.channel.send(
+            "loading",
+            files=[os.path.relpath(f.path, self.spec.model_dir) for f in plan.files],
+            stored_bytes=sum(f.stored_bytes for f in plan.files),
+            logical_bytes=sum(f.logical_bytes for f in plan.files),
+        )
+        return load_rank(self.spec.model_dir, self.spec.rank, device=device, backend=self.spec.backend,
+                         progress=_Progress(self.channel))
+
+    def _device(self) -> str:
+        if not self.spec.cuda_visible_devices:
+            return "cpu"
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda:0"
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "CUDA reports no usable device")
+        if self.spec.gpu_explicit:
+            raise GpuUnavailableError(
+                f"rank {self.spec.rank} is mapped to GPU {self.spec.cuda_visible_devices!r} by --device-map, but "
+                f"{why} (torch {torch.__version__}); install a CUDA build of torch, or map the rank to cpu"
+            )
+        log.warning("GPU %r assigned but %s; loading into host memory", self.spec.cuda_visible_devices, why)
+        return "cpu"
+
+    def _serve_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self.channel.recv()
+            except (EOFError, OSError):
+                _exit_orphaned()
+                return
+            if kind == "unload":
+                with self._lock:
+                    loaded = self._result is not None
+                if not loaded:  # still loading: nothing worth freeing by hand, the exit frees it all
+                    log.info("unload requested while loading; exiting")
+                    logging.shutdown()
+                    os._exit(0)
+                self._unload.set()
+                return
+            if kind == "export":
+                self._export(payload["id"], payload["lease"])
+            elif kind == "release":
+                self._leases.discard(payload["lease"])
+                log.info("lease %s released (%d outstanding)", payload["lease"], len(self._leases))
+            else:
+                log.error("unknown command %r from the server; ignored", kind)
+
+    def _export(self, request_id: str, lease: str) -> None:
+        from gdsload.loader.ipc import export_rank
+
+        with self._lock:
+            result = self._result
+        if result is None:
+            err = RankNotReadyError(f"rank {self.spec.rank} has not finished loading; poll /readyz first")
+            self.channel.send("reply", id=request_id, ok=False, error=error_doc(err))
+            return
+        try:
+            doc = export_rank(result, rank=self.spec.rank)
+        except Exception as e:  # reported to the caller, typed
+            log.exception("export failed")
+            self.channel.send("reply", id=request_id, ok=False, error=error_doc(e))
+            return
+        self._leases.add(lease)
+        log.info("exported as lease %s (%d outstanding)", lease, len(self._leases))
+        self.channel.send("reply", id=request_id, ok=True, value=doc)
+
+    def _free(self) -> None:
+        with self._lock:
+            result, self._result = self._result, None
+        nbytes = result.report.logical_bytes
+        if self._leases:
+            log.warning("unloading with %d export(s) not released: %s", len(self._leases), sorted(self._leases))
+        result.close()
+        del result
+        if "torch" in sys.modules:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        log.info("unloaded; freed %d bytes", nbytes)
+
+
+def _gpu_facts(device: str) -> dict[str, Any] | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "uuid": str(props.uuid), "total_memory": props.total_memory}
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry point of a worker process: load ``spec.rank``, report, keep the tensors until told to unload."""
+    # WorkerHandle.spawn started this interpreter with the variable set, so even CUDA initialised while the
+    # parent's main module was re-imported sees only this GPU; setting it again keeps os.environ truthful.
+    os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
+    configure_logging(spec.log_format, spec.log_level, rank=spec.rank)
+    _Worker(spec, _Channel(conn)).run()

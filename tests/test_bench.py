@@ -1,0 +1,55 @@
+"""Smoke test of the cold-start bench on a tiny model, CPU methods only (the GPU run is on the device)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gdsload.bench.coldstart import format_table
+from gdsload.loader import load_rank
+from gdsload.loader.synthetic import PRESETS, make_checkpoint, shape_for_size, tensor_shapes
+
+GDSLOAD = [sys.executable, "-m", "gdsload.server.cli"]
+
+
+def test_make_model_is_reproducible_and_llama_shaped(tmp_path):
+    a = make_checkpoint(tmp_path / "a", "tiny", tp=2)
+    b = make_checkpoint(tmp_path / "b", "tiny", tp=2)
+    for rank in (0, 1):
+        ta, tb = load_rank(a, rank).tensors, load_rank(b, rank).tensors
+        assert all(ta[k].view(-1).view(__import__("torch").int16).equal(tb[k].view(-1).view(__import__("torch").int16))
+                   for k in ta)
+    full = dict((n, s) for n, s, _ in tensor_shapes(PRESETS["tiny"]))
+    r0 = load_rank(a, 0).tensors
+    assert r0["model.layers.0.self_attn.q_proj.weight"].shape[0] * 2 == full["model.layers.0.self_attn.q_proj.weight"][0]
+    assert r0["model.layers.0.mlp.down_proj.weight"].shape[1] * 2 == full["model.layers.0.mlp.down_proj.weight"][1]
+    w = r0["model.layers.0.mlp.up_proj.weight"].float()
+    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+    eight = shape_for_size(9_080_000_000)
+    assert (eight.hidden, eight.layers) == (4096, 16)  # the 9.08 GB bench checkpoint: Llama-3-8B widths, 16 layers
+
+
+def test_bench_runs_end_to_end_on_cpu(tmp_path):
+    model = tmp_path / "m"
+    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--compress", "zstd"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "out"
+    p = subprocess.run([*GDSLOAD, "bench", str(model), "--compressed", f"{model}-zstd", "--device", "cpu",
+                        "--repeat", "1", "--warm", "--cold", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["methods"] == ["gdsload:cpu", "safetensors", "gdsload:cpu:compressed"]
+    logical = load_rank(model).report.logical_bytes
+    assert len(doc["runs"]) == 6 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
+    cold = [r for r in doc["runs"] if r["condition"] == "cold"]
+    assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
+    assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
+    table = format_table(doc)
+    assert "gdsload:cpu:compressed" in table and "cold" in table
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,189 @@
+"""GPU read engine and GPU codecs, checked against safetensors on a CUDA host (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import mixed_tensors
+from gdsload.loader import CodecError, load_rank, save_file
+from gdsload.loader.backends import AUTO_ORDER, IO_MODES
+from gdsload.loader.compress import compress_dir, compress_file
+from gdsload.loader.iomode import nvidia_fs_loaded
+from gdsload.loader.pagecache import evict, resident_fraction
+
+pytestmark = pytest.mark.gpu
+GPU_BACKENDS = ["pinned", "cufile", "fastsafetensors"]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _reference(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(safetensors.torch.load_file(str(f)))
+    return out
+
+
+def _check(result, ref: dict[str, torch.Tensor]) -> None:
+    assert set(result.tensors) == set(ref)
+    for name, t in ref.items():
+        got = result.tensors[name]
+        assert got.is_cuda and got.dtype == t.dtype and got.shape == t.shape, name
+        assert _bits(got) == _bits(t), name
+
+
+def _skip_if_missing(backend: str) -> None:
+    from gdsload.loader.backends import backend_class
+
+    reason = backend_class(backend).probe(torch.device("cuda"))
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_every_backend_is_bit_identical_to_safetensors(sharded_dir, backend):
+    _skip_if_missing(backend)
+    for rank in (0, 1):
+        result = load_rank(sharded_dir, rank, device="cuda", backend=backend)
+        ref = {k: v for k, v in _reference(sorted(sharded_dir.glob("*.safetensors"))).items() if k.startswith(f"r{rank}.")}
+        _check(result, ref)
+        assert result.report.backend == backend and len(result.report.files) == 2
+        for f in result.report.files:
+            assert f.io_mode in IO_MODES and f.io_mode != "cpu"
+            if f.io_mode == "gds":
+                assert nvidia_fs_loaded()
+
+
+@pytest.mark.parametrize("backend", ["pinned", "cufile"])
+def test_foreign_and_reference_written_files(tmp_path, backend):
+    _skip_if_missing(backend)
+    from test_load import _misaligned_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    _misaligned_file(foreign)
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(mixed_tensors(seed=9), str(theirs))
+    for path in (foreign, theirs):
+        res = load_rank(path, device="cuda", backend=backend)
+        _check(res, _reference([path]))
+    assert load_rank(foreign, device="cuda", backend=backend).report.files[0].copied_tensors == 3
+
+
+def test_pinned_reads_cold_files_with_o_direct(tmp_path):
+    _skip_if_missing("pinned")
+    d = tmp_path / "cold"  # tmp_path lies on the machine's disk, which accepts O_DIRECT
+    d.mkdir()
+    tensors = {f"w{i}": (0.02 * torch.randn(1000 + i, 333)).to(torch.bfloat16) for i in range(4)}
+    save_file(tensors, d / "model.safetensors")
+    files = [str(d / "model.safetensors")]
+    evict(files)
+    if resident_fraction(files) > 0.1:
+        pytest.skip("could not evict the file from the page cache here")
+    res = load_rank(d, device="cuda", backend="pinned", chunk_bytes=1 << 16)
+    assert res.report.files[0].direct_io
+    _check(res, tensors)
+    (d / "model.safetensors").read_bytes()  # O_DIRECT bypassed the cache: fill it by hand
+    warm = load_rank(d, device="cuda", backend="pinned")
+    assert not warm.report.files[0].direct_io  # cached now: read through the page cache
+    _check(warm, tensors)
+
+
+def test_auto_picks_pinned_without_gds_and_says_why(sharded_dir, caplog):
+    caplog.set_level(logging.INFO, logger="gdsload.loader.backends")
+    res = load_rank(sharded_dir, 0, device="cuda")
+    if nvidia_fs_loaded():
+        assert res.report.backend in AUTO_ORDER
+    else:
+        assert res.report.backend == "pinned"
+        assert "backend cufile skipped" in caplog.text
+
+
+def test_memory_returns_to_baseline_after_close(sharded_dir):
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    res = load_rank(sharded_dir, 1, device="cuda", backend="pinned")
+    assert torch.cuda.memory_allocated() > base
+    res.close()
+    del res
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+    # Pinned staging went back to the driver (the backend empties torch's host cache on close).
+    host = torch.cuda.host_memory_stats()
+    assert host.get("reserved_bytes.current", 0) == 0, dict(host)
+
+
+def _bench_like(tmp_path: Path) -> Path:
+    d = tmp_path / "w"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for part in range(2):
+        save_file({
+            f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+            f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
+            f"p{part}.fp8": torch.randn(1024, 512, generator=g).to(torch.float8_e4m3fn),
+            f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16),
+        }, d / f"model-rank-0-part-{part}.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("codec", ["ans", "gdeflate", "zstd"])
+@pytest.mark.parametrize("backend", ["pinned", "cufile"])
+def test_gpu_codecs_round_trip(tmp_path, codec, backend):
+    _skip_if_missing(backend)
+    src = _bench_like(tmp_path)
+    out = tmp_path / f"z-{codec}"
+    stats = compress_dir(src, out, codec=codec, device="cuda")
+    assert stats.compressed >= 6
+    if codec == "ans":
+        assert stats.per_dtype["BF16"][0] / stats.per_dtype["BF16"][1] > 1.35
+    res = load_rank(out, device="cuda", backend=backend, verify=True)
+    _check(res, _reference(sorted(src.glob("*.safetensors"))))
+    assert res.report.verified and res.report.stored_bytes < res.report.logical_bytes
+
+
+def test_gpu_zstd_frames_load_on_cpu_and_cpu_frames_on_gpu(tmp_path):
+    src = _bench_like(tmp_path)
+    ref = _reference(sorted(src.glob("*.safetensors")))
+    gpu_made, cpu_made = tmp_path / "g", tmp_path / "c"
+    compress_dir(src, gpu_made, codec="zstd", device="cuda")
+    compress_dir(src, cpu_made, codec="zstd", device="cpu")
+    on_cpu = load_rank(gpu_made, device="cpu", verify=True)
+    for k, v in ref.items():
+        assert _bits(on_cpu.tensors[k]) == _bits(v), k
+    _check(load_rank(cpu_made, device="cuda", verify=True), ref)
+
+
+def test_corrupt_ans_stream_is_caught_with_verify(tmp_path):
+    src = tmp_path / "s.safetensors"
+    save_file({"w": (0.02 * torch.randn(4096, 1024)).to(torch.bfloat16)}, src)
+    dst = tmp_path / "a.safetensors"
+    compress_file(src, dst, codec="ans", device="cuda")
+    from gdsload.loader import read_header
+
+    h = read_header(dst)
+    raw = bytearray(dst.read_bytes())
+    mid = h.data_offset + h["w"].start + h["w"].nbytes // 2
+    raw[mid : mid + 64] = bytes(64)
+    dst.write_bytes(bytes(raw))
+    with pytest.raises(CodecError, match="'w'"):
+        load_rank(dst, device="cuda", verify=True)
+
+
+def test_backends_agree_on_compressed_and_plain_rank(tmp_path, sharded_dir):
+    d = tmp_path / "copy"
+    shutil.copytree(sharded_dir, d)
+    a = load_rank(d, 1, device="cuda", backend="pinned")
+    b = load_rank(d, 1, device="cpu")
+    for k in a.tensors:
+        assert _bits(a.tensors[k]) == _bits(b.tensors[k]), k

@@ -1,0 +1,558 @@
+"""The sidecar end to end: ``gdsload serve`` in a subprocess on loopback, real checkpoints, real HTTP.
+
+The module-scoped server (two ranks, CPU) is driven through its life in file order: start and poll
+like an autoscaler, status and metrics, refused requests, IPC hand-off to another process, a killed
+worker, unload, reload to a second model, SIGTERM. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
+
+from gdsload.loader import read_header
+from gdsload.loader.result import PHASES
+from gdsload.loader.synthetic import LlamaShape, make_checkpoint
+
+TOKEN = "test-token-5f0c2a9e1d"
+_URL_RE = re.compile(r"listening on (http://[^\s\"]+:\d+)")
+
+
+class Server:
+    """``gdsload serve`` in a child process, its log in a file, an httpx client on its URL."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+        self.log_path = log_path
+        self.started = time.monotonic()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--host", "127.0.0.1", "--port", "0"],
+                stdout=log, stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+        self.url = self._wait_for_url(60)
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := _URL_RE.search(self.log()):
+                return m[1]
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            time.sleep(0.02)
+        raise AssertionError(f"server did not listen within {timeout} s:\n{self.log()}")
+
+    def poll_ready(self, timeout: float = 60, period: float = 0.05) -> list[tuple[int, dict[str, Any]]]:
+        """GET /readyz like an autoscaler until 200; every answer seen, in order."""
+        seen: list[tuple[int, dict[str, Any]]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self.http.get("/readyz", timeout=2)
+            seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                return seen
+            assert r.status_code == 503, r.text
+            time.sleep(period)
+        raise AssertionError(f"/readyz not 200 within {timeout} s; last {seen[-1]}\n{self.log()[-3000:]}")
+
+    def status(self) -> dict[str, Any]:
+        r = self.http.get("/v1/status")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def terminate(self, timeout: float = 30) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def rank_files(model: Path, rank: int) -> list[Path]:
+    return sorted(model.glob(f"model-rank-{rank}-part-*.safetensors"))
+
+
+def oracle_bytes(model: Path, rank: int) -> tuple[int, int]:
+    """(stored, logical) bytes of a rank, from the files themselves."""
+    stored = logical = 0
+    for f in rank_files(model, rank):
+        stored += read_header(f).data_len
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                logical += t.numel() * t.element_size()
+    return stored, logical
+
+
+def oracle_digests(model: Path, rank: int) -> dict[str, list[Any]]:
+    """name -> [dtype, shape, sha256 of the bytes], read by the reference safetensors library."""
+    import torch
+
+    out = {}
+    for f in rank_files(model, rank):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+    return out
+
+
+# An engine process: map the exported rank, describe every tensor.
+ENGINE = r"""
+import hashlib, json, sys
+import torch
+from gdsload.loader.ipc import import_rank
+doc = json.loads(sys.stdin.read())
+tensors = import_rank(doc)
+out = {}
+for name, t in tensors.items():
+    raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
+    out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+print(json.dumps({"device": str(next(iter(tensors.values())).device), "tensors": out}))
+"""
+
+
+def map_in_engine(doc: dict[str, Any]) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-c", ENGINE], input=json.dumps(doc), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@dataclass
+class Models:
+    root: Path
+    a: Path
+    b: Path
+    empty: Path
+    outside: Path
+    escape: Path
+    sneaky: Path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    root = tmp_path_factory.mktemp("models")
+    a = make_checkpoint(root / "model-a", "tiny", tp=2)
+    b = make_checkpoint(root / "model-b", LlamaShape(hidden=128, intermediate=344, heads=4, kv_heads=2, vocab=1024,
+                                                     layers=3), tp=2)
+    (root / "empty").mkdir()
+    outside = tmp_path_factory.mktemp("outside") / "model"
+    shutil.copytree(a, outside)
+    (root / "escape").symlink_to(outside, target_is_directory=True)  # a directory symlink out of the root
+    sneaky = root / "sneaky"  # a real directory inside the root whose rank-1 file links out of it
+    sneaky.mkdir()
+    for name in ("gdsload.json", "config.json", "model-rank-0-part-0.safetensors"):
+        shutil.copy(a / name, sneaky / name)
+    (sneaky / "model-rank-1-part-0.safetensors").symlink_to(outside / "model-rank-1-part-0.safetensors")
+    return Models(root, a, b, root / "empty", outside, root / "escape", sneaky)
+
+
+@pytest.fixture(scope="module")
+def server(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Model A, token from a file, allowed root; restart backoff and JSON logs from the environment."""
+    tmp = tmp_path_factory.mktemp("server")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    srv = Server([str(models.a), "--allow-root", str(models.root), "--token-file", str(token_file)], tmp / "serve.log",
+                 env={"GDSLOAD_RESTART_BACKOFF": "0.2", "GDSLOAD_LOG_FORMAT": "json", "GDSLOAD_STOP_TIMEOUT": "5"})
+    # What an operator sees in the first moments: the process answers while the ranks still load.
+    srv.first_health = srv.http.get("/healthz")
+    srv.first_health_after = time.monotonic() - srv.started
+    srv.first_status = srv.status()
+    srv.startup_polls = srv.poll_ready()
+    yield srv
+    srv.close()
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+
+
+def test_answers_while_loading_then_ready(server: Server):
+    assert server.first_health.status_code == 200 and server.first_health.json()["status"] == "alive"
+    assert server.first_status["state"] in ("loading", "ready")
+    codes = [code for code, _ in server.startup_polls]
+    assert codes[-1] == 200 and set(codes) <= {200, 503}
+    if server.first_status["state"] == "loading":  # the usual case: the API is up before the workers
+        assert codes[0] == 503
+        assert server.startup_polls[0][1]["ranks"].get("0") in (None, "pending", "loading")
+    assert server.first_status["model"]["path"] == server.startup_polls[-1][1]["model"]
+    assert server.startup_polls[-1][1] == {"ready": True, "model": server.first_status["model"]["path"],
+                                           "generation": 1, "ranks": {"0": "ready", "1": "ready"}}
+
+
+def test_status_reports_every_rank(server: Server, models: Models):
+    s = server.status()
+    assert s["state"] == "ready" and s["ready"] and s["error"] is None
+    assert s["model"]["path"] == str(models.a) and s["model"]["tp_size"] == 2 and s["model"]["source"] == "manifest"
+    assert 0 < s["process"]["time_to_ready_s"] <= s["process"]["uptime_s"]
+    assert 0 < s["load"]["time_to_ready_s"] <= s["process"]["time_to_ready_s"]
+    assert s["config"]["auth"] == "token" and "token" not in s["config"]
+    for rank in (0, 1):
+        r = s["ranks"][str(rank)]
+        stored, logical = oracle_bytes(models.a, rank)
+        assert r["state"] == "ready" and r["error"] is None
+        assert r["device"] == "cpu" and r["cuda_visible_devices"] == "" and r["backend"] == "cpu"
+        assert r["io_mode"] == "cpu"
+        assert r["files"] == [f.name for f in rank_files(models.a, rank)]
+        assert (r["stored_bytes"], r["logical_bytes"], r["bytes_done"]) == (stored, logical, stored)
+        assert set(r["phases"]) == set(PHASES) and all(v >= 0 for v in r["phases"].values())
+        assert r["seconds"] == pytest.approx(sum(r["phases"].values())) and r["gbps"] > 0
+        assert r["restarts"] == 0 and r["failures"] == 0 and r["leases"] == 0
+        assert psutil.Process(r["pid"]).ppid() == server.proc.pid  # one worker process per rank
+    assert s["ranks"]["0"]["pid"] != s["ranks"]["1"]["pid"]
+
+
+def test_metrics(server: Server, models: Models):
+    r = server.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = metric_values(r.text)
+    assert m[("gdsload_ready", ())] == 1.0
+    status = server.status()
+    for rank in ("0", "1"):
+        rs = status["ranks"][rank]
+        assert m[("gdsload_rank_ready", (("rank", rank),))] == 1.0
+        assert m[("gdsload_rank_state", (("rank", rank), ("state", "ready")))] == 1.0
+        assert m[("gdsload_rank_state", (("rank", rank), ("state", "failed")))] == 0.0
+        for phase in PHASES:
+            assert m[("gdsload_load_phase_seconds", (("phase", phase), ("rank", rank)))] == pytest.approx(rs["phases"][phase])
+        assert m[("gdsload_load_bytes", (("kind", "logical"), ("rank", rank)))] == rs["logical_bytes"]
+        assert m[("gdsload_load_bytes", (("kind", "stored"), ("rank", rank)))] == rs["stored_bytes"]
+        assert m[("gdsload_load_throughput_bytes_per_second", (("rank", rank),))] == pytest.approx(rs["gbps"] * 1e9)
+    assert m[("gdsload_time_to_ready_seconds", (("scope", "process"),))] == pytest.approx(status["process"]["time_to_ready_s"])
+    assert ("gdsload_worker_restarts_total", (("rank", "0"),)) not in m  # nothing restarted yet
+    assert ("process_cpu_seconds_total", ()) in m
+
+
+def test_openapi_documents_the_api(server: Server):
+    paths = server.http.get("/openapi.json").json()["paths"]
+    assert {"/healthz", "/readyz", "/v1/status", "/metrics", "/v1/reload", "/v1/unload", "/v1/ipc/{rank}",
+            "/v1/ipc/{rank}/release"} <= set(paths)
+    assert server.http.get("/docs").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+PROTECTED = [
+    ("POST", "/v1/reload", {"model_dir": "/nonexistent"}),
+    ("POST", "/v1/unload", None),
+    ("GET", "/v1/ipc/0", None),
+    ("POST", "/v1/ipc/0/release", {"lease": "0" * 32}),
+]
+
+
+@pytest.mark.parametrize("method, path, body", PROTECTED)
+def test_token_required(server: Server, method: str, path: str, body: dict[str, Any] | None):
+    for headers in ({}, auth("wrong-token"), {"Authorization": f"Basic {TOKEN}"}, {"Authorization": TOKEN}):
+        r = server.http.request(method, path, json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        assert r.json()["error"]["type"] == "UnauthorizedError"
+    assert server.http.get("/readyz").status_code == 200  # nothing happened
+
+
+def test_model_paths_confined_to_allowed_roots(server: Server, models: Models):
+    cases = {
+        "/etc": "outside the allowed roots",
+        str(models.root / ".." / models.outside.parent.name / "model"): "outside the allowed roots",
+        str(models.escape): f"resolves to {str(models.outside)!r}",
+        str(models.sneaky): "model-rank-1-part-0.safetensors",
+    }
+    for path, words in cases.items():
+        r = server.http.post("/v1/reload", json={"model_dir": path}, headers=auth())
+        assert r.status_code == 403, (path, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "PathNotAllowedError" and words in err["message"], err
+    s = server.status()
+    assert s["ready"] and s["generation"] == 1 and s["model"]["path"] == str(models.a)
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"model_dir": "relative/model"},
+    {"model_dir": "/models/a\u0000b"},
+    {"model_dir": "/m", "surprise": 1},
+    {"model_dir": "/m", "ranks": ["0"]},
+    {"model_dir": "/m", "ranks": [-1]},
+    {"model_dir": "/m", "ranks": []},
+    {"model_dir": "/m", "wait_s": -1},
+    {"model_dir": "/m", "wait_s": 601},
+    {"model_dir": "/m", "force": "yes"},
+    {"model_dir": 7},
+    ["/m"],
+])
+def test_invalid_bodies_are_422(server: Server, body: Any):
+    r = server.http.post("/v1/reload", json=body, headers=auth())
+    assert r.status_code == 422, r.text
+
+
+def test_other_malformed_requests(server: Server):
+    r = server.http.post("/v1/reload", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 422
+    r = server.http.post("/v1/reload", content=b"x" * (65 << 10), headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLarge"
+    assert server.http.post("/v1/unload", json={"wait_s": "soon"}, headers=auth()).status_code == 422
+    assert server.http.post("/v1/ipc/0/release", json={"lease": "not-a-lease"}, headers=auth()).status_code == 422
+    assert server.http.get("/v1/ipc/zero", headers=auth()).status_code == 422
+    r = server.http.get("/v1/ipc/7", headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["type"] == "UnknownRankError"
+
+
+def test_bad_reload_target_keeps_the_current_model(server: Server, models: Models):
+    r = server.http.post("/v1/reload", json={"model_dir": str(models.empty)}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["type"] == "NoFilesForRankError"
+    assert str(models.empty) in r.json()["error"]["message"]
+    r = server.http.post("/v1/reload", json={"model_dir": str(models.b), "ranks": [0, 5]}, headers=auth())
+    assert r.status_code == 400 and "No files for rank 5" in r.json()["error"]["message"]
+    s = server.status()
+    assert s["ready"] and s["generation"] == 1 and s["model"]["path"] == str(models.a)
+
+
+# ---------------------------------------------------------------------------------------------- IPC hand-off
+
+
+def test_ipc_export_maps_in_another_process(server: Server, models: Models):
+    r = server.http.get("/v1/ipc/1", headers=auth())
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["kind"] == "cpu" and doc["rank"] == 1 and re.fullmatch(r"[0-9a-f]{32}", doc["lease"])
+    assert {t["name"] for t in doc["tensors"]} == set(oracle_digests(models.a, 1))
+    engine = map_in_engine(doc)
+    assert engine["device"] == "cpu"
+    assert engine["tensors"] == oracle_digests(models.a, 1)  # the engine sees the files' bytes, bit for bit
+    assert server.status()["ranks"]["1"]["leases"] == 1
+
+    # The memory stays valid until released: unload and reload are refused meanwhile, clearly.
+    for path, body in (("/v1/unload", None), ("/v1/reload", {"model_dir": str(models.b)})):
+        r = server.http.post(path, json=body, headers=auth())
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["type"] == "ExportsOutstandingError" and doc["lease"] in r.json()["error"]["message"]
+    r = server.http.post("/v1/unload", json={"wait_s": 0.3}, headers=auth())
+    assert r.status_code == 409
+
+    r = server.http.post("/v1/ipc/1/release", json={"lease": "f" * 32}, headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["type"] == "UnknownLeaseError"
+    r = server.http.post("/v1/ipc/1/release", json={"lease": doc["lease"]}, headers=auth())
+    assert r.status_code == 200 and r.json() == {"released": [doc["lease"]], "rank": 1, "outstanding": 0}
+    assert server.http.post("/v1/ipc/1/release", json={"lease": doc["lease"]}, headers=auth()).status_code == 404
+
+    # An engine that does not keep lease ids releases everything it took from a rank with an empty body.
+    leases = [server.http.get("/v1/ipc/0", headers=auth()).json()["lease"] for _ in range(2)]
+    r = server.http.post("/v1/ipc/0/release", json={}, headers=auth())
+    assert r.status_code == 200 and sorted(r.json()["released"]) == sorted(leases)
+    assert server.status()["leases"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+def test_killed_worker_is_restarted_and_other_ranks_keep_their_tensors(server: Server):
+    before = server.status()["ranks"]
+    victim = before["1"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    seen: list[tuple[int, dict[str, Any]]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # 503 while rank 1 is down, then 200 again
+        r = server.http.get("/readyz")
+        seen.append((r.status_code, r.json()))
+        if r.status_code == 200 and any(code == 503 for code, _ in seen):
+            break
+        time.sleep(0.02)
+    codes = [code for code, _ in seen]
+    assert 503 in codes and codes[-1] == 200, codes
+    assert {doc["ranks"]["1"] for code, doc in seen if code == 503} <= {"failed", "pending", "loading"}
+    assert all(doc["ranks"]["0"] == "ready" for _, doc in seen)
+
+    after = server.status()["ranks"]
+    assert after["1"]["pid"] != victim and not psutil.pid_exists(victim)
+    assert after["1"]["restarts"] == 1 and after["1"]["failures"] == 1 and after["1"]["error"] is None
+    crash = after["1"]["last_error"]
+    assert crash["type"] == "WorkerCrashedError" and "SIGKILL" in crash["message"] and "restarting in" in crash["message"]
+    assert (after["0"]["pid"], after["0"]["ready_at"], after["0"]["restarts"]) == \
+           (before["0"]["pid"], before["0"]["ready_at"], 0)  # rank 0 was never touched
+    m = metric_values(server.http.get("/metrics").text)
+    assert m[("gdsload_worker_restarts_total", (("rank", "1"),))] == 1.0
+    assert m[("gdsload_load_failures_total", (("rank", "1"),))] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- unload, reload, stop
+
+
+def test_unload_frees_the_workers(server: Server, models: Models):
+    pids = [r["pid"] for r in server.status()["ranks"].values()]
+    r = server.http.post("/v1/unload", headers=auth())
+    assert r.status_code == 200 and r.json()["unloaded"] == str(models.a)
+    assert not any(psutil.pid_exists(p) for p in pids)  # unload returns once the workers are gone
+    r = server.http.get("/readyz")
+    assert r.status_code == 503 and r.json()["model"] is None and r.json()["ranks"] == {}
+    s = server.status()
+    assert s["state"] == "unloaded" and s["ranks"] == {} and s["model"] is None
+    assert server.http.get("/healthz").status_code == 200
+
+
+def test_reload_to_a_second_model(server: Server, models: Models):
+    r = server.http.post("/v1/reload", json={"model_dir": str(models.b)}, headers=auth())
+    assert r.status_code == 202, r.text
+    assert r.json()["model"] == str(models.b) and r.json()["ranks"] == [0, 1]
+    generation = r.json()["generation"]
+    polls = server.poll_ready()
+    assert polls[-1][1]["model"] == str(models.b) and polls[-1][1]["generation"] == generation
+    s = server.status()
+    assert s["model"]["path"] == str(models.b) and s["load"]["time_to_ready_s"] > 0
+    for rank in (0, 1):
+        stored, logical = oracle_bytes(models.b, rank)
+        assert (s["ranks"][str(rank)]["stored_bytes"], s["ranks"][str(rank)]["logical_bytes"]) == (stored, logical)
+    assert (s["ranks"]["0"]["restarts"], s["ranks"]["1"]["restarts"]) == (0, 1)  # per rank, across models
+    doc = server.http.get("/v1/ipc/0", headers=auth()).json()
+    assert {t["name"] for t in doc["tensors"]} == set(oracle_digests(models.b, 0))
+    server.http.post("/v1/ipc/0/release", json={"lease": doc["lease"]}, headers=auth())
+
+
+def test_sigterm_stops_workers_and_exits_cleanly(server: Server):
+    pids = [r["pid"] for r in server.status()["ranks"].values()]
+    assert pids and all(psutil.pid_exists(p) for p in pids)
+    assert server.terminate() == 0
+    assert not any(psutil.pid_exists(p) for p in pids)
+    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    assert lines and all({"ts", "level", "logger", "message", "pid"} <= set(x) for x in lines)  # GDSLOAD_LOG_FORMAT=json
+    messages = [x["message"] for x in lines]
+    assert "all workers stopped" in messages and messages[-1] == "stopped"
+    assert any(x.get("rank") == 1 and "unloaded; freed" in x["message"] for x in lines)  # workers log, tagged
+
+
+# ---------------------------------------------------------------------------------------------- bad models
+
+
+def test_bad_model_dir_is_a_failed_state_not_a_dead_server(tmp_path: Path):
+    srv = Server([str(tmp_path / "no-such-model"), "--tp", "2"], tmp_path / "serve.log")
+    try:
+        assert srv.http.get("/healthz").status_code == 200
+        r = srv.http.get("/readyz")
+        deadline = time.monotonic() + 30
+        while r.json().get("reason") == "starting" and time.monotonic() < deadline:  # discovery not yet run
+            time.sleep(0.05)
+            r = srv.http.get("/readyz")
+        assert r.status_code == 503 and "NoFilesForRankError" in r.json()["reason"]
+        s = srv.status()
+        assert s["state"] == "failed" and s["error"]["type"] == "NoFilesForRankError"
+        assert "does not exist" in s["error"]["message"] and "no-such-model" in s["error"]["message"]
+        assert {k: v["state"] for k, v in s["ranks"].items()} == {"0": "failed", "1": "failed"}
+        # Without a token, mutating and hand-off endpoints say how to configure one.
+        for method, path, body in PROTECTED:
+            r = srv.http.request(method, path, json=body, headers=auth())
+            assert r.status_code == 403 and r.json()["error"]["type"] == "TokenNotConfiguredError"
+            assert "GDSLOAD_TOKEN" in r.json()["error"]["message"]
+        assert srv.terminate() == 0
+    finally:
+        srv.close()
+
+
+def test_corrupt_rank_fails_typed_and_is_not_restarted(models: Models, tmp_path: Path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(models.a, corrupt)
+    victim = corrupt / "model-rank-1-part-0.safetensors"
+    os.truncate(victim, victim.stat().st_size // 2)
+    srv = Server([str(corrupt)], tmp_path / "serve.log", env={"GDSLOAD_RESTART_BACKOFF": "0.1"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = srv.status()["ranks"]
+            if ranks and ranks["0"]["state"] == "ready" and ranks["1"]["state"] == "failed":
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # a restart would show by now
+        s = srv.status()
+        r1 = s["ranks"]["1"]
+        assert s["ranks"]["0"]["state"] == "ready" and r1["state"] == "failed" and s["state"] == "failed"
+        assert r1["error"]["type"] in ("TruncatedFileError", "HeaderError"), r1["error"]
+        assert "model-rank-1-part-0.safetensors" in r1["error"]["message"]
+        assert r1["restarts"] == 0 and r1["failures"] == 1 and r1["pid"] is None
+        r = srv.http.get("/readyz")
+        assert r.status_code == 503 and r.json()["ranks"] == {"0": "ready", "1": "failed"}
+        m = metric_values(srv.http.get("/metrics").text)
+        assert m[("gdsload_ready", ())] == 0.0 and m[("gdsload_load_failures_total", (("rank", "1"),))] == 1.0
+        assert srv.terminate() == 0
+    finally:
+        srv.close()
+
+
+def test_contradicting_flags_fail_at_start():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", "/m", "--ranks", "0-1", "--tp", "2"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2 and "either --ranks or --tp" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: Path):
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = visible.split(",")[0].strip() if visible else "0"
+    srv = Server([str(models.a), "--ranks", "0"], tmp_path / "serve.log", env={"GDSLOAD_TOKEN": TOKEN})
+    try:
+        srv.poll_ready(timeout=120)
+        r0 = srv.status()["ranks"]["0"]
+        assert r0["device"] == "cuda:0" and r0["cuda_visible_devices"] == first
+        assert r0["gpu"]["uuid"] == str(torch.cuda.get_device_properties(0).uuid)  # our cuda:0 is its only GPU
+        assert r0["io_mode"] in ("gds", "p2pdma", "compat", "posix")
+        doc = srv.http.get("/v1/ipc/0", headers=auth()).json()
+        assert doc["kind"] == "cuda"
+        engine = map_in_engine(doc)
+        assert engine["device"].startswith("cuda") and engine["tensors"] == oracle_digests(models.a, 0)
+        srv.http.post("/v1/ipc/0/release", json={"lease": doc["lease"]}, headers=auth())
+        pid = r0["pid"]
+        assert srv.terminate() == 0
+        assert not psutil.pid_exists(pid)
+        smi = shutil.which("nvidia-smi")
+        if smi:  # the worker's CUDA context is gone with it
+            out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30).stdout
+            assert str(pid) not in out.split()
+    finally:
+        srv.close()

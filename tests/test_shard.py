@@ -1,0 +1,588 @@
+"""``gdsload shard``: tiny transformers models sharded at tp=1,2,4, reassembled, compared bit for bit.
+
+The reference is transformers itself: each model is built with random weights (norms and biases
+included, so a wrong split can't hide behind ones and zeros), saved with ``save_pretrained`` as
+a multi-file safetensors checkpoint, and its logits are the oracle for the reassembled weights.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover, load_rank, read_header
+from gdsload.loader import format as fmt
+from gdsload.loader.shard import (
+    PARTIAL_DIR,
+    CheckpointError,
+    OutputExistsError,
+    ShardConfigError,
+    ShardOptions,
+    ShardWriteError,
+    SourceNotFoundError,
+    UnsupportedModelError,
+    UnsupportedSourceError,
+    execute_plan,
+    plan_shard,
+    shard_checkpoint,
+)
+
+transformers = pytest.importorskip("transformers")
+
+# name -> (config class, config kwargs). Sizes make every rule fire somewhere: GQA with fewer KV
+# heads than tp (replication), MQA, KV heads split evenly, tied and untied embeddings, vocabularies
+# that are not multiples of 64 (padding), explicit head_dim != hidden/heads, all bias kinds.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa-tied": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                           num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
+                                           tie_word_embeddings=True)),
+    "llama-bias-untied": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                              num_key_value_heads=4, num_hidden_layers=2, vocab_size=1000,
+                                              tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+    "mistral-mqa": ("MistralConfig", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=1, head_dim=16, num_hidden_layers=2,
+                                          vocab_size=700, tie_word_embeddings=False)),
+    "qwen2-tied": ("Qwen2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
+                                       tie_word_embeddings=True)),
+}
+TOKENS = torch.tensor([[1, 5, 99, 650, 42, 3, 299, 17]])  # < every vocab_size
+
+
+def build_model(kind: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A transformers model of ``kind`` with every parameter random (seeded)."""
+    cls_name, kwargs = MODELS[kind]
+    config = getattr(transformers, cls_name)(max_position_embeddings=64, attn_implementation="eager", **kwargs)
+    model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+    torch.manual_seed(sum(map(ord, kind)))
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p, dtype=torch.float32))
+            else:
+                p.copy_(0.05 * torch.randn_like(p, dtype=torch.float32))
+    return model
+
+
+def logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def source_tensors(src: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(str(f)))
+    return out
+
+
+def model_from(kind: str, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A fresh model of ``kind`` with exactly ``state`` as its weights (tied lm_head follows embed)."""
+    model = build_model(kind, dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """kind -> (HF checkpoint directory, reference logits). Multi-file, with tokenizer files."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in MODELS:
+        model = build_model(kind)
+        path = root / kind
+        model.save_pretrained(path, max_shard_size="60KB")
+        (path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+        (path / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+        (path / "pytorch_model.bin.md").write_text("not copied")
+        out[kind] = (path, logits(model))
+    return out
+
+
+def read_rank(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    """One rank through the reference reader (safetensors), not ours."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob(f"model-rank-{rank}-part-*.safetensors")):
+        tensors.update(safetensors.torch.load_file(str(f)))
+    return tensors
+
+
+def dequantized(t: torch.Tensor, scale: torch.Tensor, k: int, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Piece ``k`` of rank tensor ``t`` (already narrowed) in fp32, with its scale."""
+    if scale.dim() == 0:
+        s = scale
+    elif scale.dim() == 1:  # vLLM per-tensor: one scale per fused piece
+        s = scale[k]
+    else:  # per-channel [rows, 1]
+        s = scale if rows is None else scale[rows[0] : rows[1]]
+    return t.float() * s
+
+
+def reassemble(out: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Rebuild every source tensor from the rank files, following the plan in gdsload.json.
+
+    Checks on the way: every element is covered, replicas agree, padding rows are zero. FP8
+    weights come back dequantized to fp32.
+    """
+    manifest = Manifest.read(out)
+    plan = manifest.extra["shard"]["tensors"]
+    ranks = [load_rank(out, r).tensors for r in range(manifest.tp_size)]
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for name, entry in plan.items():
+        if entry["op"] not in ("copy", "fp8"):
+            continue
+        dim = entry["dim"]
+        for r, pieces in enumerate(entry["ranks"]):
+            t = ranks[r][name]
+            scale = ranks[r][name + "_scale"] if entry["op"] == "fp8" else None
+            offset = 0
+            for k, (si, a, b) in enumerate(pieces):
+                src = entry["sources"][si]
+                if dim is None:
+                    piece, rows, place = t, None, (slice(None),)
+                else:
+                    piece = t.narrow(dim, offset, b - a)
+                    rows = (offset, offset + b - a) if dim == 0 else None
+                    place = (slice(a, b),) if dim == 0 else (slice(None), slice(a, b))
+                if scale is not None:
+                    piece = dequantized(piece, scale, k, rows)
+                if src not in full:
+                    full[src] = torch.zeros(shapes[src], dtype=piece.dtype)
+                    seen[src] = torch.zeros(shapes[src], dtype=torch.bool)
+                prev = seen[src][place]
+                assert torch.equal(full[src][place][prev], piece[prev]), f"replicas of {src} differ (rank {r})"
+                full[src][place] = piece
+                seen[src][place] = True
+                offset += b - a
+            pad = entry.get("pad", [0] * len(entry["ranks"]))[r]
+            if pad:
+                assert not t.narrow(0, t.shape[0] - pad, pad).float().any(), f"{name} rank {r}: padding not zero"
+    for src, mask in seen.items():
+        assert mask.all(), f"{src}: not every element was written by some rank"
+    return full
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hf_layout_reassembles_to_identical_logits(checkpoints, tmp_path, kind, tp):
+    src, ref_logits = checkpoints[kind]
+    result = shard_checkpoint(src, tmp_path / "out", tp=tp, layout="hf", max_file_bytes=40_000)
+    assert result.total_bytes > 0 and not result.resumed_files
+    original = source_tensors(src)
+    rebuilt = reassemble(tmp_path / "out", {k: tuple(v.shape) for k, v in original.items()})
+    assert rebuilt.keys() == original.keys()
+    for name, t in original.items():
+        assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
+    assert torch.equal(logits(model_from(kind, rebuilt)), ref_logits)
+
+
+def vllm_expected(kind: str, tp: int, quant: bool = False) -> dict[str, tuple[int, ...]]:
+    """vLLM's per-rank parameter names and shapes for these models, written out independently."""
+    cfg = MODELS[kind][1]
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    d = cfg.get("head_dim", h // heads)
+    vp = -(-cfg["vocab_size"] // 64) * 64
+    qkv_rows = (heads // tp + 2 * max(1, kv // tp)) * d
+    qkv_bias = kind.startswith("qwen2") or cfg.get("attention_bias", False)
+    out: dict[str, tuple[int, ...]] = {"lm_head.weight": (vp // tp, h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        out["model.embed_tokens.weight"] = (vp // tp, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.qkv_proj.weight": (qkv_rows, h), p + "self_attn.o_proj.weight": (h, heads // tp * d),
+                p + "mlp.gate_up_proj.weight": (2 * inter // tp, h), p + "mlp.down_proj.weight": (h, inter // tp)}
+        if qkv_bias:
+            out[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if cfg.get("attention_bias", False):
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.get("mlp_bias", False):
+            out[p + "mlp.gate_up_proj.bias"] = (2 * inter // tp,)
+            out[p + "mlp.down_proj.bias"] = (h,)
+        if quant:
+            for s in ("q_scale", "k_scale", "v_scale", "prob_scale"):
+                out[p + "self_attn.attn." + s] = ()
+            out[p + "self_attn.qkv_proj.weight_scale"] = (3,)
+            out[p + "self_attn.o_proj.weight_scale"] = (1,)
+            out[p + "mlp.gate_up_proj.weight_scale"] = (2,)
+            out[p + "mlp.down_proj.weight_scale"] = (1,)
+    return out
+
+
+def unfuse_vllm(kind: str, tp: int, ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF tensors from vLLM-layout ranks, by vLLM's rules (not by our manifest)."""
+    cfg = MODELS[kind][1]
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    d = cfg.get("head_dim", h // heads)
+    q_rows, kv_rows = heads // tp * d, max(1, kv // tp) * d
+    replicas = max(1, tp // kv)
+    out: dict[str, torch.Tensor] = {}
+    vocab = cfg["vocab_size"]
+    lm = torch.cat([r["lm_head.weight"] for r in ranks])
+    assert not lm[vocab:].float().any(), "vocab padding rows must be zero"
+    out["lm_head.weight"] = lm[:vocab]
+    if not cfg["tie_word_embeddings"]:
+        out["model.embed_tokens.weight"] = torch.cat([r["model.embed_tokens.weight"] for r in ranks])[:vocab]
+    else:
+        out["model.embed_tokens.weight"] = out.pop("lm_head.weight")
+    for name in ranks[0]:
+        if "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")):
+            assert all(torch.equal(r[name], ranks[0][name]) for r in ranks), f"{name} must be replicated"
+            out[name] = ranks[0][name]
+    for i in range(cfg["num_hidden_layers"]):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for suffix in ("weight", "bias"):
+            if a + "qkv_proj." + suffix not in ranks[0]:
+                continue
+            parts = [r[a + "qkv_proj." + suffix].split([q_rows, kv_rows, kv_rows]) for r in ranks]
+            out[a + "q_proj." + suffix] = torch.cat([p[0] for p in parts])
+            for j, x in ((1, "k"), (2, "v")):
+                # rank r holds KV head group r // replicas; every replica must be identical
+                groups = [parts[g * replicas][j] for g in range(tp // replicas)]
+                for r in range(tp):
+                    assert torch.equal(parts[r][j], groups[r // replicas]), f"{x} replica on rank {r}"
+                out[a + f"{x}_proj." + suffix] = torch.cat(groups)
+        out[a + "o_proj.weight"] = torch.cat([r[a + "o_proj.weight"] for r in ranks], dim=1)
+        for suffix in ("weight", "bias"):
+            if m + "gate_up_proj." + suffix in ranks[0]:
+                parts = [r[m + "gate_up_proj." + suffix].split([inter // tp] * 2) for r in ranks]
+                out[m + "gate_proj." + suffix] = torch.cat([p[0] for p in parts])
+                out[m + "up_proj." + suffix] = torch.cat([p[1] for p in parts])
+        out[m + "down_proj.weight"] = torch.cat([r[m + "down_proj.weight"] for r in ranks], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vllm_layout_names_shapes_and_unfused_originals(checkpoints, tmp_path, kind, tp):
+    src, ref_logits = checkpoints[kind]
+    shard_checkpoint(src, tmp_path / "out", tp=tp, layout="vllm")
+    ranks = [read_rank(tmp_path / "out", r) for r in range(tp)]
+    expected = vllm_expected(kind, tp)
+    for r, tensors in enumerate(ranks):
+        assert {k: tuple(v.shape) for k, v in tensors.items()} == expected, f"rank {r}"
+    original = source_tensors(src)
+    rebuilt = unfuse_vllm(kind, tp, ranks)
+    assert rebuilt.keys() == original.keys()
+    for name, t in original.items():
+        assert torch.equal(rebuilt[name], t), name
+    assert torch.equal(logits(model_from(kind, rebuilt)), ref_logits)
+
+
+def test_vllm_files_follow_the_sharded_state_pattern_and_alignment(checkpoints, tmp_path):
+    src, _ = checkpoints["llama-bias-untied"]
+    result = shard_checkpoint(src, tmp_path / "out", tp=2, max_file_bytes=30_000)
+    assert all(len(files) > 1 for files in result.files.values()), "small max_file_bytes must split parts"
+    for rank, files in result.files.items():
+        assert files == [f"model-rank-{rank}-part-{p}.safetensors" for p in range(len(files))]
+        for name in files:
+            header = read_header(tmp_path / "out" / name)
+            assert header.data_aligned and not header.misaligned()
+            if len(header.tensors) > 1:
+                assert header.data_len <= 30_000, name
+            assert header.metadata["format"] == "pt"
+    # discovery without the manifest sees what vLLM's glob sees
+    (tmp_path / "out" / "gdsload.json").rename(tmp_path / "manifest.json")
+    found = discover(tmp_path / "out", rank=1)
+    assert found.source == "vllm" and found.tp_size == 2 and len(found.files) == len(result.files[1])
+
+
+def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_path):
+    src, _ = checkpoints["llama-gqa-tied"]
+    shard_checkpoint(src, tmp_path / "out", tp=4, layout="hf")
+    out = tmp_path / "out"
+    manifest = Manifest.read(out)
+    shard = manifest.extra["shard"]
+    assert manifest.layout == "hf" and manifest.tp_size == 4
+    assert shard["padded_vocab_size"] == 1024 and shard["kv_head_replicas"] == 2 and shard["quantize"] is None
+    k = shard["tensors"]["model.layers.0.self_attn.k_proj.weight"]
+    assert k["split"] == "column" and k["ranks"] == [[[0, 0, 8]], [[0, 0, 8]], [[0, 8, 16]], [[0, 8, 16]]]
+    emb = shard["tensors"]["model.embed_tokens.weight"]
+    assert emb["split"] == "vocab" and emb["pad"] == [0, 0, 0, 24] and emb["ranks"][3] == [[0, 768, 1000]]
+    assert "lm_head.weight" not in shard["tensors"]  # tied: HF names keep only the embedding
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert not (out / "pytorch_model.bin.md").exists() and not (out / PARTIAL_DIR).exists()
+    assert all(f.digest and f.digest.startswith("sha256:") for fs in manifest.ranks.values() for f in fs)
+    load_rank(out, 3, verify=True)
+
+
+def test_writer_factory_sees_every_tensor_in_writer_order(checkpoints, tmp_path):
+    """The hook a compressing writer plugs into: one call per tensor, after slicing/quantizing."""
+    src, _ = checkpoints["qwen2-tied"]
+    seen: list[tuple[str, torch.dtype]] = []
+
+    class Recording(fmt.AlignedWriter):
+        def write(self, name: str, tensor: torch.Tensor) -> None:
+            seen.append((name, tensor.dtype))
+            super().write(name, tensor)
+
+    plan = plan_shard(src, ShardOptions(tp=2, quantize="fp8"))
+    execute_plan(plan, tmp_path / "out", writer_factory=Recording)
+    assert len(seen) == sum(len(f.specs) for f in plan.files)
+    assert ("model.layers.0.self_attn.qkv_proj.weight", torch.float8_e4m3fn) in seen
+    assert ("model.layers.0.self_attn.qkv_proj.bias", torch.bfloat16) in seen
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _fails(fn: Any, exc: type[BaseException], *fragments: str) -> BaseException:
+    with pytest.raises(exc) as info:
+        fn()
+    assert isinstance(info.value, GdsloadError)
+    for frag in fragments:
+        assert frag in str(info.value), (frag, str(info.value))
+    return info.value
+
+
+def test_tp_not_dividing_heads_names_the_numbers(checkpoints, tmp_path):
+    src, _ = checkpoints["llama-gqa-tied"]
+    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=3), ShardConfigError,
+           "tp=3", "num_attention_heads=8 is not divisible by tp=3",
+           "tp=3 is not a multiple of num_key_value_heads=2",
+           "TP sizes that work for this model: 1, 2, 4, 8", "config.json")
+    src, _ = checkpoints["llama-bias-untied"]  # 8 heads, 4 KV heads: tp=8 would need 8/4=2 replicas: fine
+    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=16), ShardConfigError,
+           "num_attention_heads=8 is not divisible by tp=16")
+    assert not (tmp_path / "out").exists()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture(checkpoints, tmp_path):
+    bad = _copy(checkpoints["llama-gqa-tied"][0], tmp_path / "gpt2")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), UnsupportedModelError,
+           "'GPT2LMHeadModel'", "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", str(bad / "config.json"))
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama",
+               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), UnsupportedModelError, "already quantized")
+    assert not (tmp_path / "out").exists()
+
+
+def _drop_tensor(ckpt: Path, name: str) -> str:
+    for f in sorted(ckpt.glob("*.safetensors")):
+        tensors = safetensors.torch.load_file(str(f))
+        if name in tensors:
+            del tensors[name]
+            safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+            return f.name
+    raise AssertionError(name)
+
+
+def test_missing_tensor_and_missing_shard_file(checkpoints, tmp_path):
+    bad = _copy(checkpoints["llama-bias-untied"][0], tmp_path / "missing")
+    _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight")
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), CheckpointError,
+           "'model.layers.1.mlp.up_proj.weight'", "lacks 1 tensor", "incomplete")
+    gone = sorted(bad.glob("model-*.safetensors"))[-1]
+    gone.unlink()
+    err = _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceNotFoundError,
+                 repr(gone.name), "model.safetensors.index.json", "download is incomplete")
+    assert isinstance(err, FileNotFoundError)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shape_mismatch_names_tensor_and_config(checkpoints, tmp_path):
+    bad = _copy(checkpoints["mistral-mqa"][0], tmp_path / "wrong")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), CheckpointError,
+           "'model.layers.0.mlp.gate_proj.weight' has shape [64, 48]", "implies [128, 48]", "intermediate_size=128")
+
+
+def test_non_safetensors_sources(tmp_path, checkpoints):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(checkpoints["llama-gqa-tied"][0] / "config.json", pickled)
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    err = _fails(lambda: shard_checkpoint(pickled, tmp_path / "out", tp=1), UnsupportedSourceError,
+                 "'pytorch_model.bin'", "reads only safetensors", "save_pretrained")
+    assert isinstance(err, ValueError)
+    _fails(lambda: shard_checkpoint(tmp_path / "nope", tmp_path / "out", tp=1), SourceNotFoundError, "does not exist")
+    (pickled / "config.json").unlink()
+    _fails(lambda: shard_checkpoint(pickled, tmp_path / "out", tp=1), SourceNotFoundError, "has no config.json")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- output directory, disk, kills
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC once a byte budget shared by all files is spent."""
+
+    budget: int = 0
+
+    def __init__(self, f: Any):
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if n > _FullDisk.budget:
+            self._f.write(memoryview(data).cast("B")[: _FullDisk.budget])
+            _FullDisk.budget = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _FullDisk.budget -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _bytes_written(src: Path, out: Path, **kw: Any) -> int:
+    shard_checkpoint(src, out, **kw)
+    return sum(p.stat().st_size for p in out.iterdir())
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.999])
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, out_exists):
+    src, _ = checkpoints["llama-gqa-tied"]
+    kw = dict(tp=2, layout="vllm", quantize="fp8", max_file_bytes=20_000)
+    total = _bytes_written(src, tmp_path / "reference", **kw)
+    enter = fmt.atomic_output.__enter__
+    monkeypatch.setattr(fmt.atomic_output, "__enter__", lambda self: _FullDisk(enter(self)))
+    _FullDisk.budget = int(total * fraction)
+    out = tmp_path / "out"
+    if out_exists:
+        out.mkdir()
+    err = _fails(lambda: shard_checkpoint(src, out, **kw), ShardWriteError, "No space left on device", "free space")
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC and str(out) in str(err)
+    if out_exists:
+        assert list(out.iterdir()) == []
+    else:
+        assert not out.exists()
+
+
+def test_non_empty_out_is_refused_and_left_alone(checkpoints, tmp_path):
+    src, _ = checkpoints["llama-gqa-tied"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _fails(lambda: shard_checkpoint(src, out, tp=2), OutputExistsError, "is not empty", "'notes.txt'")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    _fails(lambda: shard_checkpoint(src, tmp_path / "file", tp=2), OutputExistsError, "is a file")
+
+
+class _Interrupt:
+    """A progress callback that raises KeyboardInterrupt once ``after`` bytes are reported."""
+
+    def __init__(self, after: int):
+        self.after, self.seen = after, 0
+
+    def __call__(self, n: int) -> None:
+        self.seen += n
+        if self.seen >= self.after:
+            raise KeyboardInterrupt
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name.endswith(".safetensors") or name == "config.json":
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_interrupted_run_resumes_and_matches_a_clean_run(checkpoints, tmp_path):
+    src, _ = checkpoints["qwen2-tied"]
+    kw = dict(tp=4, layout="vllm", quantize="fp8:per-channel", max_file_bytes=30_000)
+    clean = shard_checkpoint(src, tmp_path / "clean", **kw)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        shard_checkpoint(src, out, progress=_Interrupt(clean.total_bytes // 2), **kw)
+    assert [p.name for p in out.iterdir()] == [PARTIAL_DIR], "no output may appear before the run completes"
+    with pytest.raises(NoFilesForRankError):
+        discover(out, 0)
+    kept = [p for p in (out / PARTIAL_DIR).glob("model-rank-*.safetensors")]
+    assert kept
+    # a different command may not take the partial run over
+    _fails(lambda: shard_checkpoint(src, out, **{**kw, "tp": 2}), OutputExistsError,
+           "unfinished `gdsload shard` run of a different command", "tp=4 (now 2)")
+    resumed = shard_checkpoint(src, out, **kw)
+    assert resumed.resumed_files == len(kept) and resumed.written_bytes < clean.total_bytes
+    _same_files(out, tmp_path / "clean")
+    again = shard_checkpoint(src, out, **kw)
+    assert again.already_complete and again.written_bytes == 0 and "nothing to do" in again.summary()
+    _fails(lambda: shard_checkpoint(src, out, **{**kw, "layout": "hf"}), OutputExistsError,
+           "already holds a sharded checkpoint", "layout='vllm' (now 'hf')")
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from gdsload.loader.shard import shard_checkpoint
+    seen = 0
+    def progress(n):
+        global seen
+        seen += n
+        if seen >= int(sys.argv[3]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    shard_checkpoint(sys.argv[1], sys.argv[2], tp=2, layout="hf", max_file_bytes=50_000, progress=progress)
+""")
+
+
+def test_sigkill_mid_file_then_rerun_resumes(checkpoints, tmp_path):
+    src, _ = checkpoints["llama-bias-untied"]
+    clean = shard_checkpoint(src, tmp_path / "clean", tp=2, layout="hf", max_file_bytes=50_000)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(src), str(out), str(int(clean.total_bytes * 0.6))],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    partial = out / PARTIAL_DIR
+    assert [x.name for x in out.iterdir()] == [PARTIAL_DIR]
+    assert list(partial.glob(".model-rank-*.tmp-*")), "the kill should land inside a file"
+    resumed = shard_checkpoint(src, out, tp=2, layout="hf", max_file_bytes=50_000)
+    assert resumed.resumed_files >= 1
+    assert not partial.exists()
+    _same_files(out, tmp_path / "clean")
+
+
+def test_cli_shard_prints_summary_and_one_line_errors(checkpoints, tmp_path, monkeypatch, capsys):
+    from gdsload.server import cli
+
+    monkeypatch.setitem(cli._LAZY_COMMANDS, "shard", "gdsload.server.cmd_shard:shard")
+    src, _ = checkpoints["mistral-mqa"]
+    out = tmp_path / "out"
+    cli.main(["shard", str(src), str(out), "--tp", "2", "--layout", "hf", "--quantize", "fp8:per-channel",
+              "--max-file-size", "20KiB", "--no-progress", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tp"] == 2 and doc["quantize"] == "fp8:per-channel" and len(doc["files"]["0"]) > 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["shard", str(src), str(tmp_path / "o3"), "--tp", "3"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and "tp=3" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["shard", str(src), str(tmp_path / "o4"), "--tp", "2", "--quantize", "int4"])
+    assert "use fp8, fp8:per-tensor or fp8:per-channel" in capsys.readouterr().err
