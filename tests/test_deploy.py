@@ -38,7 +38,8 @@ UNIT = DEPLOY / "systemd" / "gdsload.service"
 UNIT_ENV = DEPLOY / "systemd" / "gdsload.env"
 README = DEPLOY / "README.md"
 DOCKERFILES = sorted(DOCKER.glob("*Dockerfile"))
-SHELL_SCRIPTS = sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.read_bytes()[:11] in (b"#!/bin/bash", b"#!/bin/sh\n"))
+_SH_SHEBANG = re.compile(rb"#!\s*(/usr/bin/env\s+)?(/usr)?(/bin/)?(ba|da|k)?sh\b")
+SHELL_SCRIPTS = sorted(p for p in DEPLOY.rglob("*") if p.is_file() and _SH_SHEBANG.match(p.open("rb").readline()))
 EX_USAGE, EX_NOINPUT, EX_UNAVAILABLE, EX_SOFTWARE, EX_CONFIG = 64, 66, 69, 70, 78
 
 
@@ -226,6 +227,23 @@ def test_entrypoint_inserts_model_dir_before_options(fake_gdsload: Path):
     assert argv == ["serve", "/models/m", "--tp", "2"]
     out, argv = run_entrypoint(fake_gdsload, "serve", "--", "/models/x")
     assert out.returncode == 0 and argv == ["serve", "--", "/models/x"]
+
+
+def test_entrypoint_knows_every_serve_option_that_takes_a_value():
+    from gdsload.server.cmd_serve import serve
+
+    takes_value = {opt for p in serve.params if not getattr(p, "is_flag", False) and p.param_type_name == "option"
+                   for opt in p.opts}
+    case = re.search(r"^\s+(--tp \|.*?)\)$", ENTRYPOINT.read_text(), re.M | re.S).group(1)
+    known = {o.strip() for o in case.replace("\\", " ").split("|")}
+    assert takes_value <= known, sorted(takes_value - known)
+
+
+def test_entrypoint_does_not_take_an_option_value_for_the_model_dir(fake_gdsload: Path):
+    args = ["serve", "--log-level", "debug", "--device-map", "auto", "--max-restarts", "3"]
+    out, argv = run_entrypoint(fake_gdsload, *args, GDSLOAD_MODEL_DIR="/models/m")
+    assert out.returncode == 0, out.stderr
+    assert argv == ["serve", "/models/m", *args[1:]]
 
 
 def test_entrypoint_needs_a_model_dir(fake_gdsload: Path):

@@ -771,6 +771,8 @@ def test_keda_scales_the_deployment_on_total_demand(name: str):
     if name == "sidecar":
         pod = target["spec"]["template"]
         assert container(pod, "gdsload")["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The HPA owns the replica count: re-applying the manifests must not reset it.
+    assert "replicas" not in target["spec"]
     # Rolling updates never drop a serving replica before its successor has loaded.
     assert target["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 

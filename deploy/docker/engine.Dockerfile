@@ -10,7 +10,8 @@
 #   docker build -f deploy/docker/engine.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:<tag> .
 #
 # Pin VLLM_IMAGE to the vLLM release you run. The gdsload extra (cu12 or cu13) follows the CUDA
-# of the torch inside that image; vLLM's torch is never replaced (the build checks it).
+# of the torch inside that image; vLLM's torch is never replaced (the build checks it). The pods
+# run this image as uid 10001 (the sidecar's user, for CUDA IPC), with HOME on a writable volume.
 
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.28.0
 

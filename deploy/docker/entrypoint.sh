@@ -20,9 +20,9 @@
 #     off, so a missing token is a deployment error, better caught at start than at the engine.
 # Usage errors exit 64 (EX_USAGE). Otherwise it execs gdsload, which then owns PID and signals.
 #
-# Options of `serve` are passed on exactly as given. Options that take a value and are not in
-# the contract (--tp --ranks --backend --host --port --allow-root --token-file) must be written
-# as --option=value, so that their value is not mistaken for MODEL_DIR.
+# Options of `serve` are passed on exactly as given. The entry point knows which of them take a
+# value (the list in the loop below; a test keeps it in step with `gdsload serve`); an option it
+# does not know must be written --option=value, so that its value is not taken for MODEL_DIR.
 set -euo pipefail
 
 readonly EX_USAGE=64 EX_CONFIG=78
@@ -64,7 +64,9 @@ i=0
 while [[ $i -lt ${#args[@]} ]]; do
     arg=${args[i]}
     case $arg in
-        --tp | --ranks | --backend | --host | --port | --allow-root | --token-file)
+        --tp | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | \
+            --log-format | --log-level | --restart-backoff | --restart-backoff-max | --max-restarts | \
+            --stop-timeout)
             [[ $((i + 1)) -lt ${#args[@]} ]] || die "$EX_USAGE" "option $arg needs a value"
             value=${args[i + 1]}
             case $arg in
@@ -113,7 +115,7 @@ if [[ -n $node_index || -n $gpus_per_node ]]; then
             die "$EX_USAGE" "GDSLOAD_GPUS_PER_NODE='$gpus_per_node' is not a positive integer"
         fi
         first=$((10#$node_index * 10#$gpus_per_node))
-        suffix=(--ranks "$first-$((first + 10#$gpus_per_node))")
+        suffix=(--ranks "$first-$((first + 10#$gpus_per_node - 1))")
     fi
 fi
 
