@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
 from .api import load_rank
 from .config import LoadConfig, format_bytes, parse_size
 from .discover import RankFiles, discover, list_ranks
@@ -28,7 +29,25 @@ from .errors import (
 from .format import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
 from .plan import LoadPlan, plan_rank
+from .quantize import QuantScheme
 from .result import FileReport, LoadReport, LoadResult
+from .shard import (
+    CheckpointError,
+    OutputExistsError,
+    ShardConfigError,
+    ShardOptions,
+    ShardPlan,
+    ShardResult,
+    ShardWriteError,
+    SourceNotFoundError,
+    SourceReadError,
+    UnsupportedModelError,
+    UnsupportedSourceError,
+    execute_plan,
+    plan_shard,
+    shard_checkpoint,
+)
+from .sidecar_client import DEFAULT_SIDECAR_URL, SidecarClient, SidecarError
 
 __all__ = [
     "__version__",
@@ -65,4 +84,28 @@ __all__ = [
     "CodecError",
     "IntegrityError",
     "ConfigError",
+    "inject_module",
+    "meta_init",
+    "InjectReport",
+    "InjectError",
+    "LayoutError",
+    "EngineNotInstalledError",
+    "SidecarClient",
+    "SidecarError",
+    "DEFAULT_SIDECAR_URL",
+    "QuantScheme",
+    "shard_checkpoint",
+    "plan_shard",
+    "execute_plan",
+    "ShardOptions",
+    "ShardPlan",
+    "ShardResult",
+    "CheckpointError",
+    "OutputExistsError",
+    "ShardConfigError",
+    "ShardWriteError",
+    "SourceNotFoundError",
+    "SourceReadError",
+    "UnsupportedModelError",
+    "UnsupportedSourceError",
 ]

@@ -53,7 +53,7 @@ def load_rank(
     cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
                              pinned_bytes=pinned_bytes)
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     phases: dict[str, float] = {}
 

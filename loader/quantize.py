@@ -102,6 +102,9 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
     ``amax`` is a 0-d tensor for ``per-tensor`` (result 0-d) or one value per row for
     ``per-channel`` (result ``[rows, 1]``, ready to broadcast against a ``[rows, cols]`` weight).
+
+    >>> compute_scale(torch.tensor(448.0), QuantScheme())
+    tensor(1.)
     """
     scale = amax.detach().to(torch.float32).clamp_min(_MIN_AMAX) / FP8_MAX
     if scheme.per_channel:
@@ -115,6 +118,9 @@ def quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``float8_e4m3fn`` values of ``weight / scale``, saturated at ±448 (never NaN).
 
     ``scale`` is 0-d, or ``[rows, 1]`` for a 2-D ``weight`` of ``rows`` rows.
+
+    >>> quantize(torch.tensor([1.0, 1000.0]), torch.tensor(0.5)).float()
+    tensor([  2., 448.])
     """
     x = weight.to(torch.float32, copy=True)
     x.div_(scale.to(torch.float32))

@@ -22,7 +22,7 @@ the same command, or its finished output (then nothing is done).
 
 >>> result = shard_checkpoint("/models/Llama-3-8B", "/models/llama3-tp2", tp=2)  # doctest: +SKIP
 >>> print(result.summary())
-sharded '/models/Llama-3-8B' -> '/models/llama3-tp2': tp=2 layout=vllm, 2 files, 16.06 GB in 41.2 s
+sharded -> '/models/llama3-tp2': tp=2 layout=vllm, 4 files, 16.06 GB in 41.2 s
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -88,6 +88,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FILE_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 """Output file names: vLLM's ``sharded_state`` pattern, so vLLM finds them too."""
@@ -273,18 +274,18 @@ class _Source:
         for i in range(0, rows, step):
             yield i, min(rows, i + step)
 
-    @contextmanager
-    def _view(self, name: str, r0: int, r1: int, cols: tuple[int, int] | None) -> Iterator[torch.Tensor]:
-        """Source rows ``[r0, r1)`` (and columns ``cols``) as a view of a mapping that is
-        dropped on exit — so the process never holds more than one chunk of the file mapped."""
+    def _with_chunk(self, name: str, r0: int, r1: int, cols: tuple[int, int] | None,
+                    fn: Callable[[torch.Tensor], _T]) -> _T:
+        """``fn(view)`` on source rows ``[r0, r1)`` (and columns ``cols``). The view lives on a
+        mapping opened for this call only, dropped when it returns: the process never holds
+        more than one chunk of a source file mapped (``fn`` must not return the view)."""
         from safetensors import safe_open
 
-        loc = self.tensors[name]
-        with safe_open(loc.path, framework="pt") as f:
+        with safe_open(self.tensors[name].path, framework="pt") as f:
             sl = f.get_slice(name)
             view = sl[r0:r1] if cols is None else sl[r0:r1, cols[0] : cols[1]]
             try:
-                yield view
+                return fn(view)
             finally:
                 del view, sl
 
@@ -307,22 +308,23 @@ class _Source:
         else:
             lo, hi, cols = 0, shape[0], (start, stop)
         for i, j in self._row_chunks(name, hi - lo):
-            with self._view(name, lo + i, lo + j, cols) as v:
-                if store is None:
-                    dst.narrow(0, i, j - i).copy_(v)
-                else:
-                    store(dst.narrow(0, i, j - i), v, lo + i, lo + j)
+            rows = dst.narrow(0, i, j - i)
+            if store is None:
+                self._with_chunk(name, lo + i, lo + j, cols, rows.copy_)
+            else:
+                self._with_chunk(name, lo + i, lo + j, cols,
+                                 lambda v, r0=lo + i, r1=lo + j: store(rows, v, r0, r1))
 
     def amax(self, name: str, per_row: bool) -> torch.Tensor:
         """Absolute maximum of the whole tensor (0-d) or of each row ([rows]), in fp32.
 
         Uses ``aminmax`` (a reduction: no temporary the size of the chunk)."""
-        rows = self.shape(name)[0]
-        parts: list[torch.Tensor] = []
-        for i, j in self._row_chunks(name, rows):
-            with self._view(name, i, j, None) as v:
-                lo, hi = v.aminmax(dim=1) if per_row and v.dim() == 2 else v.aminmax()
-                parts.append(torch.maximum(hi.float(), lo.float().neg()).reshape(-1))
+
+        def chunk_amax(v: torch.Tensor) -> torch.Tensor:
+            lo, hi = v.aminmax(dim=1) if per_row and v.dim() == 2 else v.aminmax()
+            return torch.maximum(hi.float(), lo.float().neg()).reshape(-1)
+
+        parts = [self._with_chunk(name, i, j, None, chunk_amax) for i, j in self._row_chunks(name, self.shape(name)[0])]
         joined = torch.cat(parts)
         return joined if per_row else joined.max()
 
@@ -479,8 +481,8 @@ def plan_shard(src: str | os.PathLike[str], options: ShardOptions) -> ShardPlan:
     :class:`SourceNotFoundError` or :class:`UnsupportedSourceError` naming the file and the fix.
 
     >>> plan = plan_shard("/models/Llama-3-8B", ShardOptions(tp=4, quantize="fp8"))  # doctest: +SKIP
-    >>> len(plan.files), plan.total_bytes
-    (8, 9130803200)
+    >>> plan.ranks[3]
+    ['model-rank-3-part-0.safetensors']
     """
     source = _Source(Path(src).resolve())
     where = str(source.root / "config.json")
@@ -579,7 +581,7 @@ class ShardResult:
     already_complete: bool = False
 
     def summary(self) -> str:
-        """One line, e.g. ``sharded 'src' -> 'out': tp=2 layout=vllm, 2 files, 16.06 GB in 41.2 s``."""
+        """One line, e.g. ``sharded -> '/models/llama3-tp2': tp=2 layout=vllm, 2 files, 16.06 GB in 41.2 s``."""
         n = sum(len(v) for v in self.files.values())
         q = f" quantize={self.quantize}" if self.quantize else ""
         if self.already_complete:
@@ -655,6 +657,8 @@ def _prepare_out(out: Path, plan: ShardPlan) -> tuple[bool, bool]:
     partial = out / PARTIAL_DIR
     if PARTIAL_DIR in entries:
         state = _read_state(partial)
+        if state is None and not any(partial.glob("*.safetensors")):
+            state = state_now  # killed before it wrote its state: nothing to keep, take it over
         if state is None or state.get("fingerprint") != plan.fingerprint:
             why = _differences(state, state_now) if state else "its state.json is unreadable"
             raise OutputExistsError(
@@ -775,8 +779,11 @@ def _run(
     writer_factory: WriterFactory,
 ) -> None:
     state = {"fingerprint": plan.fingerprint, "source": str(plan.source), **plan.options.describe()}
-    with atomic_output(partial / _STATE) as fh:
-        fh.write(json.dumps(state, indent=2).encode())
+    try:
+        with atomic_output(partial / _STATE) as fh:
+            fh.write(json.dumps(state, indent=2).encode())
+    except OSError as e:
+        raise _write_error(e, partial / _STATE, "the run's state file") from e
     for stale in partial.glob(".*.tmp-*"):
         log.info("removing %s left by an interrupted run", stale)
         stale.unlink()

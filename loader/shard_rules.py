@@ -108,7 +108,11 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, where: str = "config.json") -> ModelSpec:
-        """Validate a config.json dict; raises :class:`UnsupportedModelError` for anything else."""
+        """Validate a config.json dict; raises :class:`UnsupportedModelError` for anything else.
+
+        >>> ModelSpec.from_config(json.load(open("config.json"))).kv_heads  # doctest: +SKIP
+        8
+        """
         archs = config.get("architectures") or []
         arch = archs[0] if isinstance(archs, list) and archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -164,7 +168,11 @@ class ModelSpec:
 
 
 def padded_vocab(vocab: int, pad_to: int = VOCAB_PADDING) -> int:
-    """``vocab`` rounded up to a multiple of ``pad_to`` (vLLM's ``pad_vocab_size``)."""
+    """``vocab`` rounded up to a multiple of ``pad_to`` (vLLM's ``pad_vocab_size``).
+
+    >>> padded_vocab(151936), padded_vocab(32001)
+    (151936, 32064)
+    """
     return -(-vocab // pad_to) * pad_to
 
 
@@ -185,12 +193,20 @@ def _tp_problems(spec: ModelSpec, tp: int) -> list[str]:
 
 
 def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
-    """Every TP size up to ``limit`` that shards this model evenly."""
+    """Every TP size up to ``limit`` that shards this model evenly.
+
+    >>> valid_tp_sizes(spec, limit=8)  # 32 heads, 8 KV heads  # doctest: +SKIP
+    [1, 2, 4, 8]
+    """
     return [t for t in range(1, limit + 1) if not _tp_problems(spec, t)]
 
 
 def check_tp(spec: ModelSpec, tp: int, *, where: str = "config.json") -> None:
-    """Raise :class:`ShardConfigError`, with the numbers, when ``tp`` doesn't shard ``spec`` evenly."""
+    """Raise :class:`ShardConfigError`, with the numbers, when ``tp`` doesn't shard ``spec`` evenly.
+
+    >>> check_tp(spec, 3)  # doctest: +SKIP
+    ShardConfigError: 'config.json': cannot shard LlamaForCausalLM for tp=3: num_attention_heads=32 is not ...
+    """
     if type(tp) is not int or tp < 1:
         raise ShardConfigError(f"tp={tp!r} must be a positive integer")
     problems = _tp_problems(spec, tp)
@@ -202,7 +218,11 @@ def check_tp(spec: ModelSpec, tp: int, *, where: str = "config.json") -> None:
 
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of ``spec`` holds, name -> shape, in model order."""
+    """Every tensor a Hugging Face checkpoint of ``spec`` holds, name -> shape, in model order.
+
+    >>> expected_tensors(spec)["model.layers.0.self_attn.k_proj.weight"]  # doctest: +SKIP
+    (1024, 4096)
+    """
     h, d, i = spec.hidden, spec.head_dim, spec.intermediate
     q, kv = spec.heads * d, spec.kv_heads * d
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab, h)}

@@ -45,6 +45,8 @@ SIZE = _Size()
 # Subcommands that live in their own modules: name -> "module:attr", imported when used.
 _LAZY_COMMANDS: dict[str, str] = {
     "compress": "gdsload.server.cmd_compress:compress",
+    "doctor": "gdsload.server.cmd_doctor:doctor",
+    "shard": "gdsload.server.cmd_shard:shard",
     # The benchmark lives in gdsload.bench; the shell names it here and imports it only when run.
     "bench": "gdsload.bench.cli:bench",
 }

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -16,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from gdsload.loader.compress import compress_dir
 from gdsload.loader.shard import ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
@@ -33,12 +36,14 @@ __all__ = ["shard"]
               help="Quantize linear-layer weights to float8_e4m3fn with fp32 scales.")
 @click.option("--max-file-size", "max_file_bytes", type=SIZE, default="5GiB", show_default=True,
               help="Start a new part file before one would exceed this.")
+@click.option("--compress", "codec", type=click.Choice(["ans", "zstd", "gdeflate"]), default=None,
+              help="Then compress the shards (ans/gdeflate need a GPU; zstd also loads on CPU hosts).")
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's sha256 in gdsload.json.")
 @click.option("--progress/--no-progress", "show_progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_file_bytes: int,
+def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_file_bytes: int, codec: str | None,
           digest: bool, show_progress: bool | None, as_json: bool) -> None:
     """Pre-shard the Hugging Face checkpoint SRC (Llama, Mistral, Qwen2) into OUT by TP rank.
 
@@ -53,10 +58,21 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     enabled = console.is_terminal if show_progress is None else show_progress
     columns = (TextColumn("[bold]shard[/] tp={task.fields[tp]}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
+    # With --compress the shards are written beside OUT first (resumable as usual), then compressed
+    # into OUT, which appears only when complete.
+    target = Path(out) if codec is None else Path(out).with_name(f".{Path(out).name}.uncompressed")
     with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
         task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
-        result = execute_plan(plan, out, progress=lambda n: bar.advance(task, n))
+        result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n))
+    if codec is not None:
+        stats = compress_dir(target, out, codec=codec)
+        shutil.rmtree(target)
     if as_json:
-        click.echo(json.dumps(asdict(result), indent=2))
+        doc = asdict(result)
+        if codec is not None:
+            doc["compression"] = {"codec": codec, "ratio": stats.ratio, "stored_bytes": stats.stored_bytes}
+        click.echo(json.dumps(doc, indent=2, default=str))
     else:
         click.echo(result.summary())
+        if codec is not None:
+            click.echo(f"compressed with {codec}: {stats.compressed} of {stats.tensors} tensors, ratio {stats.ratio:.3f}")

@@ -22,7 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdsload.loader import ConfigError, Manifest
-from gdsload.loader.quantize import FP8_MAX, QuantScheme, compute_scale, dequantize, quantization_config, quantize
+from gdsload.loader.quantize import (
+    FP8_MAX,
+    QuantScheme,
+    compute_scale,
+    dequantize,
+    quantization_config,
+    quantize,
+    quantize_into,
+)
 from gdsload.loader.shard import shard_checkpoint
 from test_shard import TOKENS, build_model, model_from, read_rank, reassemble, source_tensors
 
@@ -77,6 +85,20 @@ def test_roundtrip_within_e4m3_bound(rows, cols, magnitude, outlier, per_channel
     assert within_e4m3_bound(w.float(), deq, scale).all()
     # the largest magnitude maps onto the top of the e4m3 range
     assert q.float().abs().max() == FP8_MAX or w.abs().max() == 0
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantize_into_matches_quantize_on_strided_destinations(per_channel):
+    w = (torch.randn(64, 48) * 3).to(torch.bfloat16)
+    scale = compute_scale(w.float().abs().amax(dim=1) if per_channel else w.float().abs().max(),
+                          QuantScheme("fp8", "per-channel" if per_channel else "per-tensor"))
+    out = torch.zeros(64, 96, dtype=torch.float8_e4m3fn)
+    work = torch.empty(64 * 48 + 7)
+    quantize_into(out.narrow(1, 48, 48), w, scale, work)  # a column block: a strided destination
+    assert torch.equal(out[:, 48:].view(torch.uint8), quantize(w, scale).view(torch.uint8))
+    assert not out[:, :48].float().any()
+    with pytest.raises(ValueError, match="work buffer must be fp32"):
+        quantize_into(out[:, :48], w, scale, torch.empty(10))
 
 
 def test_zeros_and_saturation():

@@ -33,6 +33,7 @@ from gdsload.loader.shard import (
     ShardOptions,
     ShardWriteError,
     SourceNotFoundError,
+    SourceReadError,
     UnsupportedModelError,
     UnsupportedSourceError,
     execute_plan,
@@ -436,6 +437,16 @@ def test_non_safetensors_sources(tmp_path, checkpoints):
     assert not (tmp_path / "out").exists()
 
 
+def test_source_vanishing_after_planning_is_a_typed_error(checkpoints, tmp_path):
+    src = _copy(checkpoints["llama-gqa-tied"][0], tmp_path / "src")
+    plan = plan_shard(src, ShardOptions(tp=2))
+    victim = sorted(src.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    err = _fails(lambda: execute_plan(plan, tmp_path / "out"), SourceReadError,
+                 "the source changed or became unreadable since planning")
+    assert isinstance(err, OSError) and not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- output directory, disk, kills
 
 
@@ -465,9 +476,10 @@ def _bytes_written(src: Path, out: Path, **kw: Any) -> int:
     return sum(p.stat().st_size for p in out.iterdir())
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.999])
+@pytest.mark.parametrize("fraction, stage", [(0.0, "state.json"), (0.5, "(tensor '"), (0.999, "gdsload.json")])
 @pytest.mark.parametrize("out_exists", [False, True])
-def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, out_exists):
+def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, stage,
+                                                       out_exists):
     src, _ = checkpoints["llama-gqa-tied"]
     kw = dict(tp=2, layout="vllm", quantize="fp8", max_file_bytes=20_000)
     total = _bytes_written(src, tmp_path / "reference", **kw)
@@ -477,7 +489,8 @@ def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, mo
     out = tmp_path / "out"
     if out_exists:
         out.mkdir()
-    err = _fails(lambda: shard_checkpoint(src, out, **kw), ShardWriteError, "No space left on device", "free space")
+    err = _fails(lambda: shard_checkpoint(src, out, **kw), ShardWriteError, "No space left on device", "free space",
+                 stage)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and str(out) in str(err)
     if out_exists:
         assert list(out.iterdir()) == []
@@ -533,6 +546,8 @@ def test_interrupted_run_resumes_and_matches_a_clean_run(checkpoints, tmp_path):
            "unfinished `gdsload shard` run of a different command", "tp=4 (now 2)")
     resumed = shard_checkpoint(src, out, **kw)
     assert resumed.resumed_files == len(kept) and resumed.written_bytes < clean.total_bytes
+    assert resumed.written_bytes + sum(f.nbytes for f in plan_shard(src, ShardOptions(**kw)).files
+                                       if (out / f.relpath).name in {k.name for k in kept}) == clean.total_bytes
     _same_files(out, tmp_path / "clean")
     again = shard_checkpoint(src, out, **kw)
     assert again.already_complete and again.written_bytes == 0 and "nothing to do" in again.summary()
@@ -551,6 +566,16 @@ _KILL_SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
     shard_checkpoint(sys.argv[1], sys.argv[2], tp=2, layout="hf", max_file_bytes=50_000, progress=progress)
 """)
+
+
+def test_partial_dir_without_state_is_taken_over(checkpoints, tmp_path):
+    """Killed between creating its directory and writing state.json: nothing to keep, nothing to refuse."""
+    src, _ = checkpoints["mistral-mqa"]
+    out = tmp_path / "out"
+    (out / PARTIAL_DIR).mkdir(parents=True)
+    (out / PARTIAL_DIR / ".lock").touch()
+    result = shard_checkpoint(src, out, tp=2)
+    assert not result.resumed_files and (out / "gdsload.json").exists() and not (out / PARTIAL_DIR).exists()
 
 
 def test_sigkill_mid_file_then_rerun_resumes(checkpoints, tmp_path):
@@ -586,3 +611,33 @@ def test_cli_shard_prints_summary_and_one_line_errors(checkpoints, tmp_path, mon
     with pytest.raises(SystemExit):
         cli.main(["shard", str(src), str(tmp_path / "o4"), "--tp", "2", "--quantize", "int4"])
     assert "use fp8, fp8:per-tensor or fp8:per-channel" in capsys.readouterr().err
+
+
+def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_path):
+    """`gdsload shard --compress zstd`: shards, then compresses into OUT; the loaded tensors match the plain shards."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from gdsload.loader import load_rank
+    from gdsload.loader.synthetic import PRESETS, make_checkpoint
+
+    src = tmp_path / "hf"
+    make_checkpoint(src, PRESETS["tiny"], tp=1)
+    # make_checkpoint writes rank files; an HF source has model*.safetensors + config.json
+    for f in src.glob("model-rank-*.safetensors"):
+        f.rename(src / "model.safetensors")
+    (src / "gdsload.json").unlink()
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for out, extra in ((plain, []), (packed, ["--compress", "zstd"])):
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(out), "--tp", "2",
+                            "--no-progress", *extra], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+    assert "compressed with zstd" in p.stdout
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
+    for rank in (0, 1):
+        a, b = load_rank(plain, rank), load_rank(packed, rank)
+        assert b.report.stored_bytes < a.report.stored_bytes
+        for k, v in a.tensors.items():
+            assert torch.equal(v.reshape(-1).view(torch.uint8), b.tensors[k].reshape(-1).view(torch.uint8)), k

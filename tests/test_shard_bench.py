@@ -1,0 +1,26 @@
+"""Smoke test of ``bench/shard_rss.py`` on a tiny checkpoint (the real figure comes from a 2 GB run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from gdsload.loader import Manifest
+
+
+def test_shard_rss_bench_runs_and_reports(tmp_path):
+    work = tmp_path / "bench"
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.bench.shard_rss", "--size", "12MB", "--tp", "2", "--quantize", "fp8",
+         "--out", str(work), "--keep", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert result["source"]["bytes"] > 10_000_000 and result["source"]["files"] >= 1
+    assert 0 < result["baseline_rss_bytes"] < result["peak_rss_bytes"] <= result["bound_bytes"]
+    assert result["within_bound"] and result["command"].startswith("gdsload shard ")
+    assert json.loads((work / "results.json").read_text()) == result
+    manifest = Manifest.read(work / "sharded")
+    assert manifest.tp_size == 2 and manifest.extra["shard"]["quantize"] == "fp8:per-tensor"
