@@ -1,0 +1,212 @@
+"""``doctor``: what this host offers for fast loading, and what to fix.
+
+Every fact is read from the host (driver files, ``nvidia-smi``, cufile.json, kvikio, trial
+opens with O_DIRECT, ``lfs getstripe``); nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .iomode import cufile_config, cufile_json_path, kvikio_state, nvidia_fs_loaded, p2pdma_configured
+
+__all__ = ["MountFacts", "DoctorReport", "diagnose"]
+
+
+@dataclass
+class MountFacts:
+    path: str
+    mount_point: str
+    fs_type: str
+    o_direct: bool | None
+    """None when it could not be tried (no file to open and not writable)."""
+    lustre_stripe: str | None = None
+
+
+@dataclass
+class DoctorReport:
+    gpus: list[dict[str, str]] = field(default_factory=list)
+    torch_cuda: str | None = None
+    nvidia_fs: bool = False
+    nvidia_fs_version: str | None = None
+    cufile_json: str | None = None
+    cufile_settings: dict[str, Any] = field(default_factory=dict)
+    p2pdma_configured: bool = False
+    kvikio: dict[str, Any] = field(default_factory=dict)
+    nvcomp: str | None = None
+    mounts: list[MountFacts] = field(default_factory=list)
+    expected_io_mode: str = "cpu"
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    best, fs = "/", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
+                    if len(parts[1]) >= len(best):
+                        best, fs = parts[1], parts[2]
+    except OSError:
+        pass
+    return best, fs
+
+
+def _o_direct(path: str) -> bool | None:
+    p = Path(path)
+    candidates = [p] if p.is_file() else sorted(x for x in p.glob("*") if x.is_file())[:1] if p.is_dir() else []
+    for c in candidates:
+        try:
+            os.close(os.open(c, os.O_RDONLY | os.O_DIRECT))
+            return True
+        except OSError:
+            return False
+    if p.is_dir() and os.access(p, os.W_OK):
+        try:
+            with tempfile.NamedTemporaryFile(dir=p, prefix=".gdsload-doctor-") as tmp:
+                os.close(os.open(tmp.name, os.O_RDONLY | os.O_DIRECT))
+            return True
+        except OSError:
+            return False
+    return None
+
+
+def _lustre_stripe(path: str) -> str | None:
+    lfs = shutil.which("lfs")
+    if lfs is None:
+        return "lfs not found (install the Lustre client tools to read stripe settings)"
+    try:
+        p = subprocess.run([lfs, "getstripe", "-d", path], capture_output=True, text=True, timeout=20)
+        return (p.stdout or p.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"lfs getstripe failed: {e}"
+
+
+def _gpus() -> list[dict[str, str]]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    fields = "index,name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max"
+    try:
+        p = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    keys = fields.split(",")
+    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in p.stdout.strip().splitlines() if line]
+
+
+def diagnose(paths: list[str] | None = None) -> DoctorReport:
+    """Collect the facts for ``paths`` (model directories; default: the current directory and /dev/shm)."""
+    r = DoctorReport()
+    r.gpus = _gpus()
+    try:
+        import torch
+
+        r.torch_cuda = torch.version.cuda if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    r.nvidia_fs = nvidia_fs_loaded()
+    if r.nvidia_fs:
+        try:
+            r.nvidia_fs_version = Path("/proc/driver/nvidia-fs/version").read_text().strip()
+        except OSError:
+            pass
+    r.cufile_json = cufile_json_path()
+    cfg = cufile_config() or {}
+    props = cfg.get("properties", {})
+    r.cufile_settings = {k: props.get(k) for k in ("allow_compat_mode", "use_pci_p2pdma", "max_direct_io_size_kb",
+                                                   "max_device_cache_size_kb", "max_device_pinned_mem_size_kb",
+                                                   "use_poll_mode", "gds_rdma_write_support") if k in props}
+    r.p2pdma_configured = p2pdma_configured(cfg)
+    r.kvikio = asdict(kvikio_state())
+    try:
+        from nvidia import nvcomp
+
+        r.nvcomp = nvcomp.__version__
+    except Exception:
+        r.nvcomp = None
+    for path in paths or [os.getcwd(), "/dev/shm"]:
+        if not os.path.exists(path):
+            continue
+        mp, fs = _mount_of(path)
+        m = MountFacts(path=path, mount_point=mp, fs_type=fs, o_direct=_o_direct(path))
+        if fs == "lustre":
+            m.lustre_stripe = _lustre_stripe(path)
+        r.mounts.append(m)
+    r.expected_io_mode, r.advice = _advise(r)
+    return r
+
+
+def _advise(r: DoctorReport) -> tuple[str, list[str]]:
+    advice = []
+    if not r.gpus:
+        advice.append("No NVIDIA GPU found (nvidia-smi): loads run on the CPU backend.")
+        return "cpu", advice
+    if r.torch_cuda is None:
+        advice.append("torch has no CUDA here: install a CUDA build of torch matching the driver.")
+    for g in r.gpus:
+        if g.get("pcie.link.gen.current") and g.get("pcie.link.gen.current") != g.get("pcie.link.gen.max"):
+            advice.append(f"GPU {g['index']} runs PCIe gen {g['pcie.link.gen.current']} of {g['pcie.link.gen.max']} "
+                          "(idle GPUs drop the link speed; re-check under load).")
+    kv = r.kvikio
+    if not kv.get("importable"):
+        advice.append("kvikio is not installed: pip install 'gdsload[cu12]' (or [cu13]) for the cufile backend "
+                      "and kvikio's POSIX engine in the pinned backend.")
+    if r.nvcomp is None:
+        advice.append("nvidia-nvcomp is not installed: ANS-compressed checkpoints cannot be decoded here "
+                      "(pip install 'gdsload[cu12]' or [cu13]).")
+    mode = "posix"
+    if r.nvidia_fs:
+        mode = "gds"
+    elif r.p2pdma_configured:
+        mode = "p2pdma"
+        advice.append("cufile.json enables P2PDMA; this needs a kernel with PCI P2PDMA and NVMe that supports it.")
+    else:
+        advice.append("nvidia-fs is not loaded and P2PDMA is not configured: no GPUDirect Storage; reads bounce "
+                      "through host memory (backend auto picks 'pinned'). To enable GDS: install the "
+                      "nvidia-fs driver (or MOFED + P2PDMA), then re-run gdsload doctor.")
+    if kv.get("importable") and kv.get("compat_preferred"):
+        advice.append("kvikio prefers its compatibility mode (libcufile missing, or /run/udev not readable in a "
+                      "container): mount /run/udev read-only into the container for cuFile to work.")
+    for m in r.mounts:
+        if m.o_direct is False:
+            advice.append(f"{m.path} ({m.fs_type}) refuses O_DIRECT: cold reads go through the page cache.")
+        if m.fs_type == "lustre" and m.lustre_stripe and "stripe_count: 1 " in m.lustre_stripe:
+            advice.append(f"{m.path}: Lustre stripe count 1; run deploy/lustre/setup-striping.sh (lfs setstripe -c -1 -S 16M).")
+    return mode, advice
+
+
+def format_report(r: DoctorReport) -> str:
+    lines = []
+    for g in r.gpus or [{"name": "none"}]:
+        lines.append(f"GPU      {g.get('index', '-')}: {g.get('name')}  driver {g.get('driver_version', '-')}  "
+                     f"PCIe gen {g.get('pcie.link.gen.current', '-')}/{g.get('pcie.link.gen.max', '-')} "
+                     f"x{g.get('pcie.link.width.current', '-')}")
+    lines.append(f"torch    CUDA {r.torch_cuda or 'not available'}")
+    lines.append(f"GDS      nvidia-fs {'loaded ' + (r.nvidia_fs_version or '') if r.nvidia_fs else 'not loaded'}; "
+                 f"P2PDMA {'configured' if r.p2pdma_configured else 'not configured'}")
+    lines.append(f"cufile   {r.cufile_json or 'no cufile.json'} {r.cufile_settings or ''}")
+    kv = r.kvikio
+    lines.append(f"kvikio   {kv.get('version') or 'not installed'} compat_mode={kv.get('compat_mode')} "
+                 f"compat_preferred={kv.get('compat_preferred')} gds_available={kv.get('gds_available')}")
+    lines.append(f"nvcomp   {r.nvcomp or 'not installed'}")
+    for m in r.mounts:
+        lines.append(f"mount    {m.path} on {m.mount_point} ({m.fs_type}): O_DIRECT "
+                     f"{ {True: 'yes', False: 'no', None: 'untested'}[m.o_direct] }")
+        if m.lustre_stripe:
+            lines.append(f"         lfs getstripe: {m.lustre_stripe}")
+    lines.append(f"expected I/O mode for GPU loads: {r.expected_io_mode}")
+    lines.extend(f"fix:     {a}" for a in r.advice)
+    return "\n".join(lines)

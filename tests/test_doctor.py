@@ -1,0 +1,72 @@
+"""doctor and the I/O-mode rules: facts read from the host, modes never assumed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gdsload.loader.backends import select_backend, ReadOptions, AUTO_ORDER
+from gdsload.loader.errors import BackendUnavailableError
+from gdsload.loader.iomode import KvikioState, cufile_config, cufile_io_mode, p2pdma_configured
+
+
+def test_doctor_json_on_this_host(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"x" * 8192)
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    (m,) = doc["mounts"]
+    assert m["path"] == str(tmp_path) and isinstance(m["o_direct"], bool) and m["fs_type"]
+    assert doc["expected_io_mode"] in ("gds", "p2pdma", "posix", "cpu") and doc["advice"]
+    if not doc["gpus"]:
+        assert doc["expected_io_mode"] == "cpu"
+    text = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "expected I/O mode" in text and "O_DIRECT" in text
+
+
+@pytest.mark.parametrize(
+    "state, direct, nvfs, p2p, expected",
+    [
+        (KvikioState(importable=False), True, True, False, "posix"),
+        (KvikioState(True, compat_preferred=True, gds_available=None), True, True, False, "posix"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, True, False, "gds"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), False, True, False, "compat"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, False, True, "p2pdma"),
+        (KvikioState(True, compat_preferred=False, gds_available=False), True, True, True, "compat"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, False, False, "compat"),
+    ],
+)
+def test_cufile_io_mode_never_claims_gds_without_the_driver(monkeypatch, state, direct, nvfs, p2p, expected):
+    import gdsload.loader.iomode as iomode
+
+    monkeypatch.setattr(iomode, "nvidia_fs_loaded", lambda: nvfs)
+    monkeypatch.setattr(iomode, "p2pdma_configured", lambda config=None: p2p)
+    assert cufile_io_mode(state, direct) == expected
+
+
+def test_cufile_json_with_comments(tmp_path, monkeypatch):
+    cfg = tmp_path / "cufile.json"
+    cfg.write_text('{\n  // cuFile settings\n  "properties": {\n    "use_pci_p2pdma": true,\n'
+                   '    "allow_compat_mode": true,\n  },\n}\n')
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(cfg))
+    assert cufile_config()["properties"]["allow_compat_mode"] is True
+    assert p2pdma_configured()
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(tmp_path / "missing.json"))
+    assert cufile_config() is None and not p2pdma_configured()
+
+
+def test_explicit_gpu_backends_fail_loudly_on_a_cpu_host():
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    for name in ("pinned", "cufile", "fastsafetensors"):
+        with pytest.raises(BackendUnavailableError, match=f"backend '{name}' cannot load to 'cuda"):
+            select_backend(name, torch.device("cuda"), ReadOptions())
+    with pytest.raises(BackendUnavailableError, match="no backend can load to 'cuda'.*cufile:.*pinned:.*cpu:"):
+        select_backend("auto", torch.device("cuda"), ReadOptions())
+    assert AUTO_ORDER[-1] == "cpu"
