@@ -59,8 +59,8 @@ KV_BITS = (16, 8, 4, 3)
 _VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE for VocabParallelEmbedding / ParallelLMHead
 
 
-def _flag(name: str) -> str:
-    return f"{name} (--{name.replace('_', '-')})"
+def _flag(name: str, flag: str | None = None) -> str:
+    return f"{name} ({flag or '--' + name.replace('_', '-')})"
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ class ModelSpec:
             o_bias=attention_bias,
             mlp_bias=bool(doc.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            source=f"{name} (model_type={model_type or '?'})",
+            source=f"{name} (model_type={model_type or '?'}"
+                   + ("" if "tie_word_embeddings" in doc else "; tie_word_embeddings absent, taken as false") + ")",
         )
 
 
@@ -299,7 +300,8 @@ def _part_bytes(part: WeightPart, fmt: WeightFormat, quantize_embeddings: bool) 
     if not (quantized and (part.linear or (quantize_embeddings and part.name in ("embed_tokens", "lm_head")))):
         return part.params * 2
     data = part.params * fmt.bits // 8
-    scales = part.count * (part.rows * _ceil_div(part.cols, fmt.scale_group) if fmt.scale_group else 1) * fmt.scale_bytes
+    per_matrix = part.rows * _ceil_div(part.cols, fmt.scale_group) if fmt.scale_group else 1
+    scales = part.count * per_matrix * fmt.scale_bytes
     return data + scales
 
 
@@ -402,8 +404,9 @@ class PlanInputs:
         if self.kv_cache_heads is not None:
             h = self.model.heads
             if type(self.kv_cache_heads) is not int or self.kv_cache_heads < 1 or h % self.kv_cache_heads:
-                raise ConfigError(f"{_flag('kv_cache_heads')} = {self.kv_cache_heads!r} must divide the model's "
-                                  f"{h} attention heads; allowed values: {[n for n in range(1, h + 1) if not h % n]}")
+                raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} must divide "
+                                  f"the model's {h} attention heads; allowed values: "
+                                  f"{[n for n in range(1, h + 1) if not h % n]}")
             _check_tp(self.kv_spec, self.tp)
 
     @property
@@ -456,6 +459,8 @@ class Plan:
     """Requests of ``context`` tokens that fit at once: ``max_tokens // ceil_to_block(context)``."""
     assumptions: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    formulas: tuple[str, ...] = field(default=())
+    """Each result with its inputs filled in."""
 
     @property
     def fits(self) -> bool:
@@ -469,6 +474,7 @@ class Plan:
         doc["fits"] = self.fits
         doc["assumptions"] = list(self.assumptions)
         doc["notes"] = list(self.notes)
+        doc["formulas"] = list(self.formulas)
         return doc
 
 
@@ -517,7 +523,7 @@ def plan(inputs: PlanInputs) -> Plan:
         f"{_gib(inputs.gpu_memory)} per GPU, as nvidia-smi reports it (H200: 143771 MiB, sold as '141 GB')",
         f"gpu_memory_utilization {inputs.gpu_memory_utilization:g}: vLLM budgets weights + activations + KV cache "
         f"within {_gib(usable)}; the remaining {_gib(inputs.gpu_memory - usable)} is headroom "
-        "(CUDA context, fragmentation)",
+        "(fragmentation, whatever vLLM's profiling does not see)",
         f"activation reserve {_gib(inputs.activation_reserve)} per GPU (peak activations of vLLM's profiling "
         "run + non-PyTorch memory such as NCCL buffers; take it from your vLLM start-up log)",
         f"CUDA-graph reserve {_gib(inputs.cuda_graph_reserve)} per GPU (0 with --enforce-eager)",
@@ -536,6 +542,27 @@ def plan(inputs: PlanInputs) -> Plan:
     ]
     if spec.tied_embeddings:
         assumptions.append("tied embeddings: lm_head shares embed_tokens (counted once)")
+    vec_data = _ceil_div(kv_spec.head_dim * inputs.kv_bits, 8)
+    vec_scale = _ceil_div(_ceil_div(kv_spec.head_dim, inputs.kv_group_size) * scale_bits, 8)
+    formulas = (
+        f"params = {params:,} (embeddings, attention, MLP, norms{', lm_head' if not spec.tied_embeddings else ''})",
+        f"weights per GPU = {weights:,} B = {_gib(weights)} (params × {fmt.bits / 8:g} B / tp {tp} would be "
+        f"{_gib(naive)}; the difference: 16-bit embeddings and norms, replicated parts {_gib(replicated)}, vocab "
+        "padding, scales)",
+        f"usable = {inputs.gpu_memory:,} B × {inputs.gpu_memory_utilization:g} = {usable:,} B = {_gib(usable)}",
+        f"KV budget = usable - weights - activation reserve - CUDA graphs = {_gib(usable)} - {_gib(weights)} - "
+        f"{_gib(inputs.activation_reserve)} - {_gib(inputs.cuda_graph_reserve)} = {_gib(budget)}",
+        f"KV bytes/token/GPU = 2 × {kv_spec.layers} layers × {kv_per_gpu} KV head(s) × "
+        f"(ceil({kv_spec.head_dim} × {inputs.kv_bits} / 8) = {vec_data} B"
+        + (f" + ceil(ceil({kv_spec.head_dim} / {inputs.kv_group_size}) × {scale_bits} / 8) = {vec_scale} B"
+           if scale_bits else "")
+        + f") = {per_token:,} B ({effective_bits:.3f} bits/element)",
+        f"max tokens = floor({max(0, budget):,} / ({inputs.block_size} × {per_token:,})) × {inputs.block_size} "
+        f"= {max_tokens:,}",
+        f"max context per request = min({max_tokens:,}, max_position_embeddings "
+        f"{f'{spec.max_position:,}' if spec.max_position else 'unknown'}) = {max_ctx:,}",
+        f"concurrent sequences = floor({max_tokens:,} / {_pad(context, inputs.block_size):,}) = {concurrent:,}",
+    )
     notes = []
     if budget <= 0:
         notes.append(f"does not fit: weights {_gib(weights)} + reserves "
@@ -554,7 +581,7 @@ def plan(inputs: PlanInputs) -> Plan:
         usable_bytes=usable, kv_budget_bytes=budget, kv_heads_per_gpu=kv_per_gpu, kv_replication=replication,
         kv_scale_bits=scale_bits, kv_bytes_per_token_per_gpu=per_token, kv_bytes_per_token_model=per_token_model,
         kv_effective_bits=effective_bits, max_tokens=max_tokens, context=context, max_context_per_request=max_ctx,
-        concurrent_sequences=concurrent, assumptions=tuple(assumptions), notes=tuple(notes),
+        concurrent_sequences=concurrent, assumptions=tuple(assumptions), notes=tuple(notes), formulas=formulas,
     )
 
 
@@ -613,23 +640,21 @@ def explain_article(base: PlanInputs | None = None) -> list[ArticleRow]:
     KV bits once the memory budget is fixed.
 
     >>> rows = explain_article()
-    >>> round(rows[-2].at_16bit.max_tokens, -3), round(rows[-2].ratio, 2)
-    (82000.0, 5.33)
+    >>> rows[-2].at_16bit.max_tokens, rows[-2].at_3bit.max_tokens, round(rows[-2].ratio, 2)
+    (82288, 438880, 5.33)
     """
     spec = PRESETS[ARTICLE_405B["model"]]
     start = replace(base or PlanInputs(spec), model=spec, tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"])
     steps: list[tuple[str, str, dict[str, Any], bool]] = [
-        ("gdsload defaults", "as printed by `gdsload plan` (see its assumptions)", {}, True),
-        ("no KV scale overhead", "3-bit KV counted as exactly 3 bits (no per-group scales)",
-         {"kv_scale_bits": 0}, True),
-        ("no reserves", "activation and CUDA-graph reserves set to 0", {"activation_reserve": 0,
-                                                                        "cuda_graph_reserve": 0}, True),
-        ("fp8 everywhere", "embeddings and lm_head fp8 too: weights = params × 1 byte / 8",
-         {"quantize_embeddings": True}, True),
-        ("KV on all 128 heads", "KV cache sized as if every attention head had its own K/V (no GQA: 128 KV "
-         "heads, not 8), i.e. 2 × layers × hidden × bytes per token; weights unchanged",
-         {"kv_cache_heads": spec.heads}, True),
-        ("check: bf16 weights", "same as above with bf16 weights: far below 82K, so the article used fp8",
+        ("gdsload defaults", "the assumptions `gdsload plan` prints", {}, True),
+        ("no KV scales", "3-bit KV without per-group scales", {"kv_scale_bits": 0}, True),
+        ("no reserves", "activation and CUDA-graph reserves = 0", {"activation_reserve": 0,
+                                                                    "cuda_graph_reserve": 0}, True),
+        ("fp8 everywhere", "embeddings and lm_head fp8 too (params × 1 B / tp)", {"quantize_embeddings": True},
+         True),
+        ("KV on all 128 heads", "KV cache for 128 heads, not 8 (no GQA): 2 × layers × hidden × bytes per token; "
+         "weights unchanged", {"kv_cache_heads": spec.heads}, True),
+        ("bf16 weights", "as above with bf16 weights: far below 82K, so not what the article did",
          {"weights": "bf16", "quantize_embeddings": False}, False),
     ]
     rows: list[ArticleRow] = []

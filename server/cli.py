@@ -47,6 +47,8 @@ _LAZY_COMMANDS: dict[str, str] = {
     "compress": "gdsload.server.cmd_compress:compress",
     "doctor": "gdsload.server.cmd_doctor:doctor",
     "shard": "gdsload.server.cmd_shard:shard",
+    "plan": "gdsload.server.cmd_plan:plan",
+    "cost": "gdsload.server.cmd_cost:cost",
     # The benchmark lives in gdsload.bench; the shell names it here and imports it only when run.
     "bench": "gdsload.bench.cli:bench",
 }
