@@ -24,11 +24,14 @@ from gdsload.loader import parse_size
 @click.option("--make-model", "make_model", default=None,
               help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.")
 @click.option("--tp", default=1, show_default=True, help="With --make-model: ranks to split it into.")
+@click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
+              help="With --make-model: start a new part file before one would exceed this.")
 @click.option("--compress", "compress_codec", default=None, help="With --make-model: also write OUT-CODEC compressed.")
 @click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Only draw chart.png from an existing results.json.")
 def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
-          repeat: int, device: str, out: str, make_model: str | None, tp: int, compress_codec: str | None,
+          repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
+          compress_codec: str | None,
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
@@ -41,7 +44,7 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
 
         shape = shape_for_size(parse_size(make_model))
         click.echo(f"synthetic Llama: {shape}")
-        make_checkpoint(out, shape, tp=tp)
+        make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes))
         if compress_codec:
             from gdsload.loader.compress import compress_dir
 

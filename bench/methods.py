@@ -37,6 +37,8 @@ def _nbytes(tensors: Any) -> int:
 def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
     import torch
 
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # peers want an explicit index
     if device.startswith("cuda"):
         torch.cuda.init()
         torch.empty(1, device=device)  # context creation is not part of the load

@@ -146,7 +146,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _one_load(url: str, token: str, model: str, server_pid: int, rate: float, connections: int,
-              polled: bool) -> dict[str, Any]:
+              polled: bool, settle: float) -> dict[str, Any]:
     generator = None
     cpu_before = _cpu_seconds(server_pid)
     if polled:
@@ -155,7 +155,7 @@ def _one_load(url: str, token: str, model: str, server_pid: int, rate: float, co
              "--connections", str(connections)], stdout=subprocess.PIPE, text=True)
         assert generator.stdout is not None
         generator.stdout.readline()  # "generating"
-        time.sleep(1.0)  # let the rate settle before the load starts
+        time.sleep(settle)  # let the rate settle before the load starts
         cpu_before = _cpu_seconds(server_pid)
     t0 = time.monotonic()
     code, doc = _http("POST", url + "/v1/reload", token, {"model_dir": model, "force": True}, timeout=60)
@@ -179,6 +179,9 @@ def _one_load(url: str, token: str, model: str, server_pid: int, rate: float, co
         "load_seconds_mean": statistics.mean(r["seconds"] for r in ranks),
         "read_seconds_max": max(r["phases"]["read"] for r in ranks),
         "gbps_sum": sum(r["gbps"] for r in ranks),
+        "logical_bytes": sum(r["logical_bytes"] for r in ranks),
+        "devices": sorted({r["device"] for r in ranks}),
+        "backends": sorted({r["backend"] for r in ranks}),
         "server_cpu_s": cpu,
         "window_s": elapsed,
         "poller": load,
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=7, help="rounds; each loads once idle and once polled (default 7)")
     ap.add_argument("--rate", type=float, default=1000.0, help="/readyz requests per second while polled")
     ap.add_argument("--connections", type=int, default=8, help="keep-alive connections of the poller (default 8)")
+    ap.add_argument("--device-map", default="cpu", help="the server's --device-map (default cpu; auto uses the GPUs)")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of polling before each polled load starts")
     ap.add_argument("--out", default="readyz-bench", help="where the checkpoint and results.json go")
     args = ap.parse_args(argv)
     if args.generator:
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     env.update(GDSLOAD_TOKEN=token, PYTHONUNBUFFERED="1")
     cmd = serve_command(str(model), "--tp", str(args.tp), "--port", "0", "--allow-root", str(out),
-                        "--device-map", "cpu")
+                        "--device-map", args.device_map)
     with open(log_path, "wb") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.repeat):
             order = (False, True) if i % 2 == 0 else (True, False)
             for polled in order:
-                row = _one_load(url, token, str(model), server.pid, args.rate, args.connections, polled)
+                row = _one_load(url, token, str(model), server.pid, args.rate, args.connections, polled, args.settle)
                 row["round"] = i
                 runs.append(row)
                 p = row["poller"]
@@ -272,7 +277,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{p['p99_ms_median']:.2f} ms; server CPU {p['server_cpu_us_per_request_median']:.0f} us per request")
     facts = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": os.cpu_count(),
              "python": platform.python_version(), "size": args.size, "tp": args.tp, "rate": args.rate,
-             "connections": args.connections, "repeat": args.repeat}
+             "connections": args.connections, "repeat": args.repeat, "settle": args.settle,
+             "device_map": args.device_map, "devices": runs[0]["devices"], "backends": runs[0]["backends"],
+             "logical_bytes": runs[0]["logical_bytes"]}
     (out / "results.json").write_text(json.dumps({"facts": facts, "summary": summary, "runs": runs}, indent=2))
     print(f"results: {out / 'results.json'}")
 

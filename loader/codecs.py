@@ -106,13 +106,15 @@ def encode_tensor(
     codecs = GpuCodecs(raw.device, encode=True)
     if layout == "native":
         enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
-        out = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)
-        blob = out.cpu().numpy()
+        # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
+        # the (larger) worst-case capacity.
+        size = enc.buffer_size
+        blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size].cpu().numpy()
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params, crc32=crc)
         return entry, blob
     pieces = list(raw.split(ZSTD_CHUNK))
     enc = codecs.chunked(codec).encode(codecs.nv.as_arrays(pieces))
-    frames = [torch.from_dlpack(enc[i]).view(torch.uint8).reshape(-1) for i in range(len(pieces))]
+    frames = [torch.from_dlpack(enc[i]).view(torch.uint8).reshape(-1)[: enc[i].buffer_size] for i in range(len(pieces))]
     blob = torch.cat(frames).cpu().numpy()
     entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
                             ZSTD_CHUNK, tuple(int(f.numel()) for f in frames), crc)

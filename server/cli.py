@@ -9,7 +9,6 @@ import importlib
 import json
 import logging
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,8 @@ _LAZY_COMMANDS: dict[str, str] = {
     "doctor": "gdsload.server.cmd_doctor:doctor",
     "shard": "gdsload.server.cmd_shard:shard",
     "plan": "gdsload.server.cmd_plan:plan",
+    "serve": "gdsload.server.cmd_serve:serve",
+    "demo": "gdsload.server.cmd_demo:demo",
     "cost": "gdsload.server.cmd_cost:cost",
     # The benchmark lives in gdsload.bench; the shell names it here and imports it only when run.
     "bench": "gdsload.bench.cli:bench",
@@ -134,10 +135,10 @@ def load(path: str, rank: int, device: str, backend: str | None, num_threads: in
     """Load one rank and print the load report."""
     result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
                        chunk_bytes=chunk_bytes, verify=verify)
-    _print_report(result.report, as_json)
+    print_report(result.report, as_json)
 
 
-def _print_report(report: Any, as_json: bool) -> None:
+def print_report(report: Any, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
@@ -149,26 +150,6 @@ def _print_report(report: Any, as_json: bool) -> None:
     for f in report.files:
         extra = f", {f.copied_tensors} copied (misaligned)" if f.copied_tensors else ""
         click.echo(f"  {Path(f.path).name}: io={f.io_mode}, {f.tensors} tensors, {format_bytes(f.logical_bytes)}{extra}")
-
-
-@cli.command()
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Where to build the demo model (default: a temporary directory, removed afterwards).")
-@click.option("--tp", default=2, show_default=True, help="Ranks to shard the demo model into.")
-@click.option("--size", type=SIZE, default="64MiB", show_default=True, help="Approximate model size.")
-def demo(workdir: str | None, tp: int, size: int) -> None:
-    """Build a small synthetic Llama, write it as rank shards, load every rank on CPU, print the reports."""
-    from gdsload.loader.synthetic import make_checkpoint, shape_for_size
-
-    with tempfile.TemporaryDirectory(prefix="gdsload-demo-") as tmp:
-        root = Path(workdir) if workdir else Path(tmp)
-        shape = shape_for_size(size)
-        click.echo(f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}")
-        make_checkpoint(root, shape, tp=tp)
-        for rank in range(tp):
-            result = load_rank(root, rank, device="cpu", verify=True)
-            _print_report(result.report, as_json=False)
-            result.close()
 
 
 def main(argv: list[str] | None = None) -> None:

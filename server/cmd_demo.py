@@ -28,7 +28,7 @@ import click
 
 from gdsload.loader.result import FileReport, LoadReport
 
-from .cli import SIZE, _print_report
+from .cli import SIZE, print_report
 
 __all__ = ["demo", "serve_command"]
 
@@ -71,7 +71,7 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
             status = _get_json(url + "/v1/status")
             for key in sorted(status["ranks"], key=int):
                 r = status["ranks"][key]
-                _print_report(_report_from_dict(r["report"]), as_json=False)
+                print_report(_report_from_dict(r["report"]), as_json=False)
             click.echo(f"time to ready: {status['process']['time_to_ready_s']:.2f} s after the server process started "
                        f"({status['load']['time_to_ready_s']:.2f} s from the start of the load)")
             pids = [r["pid"] for r in status["ranks"].values() if r["pid"]]

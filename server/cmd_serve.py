@@ -53,8 +53,9 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
           host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
           log_format: str | None, log_level: str | None, restart_backoff: float | None,
           restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None) -> None:
-    """Serve MODEL_DIR: one worker process per local rank, and an HTTP API for health, readiness, status,
-    metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a GDSLOAD_* variable."""
+    """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
+    readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
+    GDSLOAD_* variable; flags win."""
     try:
         config = ServeConfig.resolve(
             model_dir=model_dir, ranks=ranks, tp=tp, device_map=device_map, backend=backend, host=host, port=port,

@@ -356,8 +356,8 @@ def _read_token_file(path: str) -> str:
         raise ConfigError(f"token file {path!r} cannot be read ({e})") from None
     if not token:
         raise ConfigError(f"token file {path!r} is empty; write the token into it (e.g. `openssl rand -hex 32 > {path}`)")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        log.warning("token file %r is readable by group or others (mode %o); chmod 600 it", path, stat.S_IMODE(st.st_mode))
+    if stat.S_IMODE(st.st_mode) & 0o007:  # group access is how Kubernetes Secrets (fsGroup) are shared; others is not
+        log.warning("token file %r is accessible to every user (mode %o); chmod o-rwx it", path, stat.S_IMODE(st.st_mode))
     return token
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "UnknownRankError",
     "UnknownLeaseError",
     "ExportsOutstandingError",
+    "ModelUnreadableError",
     "RankNotReadyError",
     "process_start_time",
 ]
@@ -90,6 +91,10 @@ class UnknownLeaseError(GdsloadError, LookupError):
 
 class ExportsOutstandingError(GdsloadError, RuntimeError):
     """Unload or reload refused: engines still map exported tensors."""
+
+
+class ModelUnreadableError(GdsloadError, OSError):
+    """The model directory cannot be listed or read (permissions, I/O error)."""
 
 
 def process_start_time() -> float:
@@ -282,7 +287,8 @@ class Supervisor:
             raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s") from None
         with self._lock:
             model = self._model["path"] if self._model else None
-        return {**doc, "lease": lease, "generation": self._generation, "model": model}
+            generation = self._generation
+        return {**doc, "lease": lease, "generation": generation, "model": model}
 
     def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
         """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank."""
@@ -385,7 +391,12 @@ class Supervisor:
     def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
         from gdsload.loader.discover import discover, list_ranks
 
-        source, tp, files = list_ranks(real)
+        try:
+            source, tp, files = list_ranks(real)
+        except GdsloadError:
+            raise
+        except OSError as e:
+            raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e}); check its permissions") from None
         served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
         errors: dict[int, dict[str, str]] = {}
         for r in (r for r in served if r not in files):
@@ -681,8 +692,13 @@ class Supervisor:
             elif not self._ranks:
                 body["reason"] = "starting"
             else:
+                failed = [x for _, x in sorted(self._ranks.items()) if x.state is RankState.FAILED]
                 waiting = [r for r, s in states.items() if s != RankState.READY.value]
-                body["reason"] = f"waiting for rank(s) {', '.join(waiting)}"
+                body["reason"] = (
+                    f"rank(s) {', '.join(str(x.rank) for x in failed)} failed "
+                    f"({', '.join(sorted({x.error['type'] for x in failed if x.error}))}); see /v1/status"
+                    if failed else f"waiting for rank(s) {', '.join(waiting)}"
+                )
         self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())
 
     def _rank_doc(self, x: _Rank, now: float) -> dict[str, Any]:

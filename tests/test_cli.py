@@ -57,9 +57,3 @@ def test_errors_are_one_line_and_nonzero(sharded_dir, args, message):
     p = run(*[a.format(d=sharded_dir) for a in args], ok=False)
     assert p.returncode != 0
     assert message in p.stderr and "Traceback" not in p.stderr
-
-
-def test_demo_builds_shards_and_loads(tmp_path):
-    out = run("demo", "--workdir", str(tmp_path / "demo"), "--size", "8MiB").stdout
-    assert "rank 0: " in out and "rank 1: " in out and out.count("verified=True") == 2
-    assert (tmp_path / "demo" / "gdsload.json").exists()

@@ -236,11 +236,10 @@ class PinnedBackend(Backend):
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        cufiles = getattr(self, "_cufiles", {})
-        for f in cufiles.values():
+        # kvikio keeps its bounce buffers (threads x task size, 64 MiB by default) in a process-wide
+        # pool for the next load; freeing them here could pull them from under another user of kvikio.
+        for f in getattr(self, "_cufiles", {}).values():
             f.close()
-        if cufiles:
-            self._kv.bounce_buffer_free()  # kvikio's pinned bounce buffers go back to the driver
         self._cufiles = {}
         for fd in getattr(self, "_fds", []):
             os.close(fd)
