@@ -12,6 +12,14 @@ __version__ = "0.1.0"
 
 from .adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
 from .api import load_rank
+from .checkpoint import (
+    CheckpointError,
+    CheckpointReport,
+    CheckpointTypeError,
+    CheckpointWriteError,
+    load_compressed_checkpoint,
+    save_compressed_checkpoint,
+)
 from .config import LoadConfig, format_bytes, parse_size
 from .discover import RankFiles, discover, list_ranks
 from .errors import (
@@ -32,7 +40,7 @@ from .plan import LoadPlan, plan_rank
 from .quantize import QuantScheme
 from .result import FileReport, LoadReport, LoadResult
 from .shard import (
-    CheckpointError,
+    SourceCheckpointError,
     OutputExistsError,
     ShardConfigError,
     ShardOptions,
@@ -100,7 +108,7 @@ __all__ = [
     "ShardOptions",
     "ShardPlan",
     "ShardResult",
-    "CheckpointError",
+    "SourceCheckpointError",
     "OutputExistsError",
     "ShardConfigError",
     "ShardWriteError",
@@ -108,4 +116,10 @@ __all__ = [
     "SourceReadError",
     "UnsupportedModelError",
     "UnsupportedSourceError",
+    "save_compressed_checkpoint",
+    "load_compressed_checkpoint",
+    "CheckpointReport",
+    "CheckpointError",
+    "CheckpointTypeError",
+    "CheckpointWriteError",
 ]

@@ -54,7 +54,7 @@ from .manifest import MANIFEST_NAME, Manifest, write_manifest
 from .quantize import FP8_DTYPE, QuantScheme, compute_scale, quantization_config, quantize_into
 from .shard_rules import (
     LAYOUTS,
-    CheckpointError,
+    SourceCheckpointError,
     ModelSpec,
     OutTensor,
     ShardConfigError,
@@ -82,7 +82,7 @@ __all__ = [
     "SourceReadError",
     "UnsupportedModelError",
     "ShardConfigError",
-    "CheckpointError",
+    "SourceCheckpointError",
     "PARTIAL_DIR",
     "FILE_PATTERN",
 ]
@@ -231,7 +231,7 @@ class _Source:
         for path in self.files:
             for info in read_header(path).tensors:
                 if info.name in self.tensors:
-                    raise CheckpointError(
+                    raise SourceCheckpointError(
                         f"tensor {info.name!r} is in both {self.tensors[info.name].path!r} and {str(path)!r}; "
                         "remove the stray file from the source directory"
                     )
@@ -244,7 +244,7 @@ class _Source:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{str(index)!r} is not a valid safetensors index ({e!r})") from None
+            raise SourceCheckpointError(f"{str(index)!r} is not a valid safetensors index ({e!r})") from None
         for name, fname in weight_map.items():
             if not (self.root / fname).is_file():
                 raise SourceNotFoundError(
@@ -432,7 +432,7 @@ def _check_source(src: _Source, spec: ModelSpec, where: str) -> None:
     if missing:
         loc = f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} ({', '.join(map(repr, missing[:4]))}" + \
               (", ..." if len(missing) > 4 else "") + ")"
-        raise CheckpointError(
+        raise SourceCheckpointError(
             f"{str(src.root)!r} lacks {loc} that {where!r} implies ({spec.architecture}, "
             f"{spec.layers} layers, tie_word_embeddings={spec.tie_embeddings}); the checkpoint is incomplete "
             "or config.json does not belong to it"
@@ -441,20 +441,20 @@ def _check_source(src: _Source, spec: ModelSpec, where: str) -> None:
     extra = sorted(n for n in have - set(expected)
                    if n not in ignorable and not any(fnmatch.fnmatch(n, g) for g in _IGNORED_SOURCE))
     if extra:
-        raise CheckpointError(
+        raise SourceCheckpointError(
             f"{str(src.root)!r} holds {len(extra)} tensor(s) a {spec.architecture} with this config.json does not have, "
             f"e.g. {extra[0]!r} in {src.tensors[extra[0]].path!r}; is config.json the right one for these weights?"
         )
     for name, shape in expected.items():
         loc = src.tensors[name]
         if loc.info.shape != shape:
-            raise CheckpointError(
+            raise SourceCheckpointError(
                 f"{loc.path!r}: tensor {name!r} has shape {list(loc.info.shape)}, but {where!r} implies {list(shape)} "
                 f"(hidden_size={spec.hidden}, heads={spec.heads}, kv_heads={spec.kv_heads}, head_dim={spec.head_dim}, "
                 f"intermediate_size={spec.intermediate}, vocab_size={spec.vocab}); config.json does not match the weights"
             )
         if loc.info.dtype not in _SOURCE_DTYPES:
-            raise CheckpointError(
+            raise SourceCheckpointError(
                 f"{loc.path!r}: tensor {name!r} has dtype {loc.info.dtype}; gdsload shard takes unquantized "
                 f"{'/'.join(_SOURCE_DTYPES)} weights"
             )
@@ -467,7 +467,7 @@ def _out_dtype(t: OutTensor, src: _Source) -> str:
         return "F32"
     dtypes = {src.dtype(p.source) for p in t.pieces}
     if len(dtypes) > 1:
-        raise CheckpointError(
+        raise SourceCheckpointError(
             f"output tensor {t.name!r} fuses sources of different dtypes {sorted(dtypes)} "
             f"({', '.join(t.sources)}); re-save the checkpoint in one dtype"
         )
@@ -477,7 +477,7 @@ def _out_dtype(t: OutTensor, src: _Source) -> str:
 def plan_shard(src: str | os.PathLike[str], options: ShardOptions) -> ShardPlan:
     """Validate ``src`` against ``options`` and lay out every output file; reads only headers.
 
-    Raises :class:`UnsupportedModelError`, :class:`ShardConfigError`, :class:`CheckpointError`,
+    Raises :class:`UnsupportedModelError`, :class:`ShardConfigError`, :class:`SourceCheckpointError`,
     :class:`SourceNotFoundError` or :class:`UnsupportedSourceError` naming the file and the fix.
 
     >>> plan = plan_shard("/models/Llama-3-8B", ShardOptions(tp=4, quantize="fp8"))  # doctest: +SKIP

@@ -43,7 +43,7 @@ __all__ = [
     "VLLM_ATTENTION_SCALES",
     "UnsupportedModelError",
     "ShardConfigError",
-    "CheckpointError",
+    "SourceCheckpointError",
     "ModelSpec",
     "Piece",
     "OutTensor",
@@ -82,7 +82,7 @@ class ShardConfigError(GdsloadError, ValueError):
     """The tensor-parallel size doesn't divide the model's heads, intermediate size or vocabulary."""
 
 
-class CheckpointError(GdsloadError, ValueError):
+class SourceCheckpointError(GdsloadError, ValueError):
     """The source checkpoint lacks tensors, has unexpected ones, or has wrong shapes or dtypes."""
 
 

@@ -27,7 +27,7 @@ from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover
 from gdsload.loader import format as fmt
 from gdsload.loader.shard import (
     PARTIAL_DIR,
-    CheckpointError,
+    SourceCheckpointError,
     OutputExistsError,
     ShardConfigError,
     ShardOptions,
@@ -404,7 +404,7 @@ def _drop_tensor(ckpt: Path, name: str) -> str:
 def test_missing_tensor_and_missing_shard_file(checkpoints, tmp_path):
     bad = _copy(checkpoints["llama-bias-untied"][0], tmp_path / "missing")
     _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight")
-    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), CheckpointError,
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceCheckpointError,
            "'model.layers.1.mlp.up_proj.weight'", "lacks 1 tensor", "incomplete")
     gone = sorted(bad.glob("model-*.safetensors"))[-1]
     gone.unlink()
@@ -419,7 +419,7 @@ def test_shape_mismatch_names_tensor_and_config(checkpoints, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (bad / "config.json").write_text(json.dumps(cfg))
-    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), CheckpointError,
+    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceCheckpointError,
            "'model.layers.0.mlp.gate_proj.weight' has shape [64, 48]", "implies [128, 48]", "intermediate_size=128")
 
 
