@@ -80,6 +80,7 @@ def compress_file(
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     checksum: bool = True,
+    min_tensor_bytes: int = MIN_TENSOR_BYTES,
     progress: Callable[[int], None] | None = None,
 ) -> CompressStats:
     """Compress one safetensors file into ``dst`` (written atomically).
@@ -105,7 +106,7 @@ def compress_file(
         stats.tensors += 1
         stats.logical_bytes += nbytes
         kept = False
-        if nbytes >= MIN_TENSOR_BYTES:
+        if nbytes >= min_tensor_bytes:
             dtype = source_entries[t.name].dtype if t.name in source_entries else t.dtype
             entry, blob = encode_tensor(t.name, tensor, dtype, codec, params=default_params(codec, dtype),
                                         checksum=checksum)
@@ -144,6 +145,7 @@ def compress_dir(
     codec: str = "ans",
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
+    min_tensor_bytes: int = MIN_TENSOR_BYTES,
     progress: Callable[[int], None] | None = None,
 ) -> CompressStats:
     """Compress every safetensors file of a model directory into ``out`` with the same names.
@@ -171,7 +173,7 @@ def compress_dir(
                 continue
             if item.suffix == ".safetensors":
                 stats = compress_file(item, staging / item.name, codec=codec, min_gain=min_gain, device=device,
-                                      progress=progress)
+                                      min_tensor_bytes=min_tensor_bytes, progress=progress)
                 log.info("%s: %d/%d tensors compressed, ratio %.3f", item.name, stats.compressed, stats.tensors,
                          stats.ratio)
                 total.add(stats)

@@ -108,9 +108,17 @@ def reference() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def prepared(reference, tmp_path_factory) -> Path:
-    """The checkpoint directory the tests load. Shard/compress go here, once they exist:
-    ``gdsload shard <dir> <out> --tp 1`` then ``gdsload compress <out> <out2> --codec zstd``, returning the last."""
-    return _write_checkpoint(reference[0], tmp_path_factory.mktemp("tiny-llama"))
+    """The checkpoint directory the tests load: the model's HF checkpoint, sharded (tp=1, hf layout),
+    then compressed with Zstd (the codec a CPU host decodes) — shard -> compress -> load_rank -> inject."""
+    from gdsload.loader import shard_checkpoint
+    from gdsload.loader.compress import compress_dir
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    src = _write_checkpoint(reference[0], root / "hf")
+    shard_checkpoint(src, root / "sharded", tp=1, layout="hf")
+    stats = compress_dir(root / "sharded", root / "compressed", codec="zstd", device="cpu", min_tensor_bytes=4096)
+    assert stats.compressed > 0 and stats.ratio > 1.05
+    return root / "compressed"
 
 
 def _arena_ptr(result: LoadResult) -> int:
