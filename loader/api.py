@@ -13,7 +13,7 @@ import torch
 from .backends import ReadOptions, select_backend
 from .config import LoadConfig
 from .decode import load_compressed
-from .discover import RankFiles, discover
+from .discovery import RankFiles, discover
 from .dtypes import to_torch
 from .errors import IntegrityError
 from .manifest import file_digest

@@ -22,7 +22,7 @@ import torch
 from .api import load_rank
 from .codecs import default_params, encode_tensor, nvcomp_available
 from .compression import CODECS, FORMAT_VERSION, METADATA_KEY, parse_compression
-from .discover import list_ranks
+from .discovery import list_ranks
 from .errors import CodecError, ConfigError
 from .format import AlignedWriter, TensorSpec, read_header
 from .manifest import MANIFEST_NAME, Manifest, write_manifest

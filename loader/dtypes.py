@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ITEMSIZE", "SAFETENSORS_DTYPES", "to_torch", "from_torch"]
 
@@ -33,28 +37,33 @@ _TABLE: dict[str, tuple[int, str]] = {
 ITEMSIZE: dict[str, int] = {name: size for name, (size, _) in _TABLE.items()}
 SAFETENSORS_DTYPES: tuple[str, ...] = tuple(sorted(_TABLE))
 
-_TO_TORCH: dict[str, torch.dtype] = {}
-for _name, (_, _attr) in _TABLE.items():
-    _dt = getattr(torch, _attr, None)
-    if _dt is not None:
-        _TO_TORCH[_name] = _dt
-_FROM_TORCH: dict[torch.dtype, str] = {dt: name for name, dt in _TO_TORCH.items()}
+
+
+@cache
+def _tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """Built on first use, so that reading headers does not import torch."""
+    import torch
+
+    to = {name: getattr(torch, attr) for name, (_, attr) in _TABLE.items() if hasattr(torch, attr)}
+    return to, {dt: name for name, dt in to.items()}
 
 
 def to_torch(name: str) -> torch.dtype:
     """Torch dtype for a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
     try:
-        return _TO_TORCH[name]
+        return _tables()[0][name]
     except KeyError:
+        import torch
+
         raise KeyError(f"dtype {name!r} has no torch equivalent in torch {torch.__version__}") from None
 
 
 def from_torch(dtype: torch.dtype) -> str:
     """Safetensors dtype name for a torch dtype (``torch.float8_e4m3fn`` -> ``"F8_E4M3"``)."""
     try:
-        return _FROM_TORCH[dtype]
+        return _tables()[1][dtype]
     except KeyError:
         raise TypeError(
             f"torch dtype {dtype} cannot be stored in safetensors; supported: "
-            f"{', '.join(str(d) for d in _FROM_TORCH)}"
+            f"{', '.join(str(d) for d in _tables()[1])}"
         ) from None

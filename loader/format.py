@@ -16,6 +16,8 @@ one is naturally aligned.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import math
 import os
@@ -25,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
 
 from .dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
 from .errors import HeaderError, TruncatedFileError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DATA_ALIGNMENT",
@@ -276,6 +280,8 @@ class TensorSpec:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor (copied to CPU and made contiguous if needed)."""
+    import torch
+
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()

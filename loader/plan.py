@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .compression import CompressedEntry, parse_compression
-from .discover import RankFiles
+from .discovery import RankFiles
 from .errors import HeaderError
 from .format import DATA_ALIGNMENT, SafetensorsHeader, read_header
 from .manifest import logical_bytes

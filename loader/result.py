@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config import format_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PHASES", "FileReport", "LoadReport", "LoadResult"]
 

@@ -15,15 +15,11 @@ from typing import Any
 
 import click
 
-from gdsload.loader import (
-    GdsloadError,
-    format_bytes,
-    list_ranks,
-    load_rank,
-    parse_size,
-    read_header,
-)
+# Only light modules here: subcommands import torch-backed parts of the library when they run,
+# so `gdsload --help` and the sidecar's parent process start without importing torch.
 from gdsload.loader import __version__
+from gdsload.loader.config import format_bytes, parse_size
+from gdsload.loader.errors import GdsloadError
 
 __all__ = ["main", "cli"]
 
@@ -83,6 +79,8 @@ def cli(verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: str, tensors: bool, as_json: bool) -> None:
     """Show ranks, files, tensors, dtypes, bytes and alignment of a checkpoint."""
+    from gdsload.loader import list_ranks, read_header
+
     source, tp, ranks = list_ranks(path)
     doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": tp, "ranks": {}}
     for rank, files in sorted(ranks.items()):
@@ -133,6 +131,8 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 def load(path: str, rank: int, device: str, backend: str | None, num_threads: int | None,
          chunk_bytes: int | None, verify: bool | None, as_json: bool) -> None:
     """Load one rank and print the load report."""
+    from gdsload.loader import load_rank
+
     result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
                        chunk_bytes=chunk_bytes, verify=verify)
     print_report(result.report, as_json)

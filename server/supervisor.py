@@ -389,7 +389,7 @@ class Supervisor:
     # ------------------------------------------------------------------ generations
 
     def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
-        from gdsload.loader.discover import discover, list_ranks
+        from gdsload.loader.discovery import discover, list_ranks
 
         try:
             source, tp, files = list_ranks(real)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Union
 import torch
 
 from ..config import LoadConfig, format_bytes
-from ..discover import list_ranks
+from ..discovery import list_ranks
 from ..errors import BackendUnavailableError, ConfigError, GdsloadError
 from ..manifest import Manifest
 from ..result import LoadReport, LoadResult

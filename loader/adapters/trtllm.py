@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..discover import list_ranks
+from ..discovery import list_ranks
 from ..errors import ConfigError
 from .base import AdapterOptions, LayoutError, RankWeights, describe_checkpoint, import_engine, open_rank
 

@@ -8,6 +8,8 @@ why each one was skipped; a backend named explicitly either runs or raises
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import abc
 import importlib
 import logging
@@ -15,10 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from ..errors import BackendUnavailableError, ConfigError
 from ..plan import Extent, LoadPlan
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "IO_MODES", "select_backend", "backend_class"]
 
@@ -80,6 +84,8 @@ class Backend(abc.ABC):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` on the target device (the arena, or staging)."""
+        import torch
+
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def open(self, plan: LoadPlan) -> None:
