@@ -129,7 +129,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
     doc: dict[str, Any] = {"facts": machine_facts(cfg.device), "config": {
         "model_dir": str(cfg.model_dir), "compressed_dir": str(cfg.compressed_dir) if compressed else None,
         "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": list(cfg.conditions)},
-        "skipped": skipped, "limits": {}, "runs": []}
+        "skipped": skipped, "limits": {}, "runs": [], "complete": False}
     if cfg.device.startswith("cuda"):
         doc["limits"]["h2d_gbps"] = h2d_gbps(cfg.device)
         if compressed:
@@ -171,15 +171,23 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                     r.update(method=method, condition=condition, run=i, resident_before=round(resident, 4),
                              evicted_by=evicted)
                     doc["runs"].append(r)
+                    _save(doc, cfg.out)  # a run cut short by a time limit still leaves its data
                     msg = r.get("error") or f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s"
                     log(f"  {condition:5} {method:34} run {i}: {msg} (resident before {resident:.2f})")
         finally:
             for c in copies:
                 shutil.rmtree(c, ignore_errors=True)
-    doc["summary"] = summarize(doc)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    doc["complete"] = True
+    _save(doc, cfg.out)
     return doc
+
+
+def _save(doc: dict[str, Any], out: Path) -> None:
+    doc["summary"] = summarize(doc)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    os.replace(tmp, out / "results.json")
 
 
 def _direct_ok(path: str) -> bool:
@@ -197,7 +205,8 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
             runs = [r for r in doc["runs"] if r["method"] == method and r["condition"] == condition and "error" not in r]
             if not runs:
                 errs = [r["error"] for r in doc["runs"] if r["method"] == method and r["condition"] == condition]
-                cond_rows.append({"method": method, "condition": condition, "error": errs[:1]})
+                if errs:  # no runs at all: not reached (yet)
+                    cond_rows.append({"method": method, "condition": condition, "error": errs[:1]})
                 continue
             rates = [r["bytes"] / r["seconds"] / 1e9 for r in runs]
             row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),

@@ -76,6 +76,8 @@ class MappedRank:
     nbytes: int
     client: SidecarClient = field(repr=False)
     released: bool = False
+    lease: str | None = None
+    """The sidecar's lease for this mapping: releasing it leaves other engines' mappings of the rank alone."""
 
     def release(self) -> None:
         """Tell the sidecar this process is done with the rank; idempotent. Drops this object's references.
@@ -87,7 +89,7 @@ class MappedRank:
             return
         self.released = True
         self.tensors = {}
-        self.client.release(self.rank)
+        self.client.release(self.rank, lease=self.lease)
 
     def __enter__(self) -> MappedRank:
         return self
@@ -132,9 +134,14 @@ class SidecarClient:
                                        f"{doc.get('rank')!r}; the sidecar is serving another model or mapping")
         return doc
 
-    def release(self, rank: int) -> None:
-        """``POST /v1/ipc/{rank}/release``: this process no longer needs the mapping."""
-        self._request("POST", f"/v1/ipc/{_check_rank(rank)}/release", rank, body=b"{}")
+    def release(self, rank: int, *, lease: str | None = None) -> None:
+        """``POST /v1/ipc/{rank}/release``: this process no longer needs the mapping.
+
+        With ``lease`` (from the IPC document) only that mapping is released; without, every lease
+        of the rank is.
+        """
+        body = json.dumps({"lease": lease}).encode() if lease else b"{}"
+        self._request("POST", f"/v1/ipc/{_check_rank(rank)}/release", rank, body=body)
         log.debug("released rank %d at %s", rank, self.base_url)
 
     def map_rank(self, rank: int, *, device: str | torch.device | None = None) -> MappedRank:
@@ -158,14 +165,15 @@ class SidecarClient:
                     )
         except BaseException:
             try:
-                self.release(rank)
+                self.release(rank, lease=doc.get("lease"))
             except SidecarError as e:
                 log.warning("could not release rank %d after a failed mapping: %s", rank, e)
             raise
         nbytes = int(doc.get("nbytes", 0))
         log.info("rank %d: mapped %d tensors (%d bytes) from %s on %s", rank, len(tensors), nbytes, self.base_url,
                  mapped_device)
-        return MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self)
+        return MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
+                          lease=doc.get("lease"))
 
     def _request(self, method: str, path: str, rank: int, body: bytes | None = None) -> bytes:
         url = self.base_url + path

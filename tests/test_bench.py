@@ -44,7 +44,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
                        timeout=600)
     assert p.returncode == 0, p.stderr
     doc = json.loads((out / "results.json").read_text())
-    assert doc["config"]["methods"] == ["gdsload:cpu", "safetensors", "gdsload:cpu:compressed"]
+    assert doc["config"]["methods"] == ["gdsload:cpu", "safetensors", "gdsload:cpu:compressed"] and doc["complete"]
     logical = load_rank(model).report.logical_bytes
     assert len(doc["runs"]) == 6 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
