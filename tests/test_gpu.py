@@ -144,7 +144,8 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
     src = _bench_like(tmp_path)
     out = tmp_path / f"z-{codec}"
     stats = compress_dir(src, out, codec=codec, device="cuda")
-    assert stats.compressed >= 6
+    # Both bf16 weights compress with every codec; fp32 and fp8 may stay raw under --min-gain.
+    assert "BF16" in stats.per_dtype and stats.compressed >= 2
     if codec == "ans":
         assert stats.per_dtype["BF16"][0] / stats.per_dtype["BF16"][1] > 1.35
     res = load_rank(out, device="cuda", backend=backend, verify=True)
