@@ -326,7 +326,7 @@ def rank_tensors(
         raise ShardConfigError(f"rank {rank} is outside 0..{tp - 1}")
     check_tp(spec, tp)
     rg = _Ranges(spec, tp, rank)
-    h, d = spec.hidden, spec.head_dim
+    h = spec.hidden
     out: list[OutTensor] = []
 
     def replicate(name: str, shape: tuple[int, ...], source: str | None = None) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 from gdsload.bench.coldstart import format_table
 from gdsload.loader import load_rank

@@ -45,7 +45,6 @@ from gdsload.loader.checkpoint import (
     load_compressed_checkpoint,
     save_compressed_checkpoint,
 )
-from gdsload.loader.compress import MIN_TENSOR_BYTES
 from gdsload.loader.compression import METADATA_KEY, parse_compression
 
 VOCAB, DIM = 256, 128
@@ -267,7 +266,7 @@ def test_extras_with_tensors_nested_containers_sharing_and_odd_keys(tmp_path):
         "nested": [[big, [torch.tensor(1.5), torch.empty(0, 3)]], (w.t(), w[1:3])],  # non-contiguous views
         "same": (w, w),  # one tensor twice: comes back as one tensor
         "params": {"p": p, "frozen": frozen, "grad": torch.ones(2, requires_grad=True)},
-        "keys": {1: "int", 2.5: "float", None: "none", True: "bool", (1, "a"): "tuple", "s": {"deep": [None]}},
+        "keys": {3: "int", 2.5: "float", None: "none", True: "bool", (1, "a"): "tuple", "s": {"deep": [None]}},
         "odict": OrderedDict([("z", 1), ("a", 2)]),
         "numbers": [0, -1, 2**70, 1e-310, float("-inf"), float("nan"), -0.0, True, False, None, "ü/\u2603"],
         "numpy": {"arr": np.arange(12, dtype=">u4").reshape(3, 4), "f16": np.ones(3, np.float16),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from pathlib import Path
 
@@ -120,7 +119,8 @@ def test_chunk_sizes_that_lie_about_stored_bytes(zfile):
     dst, _ = zfile
 
     def shift(t):
-        import numpy as np, base64
+        import numpy as np
+        import base64
 
         sizes = np.frombuffer(base64.b64decode(t["w.bf16"]["chunks"]), dtype="<u4").copy()
         sizes[0] += 1

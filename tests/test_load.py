@@ -13,7 +13,6 @@ import safetensors
 import safetensors.torch
 import torch
 
-from conftest import mixed_tensors
 from gdsload.loader import (
     BackendUnavailableError,
     ConfigError,
