@@ -63,7 +63,6 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,8 +75,18 @@ from .codecs import ZSTD_CHUNK, GpuCodecs, cpu_decode, default_params, encode_te
 from .compress import MIN_TENSOR_BYTES
 from .compression import CODECS, FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
 from .config import format_bytes
-from .dtypes import ITEMSIZE, from_torch, to_torch
-from .errors import BackendUnavailableError, CodecError, ConfigError, GdsloadError, TruncatedFileError
+from .dtypes import ITEMSIZE, to_torch
+from .errors import (
+    BackendUnavailableError,
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointWriteError,
+    CodecError,
+    ConfigError,
+    GdsloadError,
+    TruncatedFileError,
+)
+from .checkpoint_tree import Flattener, Leaf, Rebuilder, state_of
 from .format import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output, read_header, tensor_bytes
 
 __all__ = [
@@ -113,17 +122,6 @@ _SYNC_BYTES = 256 << 20
 """The writer calls ``fdatasync`` after this many bytes, so dirty pages don't pile up until the end."""
 _ZSTD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
-
-class CheckpointError(GdsloadError, ValueError):
-    """A file is not a gdsload training checkpoint, or its skeleton disagrees with its tensors."""
-
-
-class CheckpointTypeError(CheckpointError, TypeError):
-    """A value in the state cannot be stored without pickle (its path and type are named)."""
-
-
-class CheckpointWriteError(GdsloadError, OSError):
-    """Writing the checkpoint failed (``errno`` kept); nothing was left under the final name."""
 
 
 # --------------------------------------------------------------------------- report
@@ -186,213 +184,6 @@ class CheckpointReport:
                 "write_gbps": self.write_gbps}
 
 
-# --------------------------------------------------------------------------- state tree -> skeleton
-
-
-@dataclass
-class _Leaf:
-    name: str
-    tensor: torch.Tensor
-    """Detached, conjugate and negative bits resolved; on its original device."""
-    dtype: str
-    where: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-
-class _Flattener:
-    """Turns a state tree into a JSON skeleton and a list of uniquely named tensors."""
-
-    def __init__(self) -> None:
-        self.leaves: list[_Leaf] = []
-        self._names: set[str] = set()
-        self._views: dict[tuple[Any, ...], str] = {}
-        self._open: set[int] = set()
-
-    def node(self, value: Any, parts: list[str], where: str) -> Any:
-        kind = type(value)
-        if value is None or kind is bool or kind is int or kind is str:
-            return value
-        if kind is float:
-            return value if math.isfinite(value) else {"f64": struct.pack("<d", value).hex()}
-        if isinstance(value, torch.Tensor):
-            return self._tensor(value, parts, where)
-        if kind in (list, tuple, dict, OrderedDict):
-            if id(value) in self._open:
-                raise CheckpointTypeError(f"{where} contains itself; a checkpoint stores trees, not cycles")
-            self._open.add(id(value))
-            try:
-                if kind is list or kind is tuple:
-                    items = [self.node(v, [*parts, str(i)], f"{where}[{i}]") for i, v in enumerate(value)]
-                    return {kind.__name__: items}
-                pairs = [[self._key(k, where), self.node(v, [*parts, str(k)], f"{where}[{k!r}]")]
-                         for k, v in value.items()]
-                out: dict[str, Any] = {"odict" if kind is OrderedDict else "dict": pairs}
-                meta = getattr(value, "_metadata", None)  # what Module.state_dict() attaches
-                if meta is not None:
-                    out["_metadata"] = self.node(meta, [*parts, "_metadata"], f"{where}._metadata")
-                return out
-            finally:
-                self._open.discard(id(value))
-        if kind is np.ndarray:
-            return self._ndarray(value, parts, where)
-        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
-            return {"npscalar": value.dtype.str, "hex": value.tobytes().hex()}
-        raise CheckpointTypeError(
-            f"{where} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint cannot store without pickle; "
-            "store None, bool, int, float, str, list, tuple, dict, torch.Tensor or numeric numpy values "
-            "(convert it, e.g. to a dict of numbers, or leave it out)"
-        )
-
-    def _key(self, key: Any, where: str) -> Any:
-        kind = type(key)
-        if key is None or kind is bool or kind is int or kind is str:
-            return key
-        if kind is float:
-            return key if math.isfinite(key) else {"f64": struct.pack("<d", key).hex()}
-        if kind is tuple:
-            return {"tuple": [self._key(k, where) for k in key]}
-        raise CheckpointTypeError(
-            f"{where} has the key {key!r} of type {kind.__qualname__}; dict keys must be str, int, float, bool, "
-            "None or tuples of these"
-        )
-
-    def _tensor(self, t: torch.Tensor, parts: list[str], where: str) -> dict[str, Any]:
-        kind = type(t)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            raise CheckpointTypeError(
-                f"{where} is a {kind.__module__}.{kind.__qualname__}, a tensor subclass that cannot be rebuilt "
-                "without pickle; store a plain tensor (for a DTensor: .full_tensor() or .to_local())"
-            )
-        if t.layout != torch.strided:
-            raise CheckpointTypeError(f"{where} is a {t.layout} tensor; store t.to_dense() instead")
-        if t.is_quantized:
-            raise CheckpointTypeError(f"{where} is a quantized tensor; store t.int_repr() and its scales instead")
-        if t.device.type not in ("cpu", "cuda"):
-            raise CheckpointTypeError(
-                f"{where} is on device {str(t.device)!r}; a checkpoint stores CPU and CUDA tensors "
-                "(meta tensors hold no data) — move it with .cpu()"
-            )
-        try:
-            dtype = from_torch(t.dtype)
-        except TypeError:
-            raise CheckpointTypeError(
-                f"{where} has dtype {t.dtype}, which safetensors cannot store; convert it "
-                f"(e.g. .to(torch.float64), or .view() as an integer type) or leave it out"
-            ) from None
-        key = None
-        if t.numel():
-            key = (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                   t.dtype, t.is_conj(), t.is_neg())
-        name = self._views.get(key) if key is not None else None
-        if name is None:
-            data = t.detach()
-            data = data.resolve_conj() if data.is_conj() else data
-            data = data.resolve_neg() if data.is_neg() else data
-            name = self._unique("/".join(parts))
-            self.leaves.append(_Leaf(name, data, dtype, where))
-            if key is not None:
-                self._views[key] = name
-        node: dict[str, Any] = {"tensor": name}
-        if kind is torch.nn.Parameter:
-            node["parameter"] = True
-        if t.requires_grad:
-            node["requires_grad"] = True
-        return node
-
-    def _ndarray(self, a: np.ndarray, parts: list[str], where: str) -> dict[str, Any]:
-        if a.dtype.kind not in "biufc":
-            raise CheckpointTypeError(
-                f"{where} is a numpy array of dtype {a.dtype}; only bool and numeric arrays can be stored "
-                "(convert it, e.g. strings to a list of str)"
-            )
-        raw = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
-        name = self._unique("/".join(parts))
-        self.leaves.append(_Leaf(name, raw, "U8", where))
-        return {"ndarray": name, "dtype": a.dtype.str, "shape": list(a.shape)}
-
-    def _unique(self, base: str) -> str:
-        name, n = base, 1
-        while name in self._names:
-            name, n = f"{base}#{n}", n + 1
-        self._names.add(name)
-        return name
-
-
-def _state_of(obj: Any, kind: type, what: str) -> Any:
-    if obj is None or isinstance(obj, Mapping):
-        return obj
-    if isinstance(obj, kind):
-        return obj.state_dict()
-    raise CheckpointTypeError(
-        f"{what} must be a {kind.__module__}.{kind.__qualname__}, its state_dict() or None; "
-        f"got {type(obj).__module__}.{type(obj).__qualname__}"
-    )
-
-
-# --------------------------------------------------------------------------- skeleton -> state tree
-
-
-class _Rebuilder:
-    """Turns a skeleton back into the state tree, given the loaded tensors by name."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], path: str):
-        self.tensors = tensors
-        self.path = path
-        self._params: dict[str, torch.nn.Parameter] = {}
-
-    def build(self, node: Any, where: str) -> Any:
-        if node is None or type(node) in (bool, int, float, str):
-            return node
-        try:
-            if type(node) is not dict:
-                raise TypeError(f"unexpected {type(node).__name__}")
-            if "tensor" in node:
-                return self._tensor(node)
-            for kind in ("list", "tuple"):
-                if kind in node:
-                    items = [self.build(v, f"{where}[{i}]") for i, v in enumerate(node[kind])]
-                    return items if kind == "list" else tuple(items)
-            for kind in ("dict", "odict"):
-                if kind in node:
-                    out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
-                    for k, v in node[kind]:
-                        key = self.build(k, where)
-                        out[key] = self.build(v, f"{where}[{key!r}]")
-                    if "_metadata" in node:
-                        meta = self.build(node["_metadata"], f"{where}._metadata")
-                        out._metadata = meta  # type: ignore[attr-defined]
-                    return out
-            if "f64" in node:
-                return struct.unpack("<d", bytes.fromhex(node["f64"]))[0]
-            if "ndarray" in node:
-                raw = self.tensors[node["ndarray"]].cpu().numpy().tobytes()
-                return np.frombuffer(raw, dtype=np.dtype(node["dtype"])).reshape(node["shape"]).copy()
-            if "npscalar" in node:
-                return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["npscalar"]))[0]
-            raise KeyError(f"no known tag among {sorted(node)}")
-        except CheckpointError:
-            raise
-        except (KeyError, TypeError, ValueError, struct.error) as e:
-            raise CheckpointError(
-                f"{self.path!r}: the checkpoint skeleton is corrupt at {where} ({type(e).__name__}: {e}); "
-                "re-save the checkpoint"
-            ) from None
-
-    def _tensor(self, node: dict[str, Any]) -> torch.Tensor:
-        name = node["tensor"]
-        t = self.tensors[name]
-        if node.get("parameter"):
-            if name not in self._params:
-                self._params[name] = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
-            return self._params[name]
-        if node.get("requires_grad") and not t.requires_grad:
-            t.requires_grad_(True)
-        return t
-
-
 # --------------------------------------------------------------------------- the file layout
 
 
@@ -410,7 +201,7 @@ def _with_compression(metadata: Mapping[str, str], entries: Mapping[str, dict[st
     return out
 
 
-def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[_Leaf], codec: str | None,
+def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf], codec: str | None,
              checksum: bool, metadata: Mapping[str, str]) -> int:
     """Where the data section starts: an upper bound of the header, rounded up to 4096.
 
@@ -620,7 +411,7 @@ def _codec_of(algorithm: str) -> str | None:
     return "ans" if reason is None else "zstd"
 
 
-def _staging_device(codec: str | None, algorithm: str, stream: list[_Leaf]) -> torch.device | None:
+def _staging_device(codec: str | None, algorithm: str, stream: list[Leaf]) -> torch.device | None:
     """The GPU that compresses CPU tensors for a GPU-only codec (None: none needed); raises if there is none."""
     if codec not in ("ans", "gdeflate") or not stream:
         return None
@@ -691,10 +482,10 @@ def save_compressed_checkpoint(
 
     if extras is not None and not isinstance(extras, Mapping):
         raise CheckpointTypeError(f"extras must be a dict or None, got {type(extras).__qualname__}")
-    flat = _Flattener()
+    flat = Flattener()
     tree = {
-        "model": flat.node(_state_of(model_or_state, torch.nn.Module, "model_or_state"), ["model"], "model"),
-        "optimizer": flat.node(_state_of(optimizer, torch.optim.Optimizer, "optimizer"), ["optim"], "optimizer"),
+        "model": flat.node(state_of(model_or_state, torch.nn.Module, "model_or_state"), ["model"], "model"),
+        "optimizer": flat.node(state_of(optimizer, torch.optim.Optimizer, "optimizer"), ["optim"], "optimizer"),
         "extras": flat.node(extras, ["extra"], "extras"),
     }
     leaves = flat.leaves
@@ -775,7 +566,7 @@ def save_compressed_checkpoint(
     return report
 
 
-def _compress(leaf: _Leaf, codec: str | None, staging: torch.device | None, zstd_on_gpu: bool, checksum: bool,
+def _compress(leaf: Leaf, codec: str | None, staging: torch.device | None, zstd_on_gpu: bool, checksum: bool,
               min_gain: float, comp: dict[str, dict[str, Any]]) -> np.ndarray:
     """A stream tensor's stored bytes: compressed when that gains ``min_gain`` (entry into ``comp``), else raw."""
     assert codec is not None
@@ -1008,7 +799,7 @@ def load_compressed_checkpoint(
             reader.close()
     for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
         torch.cuda.synchronize(d)
-    rebuild = _Rebuilder(tensors, where)
+    rebuild = Rebuilder(tensors, where)
     tree = doc["tree"]
     out = {
         "model": rebuild.build(tree.get("model"), "model"),

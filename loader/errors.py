@@ -19,6 +19,9 @@ __all__ = [
     "CodecError",
     "IntegrityError",
     "ConfigError",
+    "CheckpointError",
+    "CheckpointTypeError",
+    "CheckpointWriteError",
 ]
 
 
@@ -60,3 +63,15 @@ class IntegrityError(GdsloadError, ValueError):
 
 class ConfigError(GdsloadError, ValueError):
     """An option or ``GDSLOAD_*`` environment variable has a value outside its allowed set."""
+
+
+class CheckpointError(GdsloadError, ValueError):
+    """A file is not a gdsload training checkpoint, or its skeleton disagrees with its tensors."""
+
+
+class CheckpointTypeError(CheckpointError, TypeError):
+    """A value in the state cannot be stored without pickle (its path and type are named)."""
+
+
+class CheckpointWriteError(GdsloadError, OSError):
+    """Writing the checkpoint failed (``errno`` kept); nothing was left under the final name."""
