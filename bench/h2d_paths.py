@@ -73,6 +73,29 @@ def h2d(dst: torch.Tensor, streams: int) -> float:
     return n * buf.numel() / (time.perf_counter() - t) / 1e9
 
 
+def _ring_worker(fd: int, dst: torch.Tensor, chunk: int, next_offset) -> None:  # type: ignore[no-untyped-def]
+    """One reader thread: preadv into one of two pinned buffers while the other is copied to the device."""
+    size = dst.numel()
+    stream = torch.cuda.Stream()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    events: list[torch.cuda.Event | None] = [None, None]
+    mvs = [memoryview(b.numpy()) for b in bufs]
+    k = 0
+    while (off := next_offset()) is not None:
+        if events[k] is not None:
+            events[k].synchronize()
+        n = min(chunk, size - off)
+        got = os.preadv(fd, [mvs[k][:n]], off)
+        assert got == n, (got, n)
+        with torch.cuda.stream(stream):
+            dst[off : off + n].copy_(bufs[k][:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        events[k] = ev
+        k ^= 1
+    stream.synchronize()
+
+
 def ring(path: str, dst: torch.Tensor, threads: int, chunk: int, direct: bool = False) -> float:
     size = dst.numel()
     chunks = list(range(0, size, chunk))
@@ -81,34 +104,14 @@ def ring(path: str, dst: torch.Tensor, threads: int, chunk: int, direct: bool = 
     it = iter(chunks)
     lock = threading.Lock()
 
-    def worker() -> None:
-        stream = torch.cuda.Stream()
-        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        events: list[torch.cuda.Event | None] = [None, None]
-        mvs = [memoryview(b.numpy()) for b in bufs]
-        k = 0
-        while True:
-            with lock:
-                off = next(it, None)
-            if off is None:
-                break
-            if events[k] is not None:
-                events[k].synchronize()
-            n = min(chunk, size - off)
-            got = os.preadv(fd, [mvs[k][:n]], off)
-            assert got == n, (got, n)
-            with torch.cuda.stream(stream):
-                dst[off : off + n].copy_(bufs[k][:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            events[k] = ev
-            k ^= 1
-        stream.synchronize()
+    def next_offset() -> int | None:
+        with lock:
+            return next(it, None)
 
     torch.cuda.synchronize()
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda _: worker(), range(threads)))
+        list(pool.map(lambda _: _ring_worker(fd, dst, chunk, next_offset), range(threads)))
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     os.close(fd)
@@ -154,34 +157,17 @@ def register(path: str, dst: torch.Tensor, threads: int, piece: int, ring_thread
         pieces.put(off)
     fd = os.open(path, os.O_RDONLY)
 
-    def ring_worker() -> None:  # pulls from the same queue
-        stream = torch.cuda.Stream()
-        bufs = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        mvs = [memoryview(b.numpy()) for b in bufs]
-        events = [None, None]
-        k = 0
-        while True:
-            try:
-                off = pieces.get_nowait()
-            except queue.Empty:
-                break
-            if events[k] is not None:
-                events[k].synchronize()
-            n = min(piece, size - off)
-            os.preadv(fd, [mvs[k][:n]], off)
-            with torch.cuda.stream(stream):
-                dst[off : off + n].copy_(bufs[k][:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            events[k] = ev
-            k ^= 1
-        stream.synchronize()
+    def next_piece() -> int | None:  # ring workers pull from the registration queue too
+        try:
+            return pieces.get_nowait()
+        except queue.Empty:
+            return None
 
     torch.cuda.synchronize()
     t = time.perf_counter()
     with ThreadPoolExecutor(threads + ring_threads) as pool:
         futs = [pool.submit(_register_worker, addr, src_all, dst, pieces, piece) for _ in range(threads)]
-        futs += [pool.submit(ring_worker) for _ in range(ring_threads)]
+        futs += [pool.submit(_ring_worker, fd, dst, piece, next_piece) for _ in range(ring_threads)]
         for fu in futs:
             fu.result()
     torch.cuda.synchronize()
