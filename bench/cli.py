@@ -9,6 +9,16 @@ import click
 from gdsload.loader import parse_size
 
 
+def _generator_device(device: str) -> str:
+    """Draw synthetic values on the GPU when the bench targets one that torch can use."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return device
+    return "cpu"
+
+
 @click.command()
 @click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--compressed", "compressed_dir", type=click.Path(exists=True, file_okay=False),
@@ -27,11 +37,13 @@ from gdsload.loader import parse_size
 @click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
               help="With --make-model: start a new part file before one would exceed this.")
 @click.option("--compress", "compress_codec", default=None, help="With --make-model: also write OUT-CODEC compressed.")
+@click.option("--ttr/--no-ttr", default=True, show_default=True,
+              help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")
 @click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Only draw chart.png from an existing results.json.")
 def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
           repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
-          compress_codec: str | None,
+          compress_codec: str | None, ttr: bool,
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
@@ -43,8 +55,9 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         from gdsload.loader.synthetic import make_checkpoint, shape_for_size
 
         shape = shape_for_size(parse_size(make_model))
-        click.echo(f"synthetic Llama: {shape}")
-        make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes))
+        gen = _generator_device(device)
+        click.echo(f"synthetic Llama: {shape} (values drawn on {gen})")
+        make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
         if compress_codec:
             from gdsload.loader.compress import compress_dir
 
@@ -57,7 +70,7 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
 
     cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,
                       methods=methods.split(",") if methods else [], repeat=repeat, device=device, out=Path(out),
-                      conditions=tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold"))
+                      conditions=tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold"), ttr=ttr)
     doc = run_bench(cfg, log=click.echo)
     click.echo(format_table(doc))
     for m, why in doc["skipped"].items():

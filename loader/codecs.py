@@ -32,6 +32,8 @@ ZSTD_CHUNK = 256 << 10
 ANS_CHUNK = 256 << 10
 """nvCOMP's internal chunk for native streams. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against
 1.46x at nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
+GDEFLATE_CHUNK = 64 << 10
+"""GDeflate's largest chunk (nvCOMP aborts the process on a larger one)."""
 
 
 def ans_data_type(dtype: str) -> str:
@@ -114,11 +116,22 @@ def encode_tensor(
         return entry, blob
     pieces = list(raw.split(ZSTD_CHUNK))
     enc = codecs.chunked(codec).encode(codecs.nv.as_arrays(pieces))
-    frames = [torch.from_dlpack(enc[i]).view(torch.uint8).reshape(-1)[: enc[i].buffer_size] for i in range(len(pieces))]
-    blob = torch.cat(frames).cpu().numpy()
+    frames = [_host_bytes(a) for a in enc]
+    blob = np.concatenate(frames)
     entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
-                            ZSTD_CHUNK, tuple(int(f.numel()) for f in frames), crc)
+                            ZSTD_CHUNK, tuple(int(f.size) for f in frames), crc)
     return entry, blob
+
+
+def _host_bytes(arr: Any) -> np.ndarray:
+    """The compressed bytes of one nvCOMP batch output, copied into host memory we own.
+
+    Batch outputs are copied through nvCOMP's own ``cpu()``, not handed to torch by DLPack: on
+    the H200 machine, taking them by DLPack crashed the process (double free, abort).
+    """
+    size = arr.buffer_size  # waits for the encoder; the array itself may be the worst-case capacity
+    host = np.asarray(arr.cpu()).view(np.uint8).reshape(-1)
+    return np.array(host[:size], copy=True)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -181,7 +194,8 @@ class GpuCodecs:
             nv = self.nv
             algo = {"ans": "ANS", "gdeflate": "GDeflate"}[codec]
             opts = {k: v for k, v in params.items() if k in ("data_type", "algorithm_type")}
-            self._cache[key] = nv.Codec(algorithm=algo, uncomp_chunk_size=ANS_CHUNK, checksum_policy=self.policy,
+            chunk = ANS_CHUNK if codec == "ans" else GDEFLATE_CHUNK
+            self._cache[key] = nv.Codec(algorithm=algo, uncomp_chunk_size=chunk, checksum_policy=self.policy,
                                         **opts, **self._kwargs())
         return self._cache[key]
 

@@ -25,7 +25,7 @@ from .plan import CompressedTensor, Extent, LoadPlan, align_up
 
 __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING"]
 
-DEFAULT_STAGING = 256 << 20
+DEFAULT_STAGING = 512 << 20
 _ALIGN = 4096
 
 
@@ -136,6 +136,9 @@ def load_compressed(
 
     thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
     thread.start()
+    # Group i+1's reads are submitted before group i is waited for, so the reader never drains at
+    # a group boundary; a slot is reused only once the decoder is done with it.
+    pending: tuple[int, Callable[[], None]] | None = None
     try:
         for i, group in enumerate(groups):
             k = i % len(slots)
@@ -143,11 +146,25 @@ def load_compressed(
             if errors:
                 break
             free[k].clear()
-            reader.read([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group],
-                        slots[k], progress)
-            work.put((group, k))
+            wait = reader.submit([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group],
+                                 slots[k], progress)
+            previous, pending = pending, (i, wait)
+            if previous is not None:
+                j, previous_wait = previous
+                previous_wait()  # raises only once that group's reads are over
+                work.put((groups[j], j % len(slots)))
+        if pending is not None and not errors:
+            j, pending_wait = pending
+            pending = None
+            pending_wait()
+            work.put((groups[j], j % len(slots)))
         stats.read_seconds = time.perf_counter() - t0
     finally:
+        if pending is not None:  # an error left reads in flight: they write into staging until done
+            try:
+                pending[1]()
+            except BaseException:
+                pass
         work.put(None)
         thread.join()
     stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds

@@ -12,6 +12,7 @@ Modes reported per file (``LoadReport.files[i].io_mode``):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -43,8 +44,13 @@ class KvikioState:
     error: str | None = None
 
 
+@functools.cache
 def kvikio_state() -> KvikioState:
-    """Ask kvikio (if installed) how it would read."""
+    """Ask kvikio (if installed) how it would read; asked once per process.
+
+    Asking may open the cuFile driver (8 ms on the H200 machine), and ``auto`` selection asks
+    more than once per load.
+    """
     try:
         import kvikio
         import kvikio.cufile_driver

@@ -35,8 +35,13 @@ def evict(paths: Iterable[str]) -> str:
     return how
 
 
-def resident_fraction(paths: Iterable[str]) -> float:
-    """Fraction of the files' pages that are in the page cache (``mincore``)."""
+def resident_fraction(paths: Iterable[str], *, samples: int | None = None, window_pages: int = 16) -> float:
+    """Fraction of the files' pages that are in the page cache (``mincore``).
+
+    With ``samples``, each file larger than ``samples * window_pages`` pages is probed at
+    ``samples`` evenly spaced windows of ``window_pages`` pages instead of page by page: an
+    estimate in microseconds, where the exact count takes about 25 ms per GB (measured on tmpfs).
+    """
     page = mmap.PAGESIZE
     total = resident = 0
     for p in paths:
@@ -44,14 +49,22 @@ def resident_fraction(paths: Iterable[str]) -> float:
         if size == 0:
             continue
         pages = (size + page - 1) // page
-        vec = (ctypes.c_ubyte * pages)()
+        if samples is not None and pages > samples * window_pages:
+            starts = [(k * pages // samples) for k in range(samples)]
+            spans = [(s * page, min(window_pages, pages - s)) for s in starts]
+        else:
+            spans = [(0, pages)]
         with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
             arr = np.frombuffer(m, dtype=np.uint8)  # a read-only mmap's address, via numpy
-            rc = _libc.mincore(arr.ctypes.data, size, vec)
-            del arr
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mincore failed on {p!r}: {os.strerror(err)}")
-        resident += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
-        total += pages
+            base = arr.ctypes.data
+            try:
+                for offset, n in spans:
+                    vec = (ctypes.c_ubyte * n)()
+                    if _libc.mincore(base + offset, min(n * page, size - offset), vec) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"mincore failed on {p!r}: {os.strerror(err)}")
+                    resident += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+                    total += n
+            finally:
+                del arr
     return resident / total if total else 1.0

@@ -103,11 +103,15 @@ def shape_for_size(nbytes: int) -> LlamaShape:
     return LlamaShape(**{**asdict(best), "layers": layers})
 
 
-def _full_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+def _full_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:
+    """N(0, 0.02) bf16 values seeded by the tensor's name: the same bytes on every run on the same
+    kind of ``device`` (CPU and CUDA generators give different, equally distributed, values)."""
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
     if len(shape) == 1:  # norms: around 1, like trained RMSNorm weights
-        return (1.0 + 0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-    return (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        t = 1.0 + 0.02 * torch.randn(shape, generator=g, device=device)
+    else:
+        t = 0.02 * torch.randn(shape, generator=g, device=device)
+    return t.to(torch.bfloat16).cpu()
 
 
 def _rank_slice(t: torch.Tensor, split: str, rank: int, tp: int) -> torch.Tensor:
@@ -126,11 +130,14 @@ def make_checkpoint(
     tp: int = 1,
     max_file_bytes: int = 5 << 30,
     progress: Callable[[int], None] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write a synthetic checkpoint as ``model-rank-{r}-part-{p}.safetensors`` + ``gdsload.json``.
 
     ``shape`` is a :class:`LlamaShape`, a preset name or a target size in bytes; ``progress`` is
-    called with the byte count of each tensor written.
+    called with the byte count of each tensor written. ``device="cuda"`` draws the random values
+    on the GPU (tens of times faster for multi-GB models; recorded in the manifest, since the
+    values differ from a CPU-drawn model of the same shape).
 
     >>> make_checkpoint("/tmp/m", "tiny", tp=2)  # doctest: +SKIP
     """
@@ -163,11 +170,11 @@ def make_checkpoint(
             splits = {name: split for name, _, split in group}
             with AlignedWriter(out / fname, specs, {"format": "pt"}) as w:
                 for spec in w.order:
-                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name]), splits[spec.name], rank, tp)
+                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name], device), splits[spec.name], rank, tp)
                     w.write(spec.name, t.contiguous())
                     if progress is not None:
                         progress(spec.nbytes)
             ranks.setdefault(rank, []).append(fname)
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
-    write_manifest(out, ranks, tp_size=tp, layout="hf", extra={"synthetic": asdict(shape)})
+    write_manifest(out, ranks, tp_size=tp, layout="hf", extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
     return out

@@ -23,6 +23,7 @@ that loses its parent exits at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -337,6 +338,11 @@ class _Worker:
         from gdsload.loader import discover, load_rank, plan_rank
 
         device = self._device()
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.init()
+            torch.zeros(1, device=device)  # the CUDA context now, so the load's timings are the load's
         self.channel.send("hello", pid=os.getpid(), device=device, gpu=_gpu_facts(device))
         plan = plan_rank(discover(self.spec.model_dir, self.spec.rank))
         self.channel.send(
@@ -440,5 +446,27 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     # parent's main module was re-imported sees only this GPU; setting it again keeps os.environ truthful.
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
+    if spec.cuda_visible_devices:
+        _start_cuda_context()
     configure_logging(spec.log_format, spec.log_level, rank=spec.rank)
     _Worker(spec, _Channel(conn)).run()
+
+
+def _start_cuda_context() -> None:
+    """Create the GPU's primary CUDA context on a thread while this process imports torch.
+
+    Both take a good part of a second on a fresh process; the driver call releases the GIL, so they
+    overlap. torch (and kvikio) then find the primary context made and retain it. Where the
+    driver library is missing, nothing happens here and torch reports the problem later.
+    """
+
+    def run() -> None:
+        try:
+            cuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0:
+            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)  # kept for the process's life, as torch does
+
+    threading.Thread(target=run, name="gdsload-cuda-context", daemon=True).start()

@@ -48,6 +48,13 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
     assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
+    # The sidecar's time to ready, per condition and directory, from a real `gdsload serve` on loopback.
+    assert [(t["condition"], t["dir"]) for t in doc["ttr"]] == [("warm", "plain"), ("warm", "compressed"),
+                                                                 ("cold", "plain"), ("cold", "compressed")]
+    for t in doc["ttr"]:
+        assert "error" not in t, t
+        assert t["backends"] == ["cpu"] and t["logical_bytes"] == logical
+        assert 0 < t["load_seconds_max"] < t["time_to_ready_s"] < 120
     table = format_table(doc)
-    assert "gdsload:cpu:compressed" in table and "cold" in table
+    assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

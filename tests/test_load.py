@@ -264,3 +264,24 @@ def test_manifest_round_trip(tmp_path):
     assert entry.stored_bytes == entry.logical_bytes == 32 and entry.digest.startswith("sha256:")
     from gdsload.loader import Manifest
     assert Manifest.read(tmp_path) == m
+
+
+def test_sampled_residency_tracks_the_exact_count(tmp_path):
+    """The pinned backend's O_DIRECT decision uses a sampled mincore; it must agree with the full scan."""
+    from gdsload.loader.pagecache import evict, resident_fraction
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20) * 64)  # 64 MiB: 16384 pages, sampled at 64 windows of 16 pages
+    files = [str(path)]
+    evict(files)
+    if resident_fraction(files) > 0.05:
+        pytest.skip("this file system keeps the file cached after eviction (tmpfs)")
+    assert resident_fraction(files, samples=64) < 0.05
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, 32 << 20, 0)  # the first half into the page cache
+    finally:
+        os.close(fd)
+    exact, sampled = resident_fraction(files), resident_fraction(files, samples=64)
+    assert 0.45 < exact < 0.75 and abs(sampled - exact) < 0.1
+    assert resident_fraction(files, samples=10_000) == exact  # more samples than windows: the exact scan

@@ -96,6 +96,17 @@ class Backend(abc.ABC):
     def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
         """Copy every extent into ``dst``; return once the bytes are there (device work synchronized)."""
 
+    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+               ) -> Callable[[], None]:
+        """Start copying ``extents`` into ``dst``; returns the function that waits for them.
+
+        Backends that can keep reads in flight across calls (``pinned``, ``cufile``) override
+        this, so the compressed pipeline reads its next staging group while it waits for the
+        last one; by default the copy happens here and the waiter has nothing left to do.
+        """
+        self.read(extents, dst, progress)
+        return lambda: None
+
     @abc.abstractmethod
     def io_modes(self) -> list[str]:
         """The I/O mode that really ran, per file of the plan (see ``IO_MODES``)."""

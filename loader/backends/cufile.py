@@ -9,7 +9,7 @@ into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligne
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,37 +49,47 @@ class CuFileBackend(Backend):
 
     def open(self, plan: LoadPlan) -> None:
         import kvikio
+        import kvikio.defaults
 
         super().open(plan)
         torch.cuda.set_device(self.device)
         self._state: KvikioState = kvikio_state()
+        threads = self.options.num_threads or self.DEFAULT_THREADS
+        task = self.options.chunk_bytes or self.DEFAULT_TASK
+        # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
+        # thread pool for every staging group of a compressed load).
+        self._settings = kvikio.defaults.set({"num_threads": threads, "task_size": task})
         self._files = [kvikio.CuFile(f.path, "r") for f in plan.files]
         self._modes = [cufile_io_mode(self._state, o_direct_supported(f.path)) for f in plan.files]
         self._direct = [m in ("gds", "p2pdma") for m in self._modes]
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
-        import kvikio.defaults
-
+    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+               ) -> Callable[[], None]:
         assert self.plan is not None
-        threads = self.options.num_threads or self.DEFAULT_THREADS
-        task = self.options.chunk_bytes or self.DEFAULT_TASK
         torch.cuda.set_device(self.device)
-        with kvikio.defaults.set({"num_threads": threads, "task_size": task}):
-            futures = [
-                (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
-                                                    e.file_offset))
-                for e in extents if e.length
-            ]
+        futures = [
+            (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
+                                                e.file_offset))
+            for e in extents if e.length
+        ]
+
+        def wait() -> None:
+            assert self.plan is not None
             for e, fut in futures:
                 got = fut.get()
                 if got != e.length:
                     raise TruncatedFileError(
-                        f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at {e.file_offset}; "
-                        "the file shrank while it was being loaded"
+                        f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
+                        f"{e.file_offset}; the file shrank while it was being loaded"
                     )
                 if progress is not None:
                     progress(e.length)
-        torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
+
+        return wait
+
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        self.submit(extents, dst, progress)()
 
     def io_modes(self) -> list[str]:
         return list(self._modes)
@@ -91,3 +101,6 @@ class CuFileBackend(Backend):
         for f in getattr(self, "_files", []):
             f.close()
         self._files = []
+        if getattr(self, "_settings", None) is not None:
+            self._settings.__exit__(None, None, None)  # kvikio's settings as they were before open
+            self._settings = None

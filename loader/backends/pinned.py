@@ -23,39 +23,26 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import TruncatedFileError
 from ..pagecache import resident_fraction
-from ..plan import Extent, LoadPlan, align_up, split_extents
+from ..plan import Extent, LoadPlan
 from . import Backend, Progress
+from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
 COLD_RESIDENCY = 0.5
 """Files with less than this fraction of their pages cached are read with O_DIRECT."""
-
-
-class _Slot:
-    """One ring thread's buffers, events and stream."""
-
-    def __init__(self, device: torch.device, nbuf: int, nbytes: int):
-        self.stream = torch.cuda.Stream(device=device)
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
-        # O_DIRECT needs page-aligned buffers; cudaHostAlloc returns page-aligned memory.
-        assert all(b.data_ptr() % _PAGE == 0 for b in self.buffers), "pinned buffers must be page aligned"
-        self.views = [memoryview(b.numpy()) for b in self.buffers]
-        self.events = [torch.cuda.Event() for _ in range(nbuf)]
-        self.pending = [False] * nbuf
-        self.next = 0
+RESIDENCY_SAMPLES = 256
+"""Windows of pages probed per file to estimate residency (a full ``mincore`` scan cost ~0.1 s
+per 9 GB on the H200 machine's tmpfs, a third of the load)."""
 
 
 def _kvikio() -> Any | None:
@@ -96,23 +83,28 @@ class PinnedBackend(Backend):
             self._direct.append(direct)
             self._engine.append("kvikio" if (not direct and self._kv is not None) else "ring")
         self._cufiles: dict[int, Any] = {}
+        self._kv_settings: Any = None
         if "kvikio" in self._engine:
-            with self._kvikio_settings():
-                self._cufiles = {i: self._kv.CuFile(f.path, "r") for i, f in enumerate(plan.files)
-                                 if self._engine[i] == "kvikio"}
-        self._chunk = self.options.chunk_bytes or self.RING_CHUNK
+            # kvikio's settings are process-wide; they hold from open to close. Setting them per
+            # read would rebuild its thread pool and bounce buffers (cudaFreeHost synchronizes
+            # the device) for every staging group of a compressed load.
+            self._kv_settings = self._kvikio_settings()
+            self._cufiles = {i: self._kv.CuFile(f.path, "r") for i, f in enumerate(plan.files)
+                             if self._engine[i] == "kvikio"}
+        chunk = self.options.chunk_bytes or self.RING_CHUNK
         threads = self.options.num_threads or self.RING_THREADS
-        per_thread = self.BUFFERS_PER_THREAD * (self._chunk + 2 * _PAGE)
+        per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
         budget = self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
-        self._threads = max(1, min(threads, budget // per_thread))
-        if self._threads < threads:
+        ring_threads = max(1, min(threads, budget // per_thread))
+        if ring_threads < threads:
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
-                     self._threads, threads, self.options.pinned_bytes)
-        self._slots: list[_Slot] = []
-        self._pool: ThreadPoolExecutor | None = None
+                     ring_threads, threads, self.options.pinned_bytes)
+        self._ring = StagingRing(self.device, [RingFile(fd, d, f.path) for fd, d, f in
+                                               zip(self._fds, self._direct, plan.files)],
+                                 threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD)
 
     def _open(self, path: str) -> tuple[int, bool]:
-        if resident_fraction([path]) < COLD_RESIDENCY:
+        if resident_fraction([path], samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY:
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
@@ -131,20 +123,20 @@ class PinnedBackend(Backend):
         return kv.defaults.set({"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
                                 "task_size": task, "bounce_buffer_size": task})
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+               ) -> Callable[[], None]:
         assert self.plan is not None
         torch.cuda.set_device(self.device)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
-        ring_extents = [e for e in extents if self._engine[e.file_index] == "ring"]
-        if not kv_extents:
-            self._ring(ring_extents, dst, progress)
-            return
-        with self._kvikio_settings():
-            futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
-                                                             e.length, e.file_offset)) for e in kv_extents]
+        ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dst, progress)
+        futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
+                                                         e.length, e.file_offset)) for e in kv_extents]
+
+        def wait() -> None:
+            assert self.plan is not None
             try:
-                self._ring(ring_extents, dst, progress)  # cold files meanwhile, on our own threads
-            finally:
+                ring_wait()
+            finally:  # kvikio writes into dst until its futures are done, even when the ring failed
                 for e, fut in futures:
                     got = fut.get()
                     if got != e.length:
@@ -154,72 +146,11 @@ class PinnedBackend(Backend):
                         )
                     if progress is not None:
                         progress(e.length)
-        torch.cuda.current_stream(self.device).synchronize()
 
-    def _ring(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None) -> None:
-        assert self.plan is not None
-        chunks = split_extents(extents, self._chunk)
-        if not chunks:
-            return
-        while len(self._slots) < min(self._threads, len(chunks)):
-            self._slots.append(_Slot(self.device, self.BUFFERS_PER_THREAD, self._chunk + 2 * _PAGE))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdsload-pinned")
-        slots = self._slots[: min(self._threads, len(chunks))]
-        it = iter(chunks)
-        lock = threading.Lock()
-        failed = threading.Event()
-        paths = [f.path for f in self.plan.files]
+        return wait
 
-        def worker(slot: _Slot) -> None:
-            torch.cuda.set_device(self.device)
-            try:
-                while not failed.is_set():
-                    with lock:
-                        c = next(it, None)
-                    if c is None:
-                        break
-                    k = slot.next
-                    slot.next = (k + 1) % len(slot.buffers)
-                    if slot.pending[k]:
-                        slot.events[k].synchronize()
-                    lead = self._pread(c, slot.views[k], paths[c.file_index])
-                    with torch.cuda.stream(slot.stream):
-                        dst[c.arena_offset : c.arena_offset + c.length].copy_(
-                            slot.buffers[k][lead : lead + c.length], non_blocking=True)
-                        slot.events[k].record(slot.stream)
-                    slot.pending[k] = True
-                    if progress is not None:
-                        progress(c.length)
-            except BaseException:
-                failed.set()
-                raise
-            finally:
-                slot.stream.synchronize()
-                slot.pending = [False] * len(slot.buffers)
-
-        for fu in [self._pool.submit(worker, s) for s in slots]:
-            fu.result()
-
-    def _pread(self, c: Extent, buf: memoryview, path: str) -> int:
-        """Read chunk ``c`` into ``buf``; returns where its first byte landed in ``buf``."""
-        fd = self._fds[c.file_index]
-        if self._direct[c.file_index]:
-            start = c.file_offset - c.file_offset % _PAGE
-            lead = c.file_offset - start
-            want, length = lead + c.length, align_up(lead + c.length, _PAGE)
-        else:
-            start, lead, want, length = c.file_offset, 0, c.length, c.length
-        done = 0
-        while done < want:
-            n = os.preadv(fd, [buf[done:length]], start + done)
-            if n == 0:
-                raise TruncatedFileError(
-                    f"{path!r}: end of file at byte {start + done} while reading {c.length} bytes at "
-                    f"{c.file_offset}; the file shrank while it was being loaded"
-                )
-            done += n
-        return lead
+    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        self.submit(extents, dst, progress)()
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None
@@ -233,18 +164,20 @@ class PinnedBackend(Backend):
         return list(self._engine)
 
     def close(self) -> None:
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if getattr(self, "_ring", None) is not None:
+            self._ring.close()
+            self._ring = None
         # kvikio keeps its bounce buffers (threads x task size, 64 MiB by default) in a process-wide
         # pool for the next load; freeing them here could pull them from under another user of kvikio.
         for f in getattr(self, "_cufiles", {}).values():
             f.close()
         self._cufiles = {}
+        if getattr(self, "_kv_settings", None) is not None:
+            self._kv_settings.__exit__(None, None, None)  # kvikio's settings as they were before open
+            self._kv_settings = None
         for fd in getattr(self, "_fds", []):
             os.close(fd)
         self._fds = []
-        self._slots = []
         if torch.cuda.is_available():
             # Give the ring's pinned staging back to the driver, not to torch's host cache.
             empty = getattr(torch._C, "_host_emptyCache", None)

@@ -1,0 +1,128 @@
+"""Where a fresh process's load spends its time: ``load_rank`` N times in one new process, traced.
+
+The cold-start bench times one load per fresh process. This diagnostic runs that first load and
+then ``--repeat - 1`` more in the same process, and wraps the loader's steps (discover, plan,
+arena allocation, backend open/read/close, residency check, kvikio file opens, decode) with
+timers, so a first-load penalty shows up next to the step that pays it:
+
+    python -m gdsload.bench.fresh_profile /dev/shm/model --backend pinned --repeat 3
+
+Prints one JSON line per load. ``--prewarm-h2d`` copies 1 GiB host-to-device before the first
+load (tells GPU/PCIe power-state ramp-up apart from software start-up costs). Loader options come
+from the ``GDSLOAD_*`` environment variables as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import time
+from collections import defaultdict
+from typing import Any
+
+PROCESS_START = time.perf_counter()
+
+_TRACE: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+
+def _wrap(owner: Any, attr: str, label: str) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def timed(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            rec = _TRACE[label]
+            rec[0] += time.perf_counter() - t
+            rec[1] += 1
+
+    setattr(owner, attr, timed)
+
+
+def _instrument() -> None:
+    import gdsload.loader.api as api
+    import gdsload.loader.backends as backends
+    import gdsload.loader.backends.pinned as pinned
+    import gdsload.loader.decode as decode
+
+    _wrap(api, "discover", "discover")
+    _wrap(api, "plan_rank", "plan_rank")
+    _wrap(api, "select_backend", "select_backend")
+    _wrap(api, "load_compressed", "load_compressed")
+    _wrap(backends.Backend, "allocate", "allocate")
+    _wrap(pinned, "resident_fraction", "pinned.resident_fraction")
+    for m in ("open", "read", "submit", "close"):
+        _wrap(pinned.PinnedBackend, m, f"pinned.{m}")
+    _wrap(decode, "GpuCodecs", "decode.GpuCodecs()")
+    try:
+        import kvikio
+
+        _wrap(kvikio, "CuFile", "kvikio.CuFile()")
+    except ImportError:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--backend", default="pinned")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prewarm-h2d", action="store_true")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+
+    t = time.perf_counter()
+    import torch
+
+    imports = {"torch": time.perf_counter() - t}
+    t = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device=args.device)
+    imports["cuda_context"] = time.perf_counter() - t
+    t = time.perf_counter()
+    from gdsload.loader import load_rank
+
+    for optional in ("kvikio", "nvidia.nvcomp"):
+        try:
+            __import__(optional)
+        except ImportError:
+            pass
+    imports["gdsload+kvikio+nvcomp"] = time.perf_counter() - t
+    _instrument()
+    if args.prewarm_h2d:
+        src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(1 << 30, dtype=torch.uint8, device=args.device)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        del src, dst
+    for i in range(args.repeat):
+        _TRACE.clear()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = load_rank(args.model_dir, 0, device=args.device, backend=args.backend)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        rep = res.report
+        line = {"label": args.label, "load": i, "seconds": round(seconds, 4),
+                "gbps": round(rep.logical_bytes / seconds / 1e9, 2), "backend": rep.backend,
+                "engines": getattr(rep, "engines", None),
+                "phases": {k: round(v, 4) for k, v in rep.phases.items()},
+                "trace": {k: [round(v[0], 4), v[1]] for k, v in _TRACE.items()},
+                "decode_busy_seconds": round(rep.decode_busy_seconds, 4),
+                "stored_bytes": rep.stored_bytes, "logical_bytes": rep.logical_bytes}
+        if i == 0:
+            line["startup"] = {k: round(v, 3) for k, v in imports.items()}
+            line["process_to_first_load_s"] = round(t - PROCESS_START, 3)
+        print(json.dumps(line), flush=True)
+        res.close()
+        del res
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Sidecar time-to-ready: start ``gdsload serve``, poll ``/readyz`` the way an autoscaler does.
+
+The clock starts just before the server process is created and stops at the first ``/readyz``
+200 (polled every 10 ms). Also recorded, from ``/v1/status``: each rank's load seconds and
+phases, and where a worker's time went before its load began (interpreter, imports, CUDA):
+
+    python -m gdsload.bench.ttr /dev/shm/model --repeat 3 -- --backend auto
+
+Arguments after ``--`` go to ``gdsload serve``. One JSON line per run.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["time_to_ready"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), *, timeout: float = 300.0,
+                  poll_s: float = 0.01) -> dict[str, Any]:
+    """Start a server on ``model_dir``; seconds until ``/readyz`` says 200, and what it reported."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gdsload.server.cli", "serve", str(model_dir), "--port", str(port),
+           "--log-level", "warning", *serve_args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    first_answer = None
+    try:
+        while True:
+            elapsed = time.perf_counter() - t0
+            if proc.poll() is not None:
+                return {"error": f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}"}
+            if elapsed > timeout:
+                return {"error": f"not ready after {timeout:.0f} s"}
+            try:
+                code, _ = _get(port, "/readyz", timeout=1.0)
+            except OSError:
+                code = None  # not listening yet
+            if code is not None and first_answer is None:
+                first_answer = elapsed
+            if code == 200:
+                ttr = time.perf_counter() - t0
+                break
+            time.sleep(poll_s)
+        _, body = _get(port, "/v1/status")
+        status = json.loads(body)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    ranks = status.get("ranks", {})
+    loads = {r: d.get("seconds") for r, d in ranks.items()}
+    logical = sum(d.get("logical_bytes") or 0 for d in ranks.values())
+    started = status["process"]["started_at"]
+    return {
+        "time_to_ready_s": ttr,
+        "first_http_answer_s": first_answer,
+        "server_reported_ttr_s": status["process"]["time_to_ready_s"],
+        "load_seconds": loads,
+        "load_seconds_max": max((s for s in loads.values() if s is not None), default=None),
+        "logical_bytes": logical,
+        "backends": sorted({d.get("backend") for d in ranks.values() if d.get("backend")}),
+        "io_modes": sorted({d.get("io_mode") for d in ranks.values() if d.get("io_mode")}),
+        # Server start -> worker spawned; then spawned -> ready, less the load itself: the
+        # worker's interpreter, imports and CUDA context.
+        "spawned_after_s": {r: round(d["started_at"] - started, 3) for r, d in ranks.items() if d.get("started_at")},
+        "worker_overhead_s": {r: round(d["ready_at"] - d["started_at"] - d["seconds"], 3) for r, d in ranks.items()
+                              if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
+        "phases": {r: d.get("phases") for r, d in ranks.items()},
+    }
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    serve_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, serve_args = argv[:i], argv[i + 1 :]
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    for i in range(args.repeat):
+        r = time_to_ready(args.model_dir, serve_args, timeout=args.timeout)
+        print(json.dumps({"run": i, **r}, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The pinned backend's staging ring, on the CPU: chunking, O_DIRECT rounding, groups, errors.
+
+On a GPU the ring copies through pinned buffers on CUDA streams (tests/test_gpu.py); here the
+same threads, queue, alignment and error bookkeeping run with a host destination.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from gdsload.loader.backends.ring import PAGE, RingFile, StagingRing
+from gdsload.loader.errors import TruncatedFileError
+from gdsload.loader.plan import Extent
+
+
+def _files(tmp_path, sizes, direct):
+    out, data = [], []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"f{i}.bin"
+        blob = os.urandom(n)
+        p.write_bytes(blob)
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(p, flags)
+        except OSError:
+            pytest.skip("this file system refuses O_DIRECT")
+        out.append(RingFile(fd, direct, str(p)))
+        data.append(blob)
+    return out, data
+
+
+def _close(files):
+    for f in files:
+        os.close(f.fd)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_groups_land_byte_exact_at_unaligned_offsets(tmp_path, direct):
+    files, data = _files(tmp_path, [3 * (1 << 20) + 123, 1 << 20], direct)
+    ring = StagingRing(torch.device("cpu"), files, threads=3, chunk=64 << 10)
+    try:
+        # Odd offsets and lengths: O_DIRECT reads must round out to pages and drop the lead.
+        first = [Extent(0, 7, 1_000_001, 0), Extent(1, 4095, 500_000, 1_000_001)]
+        second = [Extent(0, 2_000_003, 1 << 20, 0), Extent(1, 0, 1 << 20, 1 << 20)]
+        dst1 = torch.zeros(1_500_001, dtype=torch.uint8)
+        dst2 = torch.zeros(2 << 20, dtype=torch.uint8)
+        seen = []
+        lock = threading.Lock()
+
+        def progress(n):
+            with lock:
+                seen.append(n)
+
+        wait1 = ring.submit(first, dst1, progress)
+        wait2 = ring.submit(second, dst2, progress)  # queued behind the first, no drain in between
+        wait2()
+        wait1()
+        for dst, extents in ((dst1, first), (dst2, second)):
+            for e in extents:
+                got = bytes(dst[e.arena_offset : e.arena_offset + e.length].numpy())
+                assert got == data[e.file_index][e.file_offset : e.file_offset + e.length]
+        assert sum(seen) == sum(e.length for e in first + second)
+        assert max(seen) <= 64 << 10
+        assert len(ring._workers) == 3
+    finally:
+        ring.close()
+        _close(files)
+    assert ring._workers == []
+
+
+def test_a_truncated_file_fails_its_group_only(tmp_path):
+    files, data = _files(tmp_path, [1 << 20], direct=False)
+    ring = StagingRing(torch.device("cpu"), files, threads=2, chunk=PAGE * 4)
+    try:
+        os.truncate(files[0].path, 100_000)
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        with pytest.raises(TruncatedFileError, match=r"f0\.bin.*shrank"):
+            ring.submit([Extent(0, 0, 1 << 20, 0)], dst)()
+        ok = torch.zeros(50_000, dtype=torch.uint8)
+        ring.submit([Extent(0, 10, 50_000, 0)], ok)()  # the ring still serves the next group
+        assert bytes(ok.numpy()) == data[0][10:50_010]
+    finally:
+        ring.close()
+        _close(files)
+
+
+def test_staging_is_bounded_and_threads_start_with_work(tmp_path):
+    files, data = _files(tmp_path, [PAGE * 10], direct=False)
+    ring = StagingRing(torch.device("cpu"), files, threads=8, chunk=PAGE * 4, buffers=2)
+    try:
+        assert ring.staging_bytes == 8 * 2 * (PAGE * 4 + 2 * PAGE)
+        ring.submit([], torch.zeros(0, dtype=torch.uint8))()  # nothing to do: no thread starts
+        assert ring._workers == []
+        dst = torch.zeros(PAGE * 10, dtype=torch.uint8)
+        ring.submit([Extent(0, 0, PAGE * 10, 0)], dst)()  # three chunks: three threads, not eight
+        assert len(ring._workers) == 3 and bytes(dst.numpy()) == data[0]
+    finally:
+        ring.close()
+        _close(files)
+    with pytest.raises(ValueError, match="bad ring shape"):
+        StagingRing(torch.device("cpu"), files, threads=0, chunk=PAGE)
