@@ -1,7 +1,8 @@
 """Hardware limits measured in the same run as the loaders: what no loader can beat.
 
 - ``raw_read_gbps``: parallel reads of the same files into host memory, no GPU (O_DIRECT when
-  the files are cold and the file system allows it);
+  the files are cold and the file system allows it; the bench takes the best of a few thread
+  counts and orders, since disks differ in which they prefer);
 - ``h2d_gbps``: pinned host memory to the device;
 - ``decode_gbps``: nvCOMP decoding the largest compressed tensor of a directory.
 """
@@ -18,9 +19,19 @@ from pathlib import Path
 __all__ = ["raw_read_gbps", "h2d_gbps", "decode_gbps"]
 
 
-def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20) -> float:
-    """Read every byte of ``files`` with ``threads`` readers into reused aligned buffers."""
-    jobs = [(f, off, min(chunk, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f), chunk)]
+def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
+                  interleave: bool = False) -> float:
+    """Read every byte of ``files`` with ``threads`` readers into reused aligned buffers.
+
+    Reads go file after file, or with ``interleave`` round-robin across the files (as the
+    ``pinned`` ring issues them); which one a disk prefers differs between disks.
+    """
+    per_file = [[(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)]
+                for f in files]
+    if interleave:
+        jobs = [q[i] for i in range(max(map(len, per_file), default=0)) for q in per_file if i < len(q)]
+    else:
+        jobs = [j for q in per_file for j in q]
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = {f: os.open(f, flags) for f in files}
     it, lock = iter(jobs), threading.Lock()

@@ -136,38 +136,62 @@ def load_compressed(
 
     thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
     thread.start()
-    # Group i+1's reads are submitted before group i is waited for, so the reader never drains at
-    # a group boundary; a slot is reused only once the decoder is done with it.
-    pending: tuple[int, Callable[[], None]] | None = None
     try:
-        for i, group in enumerate(groups):
-            k = i % len(slots)
-            free[k].wait()
-            if errors:
-                break
-            free[k].clear()
-            wait = reader.submit([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group],
-                                 slots[k], progress)
-            previous, pending = pending, (i, wait)
-            if previous is not None:
-                j, previous_wait = previous
-                previous_wait()  # raises only once that group's reads are over
-                work.put((groups[j], j % len(slots)))
-        if pending is not None and not errors:
-            j, pending_wait = pending
-            pending = None
-            pending_wait()
-            work.put((groups[j], j % len(slots)))
+        _pipeline(
+            len(groups), free,
+            lambda i, k: reader.submit([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off)
+                                        for t, off in groups[i]], slots[k], progress),
+            lambda i, k: work.put((groups[i], k)),
+            errors,
+        )
         stats.read_seconds = time.perf_counter() - t0
     finally:
-        if pending is not None:  # an error left reads in flight: they write into staging until done
-            try:
-                pending[1]()
-            except BaseException:
-                pass
         work.put(None)
         thread.join()
     stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds
     if errors:
         raise errors[0]
     return stats
+
+
+def _pipeline(
+    n: int,
+    free: list[threading.Event],
+    submit: Callable[[int, int], Callable[[], None]],
+    hand_off: Callable[[int, int], None],
+    errors: list[BaseException],
+) -> None:
+    """Read ``n`` groups through ``len(free)`` staging slots, keeping the reader busy across groups.
+
+    ``submit(i, k)`` starts reading group ``i`` into slot ``k`` and returns its waiter;
+    ``hand_off(i, k)`` gives the read group to the decoder, which sets ``free[k]`` when done with
+    the slot (and appends to ``errors`` when decoding fails). Group ``i + 1`` is submitted before
+    group ``i`` is waited for, so reads never drain at a group boundary; a slot is reused only
+    once the decoder has finished with it. Every submitted read is waited for before this
+    returns or raises: reads in flight write into staging until they are done.
+    """
+    slots = len(free)
+    pending: tuple[int, Callable[[], None]] | None = None
+    try:
+        for i in range(n):
+            k = i % slots
+            free[k].wait()
+            if errors:
+                return
+            free[k].clear()
+            previous, pending = pending, (i, submit(i, k))
+            if previous is not None:
+                j, previous_wait = previous
+                previous_wait()  # raises only once that group's reads are over
+                hand_off(j, j % slots)
+        if pending is not None and not errors:
+            j, last_wait = pending
+            pending = None
+            last_wait()
+            hand_off(j, j % slots)
+    finally:
+        if pending is not None:
+            try:
+                pending[1]()
+            except BaseException:
+                pass  # the error being raised already says what went wrong

@@ -48,6 +48,8 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
     assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
+    shapes = {k: v for k, v in doc["limits"].items() if k.startswith("raw_read_gbps.cold.")}
+    assert len(shapes) == 3 and doc["limits"]["raw_read_gbps.cold"] == max(shapes.values())
     # The sidecar's time to ready, per condition and directory, from a real `gdsload serve` on loopback.
     assert [(t["condition"], t["dir"]) for t in doc["ttr"]] == [("warm", "plain"), ("warm", "compressed"),
                                                                  ("cold", "plain"), ("cold", "compressed")]

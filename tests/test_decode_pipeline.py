@@ -1,0 +1,103 @@
+"""The compressed loader's read/decode schedule (``decode._pipeline``), without a GPU.
+
+On a GPU the reads go to staging buffers and nvCOMP decodes them (tests/test_gpu.py); here the
+same schedule runs with recorded reads and a decoder thread, to pin down its promises: the next
+group is read while the last is waited for, a slot is reused only after its decode, every read
+in flight is waited for before an error leaves, and a decode error stops further reads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from gdsload.loader.decode import _pipeline
+
+
+class _Harness:
+    def __init__(self, slots: int = 2, fail_read: int | None = None, fail_decode: int | None = None):
+        self.free = [threading.Event() for _ in range(slots)]
+        for ev in self.free:
+            ev.set()
+        self.events: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+        self.fail_read, self.fail_decode = fail_read, fail_decode
+        self.slot_owner: dict[int, int] = {}
+        self.work: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._decoder, daemon=True)
+        self.thread.start()
+
+    def log(self, what: str, i: int) -> None:
+        with self.lock:
+            self.events.append((what, i))
+
+    def submit(self, i: int, k: int):
+        owner = self.slot_owner.get(k)
+        assert owner is None or ("decoded", owner) in self.events, f"slot {k} reused before group {owner} decoded"
+        self.slot_owner[k] = i
+        self.log("submit", i)
+
+        def wait() -> None:
+            self.log("wait", i)
+            if i == self.fail_read:
+                raise OSError(f"read of group {i} failed")
+
+        return wait
+
+    def hand_off(self, i: int, k: int) -> None:
+        self.log("hand_off", i)
+        self.work.put((i, k))
+
+    def _decoder(self) -> None:
+        while (item := self.work.get()) is not None:
+            i, k = item
+            if not self.errors:
+                if i == self.fail_decode:
+                    self.errors.append(ValueError(f"decode of group {i} failed"))
+                self.log("decoded", i)
+            self.free[k].set()
+
+    def run(self, n: int) -> None:
+        try:
+            _pipeline(n, self.free, self.submit, self.hand_off, self.errors)
+        finally:
+            self.work.put(None)
+            self.thread.join()
+
+
+def test_next_group_is_read_before_the_last_is_waited_for():
+    h = _Harness()
+    h.run(6)
+    ev = h.events
+    for i in range(5):
+        assert ev.index(("submit", i + 1)) < ev.index(("wait", i)), f"group {i + 1} not in flight while {i} waited"
+    assert [i for what, i in ev if what == "decoded"] == list(range(6))
+    assert [i for what, i in ev if what == "wait"] == list(range(6))
+
+
+def test_a_failed_read_waits_for_the_read_in_flight_and_reads_no_further():
+    h = _Harness(fail_read=2)
+    with pytest.raises(OSError, match="group 2"):
+        h.run(6)
+    submitted = [i for what, i in h.events if what == "submit"]
+    waited = [i for what, i in h.events if what == "wait"]
+    assert submitted == [0, 1, 2, 3] and waited == [0, 1, 2, 3]  # group 3 was in flight: waited for
+    assert ("hand_off", 2) not in h.events
+
+
+def test_a_decode_error_stops_the_reads():
+    h = _Harness(fail_decode=1)
+    h.run(8)
+    assert h.errors and "group 1" in str(h.errors[0])
+    submitted = [i for what, i in h.events if what == "submit"]
+    waited = [i for what, i in h.events if what == "wait"]
+    assert sorted(waited) == submitted and max(submitted) < 7  # stopped early; nothing left in flight
+
+
+def test_one_group_one_slot():
+    h = _Harness(slots=1)
+    h.run(1)
+    assert h.events == [("submit", 0), ("wait", 0), ("hand_off", 0), ("decoded", 0)]
