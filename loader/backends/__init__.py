@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from ..errors import BackendUnavailableError, ConfigError
+from ..errors import BackendUnavailableError, ConfigError, TruncatedFileError
 from ..plan import Extent, LoadPlan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "IO_MODES", "select_backend", "backend_class"]
+__all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "IO_MODES", "select_backend", "backend_class",
+           "wait_preads"]
 
 log = logging.getLogger(__name__)
 
@@ -152,3 +153,16 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
         log.info("backend %s skipped: %s", candidate, reason)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")
+
+
+def wait_preads(plan: LoadPlan, futures: Sequence[tuple[Extent, object]], progress: Progress | None) -> None:
+    """Wait for kvikio ``pread`` futures, one per extent; a short read means the file shrank."""
+    for e, fut in futures:
+        got = fut.get()  # type: ignore[attr-defined]
+        if got != e.length:
+            raise TruncatedFileError(
+                f"{plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
+                f"{e.file_offset}; the file shrank while it was being loaded"
+            )
+        if progress is not None:
+            progress(e.length)

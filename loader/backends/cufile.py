@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import TruncatedFileError
 from ..iomode import KvikioState, cufile_io_mode, kvikio_state, o_direct_supported
 from ..plan import Extent, LoadPlan
-from . import Backend, Progress
+from . import Backend, Progress, wait_preads
 
 __all__ = ["CuFileBackend"]
 
@@ -75,15 +74,7 @@ class CuFileBackend(Backend):
 
         def wait() -> None:
             assert self.plan is not None
-            for e, fut in futures:
-                got = fut.get()
-                if got != e.length:
-                    raise TruncatedFileError(
-                        f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
-                        f"{e.file_offset}; the file shrank while it was being loaded"
-                    )
-                if progress is not None:
-                    progress(e.length)
+            wait_preads(self.plan, futures, progress)
             torch.cuda.synchronize(self.device)
 
         return wait

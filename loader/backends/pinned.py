@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from ..errors import TruncatedFileError
 from ..pagecache import resident_fraction
 from ..plan import Extent, LoadPlan
-from . import Backend, Progress
+from . import Backend, Progress, wait_preads
 from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
@@ -137,15 +136,7 @@ class PinnedBackend(Backend):
             try:
                 ring_wait()
             finally:  # kvikio writes into dst until its futures are done, even when the ring failed
-                for e, fut in futures:
-                    got = fut.get()
-                    if got != e.length:
-                        raise TruncatedFileError(
-                            f"{self.plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
-                            f"{e.file_offset}; the file shrank while it was being loaded"
-                        )
-                    if progress is not None:
-                        progress(e.length)
+                wait_preads(self.plan, futures, progress)
 
         return wait
 
