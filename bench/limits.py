@@ -96,7 +96,8 @@ def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) ->
         fh.seek(h.data_offset + t.start)
         blob = torch.frombuffer(bytearray(fh.read(t.nbytes)), dtype=torch.uint8).to(device)
     out = torch.empty(best_entry.nbytes, dtype=torch.uint8, device=device)
-    codecs = GpuCodecs(torch.device(device))
+    dev = torch.device(device)
+    codecs = GpuCodecs(dev.index if dev.index is not None else torch.cuda.current_device())
     best = float("inf")
     for _ in range(repeat + 1):
         torch.cuda.synchronize()

@@ -35,7 +35,78 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
+def load(method: str, model_dir: str, device: str, *, rank: int = 0,
+         files: list[str] | None = None) -> tuple[Any, int, dict[str, Any]]:
+    """Load with ``method``, device synchronized; ``(what keeps the tensors alive, logical bytes, extras)``.
+
+    Ours loads ``rank`` of ``model_dir``; a peer loads ``files`` (default: every ``*.safetensors``
+    in ``model_dir``). The caller times it; the caller's imports and CUDA context come first.
+    """
+    import torch
+
+    files = _files(model_dir) if files is None else files
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    if method.startswith("gdsload:"):
+        from gdsload.loader import load_rank
+
+        res = load_rank(model_dir, rank, device=device, backend=method.split(":", 1)[1])
+        sync()
+        return res, res.report.logical_bytes, {
+            "backend": res.report.backend, "io_modes": [f.io_mode for f in res.report.files],
+            "direct_io": [f.direct_io for f in res.report.files], "phases": res.report.phases,
+            "stored_bytes": res.report.stored_bytes, "decode_busy_seconds": res.report.decode_busy_seconds}
+    out: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if method == "safetensors":
+        import safetensors.torch
+
+        for f in files:
+            for k, v in safetensors.torch.load_file(f, device="cpu").items():
+                out[k] = v.to(device)
+        if device == "cpu":
+            # load_file hands out mmap-backed tensors: touch every page so the bytes are in memory.
+            for v in out.values():
+                if v.numel():
+                    raw = v.reshape(-1).view(torch.uint8)
+                    raw[::4096].max()
+                    raw[-1:].max()
+    elif method == "safetensors-device":
+        import safetensors.torch
+
+        for f in files:
+            out.update(safetensors.torch.load_file(f, device=device))
+    elif method == "fastsafetensors":
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        loader = SafeTensorsFileLoader(SingleGroup(), device, nogds=True)
+        loader.add_filenames({0: files})
+        fb = loader.copy_files_to_device()
+        out = {k: fb.get_tensor(k) for k in loader.get_keys()}
+        extra = {"nogds": True}
+    elif method == "instanttensor":
+        from instanttensor import safe_open
+
+        with safe_open(files, framework="pt", device=device) as f:
+            out = dict(f.tensors())
+    elif method == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as s:
+            s.stream_files(files)
+            for name, tensor in s.get_tensors():
+                out[name] = tensor.to(device)
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+    sync()
+    return out, _nbytes(out.values()), extra
+
+
+def prepare(method: str, device: str) -> str:
+    """Import what ``method`` needs and create the CUDA context, before any clock; the device to use."""
     import torch
 
     if device == "cuda":
@@ -43,18 +114,7 @@ def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         torch.cuda.init()
         torch.empty(1, device=device)  # context creation is not part of the load
-    files = _files(model_dir)
-    extra: dict[str, Any] = {}
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    startup = time.perf_counter() - PROCESS_START
     if method.startswith("gdsload:"):
-        from gdsload.loader import load_rank
-
-        backend = method.split(":", 1)[1]
         # Import what the backends import lazily (kvikio, nvCOMP) before the clock, as every peer's
         # own modules are imported before its clock.
         import gdsload.loader.backends.cufile  # noqa: F401
@@ -66,77 +126,18 @@ def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
                 __import__(optional)
             except ImportError:
                 pass
-        t = time.perf_counter()
-        res = load_rank(model_dir, 0, device=device, backend=backend)
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = res.report.logical_bytes
-        extra = {"backend": res.report.backend, "io_modes": [f.io_mode for f in res.report.files],
-                 "direct_io": [f.direct_io for f in res.report.files], "phases": res.report.phases,
-                 "stored_bytes": res.report.stored_bytes, "decode_busy_seconds": res.report.decode_busy_seconds}
-    elif method == "safetensors":
-        import safetensors.torch
+    elif method in PEER_MODULES:
+        __import__(PEER_MODULES[method])
+    return device
 
-        t = time.perf_counter()
-        out = {}
-        for f in files:
-            for k, v in safetensors.torch.load_file(f, device="cpu").items():
-                out[k] = v.to(device)
-        if device == "cpu":
-            # load_file hands out mmap-backed tensors: touch every page so the bytes are in memory.
-            for v in out.values():
-                if v.numel():
-                    raw = v.reshape(-1).view(torch.uint8)
-                    raw[::4096].max()
-                    raw[-1:].max()
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = _nbytes(out.values())
-    elif method == "safetensors-device":
-        import safetensors.torch
 
-        t = time.perf_counter()
-        out = {}
-        for f in files:
-            out.update(safetensors.torch.load_file(f, device=device))
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = _nbytes(out.values())
-    elif method == "fastsafetensors":
-        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-
-        t = time.perf_counter()
-        loader = SafeTensorsFileLoader(SingleGroup(), device, nogds=True)
-        loader.add_filenames({0: files})
-        fb = loader.copy_files_to_device()
-        out = {k: fb.get_tensor(k) for k in loader.get_keys()}
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = _nbytes(out.values())
-        extra = {"nogds": True}
-    elif method == "instanttensor":
-        from instanttensor import safe_open
-
-        t = time.perf_counter()
-        with safe_open(files, framework="pt", device=device) as f:
-            out = dict(f.tensors())
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = _nbytes(out.values())
-    elif method == "runai":
-        from runai_model_streamer import SafetensorsStreamer
-
-        t = time.perf_counter()
-        out = {}
-        with SafetensorsStreamer() as s:
-            s.stream_files(files)
-            for name, tensor in s.get_tensors():
-                out[name] = tensor.to(device)
-        sync()
-        seconds = time.perf_counter() - t
-        nbytes = _nbytes(out.values())
-    else:
-        raise SystemExit(f"unknown method {method!r}")
+def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
+    device = prepare(method, device)
+    startup = time.perf_counter() - PROCESS_START
+    t = time.perf_counter()
+    keep, nbytes, extra = load(method, model_dir, device)
+    seconds = time.perf_counter() - t
+    del keep
     return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup, **extra}
 
 

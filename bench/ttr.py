@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["time_to_ready"]
@@ -41,8 +42,12 @@ def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
 
 
 def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), *, timeout: float = 300.0,
-                  poll_s: float = 0.01) -> dict[str, Any]:
-    """Start a server on ``model_dir``; seconds until ``/readyz`` says 200, and what it reported."""
+                  poll_s: float = 0.01, while_ready: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """Start a server on ``model_dir``; seconds until ``/readyz`` says 200, and what it reported.
+
+    ``while_ready(status)``, if given, runs once the server is ready and before it is stopped (the
+    workers still hold their tensors); what it returns is kept under ``"while_ready"``.
+    """
     port = _free_port()
     cmd = [sys.executable, "-m", "gdsload.server.cli", "serve", str(model_dir), "--port", str(port),
            "--log-level", "warning", *serve_args]
@@ -58,17 +63,22 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
             if elapsed > timeout:
                 return {"error": f"not ready after {timeout:.0f} s"}
             try:
-                code, _ = _get(port, "/readyz", timeout=1.0)
+                code, body = _get(port, "/readyz", timeout=1.0)
             except OSError:
                 code = None  # not listening yet
             if code is not None and first_answer is None:
                 first_answer = elapsed
+            if code == 503 and "failed" in json.loads(body).get("ranks", {}).values():
+                _, body = _get(port, "/v1/status")
+                errors = {r: d.get("error") for r, d in json.loads(body).get("ranks", {}).items() if d.get("error")}
+                return {"error": f"a rank failed while loading: {errors}"}
             if code == 200:
                 ttr = time.perf_counter() - t0
                 break
             time.sleep(poll_s)
         _, body = _get(port, "/v1/status")
         status = json.loads(body)
+        seen = while_ready(status) if while_ready is not None else None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -81,7 +91,11 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
     loads = {r: d.get("seconds") for r, d in ranks.items()}
     logical = sum(d.get("logical_bytes") or 0 for d in ranks.values())
     started = status["process"]["started_at"]
-    return {
+    # The ranks load side by side: their bytes over the window from the first load's start to the last one's end.
+    windows = [(d["ready_at"] - d["seconds"], d["ready_at"]) for d in ranks.values()
+               if d.get("ready_at") and d.get("seconds")]
+    window = max(e for _, e in windows) - min(s for s, _ in windows) if windows else None
+    out = {
         "time_to_ready_s": ttr,
         "first_http_answer_s": first_answer,
         "server_reported_ttr_s": status["process"]["time_to_ready_s"],
@@ -96,7 +110,13 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
         "worker_overhead_s": {r: round(d["ready_at"] - d["started_at"] - d["seconds"], 3) for r, d in ranks.items()
                               if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
         "phases": {r: d.get("phases") for r, d in ranks.items()},
+        "pids": {r: d.get("pid") for r, d in ranks.items()},
+        "load_window_s": window,
+        "aggregate_gbps": logical / window / 1e9 if window else None,
     }
+    if while_ready is not None:
+        out["while_ready"] = seen
+    return out
 
 
 def main() -> None:

@@ -6,9 +6,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from .backends import ReadOptions, select_backend
 from .config import LoadConfig
@@ -20,7 +18,10 @@ from .manifest import file_digest
 from .plan import FilePlan, LoadPlan, Placement, plan_rank
 from .result import FileReport, LoadReport, LoadResult
 
-__all__ = ["load_rank"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load_rank", "file_report", "verify_digests"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def load_rank(
     >>> print(result.report.summary())
     rank 1: 8.03 GB in 3.912 s (2.05 GB/s) backend=cpu io=cpu files=2
     """
+    import torch
+
     cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
                              pinned_bytes=pinned_bytes)
     dev = torch.device(device)
@@ -85,7 +88,7 @@ def load_rank(
     phases["decode"] = _lap(t) + stats.tail_seconds
 
     t = time.perf_counter()
-    verified = cfg.verify and _verify(rank_files, plan, arena)
+    verified = cfg.verify and verify_digests(rank_files, plan, arena)
     phases["verify"] = _lap(t)
 
     report = LoadReport(
@@ -93,7 +96,7 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[_file_report(f, mode, d) for f, mode, d in zip(plan.files, io_modes, direct)],
+        files=[file_report(f, mode, d) for f, mode, d in zip(plan.files, io_modes, direct)],
         phases=phases,
         verified=verified,
         decode_busy_seconds=stats.decode_busy_seconds,
@@ -108,11 +111,15 @@ def _lap(start: float) -> float:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _materialize(arena: torch.Tensor, p: Placement) -> torch.Tensor:
+    import torch
+
     dtype = to_torch(p.dtype)
     if p.nbytes == 0:
         return torch.empty(p.shape, dtype=dtype, device=arena.device)
@@ -122,7 +129,8 @@ def _materialize(arena: torch.Tensor, p: Placement) -> torch.Tensor:
     return dst.view(dtype).view(p.shape)
 
 
-def _file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
+def file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
+    """What the load report says about one file."""
     return FileReport(
         path=f.path,
         io_mode=io_mode,
@@ -136,8 +144,12 @@ def _file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
     )
 
 
-def _verify(rank_files: RankFiles, plan: LoadPlan, arena: torch.Tensor) -> bool:
-    """Check every file against the manifest digest; False when there is nothing to check against."""
+def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any) -> bool:
+    """Check every file against the manifest digest; False when there is nothing to check against.
+
+    A CPU torch arena that mirrors a file's data section is hashed from memory; any other arena
+    (CUDA torch tensor, cupy array) has its files hashed from disk.
+    """
     entries = [rank_files.manifest_entry(f.path) for f in plan.files]
     if not all(e is not None and e.digest for e in entries):
         log.warning("verify requested but %s has no digests for rank %d; nothing verified",
@@ -145,7 +157,7 @@ def _verify(rank_files: RankFiles, plan: LoadPlan, arena: torch.Tensor) -> bool:
         return False
     for f, entry in zip(plan.files, entries):
         assert entry is not None and entry.digest is not None
-        if arena.device.type == "cpu" and f.mirror_offset >= 0:
+        if getattr(arena.device, "type", None) == "cpu" and f.mirror_offset >= 0:
             # The arena mirrors the data section: hash the header from disk and the data from memory.
             h = hashlib.sha256()
             with open(f.path, "rb") as fh:

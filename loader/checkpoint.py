@@ -741,7 +741,8 @@ class _Decoder:
         else:
             dev = target if target.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             if dev not in self._codecs:
-                self._codecs[dev] = GpuCodecs(dev, torch.cuda.current_stream(dev), verify=self.verify)
+                index = dev.index if dev.index is not None else torch.cuda.current_device()
+                self._codecs[dev] = GpuCodecs(index, torch.cuda.current_stream(dev).cuda_stream, verify=self.verify)
             dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=dev)
             self._codecs[dev].decode(entry, torch.from_numpy(buf).to(dev), dst, path=self.path)
             if self.verify and entry.layout == "chunks" and entry.crc32 is not None:

@@ -7,15 +7,18 @@ path works on hosts without CUDA.
 
 from __future__ import annotations
 
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .compression import CODECS, CompressedEntry
 from .errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ans_data_type",
@@ -52,9 +55,23 @@ def default_params(codec: str, dtype: str) -> dict[str, Any]:
     raise CodecError(f"codec {codec!r} is not one of {sorted(CODECS)}")
 
 
+def _cuda_devices() -> int:
+    """CUDA devices this process sees, asked of cupy unless torch is already loaded (torch costs seconds)."""
+    if "torch" not in sys.modules:
+        try:
+            import cupy
+
+            return int(cupy.cuda.runtime.getDeviceCount())
+        except Exception:  # no cupy, or no driver: torch gives the answer (and its reason) below
+            pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def nvcomp_available() -> str | None:
     """None when nvCOMP and a CUDA device are usable, else why not."""
-    if not torch.cuda.is_available():
+    if not _cuda_devices():
         return "no CUDA device"
     try:
         from nvidia import nvcomp  # noqa: F401
@@ -87,6 +104,8 @@ def encode_tensor(
     CUDA tensors are compressed on their GPU with nvCOMP; CPU tensors only with Zstd
     (``zstandard``), which writes the same standard frames nvCOMP decodes.
     """
+    import torch
+
     params = dict(default_params(codec, dtype) if params is None else params)
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     nbytes = raw.numel()
@@ -105,7 +124,7 @@ def encode_tensor(
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
                                 ZSTD_CHUNK, tuple(len(f) for f in frames), crc)
         return entry, blob
-    codecs = GpuCodecs(raw.device, encode=True)
+    codecs = GpuCodecs(raw.device.index if raw.device.index is not None else torch.cuda.current_device(), encode=True)
     if layout == "native":
         enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
@@ -165,14 +184,18 @@ def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, veri
 
 
 class GpuCodecs:
-    """nvCOMP codecs for one device and stream, created once and reused."""
+    """nvCOMP codecs for one device and stream, created once and reused.
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None, *, encode: bool = False,
+    ``device_index`` is the CUDA ordinal; ``stream`` the raw ``cudaStream_t`` (torch's
+    ``Stream.cuda_stream``, cupy's ``Stream.ptr``), None for the default stream.
+    """
+
+    def __init__(self, device_index: int, stream: int | None = None, *, encode: bool = False,
                  verify: bool = False):
         from nvidia import nvcomp
 
         self.nv = nvcomp
-        self.device = device
+        self.device_index = device_index
         self.stream = stream
         policy = nvcomp.ChecksumPolicy
         # Encoders store checksums in native streams; decoders check them only when asked to.
@@ -182,10 +205,14 @@ class GpuCodecs:
             self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
         self._cache: dict[Any, Any] = {}
 
+    def close(self) -> None:
+        """Drop every nvCOMP codec made here (call it while the stream they borrow still exists)."""
+        self._cache.clear()
+
     def _kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"device_id": self.device.index if self.device.index is not None else torch.cuda.current_device()}
+        kw: dict[str, Any] = {"device_id": self.device_index}
         if self.stream is not None:
-            kw["cuda_stream"] = self.stream.cuda_stream
+            kw["cuda_stream"] = self.stream
         return kw
 
     def native(self, codec: str, params: dict[str, Any]) -> Any:
@@ -206,8 +233,11 @@ class GpuCodecs:
             self._cache[key] = nv.Codec(algorithm="Zstd", bitstream_kind=nv.BitstreamKind.RAW, **self._kwargs())
         return self._cache[key]
 
-    def decode(self, entry: CompressedEntry, src: torch.Tensor, dst: torch.Tensor, *, path: str) -> None:
-        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst`` (asynchronous on the stream)."""
+    def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
+        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst`` (asynchronous on the stream).
+
+        ``src`` and ``dst`` are 1-D uint8 device arrays: torch tensors or cupy arrays.
+        """
         where = f"{path!r}: tensor {entry.name!r}"
         nv = self.nv
         try:

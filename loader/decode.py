@@ -9,14 +9,14 @@ peaks at the arena plus two staging buffers. On the CPU, Zstd frames are decoded
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from .backends import Backend
 from .codecs import GpuCodecs, cpu_decode, nvcomp_available
@@ -58,14 +58,18 @@ def _groups(tensors: tuple[CompressedTensor, ...], staging: int) -> list[list[tu
 def load_compressed(
     plan: LoadPlan,
     reader: Backend,
-    arena: torch.Tensor,
+    arena: Any,
     *,
     verify: bool,
     staging_bytes: int = DEFAULT_STAGING,
     progress: Callable[[int], None] | None = None,
     threads: int = 4,
 ) -> DecodeStats:
-    """Read and decode every compressed tensor of ``plan`` into ``arena``."""
+    """Read and decode every compressed tensor of ``plan`` into ``arena``.
+
+    ``arena`` is a 1-D uint8 torch tensor (CPU or CUDA), or a cupy array (the torch-free worker
+    path, :mod:`gdsload.loader.bare`); ``reader.allocate`` gives staging of the same kind.
+    """
     stats = DecodeStats(stored_bytes=sum(t.entry.stored_bytes for t in plan.compressed))
     if not plan.compressed:
         return stats
@@ -74,7 +78,9 @@ def load_compressed(
     groups = _groups(plan.compressed, staging)
     paths = [f.path for f in plan.files]
     t0 = time.perf_counter()
-    if arena.device.type == "cpu":
+    if not _is_cupy(arena) and arena.device.type == "cpu":
+        import torch
+
         buf = torch.empty(staging, dtype=torch.uint8)
         stats.staging_bytes = staging
         view, out = memoryview(buf.numpy()), memoryview(arena.numpy())
@@ -101,12 +107,17 @@ def load_compressed(
         ev.set()
     work: queue.Queue = queue.Queue()
     errors: list[BaseException] = []
-    device = arena.device
 
     def decoder() -> None:
-        torch.cuda.set_device(device)
-        stream = torch.cuda.Stream(device=device)
-        codecs = GpuCodecs(device, stream, verify=verify)
+        stream, handle, index, on_stream = _stream_for(arena)
+        codecs = GpuCodecs(index, handle, verify=verify)
+        try:
+            decode_groups(codecs, stream, on_stream)
+        finally:
+            stream.synchronize()
+            codecs.close()
+
+    def decode_groups(codecs: GpuCodecs, stream: Any, on_stream: Callable[[], Any]) -> None:
         while True:
             item = work.get()
             if item is None:
@@ -115,7 +126,7 @@ def load_compressed(
             d = time.perf_counter()
             try:
                 if not errors:
-                    with torch.cuda.stream(stream):
+                    with on_stream():
                         for t, off in group:
                             dst = arena[t.arena_offset : t.arena_offset + t.entry.nbytes]
                             codecs.decode(t.entry, slots[k][off : off + t.entry.stored_bytes], dst,
@@ -124,7 +135,7 @@ def load_compressed(
                     if verify:
                         for t, _ in group:
                             if t.entry.layout == "chunks" and t.entry.crc32 is not None:
-                                host = arena[t.arena_offset : t.arena_offset + t.entry.nbytes].cpu().numpy()
+                                host = _to_host(arena[t.arena_offset : t.arena_offset + t.entry.nbytes])
                                 if zlib.crc32(host) != t.entry.crc32:
                                     raise CodecError(f"{paths[t.file_index]!r}: tensor {t.entry.name!r} fails the "
                                                      "crc32 check after decoding; the file is corrupt")
@@ -152,6 +163,46 @@ def load_compressed(
     if errors:
         raise errors[0]
     return stats
+
+
+def _is_cupy(a: Any) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+_CUPY_STREAMS: dict[int, Any] = {}
+_CUPY_STREAMS_LOCK = threading.Lock()
+
+
+def _stream_for(arena: Any) -> tuple[Any, int, int, Callable[[], Any]]:
+    """A decode stream on the arena's GPU, that GPU made current for this thread.
+
+    Returns the stream (it has ``synchronize()``), its raw ``cudaStream_t``, the device ordinal,
+    and a context manager that makes it torch's current stream (a no-op for cupy arenas).
+
+    nvCOMP codecs borrow the stream without owning it, and may outlive a load (an error's
+    traceback holds them). torch keeps its streams in a pool for the process's life; cupy streams
+    are kept the same way here, one per device, so no codec ever sees its stream destroyed.
+    """
+    if _is_cupy(arena):
+        import cupy
+
+        index = arena.device.id
+        cupy.cuda.Device(index).use()
+        with _CUPY_STREAMS_LOCK:
+            if index not in _CUPY_STREAMS:
+                _CUPY_STREAMS[index] = cupy.cuda.Stream(non_blocking=True)
+            s = _CUPY_STREAMS[index]
+        return s, s.ptr, index, contextlib.nullcontext
+    import torch
+
+    torch.cuda.set_device(arena.device)
+    t = torch.cuda.Stream(device=arena.device)
+    return t, t.cuda_stream, arena.device.index, lambda: torch.cuda.stream(t)
+
+
+def _to_host(a: Any) -> Any:
+    """Device bytes as a host numpy array."""
+    return a.get() if _is_cupy(a) else a.cpu().numpy()
 
 
 def _pipeline(

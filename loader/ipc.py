@@ -5,8 +5,11 @@ JSON-able document: an IPC handle for the arena's memory plus a tensor table (na
 shape, byte offset). The importer (the engine process) maps the arena and rebuilds each tensor
 as a view — no bytes move.
 
-- CUDA arenas use CUDA IPC (``cudaIpcGetMemHandle`` through torch's storage sharing); the
-  importer must run on the same GPU.
+- CUDA arenas use CUDA IPC; the importer must run on the same GPU. A torch arena
+  (:func:`~gdsload.loader.load_rank`) is shared through torch's storage sharing (kind
+  ``cuda``); a bare arena (:func:`~gdsload.loader.bare.load_rank_bare`, the sidecar worker's
+  torch-free path) by its own ``cudaIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer
+  opens with the driver's ``cuIpcOpenMemHandle`` and closes when the last tensor view is gone.
 - CPU arenas are moved once into shared memory (``/dev/shm`` via torch's shm manager), so
   the same hand-off works on CPU-only hosts and in tests.
 
@@ -20,14 +23,18 @@ until the engine releases it, or the model is unloaded).
 from __future__ import annotations
 
 import base64
+import ctypes
 import os
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .dtypes import from_torch, to_torch
 from .errors import GdsloadError
 from .result import LoadResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from .bare import BareResult
 
 __all__ = ["IPC_VERSION", "IpcError", "export_rank", "import_rank"]
 
@@ -46,8 +53,12 @@ def _unb64(x: str) -> bytes:
     return base64.b64decode(x.encode("ascii"))
 
 
-def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any]:
+def export_rank(result: LoadResult | BareResult, *, rank: int | None = None) -> dict[str, Any]:
     """Describe ``result``'s arena and tensors so another process can map them."""
+    if not isinstance(result, LoadResult):
+        return _export_bare(result, rank)
+    import torch
+
     if len(result.arenas) != 1:
         raise IpcError(f"export needs exactly one arena per rank, the result holds {len(result.arenas)}")
     (arena,) = result.arenas
@@ -86,11 +97,63 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
     return doc
 
 
+def _export_bare(result: BareResult, rank: int | None) -> dict[str, Any]:
+    import cupy
+
+    from .bare import device_facts
+
+    if result.arena is None:
+        raise IpcError("the result was closed; there is no arena to export")
+    with cupy.cuda.Device(result.device_index):
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(result.arena.data.ptr))
+    return {
+        "version": IPC_VERSION, "rank": result.report.rank if rank is None else rank, "nbytes": result.arena.nbytes,
+        "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
+                     "nbytes": s.nbytes} for s in result.slots],
+        "kind": "cuda-ipc",
+        "cuda_ipc": {"device_uuid": device_facts(result.device_index)["uuid"], "handle": _b64(handle),
+                     "size": result.arena.nbytes},
+    }
+
+
+class _CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _IpcMapping:
+    """An opened ``cudaIpcMemHandle``: a CUDA array interface over it, closed when collected.
+
+    torch tensors made from it by ``torch.as_tensor`` hold a reference to it, so the mapping
+    lives exactly as long as some view of it does.
+    """
+
+    def __init__(self, handle: bytes, size: int, device: int):
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        h = _CUipcMemHandle()
+        ctypes.memmove(ctypes.byref(h), handle, ctypes.sizeof(h))
+        ptr = ctypes.c_uint64()
+        # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+        rc = self._cuda.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1))
+        if rc != 0:
+            raise IpcError(f"cuIpcOpenMemHandle failed (CUresult {rc}) on device {device}; the exporter may have "
+                           "unloaded the rank, or this process is not on the exporter's GPU")
+        self.ptr = ptr.value
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
+                                         "strides": None, "version": 3}
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self._cuda.cuIpcCloseMemHandle(ctypes.c_uint64(self.ptr))
+            self.ptr = 0
+
+
 def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Map an exported arena in this process and rebuild its tensors as views.
 
     For CUDA, the current process must see the exporter's GPU; the device is found by UUID.
     """
+    import torch
+
     if doc.get("version") != IPC_VERSION:
         raise IpcError(f"IPC document version {doc.get('version')!r} is not {IPC_VERSION}; upgrade gdsload on both sides")
     kind = doc.get("kind")
@@ -104,13 +167,22 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
                 _unb64(c["event_handle"]) if c["event_handle"] else b"", c["event_sync_required"],
             )
         dev = torch.device("cuda", device)
+    elif kind == "cuda-ipc":
+        c = doc["cuda_ipc"]
+        device = _device_by_uuid(c["device_uuid"])
+        dev = torch.device("cuda", device)
+        torch.cuda.set_device(dev)
+        torch.empty(0, device=dev)  # the device's primary context, current on this thread
+        arena = torch.as_tensor(_IpcMapping(_unb64(c["handle"]), c["size"], device), device=dev)
+        storage = None
     elif kind == "cpu":
         c = doc["cpu"]
         storage = torch.UntypedStorage._new_shared_filename_cpu(_unb64(c["manager"]), _unb64(c["handle"]), c["size"])
         dev = torch.device("cpu")
     else:
-        raise IpcError(f"IPC document kind {kind!r} is not 'cuda' or 'cpu'")
-    arena = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+        raise IpcError(f"IPC document kind {kind!r} is not 'cuda', 'cuda-ipc' or 'cpu'")
+    if storage is not None:
+        arena = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
     if arena.numel() < doc["nbytes"]:
         raise IpcError(f"mapped {arena.numel()} bytes but the exporter described {doc['nbytes']}")
     out: dict[str, torch.Tensor] = {}
@@ -124,6 +196,8 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _device_by_uuid(uuid: str) -> int:
+    import torch
+
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i

@@ -225,4 +225,4 @@ def _device_of(doc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.d
     for t in tensors.values():
         if t.numel():
             return t.device
-    return torch.device("cuda" if doc.get("kind") == "cuda" else "cpu")
+    return torch.device("cuda" if doc.get("kind") in ("cuda", "cuda-ipc") else "cpu")

@@ -335,15 +335,26 @@ class _Worker:
         os._exit(0)
 
     def _load(self) -> Any:
-        from gdsload.loader import discover, load_rank, plan_rank
+        from gdsload.loader import discover, plan_rank
 
-        device = self._device()
-        if device.startswith("cuda"):
+        device, bare = self._device()
+        if bare:
+            import cupy
+
+            from gdsload.loader.bare import device_facts
+
+            cupy.cuda.Device(0).use()
+            cupy.empty(1, dtype=cupy.uint8)  # the CUDA context now, so the load's timings are the load's
+            gpu = device_facts(0)
+        elif device.startswith("cuda"):
             import torch
 
             torch.cuda.init()
-            torch.zeros(1, device=device)  # the CUDA context now, so the load's timings are the load's
-        self.channel.send("hello", pid=os.getpid(), device=device, gpu=_gpu_facts(device))
+            torch.zeros(1, device=device)
+            gpu = _torch_gpu_facts()
+        else:
+            gpu = None
+        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu)
         plan = plan_rank(discover(self.spec.model_dir, self.spec.rank))
         self.channel.send(
             "loading",
@@ -351,16 +362,34 @@ class _Worker:
             stored_bytes=sum(f.stored_bytes for f in plan.files),
             logical_bytes=sum(f.logical_bytes for f in plan.files),
         )
+        if bare:
+            from gdsload.loader.bare import load_rank_bare
+
+            return load_rank_bare(self.spec.model_dir, self.spec.rank, device_index=0,
+                                  progress=_Progress(self.channel))
+        from gdsload.loader import load_rank
+
         return load_rank(self.spec.model_dir, self.spec.rank, device=device, backend=self.spec.backend,
                          progress=_Progress(self.channel))
 
-    def _device(self) -> str:
+    def _device(self) -> tuple[str, bool]:
+        """Where this rank loads, and whether it loads without torch (:mod:`gdsload.loader.bare`).
+
+        A GPU rank loads without torch when cupy and kvikio can (``import torch`` alone takes
+        seconds, longer than the load); otherwise, and for CPU ranks, with ``load_rank``.
+        """
         if not self.spec.cuda_visible_devices:
-            return "cpu"
+            return "cpu", False
+        from gdsload.loader.bare import bare_unavailable
+
+        why = bare_unavailable(self.spec.backend)
+        if why is None:
+            return "cuda:0", True
+        log.info("loading with torch (load_rank): %s", why)
         import torch
 
         if torch.cuda.is_available():
-            return "cuda:0"
+            return "cuda:0", False
         why = ("this torch build has no CUDA support" if torch.version.cuda is None
                else "CUDA reports no usable device")
         if self.spec.gpu_explicit:
@@ -369,7 +398,7 @@ class _Worker:
                 f"{why} (torch {torch.__version__}); install a CUDA build of torch, or map the rank to cpu"
             )
         log.warning("GPU %r assigned but %s; loading into host memory", self.spec.cuda_visible_devices, why)
-        return "cpu"
+        return "cpu", False
 
     def _serve_commands(self) -> None:
         while True:
@@ -431,9 +460,7 @@ class _Worker:
         log.info("unloaded; freed %d bytes", nbytes)
 
 
-def _gpu_facts(device: str) -> dict[str, Any] | None:
-    if not device.startswith("cuda"):
-        return None
+def _torch_gpu_facts() -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(0)

@@ -60,3 +60,33 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     table = format_table(doc)
     assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_gpu_bench_rows_on_cpu(tmp_path):
+    """The tensor-parallel bench's three kinds of rows, with the CPU backend: real processes, real files."""
+    tp2 = make_checkpoint(tmp_path / "tp2", "tiny", tp=2)
+    tp1 = make_checkpoint(tmp_path / "tp1", "tiny", tp=1)
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", str(tp2), "--single", str(tp1),
+                        "--device", "cpu", "--methods", "gdsload:pinned,safetensors", "--repeat", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r]
+    single = {r["method"]: r for r in rows if r["row"] == "single"}
+    assert set(single) == {"gdsload:cpu", "safetensors"}
+    assert single["gdsload:cpu"]["bytes"] == single["safetensors"]["bytes"] > 0
+    groups = {(r["method"], r["world"]): r for r in rows if r["row"] == "group"}
+    assert set(groups) == {("gdsload:cpu", 1), ("gdsload:cpu", 2), ("safetensors", 1), ("safetensors", 2)}
+    for (m, world), r in groups.items():
+        assert sorted(x["rank"] for x in r["ranks"]) == list(range(world))
+        assert len({x["pid"] for x in r["ranks"]}) == world  # one process per rank
+        assert r["aggregate_gbps"] == r["bytes"] / r["window_s"] / 1e9 > 0
+    # Both ranks' bytes: the whole model plus the small tensors every rank keeps a copy of (norms).
+    both = groups[("gdsload:cpu", 2)]["bytes"]
+    assert both == groups[("safetensors", 2)]["bytes"]
+    assert single["safetensors"]["bytes"] < both < 1.01 * single["safetensors"]["bytes"]
+    (serve,) = [r for r in rows if r["row"] == "serve"]
+    assert serve["tp"] == 2 and set(serve["load_seconds"]) == {"0", "1"}
+    assert serve["logical_bytes"] == both and serve["aggregate_gbps"] > 0
+    assert "group   gdsload:cpu        world=2" in p.stdout

@@ -147,9 +147,9 @@ print(json.dumps({"device": str(next(iter(tensors.values())).device), "tensors":
 """
 
 
-def map_in_engine(doc: dict[str, Any]) -> dict[str, Any]:
+def map_in_engine(doc: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     p = subprocess.run([sys.executable, "-c", ENGINE], input=json.dumps(doc), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=None if env is None else {**os.environ, **env})
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -535,7 +535,8 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
         assert r0["gpu"]["uuid"] == str(torch.cuda.get_device_properties(0).uuid)  # our cuda:0 is its only GPU
         assert r0["io_mode"] in ("gds", "p2pdma", "compat", "posix")
         doc = srv.http.get("/v1/ipc/0", headers=auth()).json()
-        assert doc["kind"] == "cuda"
+        # A worker that could load without torch exports its own CUDA IPC handle (gdsload.loader.bare).
+        assert doc["kind"] == ("cuda-ipc" if r0["backend"] == "cufile" else "cuda")
         engine = map_in_engine(doc)
         assert engine["device"].startswith("cuda") and engine["tensors"] == oracle_digests(models.a, 0)
         srv.http.post("/v1/ipc/0/release", json={"lease": doc["lease"]}, headers=auth())
@@ -547,5 +548,37 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
             out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
                                  text=True, timeout=30).stdout
             assert str(pid) not in out.split()
+    finally:
+        srv.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu(2)
+def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path):
+    """--tp 2: each worker holds a context on its own GPU only; an engine per GPU maps its rank."""
+    import torch
+
+    from gdsload.bench.multi_gpu import gpu_processes
+    from gdsload.server.workers import visible_gpus
+
+    visible = visible_gpus()
+    srv = Server([str(models.a), "--tp", "2"], tmp_path / "serve.log", env={"GDSLOAD_TOKEN": TOKEN})
+    try:
+        srv.poll_ready(timeout=180)
+        ranks = srv.status()["ranks"]
+        assert [ranks[r]["cuda_visible_devices"] for r in ("0", "1")] == visible[:2]
+        for r in (0, 1):
+            assert ranks[str(r)]["device"] == "cuda:0"  # the worker's only GPU
+            assert ranks[str(r)]["gpu"]["uuid"] == str(torch.cuda.get_device_properties(r).uuid)
+        smi = gpu_processes()
+        if smi:  # nvidia-smi lists processes here: each worker is on its own GPU and no other
+            for r in (0, 1):
+                assert sorted(smi.get(ranks[str(r)]["pid"], {})) == [r], smi
+        for r in (0, 1):
+            doc = srv.http.get(f"/v1/ipc/{r}", headers=auth()).json()
+            engine = map_in_engine(doc, env={"CUDA_VISIBLE_DEVICES": visible[r]})
+            assert engine["device"] == "cuda:0" and engine["tensors"] == oracle_digests(models.a, r)
+            srv.http.post(f"/v1/ipc/{r}/release", json={"lease": doc["lease"]}, headers=auth())
+        assert srv.terminate() == 0
     finally:
         srv.close()

@@ -1,0 +1,276 @@
+"""Tensor-parallel cold start on one host: every rank in its own process, on its own GPU, at once.
+
+    python -m gdsload.bench.multi_gpu /dev/shm/tp2 --single /dev/shm/plain \\
+        --compressed /dev/shm/tp2-ans --repeat 2 --out tp2.json
+
+Rows, each load in fresh processes:
+
+- ``single``: one process, one GPU, the whole unsharded checkpoint (``--single``): the one-GPU
+  figure the others scale against;
+- ``group``: METHOD on the tensor-parallel checkpoint, ``world`` processes as ``torchrun`` starts
+  them (every GPU visible, rank R on ``cuda:R``) in a ``gloo`` process group. After a barrier each
+  process loads its own rank's files. Aggregate GB/s = every rank's bytes / (last end - first
+  start). Peers' own process-group modes (fastsafetensors, InstantTensor) share one file list
+  among the ranks and hand every rank every tensor; shards differ per rank, so each rank runs the
+  peer on its own files and the group only lines the ranks up. ``world=1`` is rank 0 alone;
+- ``serve``: ``gdsload serve --tp N`` (one worker per GPU, each seeing only its own), time to
+  ``/readyz`` 200 and the ranks' load window from ``/v1/status``.
+
+While every process still holds its tensors, ``nvidia-smi`` says which processes hold memory on
+which GPU (``gpu_processes``): a process listed on a GPU other than its rank's carries a CUDA
+context there. ``--device cpu`` runs the same rows with the CPU backend (the CI smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["gpu_processes", "main", "run_group", "run_serve", "run_single"]
+
+GROUP_METHODS = ("gdsload:pinned", "fastsafetensors", "instanttensor")
+
+
+def gpu_processes() -> dict[int, dict[int, int]] | None:
+    """``{pid: {gpu index: MiB}}`` of every process ``nvidia-smi`` lists; None without nvidia-smi.
+
+    A process appears on a GPU when it has a CUDA context (and memory) there. In a container whose
+    PID namespace hides host PIDs, nvidia-smi may list none: an empty dict then proves nothing.
+    """
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    index = {}
+    for line in gpus.strip().splitlines():
+        i, uuid = (x.strip() for x in line.split(","))
+        index[uuid] = int(i)
+    out: dict[int, dict[int, int]] = {}
+    for line in apps.strip().splitlines():
+        pid, uuid, mib = (x.strip() for x in line.split(","))
+        if pid.isdigit() and uuid in index:
+            out.setdefault(int(pid), {})[index[uuid]] = int(mib) if mib.isdigit() else -1
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_files(model_dir: str, rank: int) -> list[str]:
+    from gdsload.loader import discover
+
+    return list(discover(model_dir, rank).files)
+
+
+# ---------------------------------------------------------------------------------------------- group
+
+
+def _group_worker(method: str, model_dir: str, device_kind: str) -> None:
+    """One rank of a ``group`` row (run as ``--worker``); rank 0 prints the row's JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from .methods import load, prepare
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = "cpu"
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    device = prepare(method, device)
+    files = _rank_files(model_dir, rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.barrier()
+    t0 = time.time()
+    keep, nbytes, extra = load(method, model_dir, device, rank=rank, files=files)
+    t1 = time.time()
+    mem = None
+    if device.startswith("cuda"):
+        mem = {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+    dist.barrier()  # every rank holds its tensors now
+    smi = gpu_processes() if rank == 0 and device.startswith("cuda") else None
+    mine = {"rank": rank, "pid": os.getpid(), "device": device, "start": t0, "end": t1, "bytes": nbytes,
+            "torch_memory": mem, "extra": {k: v for k, v in extra.items() if k in ("backend", "io_modes")}}
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, mine)
+    dist.barrier()
+    del keep
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"ranks": rows, "gpu_processes": smi}))
+
+
+def run_group(method: str, model_dir: str, world: int, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
+    """Start ``world`` rank processes of ``method`` on ``model_dir`` and collect their row."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    procs = []
+    for r in range(world):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gdsload.bench.multi_gpu", "--worker", method, model_dir, "--device", device],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return {"method": method, "world": world, "error": f"not done after {timeout:.0f} s"}
+        outs.append((p.returncode, out, err))
+    bad = [(rc, err) for rc, _, err in outs if rc != 0]
+    if bad:
+        return {"method": method, "world": world, "error": bad[0][1].strip().splitlines()[-3:]}
+    doc = json.loads(outs[0][1].strip().splitlines()[-1])
+    if doc["gpu_processes"] is not None:  # JSON turned the integer keys into strings
+        doc["gpu_processes"] = {int(pid): {int(g): mib for g, mib in gpus.items()}
+                                for pid, gpus in doc["gpu_processes"].items()}
+    ranks = doc["ranks"]
+    window = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
+    total = sum(r["bytes"] for r in ranks)
+    return {"row": "group", "method": method, "world": world, "bytes": total, "window_s": window,
+            "aggregate_gbps": total / window / 1e9,
+            "per_rank_gbps": {r["rank"]: r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in ranks},
+            "contexts": _contexts({r["pid"]: r["rank"] for r in ranks}, doc["gpu_processes"]),
+            **doc}
+
+
+def _contexts(pid_to_gpu: dict[int, int], smi: dict[int, dict[int, int]] | None) -> dict[str, Any] | None:
+    """For each process of the row: the GPUs nvidia-smi lists it on, and whether any is not its own."""
+    if smi is None:
+        return None
+    seen = {str(pid): sorted(smi.get(pid, {})) for pid in pid_to_gpu}
+    return {"gpus_by_pid": seen, "listed": sum(1 for g in seen.values() if g),
+            "foreign": {pid: [g for g in gpus if g != pid_to_gpu[int(pid)]] for pid, gpus in seen.items()
+                        if any(g != pid_to_gpu[int(pid)] for g in gpus)},
+            "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in pid_to_gpu}}
+
+
+# ---------------------------------------------------------------------------------------------- single, serve
+
+
+def run_single(method: str, model_dir: str, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
+    """The whole checkpoint on one GPU, in a fresh process (:mod:`gdsload.bench.methods`)."""
+    dev = "cuda:0" if device == "cuda" else device
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, model_dir, dev],
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return {"row": "single", "method": method, "error": p.stderr.strip().splitlines()[-3:]}
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"row": "single", "gbps": r["bytes"] / r["seconds"] / 1e9, **r}
+
+
+def run_serve(model_dir: str, tp: int, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
+    """``gdsload serve --tp N``: time to ready, the ranks' load window, which GPUs each worker holds."""
+    from .ttr import time_to_ready
+
+    args = ["--tp", str(tp)] + (["--device-map", "cpu"] if device == "cpu" else [])
+
+    def inspect(status: dict[str, Any]) -> dict[str, Any]:
+        ranks = status["ranks"]
+        own = {d["pid"]: int(d["cuda_visible_devices"]) for d in ranks.values()
+               if d.get("pid") and (d.get("cuda_visible_devices") or "").isdigit()}
+        return {"gpus": {r: {"cuda_visible_devices": d.get("cuda_visible_devices"), "device": d.get("device"),
+                             "uuid": (d.get("gpu") or {}).get("uuid")} for r, d in ranks.items()},
+                "contexts": _contexts(own, gpu_processes()) if own else None}
+
+    r = time_to_ready(model_dir, args, timeout=timeout, while_ready=inspect)
+    return {"row": "serve", "tp": tp, "dir": model_dir, **r}
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    single = [r["gbps"] for r in rows if r.get("row") == "single" and r.get("method", "").startswith("gdsload:")
+              and "gbps" in r]
+    base = statistics.median(single) if single else None
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r.get('row')} {r.get('method', r.get('dir'))}: ERROR {r['error']}")
+        elif r["row"] == "single":
+            out.append(f"single  {r['method']:18} {r['gbps']:6.2f} GB/s (one GPU, whole checkpoint)")
+        elif r["row"] == "group":
+            scale = f" = {r['aggregate_gbps'] / base:.2f} x single" if base else ""
+            ctx = r.get("contexts") or {}
+            out.append(f"group   {r['method']:18} world={r['world']} {r['aggregate_gbps']:6.2f} GB/s{scale}; "
+                       f"per rank {', '.join(f'{v:.1f}' for v in r['per_rank_gbps'].values())}; "
+                       f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
+        else:
+            agg = r.get("aggregate_gbps") or 0
+            scale = f" = {agg / base:.2f} x single" if base else ""
+            ctx = (r.get("while_ready") or {}).get("contexts") or {}
+            out.append(f"serve   tp={r['tp']} {Path(r['dir']).name:12} ready {r['time_to_ready_s']:.2f} s, loads "
+                       f"{r['load_window_s']:.2f} s window, {agg:.2f} GB/s{scale}; "
+                       f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir", help="the tensor-parallel checkpoint")
+    ap.add_argument("--worker", metavar="METHOD", help=argparse.SUPPRESS)
+    ap.add_argument("--single", help="the same checkpoint unsharded (tp=1), for the one-GPU row")
+    ap.add_argument("--compressed", help="a compressed copy of the tensor-parallel checkpoint")
+    ap.add_argument("--methods", default=",".join(GROUP_METHODS))
+    ap.add_argument("--tp", type=int, default=None, help="ranks (default: the checkpoint's)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--no-serve", action="store_true", help="skip the gdsload serve rows")
+    ap.add_argument("--out", default=None, help="write every row here as JSON")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _group_worker(args.worker, args.model_dir, args.device)
+        return 0
+    from gdsload.loader import discover
+
+    tp = args.tp or discover(args.model_dir, 0).tp_size
+    methods = args.methods.split(",")
+    if args.device == "cpu":
+        methods = ["gdsload:cpu" if m.startswith("gdsload:") else m for m in methods]
+    rows: list[dict[str, Any]] = []
+
+    def add(r: dict[str, Any]) -> None:
+        rows.append(r)
+        print(json.dumps(r, default=str)[:600], flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"tp": tp, "rows": rows}, indent=1, default=str))
+
+    for i in range(args.repeat):
+        if args.single:
+            for m in methods:
+                add({**run_single(m, args.single, args.device, args.timeout), "run": i})
+        for m in methods:
+            for world in (1, tp):
+                add({**run_group(m, args.model_dir, world, args.device, args.timeout), "run": i})
+        if args.compressed:
+            m = "gdsload:cpu" if args.device == "cpu" else "gdsload:pinned"
+            for world in (1, tp):
+                add({**run_group(m, args.compressed, world, args.device, args.timeout), "run": i,
+                     "compressed": True})
+        if not args.no_serve:
+            for d in filter(None, (args.model_dir, args.compressed)):
+                add({**run_serve(d, tp, args.device, args.timeout), "run": i})
+    print("\n".join(_summary(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The torch-free load path of sidecar workers (:mod:`gdsload.loader.bare`).
+
+GPU tests run the bare load in a child process (so "no torch" can be checked) and compare every
+tensor with the safetensors library; the hand-off is mapped back as torch tensors here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from gdsload.loader import save_file
+from gdsload.loader.bare import bare_unavailable
+from gdsload.loader.ipc import IpcError, import_rank
+
+# Load one rank without torch; print digests, the report, torch's absence, and GPU memory figures.
+CHILD = r"""
+import gc, hashlib, json, sys
+import cupy
+from gdsload.loader.bare import load_rank_bare
+from gdsload.loader.ipc import export_rank
+path, rank, verify, export = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+cupy.cuda.Device(0).use()
+free0 = cupy.cuda.runtime.memGetInfo()[0]
+res = load_rank_bare(path, rank, verify=verify)
+loaded = cupy.cuda.runtime.memGetInfo()[0]
+host = res.arena.get()
+out = {"digests": {s.name: [s.dtype, list(s.shape), hashlib.sha256(host[s.offset:s.offset + s.nbytes].tobytes()).hexdigest()]
+                   for s in res.slots},
+       "torch_imported": "torch" in sys.modules, "report": res.report.to_dict(), "arena_bytes": res.arena.nbytes}
+if export:
+    out["doc"] = export_rank(res)
+print(json.dumps(out), flush=True)
+if export:
+    sys.stdin.readline()  # the importer has mapped, checked and dropped its views
+res.close()
+del res, host
+gc.collect()
+print(json.dumps({"free0": free0, "loaded": loaded, "closed": cupy.cuda.runtime.memGetInfo()[0]}), flush=True)
+"""
+
+
+def _oracle(files: list[Path]) -> dict[str, list]:
+    out = {}
+    for f in files:
+        for name, t in safetensors.torch.load_file(str(f)).items():
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            out[name] = [list(t.shape), hashlib.sha256(raw).hexdigest()]
+    return out
+
+
+def _strip(digests: dict[str, list]) -> dict[str, list]:
+    return {k: [shape, h] for k, (_, shape, h) in digests.items()}
+
+
+def _run(path: Path, rank: int = 0, *, verify: bool = False) -> tuple[dict, dict]:
+    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", CHILD, str(path), str(rank), "1" if verify else "0", "0"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    first, last = (json.loads(line) for line in p.stdout.strip().splitlines()[-2:])
+    return first, last
+
+
+def _needs_bare() -> None:
+    why = bare_unavailable()
+    if why:
+        pytest.skip(f"the torch-free path cannot run here: {why}")
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_bare_path_is_only_for_kvikio_backends():
+    assert "load_rank" in bare_unavailable("pinned")
+    assert "load_rank" in bare_unavailable("fastsafetensors")
+
+
+def test_bare_path_names_what_is_missing():
+    import importlib.util
+
+    for module in ("cupy", "kvikio"):
+        if importlib.util.find_spec(module) is None:
+            why = bare_unavailable("auto")
+            assert module in why and "gdsload[cu12]" in why
+            return
+    pytest.skip("cupy and kvikio are both installed here")
+
+
+def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
+    doc = {"version": 1, "kind": "cuda-ipc", "rank": 0, "nbytes": 16, "tensors": [],
+           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": "", "size": 16}}
+    with pytest.raises(IpcError, match="not visible"):
+        import_rank(doc)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
+    _needs_bare()
+    for rank in (0, 1):
+        out, _ = _run(sharded_dir, rank, verify=True)
+        assert not out["torch_imported"]
+        assert _strip(out["digests"]) == _oracle(sorted(sharded_dir.glob(f"model-rank-{rank}-part-*.safetensors")))
+        r = out["report"]
+        assert r["backend"] == "cufile" and r["verified"] and r["device"] == "cuda:0"
+        assert {f["io_mode"] for f in r["files"]} <= {"gds", "p2pdma", "compat", "posix"}
+
+
+@pytest.mark.gpu
+def test_bare_load_of_foreign_misaligned_file(tmp_path):
+    _needs_bare()
+    from test_load import _misaligned_file
+
+    path = tmp_path / "foreign.safetensors"
+    _misaligned_file(path)
+    out, _ = _run(path)
+    assert _strip(out["digests"]) == _oracle([path])
+    assert out["report"]["files"][0]["copied_tensors"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["ans", "zstd"])
+def test_bare_load_decodes_compressed_files(tmp_path, codec):
+    _needs_bare()
+    from gdsload.loader.compress import compress_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    for part in range(2):
+        save_file({f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+                   f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
+                   f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16)},
+                  src / f"model-rank-0-part-{part}.safetensors")
+    out_dir = tmp_path / codec
+    compress_dir(src, out_dir, codec=codec, device="cuda")
+    out, _ = _run(out_dir, verify=True)
+    assert _strip(out["digests"]) == _oracle(sorted(src.glob("*.safetensors")))
+    r = out["report"]
+    assert r["verified"] and r["stored_bytes"] < r["logical_bytes"] and r["staging_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_bare_close_gives_the_memory_back(tmp_path):
+    _needs_bare()
+    g = torch.Generator().manual_seed(2)
+    for part in range(2):
+        save_file({f"w{part}": torch.randn(32 << 20, generator=g).to(torch.bfloat16)},
+                  tmp_path / f"model-rank-0-part-{part}.safetensors")  # 2 x 64 MiB
+    out, mem = _run(tmp_path)
+    assert out["arena_bytes"] >= 128 << 20
+    assert mem["free0"] - mem["loaded"] >= out["arena_bytes"]  # the arena was really on the GPU
+    assert mem["closed"] - mem["loaded"] >= out["arena_bytes"] - (2 << 20)  # and its cudaFree happened on close
+    assert mem["free0"] - mem["closed"] <= 64 << 20  # nothing big left behind (nvCOMP/kvikio scratch at most)
+
+
+@pytest.mark.gpu
+def test_bare_export_maps_as_torch_tensors_in_another_process(sharded_dir):
+    _needs_bare()
+    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CHILD, str(sharded_dir), "1", "0", "1"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = json.loads(p.stdout.readline())
+        doc = json.loads(json.dumps(out["doc"]))  # survives JSON, as over HTTP
+        assert doc["kind"] == "cuda-ipc"
+        tensors = import_rank(doc)
+        oracle = safetensors.torch.load_file(str(sharded_dir / "model-rank-1-part-0.safetensors"))
+        oracle.update(safetensors.torch.load_file(str(sharded_dir / "model-rank-1-part-1.safetensors")))
+        assert set(tensors) == set(oracle)
+        for name, ref in oracle.items():
+            got = tensors[name]
+            assert got.is_cuda and got.dtype == ref.dtype and got.shape == ref.shape, name
+            assert torch.equal(got.cpu().view(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
+        del tensors, got
+        torch.cuda.synchronize()
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        assert p.wait(60) == 0, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
