@@ -17,8 +17,8 @@ Rows, each load in fresh processes:
   ``/readyz`` 200 and the ranks' load window from ``/v1/status``.
 
 While every process still holds its tensors, ``nvidia-smi`` says which processes hold memory on
-which GPU (``gpu_processes``): a process listed on a GPU other than its rank's carries a CUDA
-context there. ``--device cpu`` runs the same rows with the CPU backend (the CI smoke test).
+which GPU (``gpu_processes``, by GPU UUID): a process listed on a GPU other than its rank's carries
+a CUDA context there. ``--device cpu`` runs the same rows with the CPU backend (the CI smoke test).
 """
 
 from __future__ import annotations
@@ -39,29 +39,26 @@ __all__ = ["gpu_processes", "main", "run_group", "run_serve", "run_single"]
 GROUP_METHODS = ("gdsload:pinned", "fastsafetensors", "instanttensor")
 
 
-def gpu_processes() -> dict[int, dict[int, int]] | None:
-    """``{pid: {gpu index: MiB}}`` of every process ``nvidia-smi`` lists; None without nvidia-smi.
+def gpu_processes() -> dict[int, dict[str, int]] | None:
+    """``{pid: {GPU UUID: MiB}}`` of every process ``nvidia-smi`` lists; None without nvidia-smi.
 
-    A process appears on a GPU when it has a CUDA context (and memory) there. In a container whose
-    PID namespace hides host PIDs, nvidia-smi may list none: an empty dict then proves nothing.
+    UUIDs as torch prints them (``str(torch.cuda.get_device_properties(i).uuid)``, no ``GPU-``
+    prefix), so they compare with what a process or the sidecar reports whatever
+    ``CUDA_VISIBLE_DEVICES`` renumbered. A process appears on a GPU when it has a CUDA context (and
+    memory) there. In a container whose PID namespace hides host PIDs, nvidia-smi may list none: an
+    empty dict then proves nothing.
     """
     try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30, check=True).stdout
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
                                "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
                               check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    index = {}
-    for line in gpus.strip().splitlines():
-        i, uuid = (x.strip() for x in line.split(","))
-        index[uuid] = int(i)
-    out: dict[int, dict[int, int]] = {}
+    out: dict[int, dict[str, int]] = {}
     for line in apps.strip().splitlines():
         pid, uuid, mib = (x.strip() for x in line.split(","))
-        if pid.isdigit() and uuid in index:
-            out.setdefault(int(pid), {})[index[uuid]] = int(mib) if mib.isdigit() else -1
+        if pid.isdigit():
+            out.setdefault(int(pid), {})[uuid.removeprefix("GPU-")] = int(mib) if mib.isdigit() else -1
     return out
 
 
@@ -104,7 +101,8 @@ def _group_worker(method: str, model_dir: str, device_kind: str) -> None:
         mem = {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
     dist.barrier()  # every rank holds its tensors now
     smi = gpu_processes() if rank == 0 and device.startswith("cuda") else None
-    mine = {"rank": rank, "pid": os.getpid(), "device": device, "start": t0, "end": t1, "bytes": nbytes,
+    uuid = str(torch.cuda.get_device_properties(device).uuid) if device.startswith("cuda") else None
+    mine = {"rank": rank, "pid": os.getpid(), "device": device, "uuid": uuid, "start": t0, "end": t1, "bytes": nbytes,
             "torch_memory": mem, "extra": {k: v for k, v in extra.items() if k in ("backend", "io_modes")}}
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, mine)
@@ -138,27 +136,27 @@ def run_group(method: str, model_dir: str, world: int, device: str = "cuda", tim
         return {"method": method, "world": world, "error": bad[0][1].strip().splitlines()[-3:]}
     doc = json.loads(outs[0][1].strip().splitlines()[-1])
     if doc["gpu_processes"] is not None:  # JSON turned the integer keys into strings
-        doc["gpu_processes"] = {int(pid): {int(g): mib for g, mib in gpus.items()}
-                                for pid, gpus in doc["gpu_processes"].items()}
+        doc["gpu_processes"] = {int(pid): gpus for pid, gpus in doc["gpu_processes"].items()}
     ranks = doc["ranks"]
     window = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
     total = sum(r["bytes"] for r in ranks)
     return {"row": "group", "method": method, "world": world, "bytes": total, "window_s": window,
             "aggregate_gbps": total / window / 1e9,
             "per_rank_gbps": {r["rank"]: r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in ranks},
-            "contexts": _contexts({r["pid"]: r["rank"] for r in ranks}, doc["gpu_processes"]),
+            "contexts": _contexts({r["pid"]: r["uuid"] for r in ranks if r["uuid"]}, doc["gpu_processes"]),
             **doc}
 
 
-def _contexts(pid_to_gpu: dict[int, int], smi: dict[int, dict[int, int]] | None) -> dict[str, Any] | None:
-    """For each process of the row: the GPUs nvidia-smi lists it on, and whether any is not its own."""
-    if smi is None:
+def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dict[str, Any] | None:
+    """For each process of a row (pid -> its own GPU's UUID): the GPUs nvidia-smi lists it on, and
+    those that are not its own (each a CUDA context it should not hold)."""
+    if smi is None or not own:
         return None
-    seen = {str(pid): sorted(smi.get(pid, {})) for pid in pid_to_gpu}
+    seen = {str(pid): sorted(smi.get(pid, {})) for pid in own}
     return {"gpus_by_pid": seen, "listed": sum(1 for g in seen.values() if g),
-            "foreign": {pid: [g for g in gpus if g != pid_to_gpu[int(pid)]] for pid, gpus in seen.items()
-                        if any(g != pid_to_gpu[int(pid)] for g in gpus)},
-            "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in pid_to_gpu}}
+            "foreign": {pid: [g for g in gpus if g != own[int(pid)]] for pid, gpus in seen.items()
+                        if any(g != own[int(pid)] for g in gpus)},
+            "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in own}}
 
 
 # ---------------------------------------------------------------------------------------------- single, serve
@@ -183,11 +181,10 @@ def run_serve(model_dir: str, tp: int, device: str = "cuda", timeout: float = 30
 
     def inspect(status: dict[str, Any]) -> dict[str, Any]:
         ranks = status["ranks"]
-        own = {d["pid"]: int(d["cuda_visible_devices"]) for d in ranks.values()
-               if d.get("pid") and (d.get("cuda_visible_devices") or "").isdigit()}
+        own = {d["pid"]: d["gpu"]["uuid"] for d in ranks.values() if d.get("pid") and (d.get("gpu") or {}).get("uuid")}
         return {"gpus": {r: {"cuda_visible_devices": d.get("cuda_visible_devices"), "device": d.get("device"),
                              "uuid": (d.get("gpu") or {}).get("uuid")} for r, d in ranks.items()},
-                "contexts": _contexts(own, gpu_processes()) if own else None}
+                "contexts": _contexts(own, gpu_processes())}
 
     r = time_to_ready(model_dir, args, timeout=timeout, while_ready=inspect)
     return {"row": "serve", "tp": tp, "dir": model_dir, **r}

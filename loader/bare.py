@@ -127,7 +127,11 @@ class BareResult:
     device_index: int
 
     def close(self) -> None:
-        """Free the arena (the ``cudaFree`` happens once no export or view holds it)."""
+        """Free the arena: its ``cudaFree`` runs as soon as no array here views it.
+
+        Exported IPC documents hold no reference: engines that mapped the arena must have released
+        it first (the sidecar keeps the result until every lease is released, or unload is forced).
+        """
         self.arena = None
         self.slots = []
 
@@ -161,7 +165,9 @@ class _KvikioReader(Backend):
         # Process-wide kvikio settings, held from open to close, as the cufile backend holds them; one
         # bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
         self._settings = kvikio.defaults.set({"num_threads": threads, "task_size": task, "bounce_buffer_size": task})
-        self._files = [kvikio.CuFile(f.path, "r") for f in plan.files]
+        self._files = []
+        for f in plan.files:  # one by one: close() closes those opened before a failure
+            self._files.append(kvikio.CuFile(f.path, "r"))
         self._modes = [cufile_io_mode(state, o_direct_supported(f.path)) for f in plan.files]
 
     def submit(self, extents: Sequence[Extent], dst: Any, progress: Callable[[int], None] | None = None

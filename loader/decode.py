@@ -109,8 +109,16 @@ def load_compressed(
     errors: list[BaseException] = []
 
     def decoder() -> None:
-        stream, handle, index, on_stream = _stream_for(arena)
-        codecs = GpuCodecs(index, handle, verify=verify)
+        try:
+            stream, handle, index, on_stream = _stream_for(arena)
+            codecs = GpuCodecs(index, handle, verify=verify)
+        except BaseException as e:  # no decoder: say why, and let the reader stop instead of waiting on slots
+            errors.append(e)
+            for ev in free:
+                ev.set()
+            while work.get() is not None:
+                pass
+            return
         try:
             decode_groups(codecs, stream, on_stream)
         finally:

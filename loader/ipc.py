@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["IPC_VERSION", "IpcError", "export_rank", "import_rank"]
 
 IPC_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class IpcError(GdsloadError, RuntimeError):
@@ -131,6 +134,10 @@ class _IpcMapping:
         self._cuda = ctypes.CDLL("libcuda.so.1")
         h = _CUipcMemHandle()
         ctypes.memmove(ctypes.byref(h), handle, ctypes.sizeof(h))
+        # The context the mapping belongs to (the device's primary one, current here): the close
+        # may run on any thread, so it makes this context current for the call.
+        self._ctx = ctypes.c_void_p()
+        self._cuda.cuCtxGetCurrent(ctypes.byref(self._ctx))
         ptr = ctypes.c_uint64()
         # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
         rc = self._cuda.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1))
@@ -142,9 +149,16 @@ class _IpcMapping:
                                          "strides": None, "version": 3}
 
     def __del__(self) -> None:
-        if getattr(self, "ptr", None):
-            self._cuda.cuIpcCloseMemHandle(ctypes.c_uint64(self.ptr))
-            self.ptr = 0
+        if not getattr(self, "ptr", None):
+            return
+        cuda = self._cuda
+        pushed = cuda.cuCtxPushCurrent_v2(self._ctx) == 0
+        rc = cuda.cuIpcCloseMemHandle(ctypes.c_uint64(self.ptr))
+        if pushed:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        if rc != 0:
+            log.warning("cuIpcCloseMemHandle failed (CUresult %d); the mapping stays until this process exits", rc)
+        self.ptr = 0
 
 
 def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -169,11 +183,15 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
         dev = torch.device("cuda", device)
     elif kind == "cuda-ipc":
         c = doc["cuda_ipc"]
+        handle = _unb64(c["handle"])
+        if len(handle) != ctypes.sizeof(_CUipcMemHandle):
+            raise IpcError(f"the CUDA IPC handle is {len(handle)} bytes, not {ctypes.sizeof(_CUipcMemHandle)}; "
+                           "the document is damaged: ask the sidecar for a new one")
         device = _device_by_uuid(c["device_uuid"])
         dev = torch.device("cuda", device)
-        torch.cuda.set_device(dev)
-        torch.empty(0, device=dev)  # the device's primary context, current on this thread
-        arena = torch.as_tensor(_IpcMapping(_unb64(c["handle"]), c["size"], device), device=dev)
+        with torch.cuda.device(device):
+            torch.empty(0, device=dev)  # the device's primary context, current on this thread
+            arena = torch.as_tensor(_IpcMapping(handle, c["size"], device), device=dev)
         storage = None
     elif kind == "cpu":
         c = doc["cpu"]

@@ -480,11 +480,11 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _start_cuda_context() -> None:
-    """Create the GPU's primary CUDA context on a thread while this process imports torch.
+    """Create the GPU's primary CUDA context on a thread while this process imports its libraries.
 
     Both take a good part of a second on a fresh process; the driver call releases the GIL, so they
-    overlap. torch (and kvikio) then find the primary context made and retain it. Where the
-    driver library is missing, nothing happens here and torch reports the problem later.
+    overlap. cupy, kvikio and torch then find the primary context made and retain it. Where the
+    driver library is missing, nothing happens here and the load reports the problem later.
     """
 
     def run() -> None:

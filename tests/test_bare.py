@@ -6,6 +6,7 @@ tensor with the safetensors library; the hand-off is mapped back as torch tensor
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 from gdsload.loader import save_file
 from gdsload.loader.bare import bare_unavailable
+from gdsload.loader.dtypes import from_torch
 from gdsload.loader.ipc import IpcError, import_rank
 
 # Load one rank without torch; print digests, the report, torch's absence, and GPU memory figures.
@@ -48,16 +50,13 @@ print(json.dumps({"free0": free0, "loaded": loaded, "closed": cupy.cuda.runtime.
 
 
 def _oracle(files: list[Path]) -> dict[str, list]:
+    """name -> [safetensors dtype, shape, sha256 of the bytes], as the safetensors library reads them."""
     out = {}
     for f in files:
         for name, t in safetensors.torch.load_file(str(f)).items():
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            out[name] = [list(t.shape), hashlib.sha256(raw).hexdigest()]
+            out[name] = [from_torch(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
     return out
-
-
-def _strip(digests: dict[str, list]) -> dict[str, list]:
-    return {k: [shape, h] for k, (_, shape, h) in digests.items()}
 
 
 def _run(path: Path, rank: int = 0, *, verify: bool = False) -> tuple[dict, dict]:
@@ -93,9 +92,16 @@ def test_bare_path_names_what_is_missing():
     pytest.skip("cupy and kvikio are both installed here")
 
 
+def test_cuda_ipc_document_with_a_damaged_handle_is_a_typed_error():
+    doc = {"version": 1, "kind": "cuda-ipc", "rank": 0, "nbytes": 16, "tensors": [],
+           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": "AAAA", "size": 16}}
+    with pytest.raises(IpcError, match="3 bytes, not 64"):
+        import_rank(doc)
+
+
 def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
     doc = {"version": 1, "kind": "cuda-ipc", "rank": 0, "nbytes": 16, "tensors": [],
-           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": "", "size": 16}}
+           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": base64.b64encode(bytes(64)).decode(), "size": 16}}
     with pytest.raises(IpcError, match="not visible"):
         import_rank(doc)
 
@@ -109,7 +115,7 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
     for rank in (0, 1):
         out, _ = _run(sharded_dir, rank, verify=True)
         assert not out["torch_imported"]
-        assert _strip(out["digests"]) == _oracle(sorted(sharded_dir.glob(f"model-rank-{rank}-part-*.safetensors")))
+        assert out["digests"] == _oracle(sorted(sharded_dir.glob(f"model-rank-{rank}-part-*.safetensors")))
         r = out["report"]
         assert r["backend"] == "cufile" and r["verified"] and r["device"] == "cuda:0"
         assert {f["io_mode"] for f in r["files"]} <= {"gds", "p2pdma", "compat", "posix"}
@@ -123,7 +129,7 @@ def test_bare_load_of_foreign_misaligned_file(tmp_path):
     path = tmp_path / "foreign.safetensors"
     _misaligned_file(path)
     out, _ = _run(path)
-    assert _strip(out["digests"]) == _oracle([path])
+    assert out["digests"] == _oracle([path])
     assert out["report"]["files"][0]["copied_tensors"] == 3
 
 
@@ -144,7 +150,7 @@ def test_bare_load_decodes_compressed_files(tmp_path, codec):
     out_dir = tmp_path / codec
     compress_dir(src, out_dir, codec=codec, device="cuda")
     out, _ = _run(out_dir, verify=True)
-    assert _strip(out["digests"]) == _oracle(sorted(src.glob("*.safetensors")))
+    assert out["digests"] == _oracle(sorted(src.glob("*.safetensors")))
     r = out["report"]
     assert r["verified"] and r["stored_bytes"] < r["logical_bytes"] and r["staging_bytes"] > 0
 

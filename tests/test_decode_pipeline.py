@@ -101,3 +101,49 @@ def test_one_group_one_slot():
     h = _Harness(slots=1)
     h.run(1)
     assert h.events == [("submit", 0), ("wait", 0), ("hand_off", 0), ("decoded", 0)]
+
+
+def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path, monkeypatch):
+    """No stream or codecs for the decoder: load_compressed raises that error, with any number of groups."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gdsload.loader import decode, discover, plan_rank, save_file
+    from gdsload.loader.compress import compress_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": (0.02 * torch.randn(256, 256, generator=g)).to(torch.bfloat16) for i in range(5)},
+              src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+    plan = plan_rank(discover(tmp_path / "z", 0))
+    assert len(plan.compressed) == 5
+
+    class Reader:  # stands in for a GPU backend: staging is host memory, reads finish at once
+        def allocate(self, n: int) -> bytearray:
+            return bytearray(n)
+
+        def submit(self, extents, dst, progress=None):
+            return lambda: None
+
+    def no_stream(arena):
+        raise RuntimeError("no CUDA stream here")
+
+    monkeypatch.setattr(decode, "nvcomp_available", lambda: None)
+    monkeypatch.setattr(decode, "_stream_for", no_stream)
+    arena = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            decode.load_compressed(plan, Reader(), arena, verify=False, staging_bytes=4096)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "load_compressed hung waiting for a decoder that never started"
+    assert len(outcome) == 1 and "no CUDA stream here" in str(outcome[0])

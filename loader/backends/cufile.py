@@ -58,7 +58,9 @@ class CuFileBackend(Backend):
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
         # thread pool for every staging group of a compressed load).
         self._settings = kvikio.defaults.set({"num_threads": threads, "task_size": task})
-        self._files = [kvikio.CuFile(f.path, "r") for f in plan.files]
+        self._files = []
+        for f in plan.files:  # one by one: close() closes those opened before a failure
+            self._files.append(kvikio.CuFile(f.path, "r"))
         self._modes = [cufile_io_mode(self._state, o_direct_supported(f.path)) for f in plan.files]
         self._direct = [m in ("gds", "p2pdma") for m in self._modes]
 
