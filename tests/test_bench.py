@@ -90,3 +90,15 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     assert serve["tp"] == 2 and set(serve["load_seconds"]) == {"0", "1"}
     assert serve["logical_bytes"] == both and serve["aggregate_gbps"] > 0
     assert "group   gdsload:cpu        world=2" in p.stdout
+
+
+def test_context_check_flags_a_process_on_another_ranks_gpu():
+    from gdsload.bench.multi_gpu import _contexts
+
+    own = {101: "gpu-a", 102: "gpu-b"}
+    smi = {101: {"gpu-a": 4860}, 102: {"gpu-a": 520, "gpu-b": 5958}, 999: {"gpu-b": 1}}
+    c = _contexts(own, smi)
+    assert c["foreign"] == {"102": ["gpu-a"]} and c["listed"] == 2
+    assert _contexts(own, {101: {"gpu-a": 1}, 102: {"gpu-b": 1}})["foreign"] == {}
+    assert _contexts(own, {})["listed"] == 0  # nvidia-smi lists nobody here: nothing is claimed
+    assert _contexts(own, None) is None
