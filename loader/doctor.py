@@ -40,6 +40,8 @@ class DoctorReport:
     p2pdma_configured: bool = False
     kvikio: dict[str, Any] = field(default_factory=dict)
     nvcomp: str | None = None
+    torch_free_workers: str | None = None
+    """Why sidecar GPU workers would import torch before loading (None: they load without it)."""
     mounts: list[MountFacts] = field(default_factory=list)
     expected_io_mode: str = "cpu"
     advice: list[str] = field(default_factory=list)
@@ -137,6 +139,10 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
         r.nvcomp = nvcomp.__version__
     except Exception:
         r.nvcomp = None
+    if r.gpus:
+        from .bare import bare_unavailable
+
+        r.torch_free_workers = bare_unavailable()
     for path in paths or [os.getcwd(), "/dev/shm"]:
         if not os.path.exists(path):
             continue
@@ -167,6 +173,9 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     if r.nvcomp is None:
         advice.append("nvidia-nvcomp is not installed: ANS-compressed checkpoints cannot be decoded here "
                       "(pip install 'gdsload[cu12]' or [cu13]).")
+    if r.torch_free_workers is not None:
+        advice.append(f"sidecar GPU workers will import torch before they load (seconds per worker): "
+                      f"{r.torch_free_workers}.")
     mode = "posix"
     if r.nvidia_fs:
         mode = "gds"
@@ -202,6 +211,9 @@ def format_report(r: DoctorReport) -> str:
     lines.append(f"kvikio   {kv.get('version') or 'not installed'} compat_mode={kv.get('compat_mode')} "
                  f"compat_preferred={kv.get('compat_preferred')} gds_available={kv.get('gds_available')}")
     lines.append(f"nvcomp   {r.nvcomp or 'not installed'}")
+    if r.gpus:
+        lines.append(f"sidecar  GPU workers load without torch: "
+                     f"{'yes' if r.torch_free_workers is None else 'no (' + r.torch_free_workers + ')'}")
     for m in r.mounts:
         lines.append(f"mount    {m.path} on {m.mount_point} ({m.fs_type}): O_DIRECT "
                      f"{ {True: 'yes', False: 'no', None: 'untested'}[m.o_direct] }")
