@@ -1,56 +1,110 @@
-"""``gdsload doctor``: facts read from this host, and the advice derived from them."""
+"""doctor and the I/O-mode rules: facts read from the host, modes never assumed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-from gdsload.loader.doctor import DoctorReport, MountFacts, _advise, diagnose, format_report
+import pytest
+import torch
+
+from gdsload.loader.backends import select_backend, ReadOptions, AUTO_ORDER
+from gdsload.loader.errors import BackendUnavailableError
+from gdsload.loader.iomode import KvikioState, cufile_config, cufile_io_mode, p2pdma_configured
+
+
+def test_doctor_json_on_this_host(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"x" * 8192)
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    (m,) = doc["mounts"]
+    assert m["path"] == str(tmp_path) and isinstance(m["o_direct"], bool) and m["fs_type"]
+    assert doc["expected_io_mode"] in ("gds", "p2pdma", "posix", "cpu") and doc["advice"]
+    if not doc["gpus"]:
+        assert doc["expected_io_mode"] == "cpu"
+    text = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "expected I/O mode" in text and "O_DIRECT" in text
+
+
+@pytest.mark.parametrize(
+    "state, direct, nvfs, p2p, expected",
+    [
+        (KvikioState(importable=False), True, True, False, "posix"),
+        (KvikioState(True, compat_preferred=True, gds_available=None), True, True, False, "posix"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, True, False, "gds"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), False, True, False, "compat"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, False, True, "p2pdma"),
+        (KvikioState(True, compat_preferred=False, gds_available=False), True, True, True, "compat"),
+        (KvikioState(True, compat_preferred=False, gds_available=True), True, False, False, "compat"),
+    ],
+)
+def test_cufile_io_mode_never_claims_gds_without_the_driver(monkeypatch, state, direct, nvfs, p2p, expected):
+    import gdsload.loader.iomode as iomode
+
+    monkeypatch.setattr(iomode, "nvidia_fs_loaded", lambda: nvfs)
+    monkeypatch.setattr(iomode, "p2pdma_configured", lambda config=None: p2p)
+    assert cufile_io_mode(state, direct) == expected
+
+
+def test_cufile_json_with_comments(tmp_path, monkeypatch):
+    cfg = tmp_path / "cufile.json"
+    cfg.write_text('{\n  // cuFile settings\n  "properties": {\n    "use_pci_p2pdma": true,\n'
+                   '    "allow_compat_mode": true,\n  },\n}\n')
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(cfg))
+    assert cufile_config()["properties"]["allow_compat_mode"] is True
+    assert p2pdma_configured()
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(tmp_path / "missing.json"))
+    assert cufile_config() is None and not p2pdma_configured()
+
+
+def test_explicit_gpu_backends_fail_loudly_on_a_cpu_host():
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    for name in ("pinned", "cufile", "fastsafetensors"):
+        with pytest.raises(BackendUnavailableError, match=f"backend '{name}' cannot load to 'cuda"):
+            select_backend(name, torch.device("cuda"), ReadOptions())
+    with pytest.raises(BackendUnavailableError, match="no backend can load to 'cuda'.*cufile:.*pinned:.*cpu:"):
+        select_backend("auto", torch.device("cuda"), ReadOptions())
+    assert AUTO_ORDER[-1] == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------- advice
 
 GPU = {"index": "0", "name": "NVIDIA H200", "pcie.link.gen.current": "5", "pcie.link.gen.max": "5"}
 KVIKIO = {"importable": True, "compat_preferred": True, "gds_available": None}
 
 
-def test_this_host_is_reported_from_its_own_facts(tmp_path):
-    r = diagnose([str(tmp_path)])
-    assert [m.path for m in r.mounts] == [str(tmp_path)]
-    assert r.mounts[0].fs_type and r.mounts[0].mount_point.startswith("/")
-    if not r.gpus:  # the CPU machines: nothing GPU-side is claimed
-        assert r.expected_io_mode == "cpu" and r.torch_free_workers is None
-        assert any("No NVIDIA GPU" in a for a in r.advice)
-    text = format_report(r)
-    assert f"mount    {tmp_path}" in text and "expected I/O mode for GPU loads:" in text
-
-
 def test_gpu_host_without_gds_reads_through_host_memory_and_says_how_to_fix():
+    from gdsload.loader.doctor import DoctorReport, MountFacts, _advise
+
     r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0",
                      mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=False)])
     mode, advice = _advise(r)
     assert mode == "posix"
     assert any("nvidia-fs" in a for a in advice)
     assert any("/dev/shm (tmpfs) refuses O_DIRECT" in a for a in advice)
-    assert not any("without torch" in a or "import torch" in a for a in advice)
+    assert not any("import torch" in a for a in advice)  # workers load without torch here
 
 
 def test_gds_host_expects_gds():
+    from gdsload.loader.doctor import DoctorReport, _advise
+
     r = DoctorReport(gpus=[GPU], torch_cuda="13.0", nvidia_fs=True,
                      kvikio={"importable": True, "compat_preferred": False, "gds_available": True}, nvcomp="6.0.0")
     assert _advise(r)[0] == "gds"
 
 
 def test_sidecar_workers_that_would_import_torch_are_called_out():
+    from gdsload.loader.doctor import DoctorReport, _advise, format_report
+
     why = "cupy is not installed (cupy-cuda12x or cupy-cuda13x; gdsload[cu12] or gdsload[cu13] bring it)"
     r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0", torch_free_workers=why)
-    mode, advice = _advise(r)
-    r.expected_io_mode, r.advice = mode, advice
-    assert any("import torch" in a and "cupy" in a for a in advice)
+    r.expected_io_mode, r.advice = _advise(r)
+    assert any("import torch" in a and "cupy" in a for a in r.advice)
     assert f"GPU workers load without torch: no ({why})" in format_report(r)
     r.torch_free_workers = None
     assert "GPU workers load without torch: yes" in format_report(r)
-
-
-def test_doctor_command_runs():
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor"], capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "expected I/O mode for GPU loads:" in p.stdout
