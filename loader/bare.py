@@ -28,17 +28,18 @@ import importlib.util
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .api import file_report, verify_digests
-from .backends import Backend, ReadOptions, wait_preads
+from .backends import ReadOptions
+from .backends.cufile import CuFileBackend
 from .config import LoadConfig
 from .decode import load_compressed
 from .discovery import discover
-from .iomode import cufile_io_mode, kvikio_state, o_direct_supported
-from .plan import Extent, LoadPlan, plan_rank
+from .iomode import kvikio_state
+from .plan import plan_rank
 from .result import LoadReport
 
 __all__ = ["BARE_BACKENDS", "BareResult", "Slot", "bare_unavailable", "device_facts", "device_uuid", "load_rank_bare"]
@@ -136,12 +137,8 @@ class BareResult:
         self.slots = []
 
 
-class _KvikioReader(Backend):
-    """kvikio ``CuFile.pread`` into cupy memory: the ``cufile`` backend's reads, without torch."""
-
-    name = "cufile"
-    DEFAULT_THREADS = 16
-    DEFAULT_TASK = 4 << 20
+class _KvikioReader(CuFileBackend):
+    """The ``cufile`` backend's kvikio reads, into cupy memory instead of torch's."""
 
     def __init__(self, index: int, options: ReadOptions):
         super().__init__(None, options)  # type: ignore[arg-type]  # no torch.device here
@@ -154,55 +151,20 @@ class _KvikioReader(Backend):
     def allocate(self, nbytes: int) -> Any:
         return device_buffer(nbytes, self.index)
 
-    def open(self, plan: LoadPlan) -> None:
-        import kvikio
-        import kvikio.defaults
+    def _kvikio_settings(self) -> dict[str, Any]:
+        # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
+        settings = super()._kvikio_settings()
+        return {**settings, "bounce_buffer_size": settings["task_size"]}
 
-        super().open(plan)
-        state = kvikio_state()
-        threads = self.options.num_threads or self.DEFAULT_THREADS
-        task = self.options.chunk_bytes or self.DEFAULT_TASK
-        # Process-wide kvikio settings, held from open to close, as the cufile backend holds them; one
-        # bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
-        self._settings = kvikio.defaults.set({"num_threads": threads, "task_size": task, "bounce_buffer_size": task})
-        self._files = []
-        for f in plan.files:  # one by one: close() closes those opened before a failure
-            self._files.append(kvikio.CuFile(f.path, "r"))
-        self._modes = [cufile_io_mode(state, o_direct_supported(f.path)) for f in plan.files]
-
-    def submit(self, extents: Sequence[Extent], dst: Any, progress: Callable[[int], None] | None = None
-               ) -> Callable[[], None]:
+    def _use_device(self) -> None:
         import cupy
 
-        assert self.plan is not None
         cupy.cuda.Device(self.index).use()
-        futures = [(e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
-                                                       e.file_offset))
-                   for e in extents if e.length]
 
-        def wait() -> None:
-            assert self.plan is not None
-            wait_preads(self.plan, futures, progress)
-            cupy.cuda.runtime.deviceSynchronize()
+    def _synchronize(self) -> None:
+        import cupy
 
-        return wait
-
-    def read(self, extents: Sequence[Extent], dst: Any, progress: Callable[[int], None] | None = None) -> None:
-        self.submit(extents, dst, progress)()
-
-    def io_modes(self) -> list[str]:
-        return list(self._modes)
-
-    def direct_io(self) -> list[bool]:
-        return [m in ("gds", "p2pdma") for m in self._modes]
-
-    def close(self) -> None:
-        for f in getattr(self, "_files", []):
-            f.close()
-        self._files = []
-        if getattr(self, "_settings", None) is not None:
-            self._settings.__exit__(None, None, None)  # kvikio's settings as they were before open
-            self._settings = None
+        cupy.cuda.runtime.deviceSynchronize()
 
 
 def load_rank_bare(

@@ -106,6 +106,111 @@ def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
         import_rank(doc)
 
 
+def _stand_in_kvikio(monkeypatch, fail_on: str | None = None) -> dict:
+    """A kvikio whose CuFile.pread copies real file bytes into host memory; records what was done."""
+    import types
+    from types import SimpleNamespace
+
+    from gdsload.loader.backends import cufile
+    from gdsload.loader.iomode import KvikioState
+
+    seen: dict = {"settings": [], "restored": 0, "opened": [], "closed": []}
+
+    class CuFile:
+        def __init__(self, path, mode):
+            if fail_on and path.endswith(fail_on):
+                raise OSError(f"cannot open {path}")
+            self.fh = open(path, "rb")
+            seen["opened"].append(path)
+
+        def pread(self, buf, n, off):
+            self.fh.seek(off)
+            data = self.fh.read(n)
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return SimpleNamespace(get=lambda: len(data))
+
+        def close(self):
+            self.fh.close()
+            seen["closed"].append(self.fh.name)
+
+    class Settings:
+        def __init__(self, values):
+            seen["settings"].append(values)
+
+        def __exit__(self, *exc):
+            seen["restored"] += 1
+
+    kvikio = types.ModuleType("kvikio")
+    kvikio.CuFile = CuFile
+    kvikio.defaults = SimpleNamespace(set=Settings)
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
+    monkeypatch.setattr(cufile, "kvikio_state", lambda: KvikioState(True, "stand-in", "ON", True, None))
+    return seen
+
+
+def _host_reader():
+    from gdsload.loader.backends import ReadOptions
+    from gdsload.loader.backends.cufile import CuFileBackend
+
+    class HostReader(CuFileBackend):  # the cufile read logic with host memory for the device
+        def allocate(self, nbytes):
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        def _use_device(self):
+            self.hooks.append("use")
+
+        def _synchronize(self):
+            self.hooks.append("sync")
+
+    r = HostReader(torch.device("cpu"), ReadOptions(num_threads=3, chunk_bytes=1 << 20))
+    r.hooks = []
+    return r
+
+
+def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(sharded_dir, monkeypatch):
+    from gdsload.loader import discover, plan_rank
+
+    seen = _stand_in_kvikio(monkeypatch)
+    plan = plan_rank(discover(sharded_dir, 1))
+    reader = _host_reader()
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, arena)
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 1 << 20}] and seen["restored"] == 0
+    assert reader.hooks == ["use", "use", "sync"]  # open, submit, after the reads
+    assert reader.io_modes() == ["posix", "posix"] and reader.direct_io() == [False, False]
+    reader.close()
+    assert seen["restored"] == 1 and sorted(seen["closed"]) == sorted(seen["opened"]) == sorted(f.path for f in plan.files)
+    ref = {}
+    for f in plan.files:
+        ref.update(safetensors.torch.load_file(f.path))
+    for p in plan.placements:
+        assert p.copy_from is None
+        raw = ref[p.name].contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
+
+
+def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharded_dir, monkeypatch):
+    from gdsload.loader import discover, plan_rank
+
+    seen = _stand_in_kvikio(monkeypatch, fail_on="part-1.safetensors")
+    plan = plan_rank(discover(sharded_dir, 0))
+    reader = _host_reader()
+    with pytest.raises(OSError, match="part-1"):
+        reader.open(plan)
+    reader.close()
+    assert len(seen["opened"]) == 1 and seen["closed"] == seen["opened"] and seen["restored"] == 1
+
+
+def test_bare_reader_sizes_kvikio_bounce_buffers_to_its_task():
+    from gdsload.loader.backends import ReadOptions
+    from gdsload.loader.bare import _KvikioReader
+
+    settings = _KvikioReader(0, ReadOptions(chunk_bytes=8 << 20))._kvikio_settings()
+    assert settings == {"num_threads": 16, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20}
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 

@@ -4,18 +4,23 @@ With nvidia-fs (or P2PDMA) this is true GPUDirect Storage: storage DMAs into HBM
 kvikio (or cuFile) bounces through host memory; the report then says ``compat`` or ``posix``,
 never ``gds``. Reads are submitted for every file at once and split by kvikio's thread pool
 into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligned.
+
+The arena comes from torch here; :mod:`gdsload.loader.bare` reads the same way into cupy memory
+by overriding the three device hooks (``allocate``, ``_use_device``, ``_synchronize``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..iomode import KvikioState, cufile_io_mode, kvikio_state, o_direct_supported
 from ..plan import Extent, LoadPlan
 from . import Backend, Progress, wait_preads
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CuFileBackend"]
 
@@ -51,23 +56,36 @@ class CuFileBackend(Backend):
         import kvikio.defaults
 
         super().open(plan)
-        torch.cuda.set_device(self.device)
+        self._use_device()
         self._state: KvikioState = kvikio_state()
-        threads = self.options.num_threads or self.DEFAULT_THREADS
-        task = self.options.chunk_bytes or self.DEFAULT_TASK
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
         # thread pool for every staging group of a compressed load).
-        self._settings = kvikio.defaults.set({"num_threads": threads, "task_size": task})
+        self._settings = kvikio.defaults.set(self._kvikio_settings())
         self._files = []
         for f in plan.files:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(f.path, "r"))
         self._modes = [cufile_io_mode(self._state, o_direct_supported(f.path)) for f in plan.files]
         self._direct = [m in ("gds", "p2pdma") for m in self._modes]
 
+    def _kvikio_settings(self) -> dict[str, Any]:
+        return {"num_threads": self.options.num_threads or self.DEFAULT_THREADS,
+                "task_size": self.options.chunk_bytes or self.DEFAULT_TASK}
+
+    def _use_device(self) -> None:
+        """Make the target GPU current on this thread."""
+        import torch
+
+        torch.cuda.set_device(self.device)
+
+    def _synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
     def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
                ) -> Callable[[], None]:
         assert self.plan is not None
-        torch.cuda.set_device(self.device)
+        self._use_device()
         futures = [
             (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
                                                 e.file_offset))
@@ -77,7 +95,7 @@ class CuFileBackend(Backend):
         def wait() -> None:
             assert self.plan is not None
             wait_preads(self.plan, futures, progress)
-            torch.cuda.synchronize(self.device)
+            self._synchronize()
 
         return wait
 
