@@ -3,7 +3,8 @@
 - ``raw_read_gbps``: parallel reads of the same files into host memory, no GPU (O_DIRECT when
   the files are cold and the file system allows it; the bench takes the best of a few thread
   counts and orders, since disks differ in which they prefer);
-- ``h2d_gbps``: pinned host memory to the device;
+- ``h2d_gbps``: pinned host memory to the device; ``h2d_all_gbps``: to every listed device at once
+  (what several GPUs of one host can take together: their links share the host's memory);
 - ``decode_gbps``: nvCOMP decoding the largest compressed tensor of a directory.
 """
 
@@ -15,8 +16,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-__all__ = ["raw_read_gbps", "h2d_gbps", "decode_gbps"]
+__all__ = ["raw_read_gbps", "h2d_gbps", "h2d_all_gbps", "decode_gbps"]
 
 
 def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
@@ -73,6 +75,42 @@ def h2d_gbps(device: str = "cuda", nbytes: int = 1 << 30, repeat: int = 5) -> fl
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return nbytes / best / 1e9
+
+
+def h2d_all_gbps(devices: list[str], nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """Pinned host-to-device copies to every device in ``devices`` at once: aggregate GB/s (best of ``repeat``).
+
+    One thread per device, each with its own pinned buffer and stream; the clock runs from the
+    moment all copies are released to the moment the last one is done.
+    """
+    import torch
+
+    pairs = []
+    for d in devices:
+        dev = torch.device(d)
+        pairs.append((dev, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                      torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.cuda.Stream(device=dev)))
+    best = float("inf")
+    for _ in range(repeat + 1):
+        start = threading.Barrier(len(pairs) + 1)
+
+        def copy(dev: Any, src: Any, dst: Any, stream: Any) -> None:
+            torch.cuda.set_device(dev)
+            start.wait()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
+        for dev, *_ in pairs:
+            torch.cuda.synchronize(dev)
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            futures = [pool.submit(copy, *p) for p in pairs]
+            start.wait()
+            t = time.perf_counter()
+            for f in futures:
+                f.result()
+            best = min(best, time.perf_counter() - t)
+    return nbytes * len(pairs) / best / 1e9
 
 
 def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) -> float | None:

@@ -16,6 +16,10 @@ Rows, each load in fresh processes:
 - ``serve``: ``gdsload serve --tp N`` (one worker per GPU, each seeing only its own), time to
   ``/readyz`` 200 and the ranks' load window from ``/v1/status``.
 
+- ``limits`` (GPU runs): what the host allows in the same run: a parallel read of every rank's files
+  into host memory (no GPU), pinned copies to one GPU, and pinned copies to all ``tp`` GPUs at once.
+  Every loader that bounces through host memory is bound by these.
+
 While every process still holds its tensors, ``nvidia-smi`` says which processes hold memory on
 which GPU (``gpu_processes``, by GPU UUID): a process listed on a GPU other than its rank's carries
 a CUDA context there. ``--device cpu`` runs the same rows with the CPU backend (the CI smoke test).
@@ -159,6 +163,32 @@ def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dic
             "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in own}}
 
 
+# ---------------------------------------------------------------------------------------------- limits
+
+
+def _limits_worker(model_dir: str, tp: int) -> None:
+    """The ``limits`` row (run as ``--limits``, so that no CUDA context stays in the parent)."""
+    from gdsload.loader import discover
+
+    from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps
+
+    files = [f for r in range(tp) for f in discover(model_dir, r).files]
+    row = {"row": "limits", "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
+    for threads in (16, 32):
+        row[f"raw_read_gbps_{threads}_threads"] = raw_read_gbps(files, direct=False, threads=threads)
+    row["h2d_one_gpu_gbps"] = h2d_gbps("cuda:0")
+    row["h2d_all_gpus_gbps"] = h2d_all_gbps([f"cuda:{i}" for i in range(tp)])
+    print(json.dumps(row))
+
+
+def run_limits(model_dir: str, tp: int, timeout: float = 300.0) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp)],
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return {"row": "limits", "error": p.stderr.strip().splitlines()[-3:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 # ---------------------------------------------------------------------------------------------- single, serve
 
 
@@ -201,6 +231,10 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if "error" in r:
             out.append(f"{r.get('row')} {r.get('method', r.get('dir'))}: ERROR {r['error']}")
+        elif r["row"] == "limits":
+            out.append(f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / {r['raw_read_gbps_32_threads']:.1f}"
+                       f" (32 thr) GB/s; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once "
+                       f"{r['h2d_all_gpus_gbps']:.1f} GB/s")
         elif r["row"] == "single":
             out.append(f"single  {r['method']:18} {r['gbps']:6.2f} GB/s (one GPU, whole checkpoint)")
         elif r["row"] == "group":
@@ -223,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir", help="the tensor-parallel checkpoint")
     ap.add_argument("--worker", metavar="METHOD", help=argparse.SUPPRESS)
+    ap.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--single", help="the same checkpoint unsharded (tp=1), for the one-GPU row")
     ap.add_argument("--compressed", help="a compressed copy of the tensor-parallel checkpoint")
     ap.add_argument("--methods", default=",".join(GROUP_METHODS))
@@ -239,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     from gdsload.loader import discover
 
     tp = args.tp or discover(args.model_dir, 0).tp_size
+    if args.limits:
+        _limits_worker(args.model_dir, tp)
+        return 0
     methods = args.methods.split(",")
     if args.device == "cpu":
         methods = ["gdsload:cpu" if m.startswith("gdsload:") else m for m in methods]
@@ -250,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"tp": tp, "rows": rows}, indent=1, default=str))
 
+    if args.device == "cuda":
+        add(run_limits(args.model_dir, tp, args.timeout))
     for i in range(args.repeat):
         if args.single:
             for m in methods:

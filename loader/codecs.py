@@ -28,6 +28,7 @@ __all__ = [
     "cpu_decode",
     "GpuCodecs",
     "nvcomp_available",
+    "cuda_device_count",
 ]
 
 ZSTD_CHUNK = 256 << 10
@@ -55,7 +56,7 @@ def default_params(codec: str, dtype: str) -> dict[str, Any]:
     raise CodecError(f"codec {codec!r} is not one of {sorted(CODECS)}")
 
 
-def _cuda_devices() -> int:
+def cuda_device_count() -> int:
     """CUDA devices this process sees, asked of cupy unless torch is already loaded (torch costs seconds)."""
     if "torch" not in sys.modules:
         try:
@@ -71,7 +72,7 @@ def _cuda_devices() -> int:
 
 def nvcomp_available() -> str | None:
     """None when nvCOMP and a CUDA device are usable, else why not."""
-    if not _cuda_devices():
+    if not cuda_device_count():
         return "no CUDA device"
     try:
         from nvidia import nvcomp  # noqa: F401

@@ -10,6 +10,7 @@ peaks at the arena plus two staging buffers. On the CPU, Zstd frames are decoded
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -19,11 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends import Backend
-from .codecs import GpuCodecs, cpu_decode, nvcomp_available
+from .codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
 from .errors import CodecError
 from .plan import CompressedTensor, Extent, LoadPlan, align_up
 
 __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STAGING = 512 << 20
 _ALIGN = 4096
@@ -100,6 +103,7 @@ def load_compressed(
     if reason is not None:
         raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
                          f"{reason}")
+    _warn_if_other_gpus(arena)
     slots = [reader.allocate(staging) for _ in range(min(2, len(groups)))]
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]
@@ -171,6 +175,23 @@ def load_compressed(
     if errors:
         raise errors[0]
     return stats
+
+
+_WARNED: set[int] = set()
+
+
+def _warn_if_other_gpus(arena: Any) -> None:
+    """Say once per device when nvCOMP will also open a context on GPU 0 (a defect of nvCOMP 6.0)."""
+    index = arena.device.id if _is_cupy(arena) else arena.device.index
+    if not index or index in _WARNED:
+        return
+    visible = cuda_device_count()
+    if visible > 1:
+        _WARNED.add(index)
+        log.warning("decoding compressed tensors on GPU %d in a process that sees %d GPUs: nvCOMP's decode also "
+                    "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes; bench/RESULTS.md). "
+                    "Give each process only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, "
+                    "whose workers see one GPU each", index, visible)
 
 
 def _is_cupy(a: Any) -> bool:

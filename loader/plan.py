@@ -30,9 +30,12 @@ _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
 
 
-def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
-    """Cut extents into reads of at most ``chunk_bytes``, files interleaved round-robin so that
-    all of a rank's files are in flight together."""
+def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bool = True) -> list[Extent]:
+    """Cut extents into reads of at most ``chunk_bytes``.
+
+    With ``interleave`` the files take turns (round-robin), so that all of a rank's files are in
+    flight together; without it, one file's reads come after the other's, in file order.
+    """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     per_file: dict[int, list[Extent]] = {}
@@ -42,6 +45,8 @@ def split_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[Extent]:
             for off in range(0, e.length, chunk_bytes)
         )
     queues = list(per_file.values())
+    if not interleave:
+        return [c for q in queues for c in q]
     out: list[Extent] = []
     for i in range(max((len(q) for q in queues), default=0)):
         out.extend(q[i] for q in queues if i < len(q))

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from gdsload.loader import decode
 from gdsload.loader.decode import _pipeline
 
 
@@ -133,7 +134,7 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
 
     monkeypatch.setattr(decode, "nvcomp_available", lambda: None)
     monkeypatch.setattr(decode, "_stream_for", no_stream)
-    arena = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    arena = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -147,3 +148,21 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
     t.join(30)
     assert not t.is_alive(), "load_compressed hung waiting for a decoder that never started"
     assert len(outcome) == 1 and "no CUDA stream here" in str(outcome[0])
+
+
+def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(decode, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(decode, "_WARNED", set())
+    on = lambda i: SimpleNamespace(device=SimpleNamespace(index=i))  # noqa: E731 - a torch arena's shape
+    with caplog.at_level("WARNING", logger="gdsload.loader.decode"):
+        decode._warn_if_other_gpus(on(0))  # GPU 0 itself: nothing to say
+        decode._warn_if_other_gpus(on(1))
+        decode._warn_if_other_gpus(on(1))
+    (record,) = caplog.records
+    assert "GPU 1" in record.getMessage() and "CUDA_VISIBLE_DEVICES" in record.getMessage()
+    monkeypatch.setattr(decode, "cuda_device_count", lambda: 1)
+    caplog.clear()
+    decode._warn_if_other_gpus(on(2))
+    assert not caplog.records

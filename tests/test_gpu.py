@@ -190,35 +190,45 @@ def test_backends_agree_on_compressed_and_plain_rank(tmp_path, sharded_dir):
         assert _bits(a.tensors[k]) == _bits(b.tensors[k]), k
 
 
-# A compressed load onto cuda:1 in a process that sees every GPU, then: does GPU 0 hold a context of ours?
+# A compressed load onto GPU 1 in a process that sees every GPU (as an engine's tensor-parallel
+# worker does), then: does GPU 0 hold a context? Through torch (load_rank) and without (load_rank_bare).
 _OTHER_GPU_CHILD = r"""
 import ctypes, sys
-import torch
-from gdsload.loader import load_rank
 cuda = ctypes.CDLL("libcuda.so.1")
 def active(dev):
     flags, on = ctypes.c_uint(), ctypes.c_int()
     assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(on)) == 0
     return on.value
-torch.cuda.set_device(1)
-res = load_rank(sys.argv[1], device="cuda:1", backend="pinned")
-torch.cuda.synchronize()
+if sys.argv[2] == "torch":
+    import torch
+    from gdsload.loader import load_rank
+    torch.cuda.set_device(1)
+    res = load_rank(sys.argv[1], device="cuda:1", backend="pinned")
+    torch.cuda.synchronize()
+else:
+    import cupy
+    from gdsload.loader.bare import load_rank_bare
+    res = load_rank_bare(sys.argv[1], device_index=1)
+    cupy.cuda.runtime.deviceSynchronize()
 print(active(0), active(1))
 """
 
 
 @pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("codec", ["ans", "zstd"])
+@pytest.mark.parametrize("path", ["torch", "bare"])
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nvCOMP's decode opens a context on GPU 0 from a process loading onto GPU 1 "
-                          "(found on nvidia-h200-x2, 2026-11-29; bench/RESULTS.md); sidecar workers see one GPU")
-def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path):
+                   reason="nvCOMP 6.0's first decode call opens a context on GPU 0 in a process decoding on "
+                          "GPU 1, for ANS and Zstd, with or without torch (nvidia-h200-x2, 2026-11-29; "
+                          "bench/RESULTS.md); sidecar workers see one GPU")
+def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path, codec, path):
     import subprocess
     import sys
 
     src = _bench_like(tmp_path)
-    out = tmp_path / "ans"
-    compress_dir(src, out, codec="ans", device="cuda")
-    p = subprocess.run([sys.executable, "-c", _OTHER_GPU_CHILD, str(out)], capture_output=True, text=True,
+    out = tmp_path / codec
+    compress_dir(src, out, codec=codec, device="cuda")
+    p = subprocess.run([sys.executable, "-c", _OTHER_GPU_CHILD, str(out), path], capture_output=True, text=True,
                        timeout=120)
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])  # not the defect this test is about: a plain failure

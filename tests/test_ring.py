@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from gdsload.loader.backends.ring import PAGE, RingFile, StagingRing
+from gdsload.loader.backends.ring import PAGE, RingFile, StagingRing, stream_order
 from gdsload.loader.errors import TruncatedFileError
-from gdsload.loader.plan import Extent
+from gdsload.loader.plan import Extent, split_extents
 
 
 def _files(tmp_path, sizes, direct):
@@ -103,3 +103,20 @@ def test_staging_is_bounded_and_threads_start_with_work(tmp_path):
         _close(files)
     with pytest.raises(ValueError, match="bad ring shape"):
         StagingRing(torch.device("cpu"), files, threads=0, chunk=PAGE)
+
+
+def test_reads_go_file_by_file_or_interleaved():
+    extents = [Extent(0, 0, 3 * PAGE, 0), Extent(1, 0, 2 * PAGE, 3 * PAGE)]
+    order = [(c.file_index, c.file_offset) for c in split_extents(extents, PAGE, interleave=False)]
+    assert order == [(0, 0), (0, PAGE), (0, 2 * PAGE), (1, 0), (1, PAGE)]
+    order = [(c.file_index, c.file_offset) for c in split_extents(extents, PAGE)]
+    assert order == [(0, 0), (1, 0), (0, PAGE), (1, PAGE), (0, 2 * PAGE)]
+
+
+def test_stream_order_keeps_that_many_sequential_streams():
+    chunks = [Extent(0, i * PAGE, PAGE, i * PAGE) for i in range(7)]
+    assert [c.file_offset // PAGE for c in stream_order(chunks, 1)] == list(range(7))
+    # Three stripes (0-1, 2-3, 4-6) take turns: each stripe's chunks stay in order.
+    assert [c.file_offset // PAGE for c in stream_order(chunks, 3)] == [0, 2, 4, 1, 3, 5, 6]
+    assert [c.file_offset // PAGE for c in stream_order(chunks, 99)] == list(range(7))
+    assert stream_order([], 4) == []

@@ -1,7 +1,7 @@
 """``pinned``: the fast path for hosts without GPUDirect Storage.
 
 Files are read into small pinned host buffers and copied to the GPU asynchronously, all of a
-rank's files in flight together, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
+rank's files read by one pool of threads, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
 chosen per file from its page-cache residency (``mincore``):
 
 - **cached files** (page cache or tmpfs) go through kvikio's C++ POSIX engine with
@@ -13,8 +13,10 @@ chosen per file from its page-cache residency (``mincore``):
   Without kvikio, the Python ring below serves cached files too.
 - **cold files** use our own ring: reader threads ``preadv`` with O_DIRECT (4 KiB-rounded, lead
   discarded) into their own double-buffered pinned buffers, and start the host-to-device copy on
-  their stream while reading the next chunk. With the disk as the limit, 32 O_DIRECT readers
-  reached 2.11 GB/s on the H200 machine's disk, against 1.75 buffered and 1.98 for kvikio.
+  their stream while reading the next chunk. On the H200 machines' virtio disk, four readers beat
+  32: taking turns in one process over three rounds, 1.94 GB/s median against 1.75 (2.71 against
+  2.28 for 16 readers on the ANS copy); whether the four keep one sequential stream or four made no
+  difference there. The chunks are queued as one stream per reader (bench/RESULTS.md, cold ring).
 
 The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
 """
@@ -58,7 +60,12 @@ class PinnedBackend(Backend):
     name = "pinned"
     KVIKIO_THREADS = 16
     KVIKIO_TASK = 4 << 20
-    RING_THREADS = 32
+    RING_THREADS_COLD = 4
+    """Ring readers when every file the ring serves is read with O_DIRECT (cold)."""
+    RING_THREADS_CACHED = 16
+    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads."""
+    RING_STREAMS: int | None = None
+    """Sequential streams the ring keeps going (None: one per reader; see ``ring.stream_order``)."""
     RING_CHUNK = 16 << 20
     BUFFERS_PER_THREAD = 2
 
@@ -91,7 +98,8 @@ class PinnedBackend(Backend):
             self._cufiles = {i: self._kv.CuFile(f.path, "r") for i, f in enumerate(plan.files)
                              if self._engine[i] == "kvikio"}
         chunk = self.options.chunk_bytes or self.RING_CHUNK
-        threads = self.options.num_threads or self.RING_THREADS
+        cached_in_ring = any(e == "ring" and not d for e, d in zip(self._engine, self._direct))
+        threads = self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
         budget = self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
         ring_threads = max(1, min(threads, budget // per_thread))
@@ -100,7 +108,8 @@ class PinnedBackend(Backend):
                      ring_threads, threads, self.options.pinned_bytes)
         self._ring = StagingRing(self.device, [RingFile(fd, d, f.path) for fd, d, f in
                                                zip(self._fds, self._direct, plan.files)],
-                                 threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD)
+                                 threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
+                                 streams=self.RING_STREAMS)
 
     def _open(self, path: str) -> tuple[int, bool]:
         if resident_fraction([path], samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY:

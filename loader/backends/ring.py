@@ -4,7 +4,9 @@ them to the destination, each on its own CUDA stream, while reading the next chu
 Work arrives in groups (:meth:`StagingRing.submit`): a whole rank for a plain load, one staging
 group after another for a compressed one. The threads keep running across groups, so the next
 group's reads start while the last chunks of the previous one are still in flight: the disk
-never waits for a group boundary.
+never waits for a group boundary. Within a group, chunks are queued so that ``streams``
+sequential streams move through the data side by side (:func:`stream_order`; by default one per
+reader, as a reader per file would).
 
 Each thread owns ``buffers`` pinned buffers of ``chunk`` bytes (plus two pages for O_DIRECT
 alignment) and reuses one only after the copy out of it has finished (a CUDA event), so pinned
@@ -29,12 +31,26 @@ import torch
 from ..errors import TruncatedFileError
 from ..plan import Extent, align_up, split_extents
 
-__all__ = ["StagingRing", "RingFile", "PAGE"]
+__all__ = ["StagingRing", "RingFile", "PAGE", "stream_order"]
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
 Progress = Callable[[int], None]
+
+
+def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
+    """Queue order for ``chunks`` (given in file order) that keeps ``streams`` sequential streams going.
+
+    The chunks are cut into ``streams`` contiguous stripes of about equal count, and the stripes
+    take turns. Readers take chunks from the queue in that order, so the disk sees ``streams``
+    positions, each moving forward one chunk at a time.
+    """
+    n = len(chunks)
+    k = max(1, min(streams, n))
+    bounds = [i * n // k for i in range(k + 1)]
+    stripes = [chunks[bounds[i] : bounds[i + 1]] for i in range(k)]
+    return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
 
 
 @dataclass(frozen=True)
@@ -76,9 +92,10 @@ class _Group:
 
 class StagingRing:
     def __init__(self, device: torch.device, files: Sequence[RingFile], *, threads: int, chunk: int,
-                 buffers: int = 2):
-        if threads < 1 or chunk < PAGE or buffers < 1:
-            raise ValueError(f"bad ring shape: threads={threads} chunk={chunk} buffers={buffers}")
+                 buffers: int = 2, streams: int | None = None):
+        if threads < 1 or chunk < PAGE or buffers < 1 or (streams is not None and streams < 1):
+            raise ValueError(f"bad ring shape: threads={threads} chunk={chunk} buffers={buffers} streams={streams}")
+        self.streams = streams or threads
         self.device = device
         self.files = list(files)
         self.threads = threads
@@ -96,7 +113,8 @@ class StagingRing:
                ) -> Callable[[], None]:
         """Queue ``extents`` for copying into ``dst``; returns the function that waits for them
         (and raises the first error of this group)."""
-        chunks = split_extents([e for e in extents if e.length], self.chunk)
+        chunks = stream_order(split_extents([e for e in extents if e.length], self.chunk, interleave=False),
+                              self.streams)
         group = _Group(len(chunks))
         if chunks:
             self._start(len(chunks))
