@@ -92,7 +92,7 @@ def h2d_all_gbps(devices: list[str], nbytes: int = 1 << 30, repeat: int = 5) -> 
                       torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.cuda.Stream(device=dev)))
     best = float("inf")
     for _ in range(repeat + 1):
-        start = threading.Barrier(len(pairs) + 1)
+        start = threading.Barrier(len(pairs) + 1, timeout=60)  # a thread that failed early breaks it
 
         def copy(dev: Any, src: Any, dst: Any, stream: Any) -> None:
             torch.cuda.set_device(dev)

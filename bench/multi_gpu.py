@@ -16,9 +16,10 @@ Rows, each load in fresh processes:
 - ``serve``: ``gdsload serve --tp N`` (one worker per GPU, each seeing only its own), time to
   ``/readyz`` 200 and the ranks' load window from ``/v1/status``.
 
-- ``limits`` (GPU runs): what the host allows in the same run: a parallel read of every rank's files
-  into host memory (no GPU), pinned copies to one GPU, and pinned copies to all ``tp`` GPUs at once.
-  Every loader that bounces through host memory is bound by these.
+- ``limits`` (GPU runs): reference rates from the same run: a parallel read of every rank's files
+  into host memory by Python threads (no GPU; loaders in C++ threads can read faster, so it is no
+  ceiling), pinned copies to one GPU, and pinned copies to all ``tp`` GPUs at once (which no loader
+  staging through host memory can beat).
 
 While every process still holds its tensors, ``nvidia-smi`` says which processes hold memory on
 which GPU (``gpu_processes``, by GPU UUID): a process listed on a GPU other than its rank's carries
@@ -173,7 +174,8 @@ def _limits_worker(model_dir: str, tp: int) -> None:
     from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps
 
     files = [f for r in range(tp) for f in discover(model_dir, r).files]
-    row = {"row": "limits", "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
+    row = {"row": "limits", "tp": tp, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
     for threads in (16, 32):
         row[f"raw_read_gbps_{threads}_threads"] = raw_read_gbps(files, direct=False, threads=threads)
     row["h2d_one_gpu_gbps"] = h2d_gbps("cuda:0")
@@ -182,8 +184,11 @@ def _limits_worker(model_dir: str, tp: int) -> None:
 
 
 def run_limits(model_dir: str, tp: int, timeout: float = 300.0) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp)],
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp)],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": "limits", "error": f"not done after {timeout:.0f} s"}
     if p.returncode != 0:
         return {"row": "limits", "error": p.stderr.strip().splitlines()[-3:]}
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -120,3 +120,18 @@ def test_stream_order_keeps_that_many_sequential_streams():
     assert [c.file_offset // PAGE for c in stream_order(chunks, 3)] == [0, 2, 4, 1, 3, 5, 6]
     assert [c.file_offset // PAGE for c in stream_order(chunks, 99)] == list(range(7))
     assert stream_order([], 4) == []
+
+
+def test_pinned_ring_reader_count_follows_what_it_serves():
+    from gdsload.loader.backends import ReadOptions
+    from gdsload.loader.backends.pinned import PinnedBackend
+
+    def wanted(engines, direct, threads=None):
+        b = PinnedBackend(torch.device("cuda"), ReadOptions(num_threads=threads))
+        b._engine, b._direct = engines, direct
+        return b.ring_threads()
+
+    assert wanted(["ring", "ring"], [True, True]) == PinnedBackend.RING_THREADS_COLD == 4
+    assert wanted(["ring", "kvikio"], [True, False]) == 4  # the cached file goes to kvikio
+    assert wanted(["ring", "ring"], [True, False]) == PinnedBackend.RING_THREADS_CACHED == 16
+    assert wanted(["ring"], [True], threads=9) == 9  # asked for: taken as is
