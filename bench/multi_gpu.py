@@ -14,12 +14,11 @@ Rows, each load in fresh processes:
   among the ranks and hand every rank every tensor; shards differ per rank, so each rank runs the
   peer on its own files and the group only lines the ranks up. ``world=1`` is rank 0 alone;
 - ``serve``: ``gdsload serve --tp N`` (one worker per GPU, each seeing only its own), time to
-  ``/readyz`` 200 and the ranks' load window from ``/v1/status``.
-
-- ``limits`` (GPU runs): reference rates from the same run: a parallel read of every rank's files
+  ``/readyz`` 200 and the ranks' load window from ``/v1/status``;
+- ``limits``: reference rates from the same run: a parallel read of every rank's files
   into host memory by Python threads (no GPU; loaders in C++ threads can read faster, so it is no
   ceiling), pinned copies to one GPU, and pinned copies to all ``tp`` GPUs at once (which no loader
-  staging through host memory can beat).
+  staging through host memory can beat; GPU runs only).
 
 While every process still holds its tensors, ``nvidia-smi`` says which processes hold memory on
 which GPU (``gpu_processes``, by GPU UUID): a process listed on a GPU other than its rank's carries
@@ -167,26 +166,27 @@ def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dic
 # ---------------------------------------------------------------------------------------------- limits
 
 
-def _limits_worker(model_dir: str, tp: int) -> None:
+def _limits_worker(model_dir: str, tp: int, device: str) -> None:
     """The ``limits`` row (run as ``--limits``, so that no CUDA context stays in the parent)."""
     from gdsload.loader import discover
 
     from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps
 
     files = [f for r in range(tp) for f in discover(model_dir, r).files]
-    row = {"row": "limits", "tp": tp, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-           "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
+    row: dict[str, Any] = {"row": "limits", "tp": tp, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
     for threads in (16, 32):
         row[f"raw_read_gbps_{threads}_threads"] = raw_read_gbps(files, direct=False, threads=threads)
-    row["h2d_one_gpu_gbps"] = h2d_gbps("cuda:0")
-    row["h2d_all_gpus_gbps"] = h2d_all_gbps([f"cuda:{i}" for i in range(tp)])
+    if device == "cuda":
+        row["h2d_one_gpu_gbps"] = h2d_gbps("cuda:0")
+        row["h2d_all_gpus_gbps"] = h2d_all_gbps([f"cuda:{i}" for i in range(tp)])
     print(json.dumps(row))
 
 
-def run_limits(model_dir: str, tp: int, timeout: float = 300.0) -> dict[str, Any]:
+def run_limits(model_dir: str, tp: int, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
     try:
-        p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp)],
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp),
+                            "--device", device], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"row": "limits", "error": f"not done after {timeout:.0f} s"}
     if p.returncode != 0:
@@ -237,9 +237,10 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
         if "error" in r:
             out.append(f"{r.get('row')} {r.get('method', r.get('dir'))}: ERROR {r['error']}")
         elif r["row"] == "limits":
-            out.append(f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / {r['raw_read_gbps_32_threads']:.1f}"
-                       f" (32 thr) GB/s; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once "
-                       f"{r['h2d_all_gpus_gbps']:.1f} GB/s")
+            h2d = (f"; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once {r['h2d_all_gpus_gbps']:.1f} GB/s"
+                   if "h2d_one_gpu_gbps" in r else "")
+            out.append(f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / "
+                       f"{r['raw_read_gbps_32_threads']:.1f} (32 thr) GB/s{h2d}")
         elif r["row"] == "single":
             out.append(f"single  {r['method']:18} {r['gbps']:6.2f} GB/s (one GPU, whole checkpoint)")
         elif r["row"] == "group":
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tp = args.tp or discover(args.model_dir, 0).tp_size
     if args.limits:
-        _limits_worker(args.model_dir, tp)
+        _limits_worker(args.model_dir, tp, args.device)
         return 0
     methods = args.methods.split(",")
     if args.device == "cpu":
@@ -293,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"tp": tp, "rows": rows}, indent=1, default=str))
 
-    if args.device == "cuda":
-        add(run_limits(args.model_dir, tp, args.timeout))
+    add(run_limits(args.model_dir, tp, args.device, args.timeout))
     for i in range(args.repeat):
         if args.single:
             for m in methods:

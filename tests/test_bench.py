@@ -73,6 +73,9 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]
     assert not [r for r in rows if "error" in r]
+    (limits,) = [r for r in rows if r["row"] == "limits"]
+    assert limits["tp"] == 2 and limits["files"] == 2 and limits["raw_read_gbps_16_threads"] > 0
+    assert "h2d_one_gpu_gbps" not in limits  # no GPU: host reads only
     single = {r["method"]: r for r in rows if r["row"] == "single"}
     assert set(single) == {"gdsload:cpu", "safetensors"}
     assert single["gdsload:cpu"]["bytes"] == single["safetensors"]["bytes"] > 0
@@ -89,7 +92,7 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     (serve,) = [r for r in rows if r["row"] == "serve"]
     assert serve["tp"] == 2 and set(serve["load_seconds"]) == {"0", "1"}
     assert serve["logical_bytes"] == both and serve["aggregate_gbps"] > 0
-    assert "group   gdsload:cpu        world=2" in p.stdout
+    assert "group   gdsload:cpu        world=2" in p.stdout and "limits  raw read" in p.stdout
 
 
 def test_context_check_flags_a_process_on_another_ranks_gpu():
