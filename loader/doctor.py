@@ -176,6 +176,11 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     if r.torch_free_workers is not None:
         advice.append(f"sidecar GPU workers will import torch before they load (seconds per worker): "
                       f"{r.torch_free_workers}.")
+    if r.nvcomp is not None and len(r.gpus) > 1:
+        advice.append(f"{len(r.gpus)} GPUs visible: nvCOMP's decode on GPU 1 or above also opens a CUDA context on "
+                      "GPU 0 (about 0.5 GiB, slower decodes) in any process that sees them all. `gdsload serve` "
+                      "workers see one GPU each; give an engine's own worker processes only their GPU "
+                      "(CUDA_VISIBLE_DEVICES) when they load compressed checkpoints.")
     mode = "posix"
     if r.nvidia_fs:
         mode = "gds"

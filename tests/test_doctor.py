@@ -108,3 +108,15 @@ def test_sidecar_workers_that_would_import_torch_are_called_out():
     assert f"GPU workers load without torch: no ({why})" in format_report(r)
     r.torch_free_workers = None
     assert "GPU workers load without torch: yes" in format_report(r)
+
+
+def test_several_gpus_with_nvcomp_get_the_gpu0_context_warning():
+    from gdsload.loader.doctor import DoctorReport, _advise
+
+    one = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0")
+    assert not any("GPU 0" in a for a in _advise(one)[1])
+    two = DoctorReport(gpus=[GPU, {**GPU, "index": "1"}], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0")
+    (note,) = [a for a in _advise(two)[1] if "GPU 0" in a]
+    assert note.startswith("2 GPUs visible") and "CUDA_VISIBLE_DEVICES" in note
+    without = DoctorReport(gpus=two.gpus, torch_cuda="13.0", kvikio=KVIKIO, nvcomp=None)
+    assert not any("opens a CUDA context on GPU 0" in a for a in _advise(without)[1])
