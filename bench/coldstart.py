@@ -30,7 +30,7 @@ from typing import Any
 from gdsload.loader.pagecache import evict, resident_fraction
 
 from .limits import decode_gbps, h2d_gbps, raw_read_gbps
-from .methods import PEER_MODULES, PEERS
+from .methods import BARE, PEER_MODULES, PEERS
 from .ttr import time_to_ready
 
 __all__ = ["BenchConfig", "run_bench", "default_methods", "machine_facts"]
@@ -76,6 +76,13 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
         methods.append(f"gdsload:{b}")
         if compressed and b != "fastsafetensors":
             methods.append(f"gdsload:{b}:compressed")
+    from gdsload.loader.bare import bare_unavailable
+
+    reason = bare_unavailable()
+    if reason:
+        skipped[BARE] = reason
+    else:  # the sidecar workers' path, without torch
+        methods += [BARE] + ([f"{BARE}:compressed"] if compressed else [])
     for p in PEERS:
         reason = _installed(PEER_MODULES[p])
         if reason:

@@ -6,7 +6,8 @@ the device and the device is synchronized, logical bytes loaded, and what the lo
 initialisation happen before the clock starts, and are reported separately
 (``startup_seconds``) so cold-start totals can include them.
 
-Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``safetensors``
+Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``gdsload:bare`` (the
+sidecar workers' path: :func:`gdsload.loader.bare.load_rank_bare`, no torch in the process), ``safetensors``
 (load on CPU, then ``.to(device)``), ``safetensors-device`` (``device=`` straight to the GPU),
 ``fastsafetensors``, ``instanttensor``, ``runai`` (Run:ai model streamer).
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 PROCESS_START = time.perf_counter()
 
+BARE = "gdsload:bare"
 PEERS = ("safetensors", "safetensors-device", "fastsafetensors", "instanttensor", "runai")
 PEER_MODULES = {"safetensors": "safetensors", "safetensors-device": "safetensors",
                 "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor",
@@ -42,6 +44,15 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
     Ours loads ``rank`` of ``model_dir``; a peer loads ``files`` (default: every ``*.safetensors``
     in ``model_dir``). The caller times it; the caller's imports and CUDA context come first.
     """
+    if method == BARE:
+        import cupy
+
+        from gdsload.loader.bare import load_rank_bare
+
+        bare = load_rank_bare(model_dir, rank, device_index=_index(device))
+        cupy.cuda.runtime.deviceSynchronize()
+        return bare, bare.report.logical_bytes, _report_extras(bare.report)
+
     import torch
 
     files = _files(model_dir) if files is None else files
@@ -55,10 +66,7 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
 
         res = load_rank(model_dir, rank, device=device, backend=method.split(":", 1)[1])
         sync()
-        return res, res.report.logical_bytes, {
-            "backend": res.report.backend, "io_modes": [f.io_mode for f in res.report.files],
-            "direct_io": [f.direct_io for f in res.report.files], "phases": res.report.phases,
-            "stored_bytes": res.report.stored_bytes, "decode_busy_seconds": res.report.decode_busy_seconds}
+        return res, res.report.logical_bytes, _report_extras(res.report)
     out: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     if method == "safetensors":
@@ -105,8 +113,32 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
     return out, _nbytes(out.values()), extra
 
 
+def _report_extras(report: Any) -> dict[str, Any]:
+    return {"backend": report.backend, "io_modes": [f.io_mode for f in report.files],
+            "direct_io": [f.direct_io for f in report.files], "phases": report.phases,
+            "stored_bytes": report.stored_bytes, "decode_busy_seconds": report.decode_busy_seconds}
+
+
+def _index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
 def prepare(method: str, device: str) -> str:
     """Import what ``method`` needs and create the CUDA context, before any clock; the device to use."""
+    if method == BARE:  # as a sidecar worker starts: cupy, kvikio and nvCOMP, never torch
+        import cupy
+
+        import gdsload.loader.bare  # noqa: F401
+        import gdsload.loader.decode  # noqa: F401
+
+        for optional in ("kvikio", "nvidia.nvcomp"):
+            try:
+                __import__(optional)
+            except ImportError:
+                pass
+        cupy.cuda.Device(_index(device)).use()
+        cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))  # context creation is not part of the load
+        return f"cuda:{_index(device)}"
     import torch
 
     if device == "cuda":

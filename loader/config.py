@@ -5,8 +5,8 @@ Precedence: explicit argument > environment variable > default.
 | variable              | accepted values                           | default  |
 |-----------------------|-------------------------------------------|----------|
 | GDSLOAD_BACKEND       | auto, or a backend name (see BACKENDS)    | auto     |
-| GDSLOAD_NUM_THREADS   | integer 1..256                            | per backend (cpu 8, pinned 16 cached / 4 cold, cufile 16) |
-| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | per backend (cpu 16MiB, pinned 4MiB cached / 16MiB cold, cufile 4MiB) |
+| GDSLOAD_NUM_THREADS   | integer 1..256                            | per backend (cpu 8, pinned and cufile 16 cached / 4 cold) |
+| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | per backend (cpu 16MiB, pinned and cufile 4MiB cached / 16MiB cold) |
 | GDSLOAD_PINNED_BYTES  | size: upper bound on pinned host staging  | 1GiB     |
 | GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | 0        |
 """

@@ -24,7 +24,7 @@ from .errors import HeaderError
 from .format import DATA_ALIGNMENT, SafetensorsHeader, read_header
 from .manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents"]
+__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents", "stream_order"]
 
 _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
@@ -51,6 +51,21 @@ def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bo
     for i in range(max((len(q) for q in queues), default=0)):
         out.extend(q[i] for q in queues if i < len(q))
     return out
+
+
+def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
+    """Queue order for ``chunks`` (given in file order) that keeps ``streams`` sequential streams going.
+
+    The chunks are cut into ``streams`` contiguous stripes of about equal count, and the stripes
+    take turns. Readers take chunks from the queue in that order, so the disk sees ``streams``
+    positions, each moving forward one chunk at a time (as ``streams`` readers of one file each
+    would).
+    """
+    n = len(chunks)
+    k = max(1, min(streams, n))
+    bounds = [i * n // k for i in range(k + 1)]
+    stripes = [chunks[bounds[i] : bounds[i + 1]] for i in range(k)]
+    return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
 
 
 def align_up(n: int, alignment: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -106,15 +107,18 @@ def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
         import_rank(doc)
 
 
-def _stand_in_kvikio(monkeypatch, fail_on: str | None = None) -> dict:
-    """A kvikio whose CuFile.pread copies real file bytes into host memory; records what was done."""
+def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: bool = False) -> dict:
+    """A kvikio whose CuFile.pread copies real file bytes into host memory; records what was done.
+
+    With ``direct_switch`` it has kvikio 25.08's ``auto_direct_io_read`` setting and
+    ``CuFile.is_direct_io_supported``."""
     import types
     from types import SimpleNamespace
 
     from gdsload.loader.backends import cufile
     from gdsload.loader.iomode import KvikioState
 
-    seen: dict = {"settings": [], "restored": 0, "opened": [], "closed": []}
+    seen: dict = {"settings": [], "restored": 0, "opened": [], "closed": [], "preads": []}
 
     class CuFile:
         def __init__(self, path, mode):
@@ -124,6 +128,7 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None) -> dict:
             seen["opened"].append(path)
 
         def pread(self, buf, n, off):
+            seen["preads"].append((self.fh.name, off, n))
             self.fh.seek(off)
             data = self.fh.read(n)
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -142,14 +147,18 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None) -> dict:
 
     kvikio = types.ModuleType("kvikio")
     kvikio.CuFile = CuFile
+    kvikio.CompatMode = SimpleNamespace(ON="ON")
     kvikio.defaults = SimpleNamespace(set=Settings)
+    if direct_switch:
+        kvikio.defaults.get = lambda name: {"auto_direct_io_read": False}[name]
+        CuFile.is_direct_io_supported = lambda self: True
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
     monkeypatch.setattr(cufile, "kvikio_state", lambda: KvikioState(True, "stand-in", "ON", True, None))
     return seen
 
 
-def _host_reader():
+def _host_reader(chunk: int = 1 << 20):
     from gdsload.loader.backends import ReadOptions
     from gdsload.loader.backends.cufile import CuFileBackend
 
@@ -163,7 +172,7 @@ def _host_reader():
         def _synchronize(self):
             self.hooks.append("sync")
 
-    r = HostReader(torch.device("cpu"), ReadOptions(num_threads=3, chunk_bytes=1 << 20))
+    r = HostReader(torch.device("cpu"), ReadOptions(num_threads=3, chunk_bytes=chunk))
     r.hooks = []
     return r
 
@@ -191,6 +200,52 @@ def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(shard
         assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
 
 
+def _assert_oracle_bytes(plan, arena) -> None:
+    ref = {}
+    for f in plan.files:
+        ref.update(safetensors.torch.load_file(f.path))
+    for p in plan.placements:
+        raw = ref[p.name].contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
+
+
+def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(sharded_dir, monkeypatch):
+    from gdsload.loader import discover, plan_rank
+    from gdsload.loader.iomode import o_direct_supported
+    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.plan import split_extents, stream_order
+
+    seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
+    plan = plan_rank(discover(sharded_dir, 1))
+    paths = [f.path for f in plan.files]
+    if not o_direct_supported(paths[0]):
+        pytest.skip("this file system refuses O_DIRECT")
+    evict(paths)
+    if resident_fraction(paths) > 0.1:
+        pytest.skip("the page cache could not be emptied here")
+    reader = _host_reader(chunk=4096)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, arena)
+    assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 4096, "auto_direct_io_read": True}]
+    # One kvikio task per read, queued as three sequential streams over the rank's bytes.
+    queued = stream_order(split_extents([e for e in plan.extents if e.length], 4096, interleave=False), 3)
+    assert len(queued) > 3
+    assert seen["preads"] == [(paths[e.file_index], e.file_offset, e.length) for e in queued]
+    reader.close()
+    _assert_oracle_bytes(plan, arena)
+
+    # The same files, now cached: page-cache reads, kvikio's usual shape, O_DIRECT switched off.
+    seen["settings"].clear()
+    reader = _host_reader(chunk=4096)
+    reader.open(plan)
+    reader.read(plan.extents, reader.allocate(plan.arena_bytes))
+    reader.close()
+    assert not reader.cold_direct and reader.direct_io() == [False, False]
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 4096, "auto_direct_io_read": False}]
+
+
 def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharded_dir, monkeypatch):
     from gdsload.loader import discover, plan_rank
 
@@ -207,8 +262,12 @@ def test_bare_reader_sizes_kvikio_bounce_buffers_to_its_task():
     from gdsload.loader.backends import ReadOptions
     from gdsload.loader.bare import _KvikioReader
 
-    settings = _KvikioReader(0, ReadOptions(chunk_bytes=8 << 20))._kvikio_settings()
-    assert settings == {"num_threads": 16, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20}
+    reader = _KvikioReader(0, ReadOptions(chunk_bytes=8 << 20))
+    assert reader._kvikio_settings() == {"num_threads": 16, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
+                                         "auto_direct_io_read": False}
+    reader.cold_direct = True  # as open() decides for a cold rank
+    assert reader._kvikio_settings() == {"num_threads": 4, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
+                                         "auto_direct_io_read": True}
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -236,6 +295,36 @@ def test_bare_load_of_foreign_misaligned_file(tmp_path):
     out, _ = _run(path)
     assert out["digests"] == _oracle([path])
     assert out["report"]["files"][0]["copied_tensors"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["ours", "foreign-misaligned"])
+def test_bare_load_of_cold_files_reads_them_with_o_direct(tmp_path, which):
+    _needs_bare()
+    from gdsload.loader.iomode import o_direct_supported
+    from gdsload.loader.pagecache import evict, resident_fraction
+
+    if which == "ours":  # big enough that the readahead of its header read leaves it cold
+        path, files = tmp_path / "ours.safetensors", [tmp_path / "ours.safetensors"]
+        save_file({"w": torch.randn(6 << 20).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64)}, path)
+    else:  # odd header length and tensor offsets, and big enough that its header page is a small part
+        import numpy as np
+
+        path, files = tmp_path / "foreign.safetensors", [tmp_path / "foreign.safetensors"]
+        big = np.random.default_rng(1).integers(0, 255, 24 << 20, dtype=np.uint8)
+        header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                  "b": {"dtype": "U8", "shape": [big.size], "data_offsets": [3, 3 + big.size]},
+                  "c": {"dtype": "U8", "shape": [5], "data_offsets": [3 + big.size, 8 + big.size]}}
+        raw = json.dumps(header).encode() + b" "
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"abc" + big.tobytes() + b"defgh")
+    if not o_direct_supported(str(files[0])):
+        pytest.skip("this file system refuses O_DIRECT")
+    evict(files)
+    out, _ = _run(path)
+    # O_DIRECT reads leave the page cache as it was: only the headers (read to plan) come in.
+    assert resident_fraction(files) < 0.5
+    assert all(f["direct_io"] and f["io_mode"] == "posix" for f in out["report"]["files"])
+    assert out["digests"] == _oracle(files)
 
 
 @pytest.mark.gpu

@@ -90,6 +90,7 @@ def test_pinned_reads_cold_files_with_o_direct(tmp_path):
         pytest.skip("could not evict the file from the page cache here")
     res = load_rank(d, device="cuda", backend="pinned", chunk_bytes=1 << 16)
     assert res.report.files[0].direct_io
+    assert resident_fraction(files) < 0.5  # O_DIRECT really ran: the page cache stayed (nearly) empty
     _check(res, tensors)
     (d / "model.safetensors").read_bytes()  # O_DIRECT bypassed the cache: fill it by hand
     warm = load_rank(d, device="cuda", backend="pinned")

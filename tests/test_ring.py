@@ -135,3 +135,43 @@ def test_pinned_ring_reader_count_follows_what_it_serves():
     assert wanted(["ring", "kvikio"], [True, False]) == 4  # the cached file goes to kvikio
     assert wanted(["ring", "ring"], [True, False]) == PinnedBackend.RING_THREADS_CACHED == 16
     assert wanted(["ring"], [True], threads=9) == 9  # asked for: taken as is
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_can(tmp_path, monkeypatch, switch):
+    from test_bare import _stand_in_kvikio
+
+    from gdsload.loader import discover, plan_rank, save_file
+    from gdsload.loader.backends import ReadOptions
+    from gdsload.loader.backends.pinned import PinnedBackend
+    from gdsload.loader.iomode import o_direct_supported
+    from gdsload.loader.pagecache import evict, resident_fraction
+
+    seen = _stand_in_kvikio(monkeypatch, direct_switch=switch)
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(4 << 20, dtype=torch.int32), "b": torch.ones(3)}, path)
+    if not o_direct_supported(str(path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    evict([str(path)])
+    if resident_fraction([str(path)]) > 0.1:
+        pytest.skip("the page cache could not be emptied here")
+    plan = plan_rank(discover(path, 0))
+    b = PinnedBackend(torch.device("cuda"), ReadOptions())
+    b.open(plan)
+    b.close()
+    assert b.direct_io() == [True]
+    if switch:  # kvikio's engine, O_DIRECT, the cold shape
+        assert b.kvikio_direct and b.engines() == ["kvikio"]
+        assert seen["settings"] == [{"compat_mode": "ON", "num_threads": 4, "task_size": 16 << 20,
+                                     "bounce_buffer_size": 16 << 20, "auto_direct_io_read": True}]
+    else:  # a kvikio without the switch: our O_DIRECT ring
+        assert not b.kvikio_direct and b.engines() == ["ring"] and seen["settings"] == []
+
+    path.read_bytes()  # cached now: kvikio reads through the page cache
+    seen["settings"].clear()
+    b = PinnedBackend(torch.device("cuda"), ReadOptions())
+    b.open(plan)
+    b.close()
+    assert not b.kvikio_direct and b.engines() == ["kvikio"] and b.direct_io() == [False]
+    assert seen["settings"][0]["num_threads"] == 16 and seen["settings"][0].get("auto_direct_io_read") in (
+        (False,) if switch else (None,))

@@ -11,12 +11,15 @@ chosen per file from its page-cache residency (``mincore``):
   overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
   small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
   Without kvikio, the Python ring below serves cached files too.
-- **cold files** use our own ring: reader threads ``preadv`` with O_DIRECT (4 KiB-rounded, lead
-  discarded) into their own double-buffered pinned buffers, and start the host-to-device copy on
-  their stream while reading the next chunk. On the H200 machines' virtio disk, four readers beat
-  32: taking turns in one process over three rounds, 1.94 GB/s median against 1.75 (2.71 against
-  2.28 for 16 readers on the ANS copy); whether the four keep one sequential stream or four made no
-  difference there. The chunks are queued as one stream per reader (bench/RESULTS.md, cold ring).
+- **cold files** (every file of the rank cold, and a kvikio with ``auto_direct_io_read``, 25.08
+  or later) go through the same kvikio engine reading with O_DIRECT, in the shape the ring below
+  found best on a cold disk: 4 threads, 16 MiB reads, queued as one sequential stream per thread.
+  On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds):
+  1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS copy (bench/RESULTS.md).
+- otherwise, cold files use our own ring: reader threads ``preadv`` with O_DIRECT (4 KiB-rounded,
+  lead discarded) into their own double-buffered pinned buffers, and start the host-to-device copy
+  on their stream while reading the next chunk. Four readers beat 32 there: 1.94 GB/s median
+  against 1.75 taking turns in one process; the chunks are queued as one stream per reader.
 
 The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
 """
@@ -30,20 +33,17 @@ from typing import Any
 
 import torch
 
-from ..pagecache import resident_fraction
+from ..pagecache import COLD_RESIDENCY, is_cold
 from ..plan import Extent, LoadPlan
+from ..plan import split_extents, stream_order
 from . import Backend, Progress, wait_preads
+from .cufile import has_direct_switch
 from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
 
 log = logging.getLogger(__name__)
 
-COLD_RESIDENCY = 0.5
-"""Files with less than this fraction of their pages cached are read with O_DIRECT."""
-RESIDENCY_SAMPLES = 256
-"""Windows of pages probed per file to estimate residency (a full ``mincore`` scan cost ~0.1 s
-per 9 GB on the H200 machine's tmpfs, a third of the load)."""
 
 
 def _kvikio() -> Any | None:
@@ -83,12 +83,15 @@ class PinnedBackend(Backend):
         self._kv = _kvikio()
         self._fds: list[int] = []
         self._direct: list[bool] = []
-        self._engine: list[str] = []
         for f in plan.files:
             fd, direct = self._open(f.path)
             self._fds.append(fd)
             self._direct.append(direct)
-            self._engine.append("kvikio" if (not direct and self._kv is not None) else "ring")
+        # kvikio's settings are process-wide: it reads O_DIRECT only when every file wants it.
+        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
+        self.kvikio_direct = self._kv_switch and bool(plan.files) and all(self._direct)
+        self._engine = ["kvikio" if self._kv is not None and (not d or self.kvikio_direct) else "ring"
+                        for d in self._direct]
         self._cufiles: dict[int, Any] = {}
         self._kv_settings: Any = None
         if "kvikio" in self._engine:
@@ -117,30 +120,39 @@ class PinnedBackend(Backend):
         return self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
 
     def _open(self, path: str) -> tuple[int, bool]:
-        if resident_fraction([path], samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY:
+        if is_cold(path):
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
                 log.debug("pinned: O_DIRECT refused for %s (%s); reading through the page cache", path, e)
         return os.open(path, os.O_RDONLY), False
 
+    kvikio_direct = False
+    """Set by :meth:`open`: kvikio reads this (all cold) rank with O_DIRECT."""
+
     def _kvikio_threads(self) -> int:
-        return self.options.num_threads or self.KVIKIO_THREADS
+        return self.options.num_threads or (self.RING_THREADS_COLD if self.kvikio_direct else self.KVIKIO_THREADS)
 
     def _kvikio_task(self) -> int:
-        return self.options.chunk_bytes or self.KVIKIO_TASK
+        return self.options.chunk_bytes or (self.RING_CHUNK if self.kvikio_direct else self.KVIKIO_TASK)
 
     def _kvikio_settings(self) -> Any:
         kv = self._kv
         task = self._kvikio_task()
-        return kv.defaults.set({"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
-                                "task_size": task, "bounce_buffer_size": task})
+        settings = {"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
+                    "task_size": task, "bounce_buffer_size": task}
+        if self._kv_switch:
+            settings["auto_direct_io_read"] = self.kvikio_direct
+        return kv.defaults.set(settings)
 
     def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
                ) -> Callable[[], None]:
         assert self.plan is not None
         torch.cuda.set_device(self.device)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
+        if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
+            kv_extents = stream_order(split_extents(kv_extents, self._kvikio_task(), interleave=False),
+                                      self._kvikio_threads())
         ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dst, progress)
         futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
                                                          e.length, e.file_offset)) for e in kv_extents]

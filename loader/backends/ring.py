@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import TruncatedFileError
-from ..plan import Extent, align_up, split_extents
+from ..plan import Extent, align_up, split_extents, stream_order
 
 __all__ = ["StagingRing", "RingFile", "PAGE", "stream_order"]
 
@@ -37,20 +37,6 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 Progress = Callable[[int], None]
-
-
-def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
-    """Queue order for ``chunks`` (given in file order) that keeps ``streams`` sequential streams going.
-
-    The chunks are cut into ``streams`` contiguous stripes of about equal count, and the stripes
-    take turns. Readers take chunks from the queue in that order, so the disk sees ``streams``
-    positions, each moving forward one chunk at a time.
-    """
-    n = len(chunks)
-    k = max(1, min(streams, n))
-    bounds = [i * n // k for i in range(k + 1)]
-    stripes = [chunks[bounds[i] : bounds[i + 1]] for i in range(k)]
-    return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
 
 
 @dataclass(frozen=True)
