@@ -3,6 +3,8 @@
 - ``raw_read_gbps``: parallel reads of the same files into host memory, no GPU (O_DIRECT when
   the files are cold and the file system allows it; the bench takes the best of a few thread
   counts and orders, since disks differ in which they prefer);
+- ``raw_read_together``: the same read, one process per group of files (a rank's), all starting
+  at once: what a host's readers can take together, whichever GPUs the bytes go to next;
 - ``h2d_gbps``: pinned host memory to the device; ``h2d_all_gbps``: to every listed device at once
   (what several GPUs of one host can take together: their links share the host's memory);
 - ``decode_gbps``: nvCOMP decoding the largest compressed tensor of a directory.
@@ -10,15 +12,18 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["raw_read_gbps", "h2d_gbps", "h2d_all_gbps", "decode_gbps"]
+__all__ = ["raw_read_gbps", "raw_read_together", "h2d_gbps", "h2d_all_gbps", "decode_gbps"]
 
 
 def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
@@ -28,6 +33,14 @@ def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: i
     Reads go file after file, or with ``interleave`` round-robin across the files (as the
     ``pinned`` ring issues them); which one a disk prefers differs between disks.
     """
+    total, seconds = _raw_read(files, direct=direct, threads=threads, chunk=chunk, interleave=interleave)
+    return total / seconds / 1e9
+
+
+def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, interleave: bool = False,
+              ready: Any = None) -> tuple[int, float]:
+    """Bytes read and seconds taken; ``ready`` (if given) is called once the files are open, just
+    before the clock starts."""
     per_file = [[(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)]
                 for f in files]
     if interleave:
@@ -37,6 +50,8 @@ def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: i
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = {f: os.open(f, flags) for f in files}
     it, lock = iter(jobs), threading.Lock()
+    if ready is not None:
+        ready()
 
     def worker() -> int:
         buf = mmap.mmap(-1, chunk + 4096)  # page aligned, as O_DIRECT requires
@@ -58,7 +73,56 @@ def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: i
     seconds = time.perf_counter() - t
     for fd in fds.values():
         os.close(fd)
-    return total / seconds / 1e9
+    return total, seconds
+
+
+def raw_read_together(groups: list[list[str]], *, threads: int = 16, chunk: int = 16 << 20,
+                      timeout: float = 120.0) -> dict[str, Any]:
+    """Each group of files read (buffered, as :func:`raw_read_gbps`) by its own process with
+    ``threads`` readers, the processes released at one moment once all have opened their files.
+
+    Returns the aggregate GB/s (all bytes over first start to last end) and each process's GB/s.
+    """
+    procs = [subprocess.Popen([sys.executable, "-m", "gdsload.bench.limits", "--read-worker", str(threads), str(chunk),
+                               *g], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for g in groups]
+    try:
+        for p in procs:  # each says "ready" once its files are open
+            line = p.stdout.readline() if p.stdout else ""
+            if line.strip() != "ready":
+                raise RuntimeError(f"host-read worker failed: {line.strip() or (p.stderr.read() if p.stderr else '')}")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        rows = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"host-read worker failed: {err.strip().splitlines()[-1:]}")
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    window = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+    return {"processes": len(rows), "threads": threads, "bytes": sum(r["bytes"] for r in rows),
+            "aggregate_gbps": sum(r["bytes"] for r in rows) / window / 1e9,
+            "per_process_gbps": [r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in rows]}
+
+
+def _read_worker(threads: int, chunk: int, files: list[str]) -> None:
+    """One process of :func:`raw_read_together`: open, say ready, wait for go, read, report."""
+    marks: dict[str, float] = {}
+
+    def ready() -> None:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        marks["start"] = time.time()
+
+    total, _ = _raw_read(files, direct=False, threads=threads, chunk=chunk, ready=ready)
+    print(json.dumps({"start": marks["start"], "end": time.time(), "bytes": total}), flush=True)
 
 
 def h2d_gbps(device: str = "cuda", nbytes: int = 1 << 30, repeat: int = 5) -> float:
@@ -144,3 +208,10 @@ def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) ->
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - s)
     return best_entry.nbytes / best / 1e9
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--read-worker":
+        _read_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    else:
+        sys.exit("usage: python -m gdsload.bench.limits --read-worker THREADS CHUNK FILE... (used by raw_read_together)")

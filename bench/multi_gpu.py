@@ -170,13 +170,17 @@ def _limits_worker(model_dir: str, tp: int, device: str) -> None:
     """The ``limits`` row (run as ``--limits``, so that no CUDA context stays in the parent)."""
     from gdsload.loader import discover
 
-    from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps
+    from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps, raw_read_together
 
-    files = [f for r in range(tp) for f in discover(model_dir, r).files]
+    per_rank = [discover(model_dir, r).files for r in range(tp)]
+    files = [f for fs in per_rank for f in fs]
     row: dict[str, Any] = {"row": "limits", "tp": tp, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                            "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
     for threads in (16, 32):
         row[f"raw_read_gbps_{threads}_threads"] = raw_read_gbps(files, direct=False, threads=threads)
+    # The same bytes read by one process per rank at once (16 threads each): does the host's
+    # read side scale with the number of loaders?
+    row["raw_read_rank_processes"] = raw_read_together(per_rank, threads=16)
     if device == "cuda":
         row["h2d_one_gpu_gbps"] = h2d_gbps("cuda:0")
         row["h2d_all_gpus_gbps"] = h2d_all_gbps([f"cuda:{i}" for i in range(tp)])
@@ -239,8 +243,11 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
         elif r["row"] == "limits":
             h2d = (f"; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once {r['h2d_all_gpus_gbps']:.1f} GB/s"
                    if "h2d_one_gpu_gbps" in r else "")
+            together = r.get("raw_read_rank_processes") or {}
+            ranks = (f"; {together['processes']} processes at once {together['aggregate_gbps']:.1f} GB/s together"
+                     if together else "")
             out.append(f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / "
-                       f"{r['raw_read_gbps_32_threads']:.1f} (32 thr) GB/s{h2d}")
+                       f"{r['raw_read_gbps_32_threads']:.1f} (32 thr) GB/s{ranks}{h2d}")
         elif r["row"] == "single":
             out.append(f"single  {r['method']:18} {r['gbps']:6.2f} GB/s (one GPU, whole checkpoint)")
         elif r["row"] == "group":

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from gdsload.bench.coldstart import format_table
 from gdsload.loader import load_rank
@@ -76,6 +77,9 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     (limits,) = [r for r in rows if r["row"] == "limits"]
     assert limits["tp"] == 2 and limits["files"] == 2 and limits["raw_read_gbps_16_threads"] > 0
     assert "h2d_one_gpu_gbps" not in limits  # no GPU: host reads only
+    together = limits["raw_read_rank_processes"]  # one reader process per rank, started together
+    assert together["processes"] == 2 and together["bytes"] == limits["bytes"]
+    assert together["aggregate_gbps"] > 0 and len(together["per_process_gbps"]) == 2
     single = {r["method"]: r for r in rows if r["row"] == "single"}
     assert set(single) == {"gdsload:cpu", "safetensors"}
     assert single["gdsload:cpu"]["bytes"] == single["safetensors"]["bytes"] > 0
@@ -93,6 +97,7 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     assert serve["tp"] == 2 and set(serve["load_seconds"]) == {"0", "1"}
     assert serve["logical_bytes"] == both and serve["aggregate_gbps"] > 0
     assert "group   gdsload:cpu        world=2" in p.stdout and "limits  raw read" in p.stdout
+    assert "2 processes at once" in p.stdout
 
 
 def test_context_check_flags_a_process_on_another_ranks_gpu():
@@ -105,3 +110,14 @@ def test_context_check_flags_a_process_on_another_ranks_gpu():
     assert _contexts(own, {101: {"gpu-a": 1}, 102: {"gpu-b": 1}})["foreign"] == {}
     assert _contexts(own, {})["listed"] == 0  # nvidia-smi lists nobody here: nothing is claimed
     assert _contexts(own, None) is None
+
+
+def test_host_read_together_reports_a_worker_that_cannot_read(tmp_path):
+    from gdsload.bench.limits import raw_read_together
+
+    good = tmp_path / "a.bin"
+    good.write_bytes(b"x" * (1 << 20))
+    with pytest.raises(RuntimeError, match="host-read worker failed"):
+        raw_read_together([[str(good)], [str(tmp_path / "missing.bin")]], threads=2)
+    r = raw_read_together([[str(good)], [str(good)]], threads=2)
+    assert r["bytes"] == 2 << 20 and r["processes"] == 2 and r["aggregate_gbps"] > 0
