@@ -80,6 +80,7 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     together = limits["raw_read_rank_processes"]  # one reader process per rank, started together
     assert together["processes"] == 2 and together["bytes"] == limits["bytes"]
     assert together["aggregate_gbps"] > 0 and len(together["per_process_gbps"]) == 2
+    assert limits["raw_read_rank_processes_4mib"]["bytes"] == limits["bytes"] and limits["raw_read_gbps_16_threads_4mib"] > 0
     single = {r["method"]: r for r in rows if r["row"] == "single"}
     assert set(single) == {"gdsload:cpu", "safetensors"}
     assert single["gdsload:cpu"]["bytes"] == single["safetensors"]["bytes"] > 0
