@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import selectors
 import subprocess
 import sys
 import threading
@@ -48,7 +49,18 @@ def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, inter
     else:
         jobs = [j for q in per_file for j in q]
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fds = {f: os.open(f, flags) for f in files}
+    fds: dict[str, int] = {}
+    try:
+        for f in files:
+            fds[f] = os.open(f, flags)
+        return _read_jobs(fds, jobs, direct=direct, threads=threads, chunk=chunk, ready=ready)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _read_jobs(fds: dict[str, int], jobs: list[tuple[str, int, int]], *, direct: bool, threads: int, chunk: int,
+               ready: Any) -> tuple[int, float]:
     it, lock = iter(jobs), threading.Lock()
     if ready is not None:
         ready()
@@ -70,46 +82,70 @@ def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, inter
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(lambda _: worker(), range(threads)))
-    seconds = time.perf_counter() - t
-    for fd in fds.values():
-        os.close(fd)
-    return total, seconds
+    return total, time.perf_counter() - t
 
 
 def raw_read_together(groups: list[list[str]], *, threads: int = 16, chunk: int = 16 << 20,
                       timeout: float = 120.0) -> dict[str, Any]:
-    """Each group of files read (buffered, as :func:`raw_read_gbps`) by its own process with
-    ``threads`` readers, the processes released at one moment once all have opened their files.
+    """Each group of files read buffered (no O_DIRECT) by its own process with ``threads`` readers,
+    the processes released at one moment once all have opened their files.
 
     Returns the aggregate GB/s (all bytes over first start to last end) and each process's GB/s.
+    Raises ``RuntimeError`` when a worker fails or is not ready within ``timeout``; no worker is
+    left running.
     """
     procs = [subprocess.Popen([sys.executable, "-m", "gdsload.bench.limits", "--read-worker", str(threads), str(chunk),
                                *g], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for g in groups]
     try:
-        for p in procs:  # each says "ready" once its files are open
-            line = p.stdout.readline() if p.stdout else ""
-            if line.strip() != "ready":
-                raise RuntimeError(f"host-read worker failed: {line.strip() or (p.stderr.read() if p.stderr else '')}")
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:  # each says "ready" once its files are open
+            for p in procs:
+                sel.register(p.stdout, selectors.EVENT_READ, p)  # type: ignore[arg-type]
+            waiting = set(procs)
+            while waiting:
+                events = sel.select(max(0.0, deadline - time.monotonic()))
+                if not events:
+                    raise RuntimeError(f"host-read worker failed: not ready after {timeout:.0f} s")
+                for key, _ in events:
+                    p = key.data
+                    if p.stdout.readline().strip() != "ready":
+                        p.kill()
+                        raise RuntimeError(f"host-read worker failed: {_last_line(p.communicate()[1])}")
+                    sel.unregister(p.stdout)
+                    waiting.discard(p)
+        try:
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+        except BrokenPipeError as e:
+            raise RuntimeError(f"host-read worker failed: it exited before the start ({e})") from e
         rows = []
         for p in procs:
-            out, err = p.communicate(timeout=timeout)
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()) + timeout)
+            except subprocess.TimeoutExpired as e:
+                raise RuntimeError(f"host-read worker failed: not done after {timeout:.0f} s") from e
             if p.returncode != 0:
-                raise RuntimeError(f"host-read worker failed: {err.strip().splitlines()[-1:]}")
+                raise RuntimeError(f"host-read worker failed: {_last_line(err)}")
             rows.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.communicate()
     window = max(r["end"] for r in rows) - min(r["start"] for r in rows)
-    return {"processes": len(rows), "threads": threads, "bytes": sum(r["bytes"] for r in rows),
-            "aggregate_gbps": sum(r["bytes"] for r in rows) / window / 1e9,
-            "per_process_gbps": [r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in rows]}
+    total = sum(r["bytes"] for r in rows)
+    return {"processes": len(rows), "threads": threads, "chunk": chunk, "bytes": total,
+            "aggregate_gbps": total / window / 1e9 if window > 0 else 0.0,
+            "per_process_gbps": [r["bytes"] / (r["end"] - r["start"]) / 1e9 if r["end"] > r["start"] else 0.0
+                                 for r in rows]}
+
+
+def _last_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[-1] if lines else "no output"
 
 
 def _read_worker(threads: int, chunk: int, files: list[str]) -> None:
@@ -118,7 +154,8 @@ def _read_worker(threads: int, chunk: int, files: list[str]) -> None:
 
     def ready() -> None:
         print("ready", flush=True)
-        sys.stdin.readline()
+        if sys.stdin.readline().strip() != "go":  # the parent gave up: do not read
+            sys.exit(1)
         marks["start"] = time.time()
 
     total, _ = _raw_read(files, direct=False, threads=threads, chunk=chunk, ready=ready)

@@ -76,6 +76,7 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
     return resident / total if total else 1.0
 
 
-def is_cold(path: str) -> bool:
-    """Whether too little of ``path`` is cached for page-cache reads to pay (sampled ``mincore``)."""
-    return resident_fraction([path], samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY
+def is_cold(*paths: str) -> bool:
+    """Whether too little of these files is cached for page-cache reads to pay (sampled ``mincore``,
+    weighted by size: a small file that reading the headers pulled in does not make a rank warm)."""
+    return resident_fraction(paths, samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY

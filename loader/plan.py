@@ -30,19 +30,24 @@ _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
 
 
-def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bool = True) -> list[Extent]:
+def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bool = True,
+                  aligned: bool = False) -> list[Extent]:
     """Cut extents into reads of at most ``chunk_bytes``.
 
     With ``interleave`` the files take turns (round-robin), so that all of a rank's files are in
-    flight together; without it, one file's reads come after the other's, in file order.
+    flight together; without it, one file's reads come after the other's, in file order. With
+    ``aligned``, cuts fall on file offsets that are multiples of ``chunk_bytes`` (the first read of
+    an extent is shorter), so that only an extent's own ends can be unaligned for O_DIRECT.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     per_file: dict[int, list[Extent]] = {}
     for e in extents:
+        first = chunk_bytes - e.file_offset % chunk_bytes if aligned else chunk_bytes
+        cuts = [0, *range(first, e.length, chunk_bytes)] if e.length else []
         per_file.setdefault(e.file_index, []).extend(
-            Extent(e.file_index, e.file_offset + off, min(chunk_bytes, e.length - off), e.arena_offset + off)
-            for off in range(0, e.length, chunk_bytes)
+            Extent(e.file_index, e.file_offset + off, min(e.length, nxt) - off, e.arena_offset + off)
+            for off, nxt in zip(cuts, [*cuts[1:], e.length])
         )
     queues = list(per_file.values())
     if not interleave:

@@ -110,7 +110,7 @@ def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
 def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: bool = False) -> dict:
     """A kvikio whose CuFile.pread copies real file bytes into host memory; records what was done.
 
-    With ``direct_switch`` it has kvikio 25.08's ``auto_direct_io_read`` setting and
+    With ``direct_switch`` it has the ``auto_direct_io_read`` setting (kvikio 26.10 has it) and
     ``CuFile.is_direct_io_supported``."""
     import types
     from types import SimpleNamespace
@@ -223,14 +223,19 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     evict(paths)
     if resident_fraction(paths) > 0.1:
         pytest.skip("the page cache could not be emptied here")
-    reader = _host_reader(chunk=4096)
+    small = _host_reader(chunk=4096)  # kvikio reads O_DIRECT only through bounce buffers of two pages or more
+    small.open(plan)
+    small.close()
+    assert not small.cold_direct and seen["settings"][-1]["auto_direct_io_read"] is False
+    seen["settings"].clear()
+    reader = _host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, arena)
     assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 4096, "auto_direct_io_read": True}]
-    # One kvikio task per read, queued as three sequential streams over the rank's bytes.
-    queued = stream_order(split_extents([e for e in plan.extents if e.length], 4096, interleave=False), 3)
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": True}]
+    # One kvikio task per read, cut at aligned offsets, queued as three sequential streams.
+    queued = stream_order(split_extents([e for e in plan.extents if e.length], 8192, interleave=False, aligned=True), 3)
     assert len(queued) > 3
     assert seen["preads"] == [(paths[e.file_index], e.file_offset, e.length) for e in queued]
     reader.close()
@@ -238,12 +243,38 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
 
     # The same files, now cached: page-cache reads, kvikio's usual shape, O_DIRECT switched off.
     seen["settings"].clear()
-    reader = _host_reader(chunk=4096)
+    reader = _host_reader(chunk=8192)
     reader.open(plan)
     reader.read(plan.extents, reader.allocate(plan.arena_bytes))
     reader.close()
     assert not reader.cold_direct and reader.direct_io() == [False, False]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 4096, "auto_direct_io_read": False}]
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": False}]
+
+
+def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatch):
+    from gdsload.loader import discover, plan_rank
+    from gdsload.loader.iomode import o_direct_supported
+    from gdsload.loader.pagecache import evict, resident_fraction
+
+    seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
+    big, small = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
+    save_file({"w": torch.arange(6 << 20, dtype=torch.int32)}, big)
+    save_file({"norm": torch.ones(16)}, small)
+    if not o_direct_supported(str(big)):
+        pytest.skip("this file system refuses O_DIRECT")
+    evict([str(big), str(small)])
+    small.read_bytes()  # cached, as reading its header would cache it anyway
+    if resident_fraction([str(big)]) > 0.1 or resident_fraction([str(small)]) < 0.9:
+        pytest.skip("the page cache could not be set up here")
+    plan = plan_rank(discover(tmp_path, 0))
+    reader = _host_reader(chunk=1 << 20)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, arena)
+    reader.close()
+    assert reader.cold_direct and reader.direct_io() == [True, True]
+    assert seen["settings"][0]["auto_direct_io_read"] is True
+    _assert_oracle_bytes(plan, arena)
 
 
 def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharded_dir, monkeypatch):

@@ -122,6 +122,20 @@ def test_stream_order_keeps_that_many_sequential_streams():
     assert stream_order([], 4) == []
 
 
+def test_aligned_split_cuts_at_multiples_of_the_chunk():
+    from gdsload.loader.plan import Extent, split_extents
+
+    e = Extent(file_index=0, file_offset=100, length=3 * PAGE, arena_offset=7)
+    pieces = split_extents([e], PAGE, interleave=False, aligned=True)
+    assert [(p.file_offset, p.length, p.arena_offset) for p in pieces] == [
+        (100, PAGE - 100, 7), (PAGE, PAGE, 7 + PAGE - 100), (2 * PAGE, PAGE, 7 + 2 * PAGE - 100),
+        (3 * PAGE, 100, 7 + 3 * PAGE - 100)]
+    # Aligned already: the same cuts as without ``aligned``; empty extents give no reads.
+    f = Extent(file_index=1, file_offset=2 * PAGE, length=2 * PAGE + 5, arena_offset=0)
+    assert split_extents([f], PAGE, interleave=False, aligned=True) == split_extents([f], PAGE, interleave=False)
+    assert split_extents([Extent(0, 100, 0, 0)], PAGE, aligned=True) == []
+
+
 def test_pinned_ring_reader_count_follows_what_it_serves():
     from gdsload.loader.backends import ReadOptions
     from gdsload.loader.backends.pinned import PinnedBackend

@@ -5,10 +5,11 @@ kvikio (or cuFile) bounces through host memory; the report then says ``compat`` 
 never ``gds``. Reads are submitted for every file at once and split by kvikio's thread pool
 into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligned.
 
-Cold files under kvikio's POSIX (compat) mode: when every file of the rank is cold in the page
-cache and accepts O_DIRECT, kvikio reads them with O_DIRECT (its ``auto_direct_io_read``) into
-page-aligned bounce buffers, with the shape the ``pinned`` ring found best on a cold disk: 4
-threads, 16 MiB reads, queued as one sequential stream per thread (:func:`~gdsload.loader.plan.stream_order`).
+Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in the page cache
+(weighted by size) and every one accepts O_DIRECT, kvikio reads them with O_DIRECT (its
+``auto_direct_io_read``) into page-aligned bounce buffers, with the shape the ``pinned`` ring found
+best on a cold disk: 4 threads, 16 MiB reads cut at 16 MiB-aligned file offsets, queued as one
+sequential stream per thread (:func:`~gdsload.loader.plan.stream_order`).
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
 
 The arena comes from torch here; :mod:`gdsload.loader.bare` reads the same way into cupy memory
@@ -29,7 +30,7 @@ from . import Backend, Progress, wait_preads
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CuFileBackend", "has_direct_switch"]
+__all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,11 @@ class CuFileBackend(Backend):
         self._state: KvikioState = kvikio_state()
         direct_ok = [o_direct_supported(f.path) for f in plan.files]
         self._modes = [cufile_io_mode(self._state, ok) for ok in direct_ok]
-        # Only kvikio's own POSIX path takes this switch; cuFile (GDS or its compat mode) already
-        # opens files with O_DIRECT.
+        # Only kvikio's own POSIX path takes this switch; with cuFile (GDS, or cuFile's own compat
+        # mode) kvikio hands the reads to cuFile.
         has_switch = has_direct_switch(kvikio)
         self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
-            and all(direct_ok) and all(is_cold(f.path) for f in plan.files)
+            and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*(f.path for f in plan.files))
         settings = self._kvikio_settings()
         if not has_switch:
             settings.pop("auto_direct_io_read", None)
@@ -86,15 +87,16 @@ class CuFileBackend(Backend):
         self._files = []
         for f in plan.files:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(f.path, "r"))
-        self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and _direct_handle(cf))
+        self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
                         for m, cf in zip(self._modes, self._files)]
 
+    def _task(self, *, cold: bool) -> int:
+        return self.options.chunk_bytes or (self.COLD_TASK if cold else self.DEFAULT_TASK)
+
     def _kvikio_settings(self) -> dict[str, Any]:
-        if self.cold_direct:
-            return {"num_threads": self.options.num_threads or self.COLD_THREADS,
-                    "task_size": self.options.chunk_bytes or self.COLD_TASK, "auto_direct_io_read": True}
-        return {"num_threads": self.options.num_threads or self.DEFAULT_THREADS,
-                "task_size": self.options.chunk_bytes or self.DEFAULT_TASK, "auto_direct_io_read": False}
+        cold = self.cold_direct
+        threads = self.options.num_threads or (self.COLD_THREADS if cold else self.DEFAULT_THREADS)
+        return {"num_threads": threads, "task_size": self._task(cold=cold), "auto_direct_io_read": cold}
 
     def _use_device(self) -> None:
         """Make the target GPU current on this thread."""
@@ -114,7 +116,8 @@ class CuFileBackend(Backend):
         reads = [e for e in extents if e.length]
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
             settings = self._kvikio_settings()
-            reads = stream_order(split_extents(reads, settings["task_size"], interleave=False), settings["num_threads"])
+            reads = stream_order(split_extents(reads, settings["task_size"], interleave=False, aligned=True),
+                                 settings["num_threads"])
         futures = [
             (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
                                                 e.file_offset))
@@ -146,14 +149,18 @@ class CuFileBackend(Backend):
             self._settings = None
 
 
-def _direct_handle(f: Any) -> bool:
-    """Whether kvikio reads this open file with O_DIRECT (``CuFile.is_direct_io_supported``, kvikio >= 25.08)."""
+def kvikio_reads_direct(f: Any) -> bool:
+    """Whether kvikio reads this open file with O_DIRECT (``CuFile.is_direct_io_supported``, where it exists)."""
     check = getattr(f, "is_direct_io_supported", None)
     return bool(check()) if check is not None else False
 
 
+MIN_DIRECT_TASK = 8192
+"""kvikio reads O_DIRECT only through bounce buffers of at least two pages; smaller tasks stay buffered."""
+
+
 def has_direct_switch(kvikio: Any) -> bool:
-    """Whether this kvikio has the ``auto_direct_io_read`` setting (kvikio >= 25.08)."""
+    """Whether this kvikio has the ``auto_direct_io_read`` setting (26.10 has it; older ones may not)."""
     try:
         kvikio.defaults.get("auto_direct_io_read")
     except Exception:  # older kvikio: an unknown setting name

@@ -11,15 +11,17 @@ chosen per file from its page-cache residency (``mincore``):
   overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
   small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
   Without kvikio, the Python ring below serves cached files too.
-- **cold files** (every file of the rank cold, and a kvikio with ``auto_direct_io_read``, 25.08
-  or later) go through the same kvikio engine reading with O_DIRECT, in the shape the ring below
-  found best on a cold disk: 4 threads, 16 MiB reads, queued as one sequential stream per thread.
+- **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
+  ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
+  O_DIRECT, in the shape the ring below found best on a cold disk: 4 threads, 16 MiB reads cut at
+  aligned file offsets, queued as one sequential stream per thread.
   On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds):
   1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS copy (bench/RESULTS.md).
-- otherwise, cold files use our own ring: reader threads ``preadv`` with O_DIRECT (4 KiB-rounded,
-  lead discarded) into their own double-buffered pinned buffers, and start the host-to-device copy
-  on their stream while reading the next chunk. Four readers beat 32 there: 1.94 GB/s median
-  against 1.75 taking turns in one process; the chunks are queued as one stream per reader.
+- otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
+  threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
+  double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
+  the next chunk. Four readers beat 32 on that disk: 1.94 GB/s median against 1.75 taking turns in
+  one process; the chunks are queued as one stream per reader.
 
 The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
 """
@@ -37,7 +39,7 @@ from ..pagecache import COLD_RESIDENCY, is_cold
 from ..plan import Extent, LoadPlan
 from ..plan import split_extents, stream_order
 from . import Backend, Progress, wait_preads
-from .cufile import has_direct_switch
+from .cufile import MIN_DIRECT_TASK, has_direct_switch, kvikio_reads_direct
 from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
@@ -81,15 +83,19 @@ class PinnedBackend(Backend):
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
         self._kv = _kvikio()
+        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
+        # kvikio's settings are process-wide, so it reads a rank with O_DIRECT as a whole: when the
+        # rank is cold (by size: a small file pulled in by the header reads does not count).
+        rank_cold = bool(plan.files) and is_cold(*(f.path for f in plan.files))
         self._fds: list[int] = []
         self._direct: list[bool] = []
         for f in plan.files:
-            fd, direct = self._open(f.path)
+            fd, direct = self._open(f.path, cold=rank_cold or is_cold(f.path))
             self._fds.append(fd)
             self._direct.append(direct)
-        # kvikio's settings are process-wide: it reads O_DIRECT only when every file wants it.
-        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
-        self.kvikio_direct = self._kv_switch and bool(plan.files) and all(self._direct)
+        self._fd_direct = list(self._direct)  # how the ring's descriptors were opened
+        self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
+                              and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
         self._engine = ["kvikio" if self._kv is not None and (not d or self.kvikio_direct) else "ring"
                         for d in self._direct]
         self._cufiles: dict[int, Any] = {}
@@ -99,8 +105,11 @@ class PinnedBackend(Backend):
             # read would rebuild its thread pool and bounce buffers (cudaFreeHost synchronizes
             # the device) for every staging group of a compressed load.
             self._kv_settings = self._kvikio_settings()
-            self._cufiles = {i: self._kv.CuFile(f.path, "r") for i, f in enumerate(plan.files)
-                             if self._engine[i] == "kvikio"}
+            for i, f in enumerate(plan.files):  # one by one: close() closes those opened before a failure
+                if self._engine[i] == "kvikio":
+                    self._cufiles[i] = self._kv.CuFile(f.path, "r")
+            if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
+                self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
         chunk = self.options.chunk_bytes or self.RING_CHUNK
         threads = self.ring_threads()
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
@@ -110,7 +119,7 @@ class PinnedBackend(Backend):
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
                      ring_threads, threads, self.options.pinned_bytes)
         self._ring = StagingRing(self.device, [RingFile(fd, d, f.path) for fd, d, f in
-                                               zip(self._fds, self._direct, plan.files)],
+                                               zip(self._fds, self._fd_direct, plan.files)],
                                  threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
                                  streams=self.RING_STREAMS)
 
@@ -119,8 +128,8 @@ class PinnedBackend(Backend):
         cached_in_ring = any(e == "ring" and not d for e, d in zip(self._engine, self._direct))
         return self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
 
-    def _open(self, path: str) -> tuple[int, bool]:
-        if is_cold(path):
+    def _open(self, path: str, *, cold: bool) -> tuple[int, bool]:
+        if cold:
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
@@ -133,8 +142,9 @@ class PinnedBackend(Backend):
     def _kvikio_threads(self) -> int:
         return self.options.num_threads or (self.RING_THREADS_COLD if self.kvikio_direct else self.KVIKIO_THREADS)
 
-    def _kvikio_task(self) -> int:
-        return self.options.chunk_bytes or (self.RING_CHUNK if self.kvikio_direct else self.KVIKIO_TASK)
+    def _kvikio_task(self, direct: bool | None = None) -> int:
+        direct = self.kvikio_direct if direct is None else direct
+        return self.options.chunk_bytes or (self.RING_CHUNK if direct else self.KVIKIO_TASK)
 
     def _kvikio_settings(self) -> Any:
         kv = self._kv
@@ -151,7 +161,7 @@ class PinnedBackend(Backend):
         torch.cuda.set_device(self.device)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
-            kv_extents = stream_order(split_extents(kv_extents, self._kvikio_task(), interleave=False),
+            kv_extents = stream_order(split_extents(kv_extents, self._kvikio_task(), interleave=False, aligned=True),
                                       self._kvikio_threads())
         ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dst, progress)
         futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
