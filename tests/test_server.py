@@ -518,6 +518,32 @@ def test_bad_model_dir_is_a_failed_state_not_a_dead_server(tmp_path: Path):
         srv.close()
 
 
+def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
+    """The tp=8 path end to end on the CPU (the 8-GPU machine is not lent): eight workers, one per
+    rank, each with its own rank's bytes, /readyz 200 only when all eight are ready."""
+    model = make_checkpoint(tmp_path / "tp8", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096,
+                                                         layers=2), tp=8)
+    srv = Server([str(model), "--tp", "8", "--device-map", "cpu"], tmp_path / "serve.log")
+    try:
+        polls = srv.poll_ready(timeout=180)
+        assert all(code == 503 for code, _ in polls[:-1]) and polls[-1][0] == 200
+        s = srv.status()
+        assert s["model"]["tp_size"] == 8 and sorted(s["ranks"], key=int) == [str(r) for r in range(8)]
+        pids = set()
+        for rank in range(8):
+            r = s["ranks"][str(rank)]
+            stored, logical = oracle_bytes(model, rank)
+            assert r["state"] == "ready" and r["files"] == [f.name for f in rank_files(model, rank)]
+            assert (r["stored_bytes"], r["logical_bytes"]) == (stored, logical) and r["seconds"] > 0
+            assert psutil.Process(r["pid"]).ppid() == srv.proc.pid
+            pids.add(r["pid"])
+        assert len(pids) == 8
+        assert srv.terminate() == 0 and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                                for p in pids)
+    finally:
+        srv.close()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
