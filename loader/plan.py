@@ -24,7 +24,7 @@ from .errors import HeaderError
 from .format import DATA_ALIGNMENT, SafetensorsHeader, read_header
 from .manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents", "stream_order"]
+__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents", "stream_order", "direct_read_order"]
 
 _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
@@ -71,6 +71,13 @@ def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
     bounds = [i * n // k for i in range(k + 1)]
     stripes = [chunks[bounds[i] : bounds[i + 1]] for i in range(k)]
     return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
+
+
+def direct_read_order(extents: Sequence[Extent], chunk_bytes: int, streams: int) -> list[Extent]:
+    """O_DIRECT reads of a cold rank: cut at ``chunk_bytes``-aligned file offsets, queued as
+    ``streams`` sequential streams (what kvikio's thread pool then works through in order)."""
+    reads = [e for e in extents if e.length]
+    return stream_order(split_extents(reads, chunk_bytes, interleave=False, aligned=True), streams)
 
 
 def align_up(n: int, alignment: int) -> int:

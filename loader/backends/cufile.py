@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..iomode import KvikioState, cufile_io_mode, kvikio_state, o_direct_supported
 from ..pagecache import is_cold
-from ..plan import Extent, LoadPlan, split_extents, stream_order
+from ..plan import Extent, LoadPlan, direct_read_order
 from . import Backend, Progress, wait_preads
 
 if TYPE_CHECKING:
@@ -113,11 +113,11 @@ class CuFileBackend(Backend):
                ) -> Callable[[], None]:
         assert self.plan is not None
         self._use_device()
-        reads = [e for e in extents if e.length]
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
             settings = self._kvikio_settings()
-            reads = stream_order(split_extents(reads, settings["task_size"], interleave=False, aligned=True),
-                                 settings["num_threads"])
+            reads = direct_read_order(extents, settings["task_size"], settings["num_threads"])
+        else:
+            reads = [e for e in extents if e.length]
         futures = [
             (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
                                                 e.file_offset))

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 
 from ..pagecache import COLD_RESIDENCY, is_cold
-from ..plan import Extent, LoadPlan
-from ..plan import split_extents, stream_order
+from ..plan import Extent, LoadPlan, direct_read_order
 from . import Backend, Progress, wait_preads
 from .cufile import MIN_DIRECT_TASK, has_direct_switch, kvikio_reads_direct
 from .ring import PAGE, RingFile, StagingRing
@@ -161,8 +160,7 @@ class PinnedBackend(Backend):
         torch.cuda.set_device(self.device)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
-            kv_extents = stream_order(split_extents(kv_extents, self._kvikio_task(), interleave=False, aligned=True),
-                                      self._kvikio_threads())
+            kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
         ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dst, progress)
         futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
                                                          e.length, e.file_offset)) for e in kv_extents]
