@@ -265,7 +265,9 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
             scale = f" = {agg / base:.2f} x single" if base else ""
             ctx = (r.get("while_ready") or {}).get("contexts") or {}
             out.append(f"serve   tp={r['tp']} {Path(r['dir']).name:12} ready {r['time_to_ready_s']:.2f} s, loads "
-                       f"{r['load_window_s']:.2f} s window, {agg:.2f} GB/s{scale}; "
+                       f"{r['load_window_s']:.2f} s window ({r.get('loads_overlap_s') or 0:.2f} s all at once), "
+                       f"{agg:.2f} GB/s{scale}; CUDA ready after "
+                       f"{'/'.join(f'{v:.2f}' for v in (r.get('cuda_ready_after_s') or {}).values()) or 'n/a'} s; "
                        f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
     return out
 

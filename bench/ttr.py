@@ -91,10 +91,14 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
     loads = {r: d.get("seconds") for r, d in ranks.items()}
     logical = sum(d.get("logical_bytes") or 0 for d in ranks.values())
     started = status["process"]["started_at"]
-    # The ranks load side by side: their bytes over the window from the first load's start to the last one's end.
-    windows = [(d["ready_at"] - d["seconds"], d["ready_at"]) for d in ranks.values()
-               if d.get("ready_at") and d.get("seconds")]
+    # The ranks load side by side: their bytes over the window from the first load's start to the last one's end,
+    # by the workers' clocks where they report them (the server may read a worker's message a little later).
+    windows = [((d.get("loaded_at") or d["ready_at"]) - d["seconds"], d.get("loaded_at") or d["ready_at"])
+               for d in ranks.values() if d.get("ready_at") and d.get("seconds")]
     window = max(e for _, e in windows) - min(s for s, _ in windows) if windows else None
+    # Workers start loading when their own start-up is done, so loads may not overlap: the seconds all
+    # ranks were loading at once (0 when one finished before another started).
+    overlap = max(0.0, min(e for _, e in windows) - max(s for s, _ in windows)) if windows else None
     out = {
         "time_to_ready_s": ttr,
         "first_http_answer_s": first_answer,
@@ -107,11 +111,20 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
         # Server start -> worker spawned; then spawned -> ready, less the load itself: the
         # worker's interpreter, imports and CUDA context.
         "spawned_after_s": {r: round(d["started_at"] - started, 3) for r, d in ranks.items() if d.get("started_at")},
-        "worker_overhead_s": {r: round(d["ready_at"] - d["started_at"] - d["seconds"], 3) for r, d in ranks.items()
-                              if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
+        "worker_overhead_s": {r: round((d.get("loaded_at") or d["ready_at"]) - d["started_at"] - d["seconds"], 3)
+                              for r, d in ranks.items() if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
+        # Worker spawned -> its GPU library imported -> its CUDA context usable (by the worker's clock).
+        "imported_after_s": {r: round(d["imported_at"] - d["started_at"], 3) for r, d in ranks.items()
+                             if d.get("imported_at") and d.get("started_at")},
+        "cuda_ready_after_s": {r: round(d["cuda_ready_at"] - d["started_at"], 3) for r, d in ranks.items()
+                               if d.get("cuda_ready_at") and d.get("started_at")},
+        # Worker's load done -> the server heard of it.
+        "ready_message_lag_s": {r: round(d["ready_at"] - d["loaded_at"], 4) for r, d in ranks.items()
+                                if d.get("ready_at") and d.get("loaded_at")},
         "phases": {r: d.get("phases") for r, d in ranks.items()},
         "pids": {r: d.get("pid") for r, d in ranks.items()},
         "load_window_s": window,
+        "loads_overlap_s": overlap,
         "aggregate_gbps": logical / window / 1e9 if window else None,
     }
     if while_ready is not None:

@@ -37,13 +37,15 @@ def load_rank(
     verify: bool | None = None,
     pinned_bytes: int | None = None,
     progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[LoadPlan], None] | None = None,
 ) -> LoadResult:
     """Load every tensor of tensor-parallel rank ``rank`` from ``path`` onto ``device``.
 
     ``path`` is a model directory (``gdsload.json``, vLLM ``model-rank-R-part-P``, TRT-LLM
     ``rankR`` or plain ``*.safetensors``) or one ``.safetensors`` file. Options left as None
     come from ``GDSLOAD_*`` environment variables, then defaults (see :class:`LoadConfig`).
-    ``progress`` is called with the byte count of each finished read.
+    ``progress`` is called with the byte count of each finished read; ``on_plan`` once with the
+    rank's :class:`~gdsload.loader.plan.LoadPlan` (files, sizes, tensors), before any data is read.
 
     >>> result = load_rank("/models/llama-tp2", rank=1, device="cpu")  # doctest: +SKIP
     >>> result.tensors["model.embed_tokens.weight"].shape
@@ -66,6 +68,8 @@ def load_rank(
 
     t = time.perf_counter()
     plan = plan_rank(rank_files)
+    if on_plan is not None:
+        on_plan(plan)
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     try:
         arena = reader.allocate(plan.arena_bytes)

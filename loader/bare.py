@@ -39,7 +39,7 @@ from .config import LoadConfig
 from .decode import load_compressed
 from .discovery import discover
 from .iomode import kvikio_state
-from .plan import plan_rank
+from .plan import LoadPlan, plan_rank
 from .result import LoadReport
 
 __all__ = ["BARE_BACKENDS", "BareResult", "Slot", "bare_unavailable", "device_facts", "device_uuid", "load_rank_bare"]
@@ -176,10 +176,12 @@ def load_rank_bare(
     chunk_bytes: int | None = None,
     verify: bool | None = None,
     progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[LoadPlan], None] | None = None,
 ) -> BareResult:
     """Load rank ``rank`` of ``path`` onto GPU ``device_index`` without torch (see the module doc).
 
-    Options left as None come from ``GDSLOAD_*`` variables, then defaults, as in ``load_rank``.
+    Options left as None come from ``GDSLOAD_*`` variables, then defaults; ``progress`` and
+    ``on_plan`` as in ``load_rank``.
     """
     import cupy
 
@@ -191,6 +193,8 @@ def load_rank_bare(
 
     t = time.perf_counter()
     plan = plan_rank(rank_files)
+    if on_plan is not None:
+        on_plan(plan)
     with cupy.cuda.Device(device_index):
         reader = _KvikioReader(device_index, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
         try:

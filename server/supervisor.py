@@ -136,6 +136,12 @@ class _Rank:
     next_restart_at: float | None = None
     started_at: float | None = None
     ready_at: float | None = None
+    loaded_at: float | None = None
+    imported_at: float | None = None
+    """When the worker had imported its GPU library, by its clock (None for host-memory ranks)."""
+    cuda_ready_at: float | None = None
+    """When the worker's CUDA context was usable, by its clock (None for host-memory ranks)."""
+    """When the worker's load returned, by the worker's clock (``ready_at`` is when this process heard of it)."""
     leases: set[str] = field(default_factory=set)
     pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
 
@@ -492,7 +498,8 @@ class Supervisor:
             if x.error is not None:
                 x.last_error = x.error
             x.error, x.error_reported, x.report = None, False, None
-            x.bytes_done, x.started_at, x.ready_at = 0, time.time(), None
+            x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, time.time(), None, None
+            x.imported_at = x.cuda_ready_at = None
             self._publish()
 
     def _stop_handles(self, handles: list[WorkerHandle]) -> None:
@@ -530,6 +537,7 @@ class Supervisor:
                 return
             if kind == "hello":
                 x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
+                x.imported_at, x.cuda_ready_at = payload.get("imported_at"), payload.get("cuda_ready_at")
             elif kind == "loading":
                 x.state = RankState.LOADING
                 x.files = list(payload["files"])
@@ -539,6 +547,7 @@ class Supervisor:
                 x.state, x.report, x.error = RankState.READY, report, None
                 x.stored_bytes, x.logical_bytes = report["stored_bytes"], report["logical_bytes"]
                 x.bytes_done, x.ready_at, x.consecutive_crashes = report["stored_bytes"], time.time(), 0
+                x.loaded_at = payload.get("loaded_at")
                 note = (f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
                         f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}")
             elif kind == "failed":
@@ -728,6 +737,9 @@ class Supervisor:
             "next_restart_in_s": max(0.0, x.next_restart_at - now) if x.next_restart_at is not None else None,
             "started_at": x.started_at,
             "ready_at": x.ready_at,
+            "imported_at": x.imported_at,
+            "cuda_ready_at": x.cuda_ready_at,
+            "loaded_at": x.loaded_at,
             "leases": len(x.leases),
             "report": x.report,
         }

@@ -36,11 +36,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gdsload.loader.errors import ConfigError, GdsloadError
 
 from .settings import configure_logging, parse_device_map
+
+if TYPE_CHECKING:
+    from gdsload.loader.plan import LoadPlan
 
 __all__ = [
     "WorkerSpec",
@@ -324,9 +327,10 @@ class _Worker:
             self.channel.send("failed", error=error_doc(e))
             logging.shutdown()
             os._exit(EXIT_LOAD_FAILED)
+        loaded_at = time.time()  # the worker's clock: the parent may read the message later
         with self._lock:
             self._result = result
-        self.channel.send("ready", report=result.report.to_dict())
+        self.channel.send("ready", report=result.report.to_dict(), loaded_at=loaded_at)
         self._unload.wait()
         self._free()
         # Everything worth freeing by hand is freed; skip the interpreter's teardown of torch (slow, and CUDA
@@ -335,42 +339,49 @@ class _Worker:
         os._exit(0)
 
     def _load(self) -> Any:
-        from gdsload.loader import discover, plan_rank
-
         device, bare = self._device()
+        # Start-up marks by this process's clock (the server reports them): the GPU library imported, then the
+        # CUDA context usable (its creation started on a thread at process start).
+        marks: dict[str, float] = {}
         if bare:
             import cupy
 
             from gdsload.loader.bare import device_facts
 
+            marks["imported_at"] = time.time()
             cupy.cuda.Device(0).use()
             cupy.empty(1, dtype=cupy.uint8)  # the CUDA context now, so the load's timings are the load's
+            marks["cuda_ready_at"] = time.time()
             gpu = device_facts(0)
         elif device.startswith("cuda"):
             import torch
 
+            marks["imported_at"] = time.time()
             torch.cuda.init()
             torch.zeros(1, device=device)
+            marks["cuda_ready_at"] = time.time()
             gpu = _torch_gpu_facts()
         else:
             gpu = None
-        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu)
-        plan = plan_rank(discover(self.spec.model_dir, self.spec.rank))
-        self.channel.send(
-            "loading",
-            files=[os.path.relpath(f.path, self.spec.model_dir) for f in plan.files],
-            stored_bytes=sum(f.stored_bytes for f in plan.files),
-            logical_bytes=sum(f.logical_bytes for f in plan.files),
-        )
+        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu, **marks)
+
+        def loading(plan: LoadPlan) -> None:  # called once the headers are parsed, before any data is read
+            self.channel.send(
+                "loading",
+                files=[os.path.relpath(f.path, self.spec.model_dir) for f in plan.files],
+                stored_bytes=sum(f.stored_bytes for f in plan.files),
+                logical_bytes=sum(f.logical_bytes for f in plan.files),
+            )
+
         if bare:
             from gdsload.loader.bare import load_rank_bare
 
             return load_rank_bare(self.spec.model_dir, self.spec.rank, device_index=0,
-                                  progress=_Progress(self.channel))
+                                  progress=_Progress(self.channel), on_plan=loading)
         from gdsload.loader import load_rank
 
         return load_rank(self.spec.model_dir, self.spec.rank, device=device, backend=self.spec.backend,
-                         progress=_Progress(self.channel))
+                         progress=_Progress(self.channel), on_plan=loading)
 
     def _device(self) -> tuple[str, bool]:
         """Where this rank loads, and whether it loads without torch (:mod:`gdsload.loader.bare`).

@@ -97,6 +97,10 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     (serve,) = [r for r in rows if r["row"] == "serve"]
     assert serve["tp"] == 2 and set(serve["load_seconds"]) == {"0", "1"}
     assert serve["logical_bytes"] == both and serve["aggregate_gbps"] > 0
+    # By the workers' clocks: both loads inside the window, overlapping for at most the shorter one.
+    assert max(serve["load_seconds"].values()) <= serve["load_window_s"] <= sum(serve["load_seconds"].values()) + 5
+    assert 0 <= serve["loads_overlap_s"] <= min(serve["load_seconds"].values())
+    assert all(0 <= lag < 5 for lag in serve["ready_message_lag_s"].values()) and len(serve["ready_message_lag_s"]) == 2
     assert "group   gdsload:cpu        world=2" in p.stdout and "limits  raw read" in p.stdout
     assert "2 processes at once" in p.stdout
 

@@ -285,3 +285,14 @@ def test_sampled_residency_tracks_the_exact_count(tmp_path):
     exact, sampled = resident_fraction(files), resident_fraction(files, samples=64)
     assert 0.45 < exact < 0.75 and abs(sampled - exact) < 0.1
     assert resident_fraction(files, samples=10_000) == exact  # more samples than windows: the exact scan
+
+
+def test_on_plan_is_called_once_with_the_plan_before_any_bytes_are_read(sharded_dir):
+    events: list = []
+    result = load_rank(sharded_dir, 1, device="cpu", on_plan=lambda plan: events.append(plan),
+                       progress=lambda n: events.append(n))
+    plan = events[0]
+    assert [type(e) for e in events].count(type(plan)) == 1 and len(events) > 1
+    assert all(isinstance(e, int) for e in events[1:]) and sum(events[1:]) == sum(f.stored_bytes for f in plan.files)
+    assert [f.path for f in plan.files] == [f.path for f in result.report.files]
+    assert {p.name for p in plan.placements} == set(result.tensors)
