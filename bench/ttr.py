@@ -92,7 +92,7 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
     logical = sum(d.get("logical_bytes") or 0 for d in ranks.values())
     started = status["process"]["started_at"]
     # The ranks load side by side: their bytes over the window from the first load's start to the last one's end,
-    # by the workers' clocks where they report them (the server may read a worker's message a little later).
+    # with the end taken in the worker where it reports it (the server may read a worker's message a little later).
     windows = [((d.get("loaded_at") or d["ready_at"]) - d["seconds"], d.get("loaded_at") or d["ready_at"])
                for d in ranks.values() if d.get("ready_at") and d.get("seconds")]
     window = max(e for _, e in windows) - min(s for s, _ in windows) if windows else None
@@ -108,12 +108,12 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
         "logical_bytes": logical,
         "backends": sorted({d.get("backend") for d in ranks.values() if d.get("backend")}),
         "io_modes": sorted({d.get("io_mode") for d in ranks.values() if d.get("io_mode")}),
-        # Server start -> worker spawned; then spawned -> ready, less the load itself: the
-        # worker's interpreter, imports and CUDA context.
+        # Server start -> worker spawned; then spawned -> the worker's load done (taken in the worker; before
+        # session 6, when the server read "ready"), less the load itself: interpreter, imports, CUDA context.
         "spawned_after_s": {r: round(d["started_at"] - started, 3) for r, d in ranks.items() if d.get("started_at")},
         "worker_overhead_s": {r: round((d.get("loaded_at") or d["ready_at"]) - d["started_at"] - d["seconds"], 3)
                               for r, d in ranks.items() if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
-        # Worker spawned -> its GPU library imported -> its CUDA context usable (by the worker's clock).
+        # Worker spawned -> its GPU library imported -> its CUDA context usable (times taken in the worker).
         "imported_after_s": {r: round(d["imported_at"] - d["started_at"], 3) for r, d in ranks.items()
                              if d.get("imported_at") and d.get("started_at")},
         "cuda_ready_after_s": {r: round(d["cuda_ready_at"] - d["started_at"], 3) for r, d in ranks.items()

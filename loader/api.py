@@ -45,7 +45,8 @@ def load_rank(
     ``rankR`` or plain ``*.safetensors``) or one ``.safetensors`` file. Options left as None
     come from ``GDSLOAD_*`` environment variables, then defaults (see :class:`LoadConfig`).
     ``progress`` is called with the byte count of each finished read; ``on_plan`` once with the
-    rank's :class:`~gdsload.loader.plan.LoadPlan` (files, sizes, tensors), before any data is read.
+    rank's :class:`~gdsload.loader.plan.LoadPlan` (files, sizes, tensors), before any data is read
+    (its time counts in the report's ``plan`` phase).
 
     >>> result = load_rank("/models/llama-tp2", rank=1, device="cpu")  # doctest: +SKIP
     >>> result.tensors["model.embed_tokens.weight"].shape

@@ -137,11 +137,12 @@ class _Rank:
     started_at: float | None = None
     ready_at: float | None = None
     loaded_at: float | None = None
+    """When the worker's load returned, ``time.time()`` taken in the worker (``ready_at`` is when this process
+    read the message)."""
     imported_at: float | None = None
-    """When the worker had imported its GPU library, by its clock (None for host-memory ranks)."""
+    """When the worker had imported its GPU library, taken in the worker (None for host-memory ranks)."""
     cuda_ready_at: float | None = None
-    """When the worker's CUDA context was usable, by its clock (None for host-memory ranks)."""
-    """When the worker's load returned, by the worker's clock (``ready_at`` is when this process heard of it)."""
+    """When the worker's CUDA context was usable, taken in the worker (None for host-memory ranks)."""
     leases: set[str] = field(default_factory=set)
     pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
 

@@ -327,7 +327,7 @@ class _Worker:
             self.channel.send("failed", error=error_doc(e))
             logging.shutdown()
             os._exit(EXIT_LOAD_FAILED)
-        loaded_at = time.time()  # the worker's clock: the parent may read the message later
+        loaded_at = time.time()  # taken here: the parent may read the message later
         with self._lock:
             self._result = result
         self.channel.send("ready", report=result.report.to_dict(), loaded_at=loaded_at)
@@ -340,7 +340,7 @@ class _Worker:
 
     def _load(self) -> Any:
         device, bare = self._device()
-        # Start-up marks by this process's clock (the server reports them): the GPU library imported, then the
+        # Start-up marks taken here (the server reports them): the GPU library imported, then the
         # CUDA context usable (its creation started on a thread at process start).
         marks: dict[str, float] = {}
         if bare:

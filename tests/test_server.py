@@ -248,7 +248,7 @@ def test_status_reports_every_rank(server: Server, models: Models):
         assert set(r["phases"]) == set(PHASES) and all(v >= 0 for v in r["phases"].values())
         assert r["seconds"] == pytest.approx(sum(r["phases"].values())) and r["gbps"] > 0
         assert r["restarts"] == 0 and r["failures"] == 0 and r["leases"] == 0
-        # The worker's own clock says when its load returned: after it was started, before the server heard.
+        # The worker takes the time its load returned: after it was started, before the server heard.
         assert r["started_at"] + r["seconds"] <= r["loaded_at"] <= r["ready_at"]
         assert r["imported_at"] is None and r["cuda_ready_at"] is None  # host-memory ranks make no CUDA context
         assert psutil.Process(r["pid"]).ppid() == server.proc.pid  # one worker process per rank
@@ -602,7 +602,7 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path)
             x = ranks[str(r)]
             assert x["device"] == "cuda:0"  # the worker's only GPU
             assert x["gpu"]["uuid"] == str(torch.cuda.get_device_properties(r).uuid)
-            # Start-up marks by the worker's clock, in order.
+            # Start-up marks taken in the worker, in order.
             assert x["started_at"] < x["imported_at"] <= x["cuda_ready_at"] <= x["loaded_at"] <= x["ready_at"]
         smi = gpu_processes()
         if smi:  # nvidia-smi lists processes here: each worker is on its own GPU and no other
