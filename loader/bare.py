@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import file_report, verify_digests
-from .backends import ReadOptions
+from .backends import BARE_BACKENDS, ReadOptions
 from .backends.cufile import CuFileBackend
 from .config import LoadConfig
 from .decode import load_compressed
@@ -45,9 +45,6 @@ from .result import LoadReport
 __all__ = ["BARE_BACKENDS", "BareResult", "Slot", "bare_unavailable", "device_facts", "device_uuid", "load_rank_bare"]
 
 log = logging.getLogger(__name__)
-
-BARE_BACKENDS = ("auto", "cufile")
-"""Backend names this path serves; it reads the way the ``cufile`` backend does."""
 
 
 def bare_unavailable(backend: str = "auto") -> str | None:
@@ -152,9 +149,10 @@ class _KvikioReader(CuFileBackend):
         return device_buffer(nbytes, self.index)
 
     def _kvikio_settings(self) -> dict[str, Any]:
-        # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
+        # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each);
+        # cold reads name theirs.
         settings = super()._kvikio_settings()
-        return {**settings, "bounce_buffer_size": settings["task_size"]}
+        return {"bounce_buffer_size": settings["task_size"], **settings}
 
     def _use_device(self) -> None:
         import cupy

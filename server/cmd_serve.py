@@ -14,6 +14,7 @@ import click
 
 from gdsload.loader.errors import GdsloadError
 
+from .forkserver import START_METHODS
 from .settings import ENV_VARS, LOG_FORMATS, LOG_LEVELS, TOKEN_ENV, ServeConfig, configure_logging
 
 __all__ = ["serve", "run_server"]
@@ -49,10 +50,15 @@ def _env(name: str) -> str:
               help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
 @click.option("--stop-timeout", type=float, default=None,
               help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.")
+@click.option("--worker-start", type=click.Choice(START_METHODS), default=None,
+              help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
+                   f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
+                   f"{_env('worker_start')}.")
 def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: str | None, backend: str | None,
           host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
           log_format: str | None, log_level: str | None, restart_backoff: float | None,
-          restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None) -> None:
+          restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None,
+          worker_start: str | None) -> None:
     """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
     readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
     GDSLOAD_* variable; flags win."""
@@ -61,7 +67,7 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
             model_dir=model_dir, ranks=ranks, tp=tp, device_map=device_map, backend=backend, host=host, port=port,
             token_file=token_file, allow_roots=allow_roots, log_format=log_format, log_level=log_level,
             restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
-            stop_timeout=stop_timeout,
+            stop_timeout=stop_timeout, worker_start=worker_start,
         )
     except GdsloadError as e:
         raise click.UsageError(str(e)) from None
@@ -92,14 +98,16 @@ def run_server(config: ServeConfig) -> None:
     """
     configure_logging(config.log_format, config.log_level)
     sock = _bind(config.host, config.port)
+
+    from .supervisor import Supervisor, start_worker_server
+
+    start_worker_server(config)  # now: the workers' imports overlap the rest of the server's start-up
     if not config.is_loopback and config.token is None:
         log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
                     TOKEN_ENV)
     if config.token is None:
         log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
                  TOKEN_ENV)
-
-    from .supervisor import Supervisor
 
     supervisor = Supervisor(config)
     # uvicorn handles SIGTERM gracefully, then re-raises it with the handler it found: make that a clean exit.

@@ -20,6 +20,7 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_RESTART_BACKOFF_MAX   | --restart-backoff-max   | seconds >= the first delay, <= 3600               | 30.0        |
 | GDSLOAD_MAX_RESTARTS          | --max-restarts          | integer 0..1000 consecutive restarts per rank     | 5           |
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |
+| GDSLOAD_WORKER_START          | --worker-start          | ``auto``, ``forkserver``, ``spawn``               | ``auto``    |
 
 The token comes from ``--token-file``, else ``GDSLOAD_TOKEN_FILE``, else ``GDSLOAD_TOKEN``.
 
@@ -78,6 +79,7 @@ ENV_VARS: dict[str, str] = {
     "restart_backoff_max": "GDSLOAD_RESTART_BACKOFF_MAX",
     "max_restarts": "GDSLOAD_MAX_RESTARTS",
     "stop_timeout": "GDSLOAD_STOP_TIMEOUT",
+    "worker_start": "GDSLOAD_WORKER_START",
 }
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -198,6 +200,10 @@ class ServeConfig:
     """Consecutive crashes of one rank's worker that are restarted; the next one leaves the rank failed."""
     stop_timeout: float = 10.0
     """Seconds a worker gets to free its memory and exit on unload, reload or SIGTERM before it is killed."""
+    worker_start: str = "auto"
+    """How workers start: ``forkserver`` forks them from a helper that imported their libraries when the server
+    started (no CUDA in it; see :mod:`gdsload.server.forkserver`); ``spawn`` starts a fresh interpreter each;
+    ``auto``: forkserver where workers load with torch, spawn for GPU workers that load without it."""
 
     def __post_init__(self) -> None:
         if self.model_dir is not None and (not isinstance(self.model_dir, str) or not os.path.isabs(self.model_dir)):
@@ -250,6 +256,10 @@ class ServeConfig:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be an integer in 0..1000 (0: never restart)")
         if not _is_number(self.stop_timeout) or not 0.1 <= self.stop_timeout <= 600:
             raise ConfigError(f"stop_timeout={self.stop_timeout!r} must be a number of seconds in 0.1..600")
+        from .forkserver import START_METHODS
+
+        if self.worker_start not in START_METHODS:
+            raise ConfigError(f"worker_start={self.worker_start!r} must be one of {START_METHODS}")
 
     @property
     def is_loopback(self) -> bool:
@@ -336,7 +346,7 @@ def _convert(key: str, value: Any, origin: str) -> Any:
         if key == "allow_roots":
             parts = value.split(os.pathsep) if isinstance(value, str) else list(value)
             return tuple(p.strip() for p in parts if p.strip())
-        if key in ("log_format", "log_level", "device_map", "backend", "host"):
+        if key in ("log_format", "log_level", "device_map", "backend", "host", "worker_start"):
             return value.strip().lower() if key != "host" else value.strip()
         return value
     except ValueError as e:

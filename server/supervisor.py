@@ -21,6 +21,7 @@ body prebuilt at every state change.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import json
 import logging
 import os
@@ -39,7 +40,8 @@ from typing import Any, TypeVar
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
-from .settings import ServeConfig, confine_path
+from . import forkserver
+from .settings import ServeConfig, confine_path, parse_device_map
 from .workers import (
     RankNotReadyError,
     WorkerHandle,
@@ -60,6 +62,8 @@ __all__ = [
     "ModelUnreadableError",
     "RankNotReadyError",
     "process_start_time",
+    "start_worker_server",
+    "worker_start_method",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,35 @@ def process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
+def worker_imports(config: ServeConfig) -> tuple[bool, bool]:
+    """``(gpu, torch)``: whether this host's workers may load on a GPU without torch, and whether some may
+    load with torch (a host-memory rank, a backend the torch-free path does not run, or no cupy/kvikio)."""
+    from gdsload.loader.backends import BARE_BACKENDS
+
+    dm = parse_device_map(config.device_map)
+    gpu = bool(visible_gpus()) and dm != "cpu"
+    torch_free = (config.backend in BARE_BACKENDS
+                  and all(importlib.util.find_spec(m) is not None for m in ("cupy", "kvikio")))
+    torch = not gpu or not torch_free or (isinstance(dm, dict) and any(g is None for g in dm.values()))
+    return gpu, torch
+
+
+def worker_start_method(config: ServeConfig) -> str:
+    """``config.worker_start`` with ``auto`` resolved for this host (:func:`gdsload.server.forkserver.resolve`)."""
+    return forkserver.resolve(config.worker_start, torch=worker_imports(config)[1])
+
+
+def start_worker_server(config: ServeConfig) -> None:
+    """Start the worker fork server, if this host's workers start by fork, preloading what they import.
+
+    Called at start-up right after the socket is bound, so those imports overlap the server's own.
+    """
+    method = worker_start_method(config)
+    if method == "forkserver":
+        gpu, torch = worker_imports(config)
+        forkserver.start(method, gpu=gpu, torch=torch)
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -139,6 +172,8 @@ class _Rank:
     loaded_at: float | None = None
     """When the worker's load returned, ``time.time()`` taken in the worker (``ready_at`` is when this process
     read the message)."""
+    entered_at: float | None = None
+    """When the worker process reached its entry point (forked or interpreter started), taken in the worker."""
     imported_at: float | None = None
     """When the worker had imported its GPU library, taken in the worker (None for host-memory ranks)."""
     cuda_ready_at: float | None = None
@@ -163,6 +198,8 @@ class Supervisor:
 
     def __init__(self, config: ServeConfig):
         self.config = config
+        self.worker_start = worker_start_method(config)
+        """How this server starts its workers (``config.worker_start`` with ``auto`` resolved)."""
         self.process_start = process_start_time()
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {}
@@ -250,6 +287,7 @@ class Supervisor:
                 "leases": sum(len(x.leases) for x in self._ranks.values()),
                 "failures_total": {str(r): n for r, n in sorted(self._failures.items())},
                 "restarts_total": {str(r): n for r, n in sorted(self._restarts.items())},
+                "worker_start": self.worker_start,
                 "config": self.config.public_dict(),
             }
 
@@ -487,9 +525,11 @@ class Supervisor:
                           cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
                           generation=self._generation, log_format=self.config.log_format,
                           log_level=self.config.log_level)
+        started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns
         try:
-            handle = WorkerHandle.spawn(spec)
-        except OSError as e:
+            start_worker_server(self.config)  # started early by `serve`; here for other callers, or after a crash
+            handle = WorkerHandle.spawn(spec, self.worker_start)
+        except (OSError, EOFError) as e:  # EOFError: the worker fork server died
             with self._lock:
                 self._crashed(x, f"worker for rank {x.rank} could not be started ({e})")
             return
@@ -499,8 +539,8 @@ class Supervisor:
             if x.error is not None:
                 x.last_error = x.error
             x.error, x.error_reported, x.report = None, False, None
-            x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, time.time(), None, None
-            x.imported_at = x.cuda_ready_at = None
+            x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, started_at, None, None
+            x.entered_at = x.imported_at = x.cuda_ready_at = None
             self._publish()
 
     def _stop_handles(self, handles: list[WorkerHandle]) -> None:
@@ -538,6 +578,7 @@ class Supervisor:
                 return
             if kind == "hello":
                 x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
+                x.entered_at = payload.get("entered_at")
                 x.imported_at, x.cuda_ready_at = payload.get("imported_at"), payload.get("cuda_ready_at")
             elif kind == "loading":
                 x.state = RankState.LOADING
@@ -738,6 +779,7 @@ class Supervisor:
             "next_restart_in_s": max(0.0, x.next_restart_at - now) if x.next_restart_at is not None else None,
             "started_at": x.started_at,
             "ready_at": x.ready_at,
+            "entered_at": x.entered_at,
             "imported_at": x.imported_at,
             "cuda_ready_at": x.cuda_ready_at,
             "loaded_at": x.loaded_at,

@@ -1,13 +1,16 @@
 """Worker processes: one per served rank, each loading its rank and keeping the tensors resident.
 
-A worker is a ``multiprocessing`` **spawn** child (never fork: the parent runs threads and an
-event loop, and CUDA does not survive a fork). It sees only its own GPU: the parent sets
-``CUDA_VISIBLE_DEVICES`` in the environment the child is started with, so CUDA (and cuFile)
-never opens a context on any other device. A worker with no GPU loads into host memory.
+A worker is never a fork of the server (the server runs threads and an event loop). It is either a
+fork of the worker fork server, which has imported the worker's libraries and never touched CUDA, or
+a fresh interpreter (spawn); ``--worker-start`` chooses, and ``auto`` forks where workers import
+torch (:mod:`gdsload.server.forkserver`). It sees
+only its own GPU: ``CUDA_VISIBLE_DEVICES`` is set in the worker before anything makes a CUDA
+context (and, for spawn, in the environment it starts with), so CUDA (and cuFile) never opens a
+context on any other device. A worker with no GPU loads into host memory.
 
 Parent and worker talk over one duplex pipe of ``(kind, payload)`` messages.
 
-worker -> parent: ``hello`` (pid, device), ``loading`` (files, byte totals), ``progress``
+worker -> parent: ``hello`` (pid, device, start-up marks), ``loading`` (files, byte totals), ``progress``
 (bytes read so far, at most every :data:`PROGRESS_INTERVAL_S`), ``ready`` (the load report),
 ``failed`` (the typed error), ``reply`` (to a command).
 
@@ -18,7 +21,8 @@ A worker whose load fails reports the error and exits with :data:`EXIT_LOAD_FAIL
 that loses its parent exits at once.
 
 >>> handle = WorkerHandle.spawn(WorkerSpec(rank=0, model_dir="/models/m", backend="auto",
-...                                        cuda_visible_devices="", gpu_explicit=False))  # doctest: +SKIP
+...                                        cuda_visible_devices="", gpu_explicit=False),
+...                             start_method="forkserver")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from gdsload.loader.errors import ConfigError, GdsloadError
 
+from . import forkserver
 from .settings import configure_logging, parse_device_map
 
 if TYPE_CHECKING:
@@ -50,6 +55,7 @@ __all__ = [
     "WorkerHandle",
     "GpuUnavailableError",
     "RankNotReadyError",
+    "WorkerStartError",
     "visible_gpus",
     "assign_devices",
     "error_doc",
@@ -65,7 +71,6 @@ EXIT_LOAD_FAILED = 3
 PROGRESS_INTERVAL_S = 0.2
 """Fewest seconds between two progress messages of one worker."""
 
-_SPAWN = multiprocessing.get_context("spawn")
 _ENV_LOCK = threading.Lock()
 
 
@@ -75,6 +80,10 @@ class GpuUnavailableError(GdsloadError, RuntimeError):
 
 class RankNotReadyError(GdsloadError, RuntimeError):
     """The rank has no loaded tensors (still loading, failed, or restarting)."""
+
+
+class WorkerStartError(GdsloadError, RuntimeError):
+    """A worker process cannot use its GPU because of how it was started (see the message for the fix)."""
 
 
 @dataclass(frozen=True)
@@ -171,13 +180,18 @@ class WorkerHandle:
         """Set when the parent stops the worker on purpose (unload, reload, shutdown): its exit is no crash."""
 
     @classmethod
-    def spawn(cls, spec: WorkerSpec) -> WorkerHandle:
-        """Start a worker process for ``spec`` with its own ``CUDA_VISIBLE_DEVICES``."""
-        parent_conn, child_conn = _SPAWN.Pipe(duplex=True)
-        process = _SPAWN.Process(target=worker_main, args=(spec, child_conn), name=f"gdsload-rank{spec.rank}",
-                                 daemon=True)
-        # The spawned interpreter inherits os.environ as it is at start(): set the variable there so it is in
-        # force before anything in the child can initialise CUDA. The lock keeps concurrent spawns apart.
+    def spawn(cls, spec: WorkerSpec, start_method: str = "spawn") -> WorkerHandle:
+        """Start a worker process for ``spec`` with its own ``CUDA_VISIBLE_DEVICES``.
+
+        ``start_method``: ``forkserver`` or ``spawn`` (``auto`` is resolved before this, by the supervisor).
+        """
+        ctx = forkserver.context(start_method)
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"gdsload-rank{spec.rank}",
+                              daemon=True)
+        # A spawned interpreter inherits os.environ as it is at start(): set the variable there so it is in
+        # force before anything in the child can initialise CUDA (a forked worker sets it in worker_main,
+        # before it makes its context). The lock keeps concurrent starts apart.
         with _ENV_LOCK:
             before = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
@@ -189,8 +203,8 @@ class WorkerHandle:
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = before
         child_conn.close()
-        log.info("rank %d: started worker pid %s (CUDA_VISIBLE_DEVICES=%r)", spec.rank, process.pid,
-                 spec.cuda_visible_devices)
+        log.info("rank %d: started worker pid %s by %s (CUDA_VISIBLE_DEVICES=%r)", spec.rank, process.pid,
+                 start_method, spec.cuda_visible_devices)
         return cls(spec, process, parent_conn)
 
     @property
@@ -307,9 +321,10 @@ class _Progress:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec, channel: _Channel):
+    def __init__(self, spec: WorkerSpec, channel: _Channel, entered_at: float):
         self.spec = spec
         self.channel = channel
+        self.entered_at = entered_at
         self._lock = threading.Lock()
         self._result: Any = None  # LoadResult once loaded
         self._leases: set[str] = set()
@@ -339,10 +354,13 @@ class _Worker:
         os._exit(0)
 
     def _load(self) -> Any:
+        problem = forkserver.inherited_problem()
+        if problem is not None and self.spec.cuda_visible_devices:
+            raise WorkerStartError(f"rank {self.spec.rank}: {problem}")
         device, bare = self._device()
-        # Start-up marks taken here (the server reports them): the GPU library imported, then the
-        # CUDA context usable (its creation started on a thread at process start).
-        marks: dict[str, float] = {}
+        # Start-up marks taken here (the server reports them): the worker's entry point ran, its GPU
+        # library was imported, then its CUDA context was usable (made on a thread from the entry on).
+        marks: dict[str, float] = {"entered_at": self.entered_at}
         if bare:
             import cupy
 
@@ -480,14 +498,17 @@ def _torch_gpu_facts() -> dict[str, Any]:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process: load ``spec.rank``, report, keep the tensors until told to unload."""
-    # WorkerHandle.spawn started this interpreter with the variable set, so even CUDA initialised while the
-    # parent's main module was re-imported sees only this GPU; setting it again keeps os.environ truthful.
+    entered_at = time.time()
+    # Before any CUDA context: a forked worker inherited the fork server's environment, and the driver
+    # reads the variable when it initialises. (A spawned one was started with it set already.)
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
-    if spec.cuda_visible_devices:
+    if spec.cuda_visible_devices and forkserver.inherited_problem() is None:
         _start_cuda_context()
     configure_logging(spec.log_format, spec.log_level, rank=spec.rank)
-    _Worker(spec, _Channel(conn)).run()
+    if forkserver.STATE:
+        log.debug("forked from the worker fork server (its imports: %s)", forkserver.STATE)
+    _Worker(spec, _Channel(conn), entered_at).run()
 
 
 def _start_cuda_context() -> None:

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -209,11 +210,11 @@ def _assert_oracle_bytes(plan, arena) -> None:
         assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
 
 
-def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(sharded_dir, monkeypatch):
+def _cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str]]:
+    """kvikio stood in for, rank 1 planned and evicted from the page cache (or the test skipped)."""
     from gdsload.loader import discover, plan_rank
     from gdsload.loader.iomode import o_direct_supported
     from gdsload.loader.pagecache import evict, resident_fraction
-    from gdsload.loader.plan import split_extents, stream_order
 
     seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
     plan = plan_rank(discover(sharded_dir, 1))
@@ -223,6 +224,13 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     evict(paths)
     if resident_fraction(paths) > 0.1:
         pytest.skip("the page cache could not be emptied here")
+    return seen, plan, paths
+
+
+def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(sharded_dir, monkeypatch):
+    from gdsload.loader.plan import split_extents, stream_order
+
+    seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
     small = _host_reader(chunk=4096)  # kvikio reads O_DIRECT only through bounce buffers of two pages or more
     small.open(plan)
     small.close()
@@ -233,7 +241,8 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     reader.open(plan)
     reader.read(plan.extents, arena)
     assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": True}]
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192,
+                                 "auto_direct_io_read": True}]
     # One kvikio task per read, cut at aligned offsets, queued as three sequential streams.
     queued = stream_order(split_extents([e for e in plan.extents if e.length], 8192, interleave=False, aligned=True), 3)
     assert len(queued) > 3
@@ -249,6 +258,26 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     reader.close()
     assert not reader.cold_direct and reader.direct_io() == [False, False]
     assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": False}]
+
+
+def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypatch):
+    """``COLD_PIECE``: each kvikio task (one thread) covers a piece of several O_DIRECT reads, in file order."""
+    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.plan import split_extents, stream_order
+
+    monkeypatch.setattr(CuFileBackend, "COLD_PIECE", 3 * 8192 + 100)  # rounded down to whole reads
+    seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
+    reader = _host_reader(chunk=8192)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, arena)
+    reader.close()
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 3 * 8192, "bounce_buffer_size": 8192,
+                                 "auto_direct_io_read": True}]
+    pieces = stream_order(split_extents([e for e in plan.extents if e.length], 3 * 8192, interleave=False,
+                                        aligned=True), 3)
+    assert seen["preads"] == [(paths[e.file_index], e.file_offset, e.length) for e in pieces]
+    _assert_oracle_bytes(plan, arena)
 
 
 def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatch):

@@ -98,6 +98,15 @@ class Server:
                 self.proc.wait(10)
 
 
+def worker_parent(pid: int, server_pid: int) -> psutil.Process:
+    """The process a worker was forked from: the server's worker fork server (default), or the server (spawn)."""
+    parent = psutil.Process(pid).parent()
+    assert parent is not None
+    if parent.pid != server_pid:
+        assert parent.ppid() == server_pid and "forkserver" in " ".join(parent.cmdline()), parent.cmdline()
+    return parent
+
+
 def auth(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -251,8 +260,12 @@ def test_status_reports_every_rank(server: Server, models: Models):
         # The worker takes the time its load returned: after it was started, before the server heard.
         assert r["started_at"] + r["seconds"] <= r["loaded_at"] <= r["ready_at"]
         assert r["imported_at"] is None and r["cuda_ready_at"] is None  # host-memory ranks make no CUDA context
-        assert psutil.Process(r["pid"]).ppid() == server.proc.pid  # one worker process per rank
-    assert s["ranks"]["0"]["pid"] != s["ranks"]["1"]["pid"]
+        assert r["started_at"] <= r["entered_at"] <= r["loaded_at"] - r["seconds"]
+    # The default on a host whose workers load with torch: both forked from one helper.
+    assert s["config"]["worker_start"] == "auto" and s["worker_start"] == "forkserver"
+    assert s["ranks"]["0"]["pid"] != s["ranks"]["1"]["pid"]  # one worker process per rank
+    parents = {worker_parent(s["ranks"][r]["pid"], server.proc.pid).pid for r in ("0", "1")}
+    assert len(parents) == 1 and parents != {server.proc.pid}
 
 
 def test_metrics(server: Server, models: Models):
@@ -485,8 +498,10 @@ def test_reload_to_a_second_model(server: Server, models: Models):
 def test_sigterm_stops_workers_and_exits_cleanly(server: Server):
     pids = [r["pid"] for r in server.status()["ranks"].values()]
     assert pids and all(psutil.pid_exists(p) for p in pids)
+    helper = worker_parent(pids[0], server.proc.pid)
     assert server.terminate() == 0
     assert not any(psutil.pid_exists(p) for p in pids)
+    helper.wait(10)  # the worker fork server leaves with the server
     lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
     assert lines and all({"ts", "level", "logger", "message", "pid"} <= set(x) for x in lines)  # GDSLOAD_LOG_FORMAT=json
     messages = [x["message"] for x in lines]
@@ -538,11 +553,28 @@ def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
             stored, logical = oracle_bytes(model, rank)
             assert r["state"] == "ready" and r["files"] == [f.name for f in rank_files(model, rank)]
             assert (r["stored_bytes"], r["logical_bytes"]) == (stored, logical) and r["seconds"] > 0
-            assert psutil.Process(r["pid"]).ppid() == srv.proc.pid
+            worker_parent(r["pid"], srv.proc.pid)
             pids.add(r["pid"])
         assert len(pids) == 8
         assert srv.terminate() == 0 and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                                                 for p in pids)
+    finally:
+        srv.close()
+
+
+def test_spawned_workers_load_the_same(models: Models, tmp_path: Path):
+    """``--worker-start spawn``: a fresh interpreter per worker, started by the server itself."""
+    srv = Server([str(models.a), "--tp", "2", "--device-map", "cpu", "--worker-start", "spawn"], tmp_path / "serve.log")
+    try:
+        srv.poll_ready(timeout=120)
+        s = srv.status()
+        assert s["config"]["worker_start"] == s["worker_start"] == "spawn"
+        for rank in (0, 1):
+            r = s["ranks"][str(rank)]
+            assert r["state"] == "ready" and (r["stored_bytes"], r["logical_bytes"]) == oracle_bytes(models.a, rank)
+            assert r["started_at"] < r["entered_at"] <= r["loaded_at"] - r["seconds"]
+            assert worker_parent(r["pid"], srv.proc.pid).pid == srv.proc.pid
+        assert srv.terminate() == 0
     finally:
         srv.close()
 
@@ -585,7 +617,8 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu(2)
-def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path):
+@pytest.mark.parametrize("worker_start, resolved", [("auto", "spawn"), ("forkserver", "forkserver")])
+def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path, worker_start: str, resolved: str):
     """--tp 2: each worker holds a context on its own GPU only; an engine per GPU maps its rank."""
     import torch
 
@@ -593,7 +626,8 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path)
     from gdsload.server.workers import visible_gpus
 
     visible = visible_gpus()
-    srv = Server([str(models.a), "--tp", "2"], tmp_path / "serve.log", env={"GDSLOAD_TOKEN": TOKEN})
+    srv = Server([str(models.a), "--tp", "2", "--worker-start", worker_start], tmp_path / "serve.log",
+                 env={"GDSLOAD_TOKEN": TOKEN})
     try:
         srv.poll_ready(timeout=180)
         ranks = srv.status()["ranks"]
@@ -603,11 +637,16 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path)
             assert x["device"] == "cuda:0"  # the worker's only GPU
             assert x["gpu"]["uuid"] == str(torch.cuda.get_device_properties(r).uuid)
             # Start-up marks taken in the worker, in order.
-            assert x["started_at"] < x["imported_at"] <= x["cuda_ready_at"] <= x["loaded_at"] <= x["ready_at"]
+            assert x["started_at"] <= x["entered_at"] <= x["imported_at"] <= x["cuda_ready_at"] <= x["loaded_at"]
+            assert x["loaded_at"] <= x["ready_at"]
+        assert srv.status()["worker_start"] == resolved  # auto: torch-free GPU workers are spawned
+        parent = worker_parent(ranks["0"]["pid"], srv.proc.pid)
+        assert (parent.pid == srv.proc.pid) == (resolved == "spawn")
         smi = gpu_processes()
         if smi:  # nvidia-smi lists processes here: each worker is on its own GPU and no other
             for r in (0, 1):
                 assert sorted(smi.get(ranks[str(r)]["pid"], {})) == [ranks[str(r)]["gpu"]["uuid"]], smi
+            assert parent.pid not in smi and srv.proc.pid not in smi  # neither the server nor the fork server
         for r in (0, 1):
             doc = srv.http.get(f"/v1/ipc/{r}", headers=auth()).json()
             engine = map_in_engine(doc, env={"CUDA_VISIBLE_DEVICES": visible[r]})

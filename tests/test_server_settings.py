@@ -46,7 +46,7 @@ def test_every_env_var_is_read(tmp_path: Path):
         "GDSLOAD_BACKEND": "cpu", "GDSLOAD_HOST": "::1", "GDSLOAD_PORT": "9000", "GDSLOAD_TOKEN_FILE": str(token_file),
         "GDSLOAD_ALLOW_ROOT": os.pathsep.join(map(str, roots)), "GDSLOAD_LOG_FORMAT": "json",
         "GDSLOAD_LOG_LEVEL": "DEBUG", "GDSLOAD_RESTART_BACKOFF": "0.5", "GDSLOAD_RESTART_BACKOFF_MAX": "8",
-        "GDSLOAD_MAX_RESTARTS": "2", "GDSLOAD_STOP_TIMEOUT": "3",
+        "GDSLOAD_MAX_RESTARTS": "2", "GDSLOAD_STOP_TIMEOUT": "3", "GDSLOAD_WORKER_START": "Spawn",
     }
     assert set(env) | {"GDSLOAD_TP"} == set(ENV_VARS.values())
     c = ServeConfig.resolve(env=env)
@@ -56,6 +56,7 @@ def test_every_env_var_is_read(tmp_path: Path):
     assert c.allow_roots == tuple(os.path.realpath(r) for r in roots)
     assert (c.log_format, c.log_level, c.restart_backoff, c.restart_backoff_max, c.max_restarts, c.stop_timeout) == \
            ("json", "debug", 0.5, 8.0, 2, 3.0)
+    assert c.worker_start == "spawn" and ServeConfig.resolve(env={}).worker_start == "auto"
     assert ServeConfig.resolve(env={"GDSLOAD_TP": "4"}).ranks == (0, 1, 2, 3)
     assert ServeConfig.resolve(env={"GDSLOAD_TOKEN": "abc123"}).token_source == "GDSLOAD_TOKEN"
 
@@ -93,6 +94,7 @@ def test_flags_win_over_env(tmp_path: Path):
     ({"GDSLOAD_RESTART_BACKOFF": "5", "GDSLOAD_RESTART_BACKOFF_MAX": "2"}, "restart_backoff_max=2.0 must be seconds between"),
     ({"GDSLOAD_MAX_RESTARTS": "-1"}, "max_restarts=-1 must be an integer in 0..1000"),
     ({"GDSLOAD_STOP_TIMEOUT": "soon"}, "GDSLOAD_STOP_TIMEOUT='soon' is not a valid stop timeout"),
+    ({"GDSLOAD_WORKER_START": "fork"}, "worker_start='fork' must be one of ('auto', 'forkserver', 'spawn')"),
     ({"GDSLOAD_ALLOW_ROOT": "/no/such/root"}, "allow_root '/no/such/root' is not an existing directory"),
     ({"GDSLOAD_TOKEN": "two words"}, "from GDSLOAD_TOKEN is empty or holds spaces"),
     ({"GDSLOAD_TOKEN": " "}, "is empty or holds spaces"),

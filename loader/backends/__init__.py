@@ -24,7 +24,7 @@ from ..plan import Extent, LoadPlan
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "IO_MODES", "select_backend", "backend_class",
+__all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "BARE_BACKENDS", "IO_MODES", "select_backend", "backend_class",
            "wait_preads"]
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ AUTO_ORDER: tuple[str, ...] = ("cufile", "pinned", "cpu")
 """``auto`` tries these in order. ``cufile`` is first only where it can do better than our own
 pipeline (true GDS or P2PDMA); ``fastsafetensors`` is never picked automatically (it is there for
 comparison and its users)."""
+BARE_BACKENDS: tuple[str, ...] = ("auto", "cufile")
+"""The ``backend`` values the torch-free sidecar path (:mod:`gdsload.loader.bare`) runs; it reads with kvikio."""
 IO_MODES = ("gds", "p2pdma", "compat", "posix", "cpu")
 """What the report may say ran for a file: true GDS DMA, P2PDMA, cuFile compat (bounce buffers),
 POSIX reads staged through host memory to the GPU, or plain reads into host memory."""

@@ -42,6 +42,11 @@ class CuFileBackend(Backend):
     COLD_THREADS = 4
     """Threads for cold files read with O_DIRECT (see the module doc)."""
     COLD_TASK = 16 << 20
+    """Size of one O_DIRECT read of a cold file (kvikio's bounce buffer)."""
+    COLD_PIECE: int | None = None
+    """Bytes one kvikio task (so one thread) reads in order, ``COLD_TASK`` at a time; None: one read per task.
+    fastsafetensors reads that way; measured here with 8-16 threads and 128 MiB-1 GiB pieces, it gained
+    nothing over the default (bench/RESULTS.md, seventh session), so the default stays None."""
     cold_direct = False
     """Set by :meth:`open`: this load reads cold files with O_DIRECT through kvikio's POSIX path."""
 
@@ -96,7 +101,11 @@ class CuFileBackend(Backend):
     def _kvikio_settings(self) -> dict[str, Any]:
         cold = self.cold_direct
         threads = self.options.num_threads or (self.COLD_THREADS if cold else self.DEFAULT_THREADS)
-        return {"num_threads": threads, "task_size": self._task(cold=cold), "auto_direct_io_read": cold}
+        if not cold:
+            return {"num_threads": threads, "task_size": self._task(cold=False), "auto_direct_io_read": False}
+        read = self._task(cold=True)
+        piece = max(read, (self.COLD_PIECE or read) // read * read)
+        return {"num_threads": threads, "task_size": piece, "bounce_buffer_size": read, "auto_direct_io_read": True}
 
     def _use_device(self) -> None:
         """Make the target GPU current on this thread."""

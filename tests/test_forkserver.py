@@ -1,0 +1,100 @@
+"""The worker fork server's preload: what it records, the CUDA check, and the choice of libraries.
+
+The fork server itself runs in every ``gdsload serve`` test (it is the default worker start);
+tests/test_server.py checks that the workers are its children and that it leaves with the server.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from gdsload.server import forkserver
+from gdsload.server.settings import ServeConfig
+from gdsload.server.supervisor import start_worker_server
+
+
+@pytest.fixture
+def state(monkeypatch: pytest.MonkeyPatch) -> dict:
+    fresh: dict = {}
+    monkeypatch.setattr(forkserver, "STATE", fresh)
+    return fresh
+
+
+def test_preload_records_each_import_and_never_raises(state: dict):
+    forkserver.preload(("json", "gdsload_no_such_module", "json"))
+    assert isinstance(state["modules"]["json"], float) and state["modules"]["json"] >= 0
+    assert state["modules"]["gdsload_no_such_module"].startswith("ModuleNotFoundError: ")
+    assert state["seconds"] >= 0
+    # No driver on a CPU host (None); where there is one, importing json surely did not initialise it.
+    assert state["cuda_initialised"] in (None, False)
+    assert forkserver.inherited_problem() is None
+
+
+def test_a_fork_server_that_initialised_cuda_is_refused(state: dict):
+    state.update(modules={"cupy": 0.4, "broken": "ImportError: x"}, cuda_initialised=True, seconds=0.4)
+    problem = forkserver.inherited_problem()
+    assert problem is not None
+    assert "initialised CUDA while importing ['cupy']" in problem and "--worker-start spawn" in problem
+
+
+def test_a_spawned_worker_inherits_nothing(state: dict):
+    assert forkserver.inherited_problem() is None  # STATE is empty outside a fork of the fork server
+
+
+@pytest.mark.parametrize("gpu, torch, names", [
+    (True, False, ["gdsload.server.preload_gpu"]),
+    (False, True, ["gdsload.server.preload_torch"]),
+    (True, True, ["gdsload.server.preload_gpu", "gdsload.server.preload_torch"]),
+])
+def test_preload_modules(gpu: bool, torch: bool, names: list[str]):
+    assert forkserver.preload_modules(gpu, torch) == names
+
+
+def test_context_names_the_start_method():
+    assert forkserver.context("spawn").get_start_method() == "spawn"
+    assert forkserver.context("forkserver").get_start_method() == "forkserver"
+    with pytest.raises(ValueError, match="'fork' is not 'forkserver' or 'spawn'"):
+        forkserver.context("fork")
+
+
+def test_auto_forks_where_workers_import_torch():
+    assert forkserver.resolve("auto", torch=True) == "forkserver"
+    assert forkserver.resolve("auto", torch=False) == "spawn"
+    assert forkserver.resolve("forkserver", torch=False) == "forkserver"
+    assert forkserver.resolve("spawn", torch=True) == "spawn"
+
+
+@pytest.mark.parametrize("gpus, torch_free, backend, device_map, worker_start, method, preload", [
+    # Torch-free GPU workers: auto spawns them (their imports hide the CUDA context); forkserver preloads the GPU path.
+    ("0,1", True, "auto", "auto", "auto", "spawn", None),
+    ("0,1", True, "auto", "auto", "forkserver", "forkserver", ["gdsload.server.preload_gpu"]),
+    # Some worker loads with torch: auto forks, and the helper imports torch as well.
+    ("0,1", True, "pinned", "auto", "auto", "forkserver", ["gdsload.server.preload_gpu", "gdsload.server.preload_torch"]),
+    ("0,1", False, "auto", "auto", "auto", "forkserver", ["gdsload.server.preload_gpu", "gdsload.server.preload_torch"]),
+    ("0,1", True, "auto", "0:0,1:cpu", "auto", "forkserver",
+     ["gdsload.server.preload_gpu", "gdsload.server.preload_torch"]),
+    ("0,1", True, "auto", "cpu", "auto", "forkserver", ["gdsload.server.preload_torch"]),
+    ("", True, "auto", "auto", "auto", "forkserver", ["gdsload.server.preload_torch"]),
+    ("", True, "auto", "auto", "spawn", "spawn", None),
+])
+def test_the_server_preloads_what_its_workers_import(monkeypatch: pytest.MonkeyPatch, gpus: str, torch_free: bool,
+                                                     backend: str, device_map: str, worker_start: str, method: str,
+                                                     preload: list[str] | None):
+    import importlib.util
+
+    from gdsload.server import supervisor
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(supervisor.importlib.util, "find_spec", lambda name, *a: (
+        (object() if torch_free else None) if name in ("cupy", "kvikio") else real_find_spec(name, *a)))
+    started: list[list[str]] = []
+    monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running", lambda: started.append(
+        list(multiprocessing.forkserver._forkserver._preload_modules)))
+    monkeypatch.setattr(multiprocessing.forkserver._forkserver, "_preload_modules", [])
+    config = ServeConfig(backend=backend, device_map=device_map, worker_start=worker_start)
+    assert supervisor.worker_start_method(config) == method
+    start_worker_server(config)
+    assert started == ([preload] if preload else [])  # spawn starts no helper
