@@ -54,7 +54,8 @@ def _reload_to_ready(port: int, model_dir: str, token: str, generation: int, tim
                      poll_s: float) -> tuple[float, dict[str, Any]]:
     """``POST /v1/reload`` of ``model_dir``; seconds until the next generation is ready, and its status."""
     t0 = time.perf_counter()
-    code, body = _request(port, "POST", "/v1/reload", {"model_dir": model_dir}, token=token)
+    # The server stops the old workers before it answers (up to its stop timeout).
+    code, body = _request(port, "POST", "/v1/reload", {"model_dir": model_dir}, token=token, timeout=timeout)
     if code != 202:
         raise RuntimeError(f"reload answered {code}: {body[:500]!r}")
     while time.perf_counter() - t0 < timeout:
@@ -75,7 +76,8 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
 
     ``while_ready(status)``, if given, runs once the server is ready and before it is stopped (the
     workers still hold their tensors); what it returns is kept under ``"while_ready"``. ``reload``:
-    then ``POST /v1/reload`` the same directory and time it too (under ``"reload"``: new workers, same files).
+    then ``POST /v1/reload`` the same directory and time it too (under ``"reload"``: new workers, same files;
+    the server gets a token of its own and ``--allow-root``, so ``serve_args`` must not name a token file).
     """
     port = _free_port()
     cmd = [sys.executable, "-m", "gdsload.server.cli", "serve", str(model_dir), "--port", str(port),

@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import os
 import time
 from typing import Any
 
@@ -47,14 +48,17 @@ imported, or a fresh interpreter."""
 
 GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.bare", "gdsload.server.workers")
 """What a GPU worker on the torch-free path imports (:mod:`gdsload.loader.bare`)."""
-TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader", "gdsload.server.workers")
+TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.api", "gdsload.loader.backends.cpu",
+                 "gdsload.server.workers")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
 
 STATE: dict[str, Any] = {}
 """Filled by :func:`preload` in the helper, so every forked worker inherits it; empty in a spawned worker.
 
 ``modules``: name -> seconds to import, or the error; ``cuda_initialised``: True, False, or None
-(no CUDA driver here); ``seconds``: the whole preload.
+(no CUDA driver here); ``threads``: the helper's threads after its imports (numpy's OpenBLAS starts
+some and rebuilds them in a fork; a library whose pool did not would hang its forks); ``seconds``:
+the whole preload. Workers send it to the server, and ``/v1/status`` shows it.
 """
 
 _CUDA_ERROR_NOT_INITIALIZED = 3
@@ -79,6 +83,7 @@ def preload(names: tuple[str, ...]) -> None:
         else:
             modules[name] = round(time.perf_counter() - t, 4)
     STATE["cuda_initialised"] = _cuda_initialised()
+    STATE["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
     STATE["seconds"] = round(STATE.get("seconds", 0.0) + time.perf_counter() - t0, 4)
 
 
@@ -134,9 +139,11 @@ def start(method: str, *, gpu: bool, torch: bool = False) -> None:
     """Start the fork server now (``method`` resolved; no-op for ``spawn``), so its imports overlap the
     server's own start-up.
 
-    ``gpu``: preload the GPU worker's libraries; ``torch``: preload torch. The server is started once
-    per process; later calls keep its first preload list (a worker imports what it lacks itself).
-    Returns at once: the helper imports in the background, and the first worker start waits for it.
+    ``gpu``: preload the GPU worker's libraries; ``torch``: preload torch. The helper is started once
+    per process and keeps the list it started with (a worker imports what it lacks itself); should it
+    die, the next worker start launches a new one with the latest list. Returns at once: the helper
+    imports in the background, and the first worker start waits for it (a helper that hangs in its
+    imports would hold that start; the worker's imports are the same ones a spawned worker makes).
     """
     if method != "forkserver":
         return

@@ -47,7 +47,6 @@ from .workers import (
     WorkerHandle,
     WorkerSpec,
     assign_devices,
-    describe_exit,
     error_doc,
     visible_gpus,
 )
@@ -123,7 +122,7 @@ def worker_imports(config: ServeConfig) -> tuple[bool, bool]:
     from gdsload.loader.backends import BARE_BACKENDS
 
     dm = parse_device_map(config.device_map)
-    gpu = bool(visible_gpus()) and dm != "cpu"
+    gpu = bool(visible_gpus()) and dm != "cpu" and not (isinstance(dm, dict) and all(g is None for g in dm.values()))
     torch_free = (config.backend in BARE_BACKENDS
                   and all(importlib.util.find_spec(m) is not None for m in ("cupy", "kvikio")))
     torch = not gpu or not torch_free or (isinstance(dm, dict) and any(g is None for g in dm.values()))
@@ -200,6 +199,7 @@ class Supervisor:
         self.config = config
         self.worker_start = worker_start_method(config)
         """How this server starts its workers (``config.worker_start`` with ``auto`` resolved)."""
+        self._fork_server: dict[str, Any] | None = None  # the fork server's imports, as its latest fork told
         self.process_start = process_start_time()
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {}
@@ -288,6 +288,7 @@ class Supervisor:
                 "failures_total": {str(r): n for r, n in sorted(self._failures.items())},
                 "restarts_total": {str(r): n for r, n in sorted(self._restarts.items())},
                 "worker_start": self.worker_start,
+                "fork_server": self._fork_server,
                 "config": self.config.public_dict(),
             }
 
@@ -555,10 +556,10 @@ class Supervisor:
             wait_for(waitables, timeout=max(0.0, deadline - time.monotonic()))
             for h in waiting:
                 h.receive()  # keep the pipes flowing so no worker blocks on a full one
-            waiting = [h for h in waiting if h.process.exitcode is None]
+            waiting = [h for h in waiting if h.alive()]
         for h in handles:
             h.kill_after(deadline)
-            log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, describe_exit(h.process.exitcode))
+            log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
             h.close()
 
     # ------------------------------------------------------------------ worker events
@@ -579,6 +580,8 @@ class Supervisor:
             if kind == "hello":
                 x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
                 x.entered_at = payload.get("entered_at")
+                if payload.get("fork_server"):
+                    self._fork_server = payload["fork_server"]
                 x.imported_at, x.cuda_ready_at = payload.get("imported_at"), payload.get("cuda_ready_at")
             elif kind == "loading":
                 x.state = RankState.LOADING
@@ -614,21 +617,19 @@ class Supervisor:
     def _reap(self, h: WorkerHandle) -> None:
         for kind, payload in h.receive():  # its last words may still be in the pipe
             self._on_event(h, kind, payload)
-        h.process.join(1.0)
-        pid, code = h.pid, h.process.exitcode
+        pid, how = h.pid, h.describe_exit()
         h.close()
         with self._lock:
             x = self._rank_of(h)
             if x is None:
                 return
             x.handle, x.pid = None, None
-            self._fail_pending(x, f"the worker {describe_exit(code)}")
+            self._fail_pending(x, f"the worker {how}")
             if x.error_reported:
                 self._publish()
-                log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid,
-                         describe_exit(code))
+                log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid, how)
                 return
-            what = f"worker for rank {x.rank} (pid {pid}) {describe_exit(code)}"
+            what = f"worker for rank {x.rank} (pid {pid}) {how}"
             if x.state is RankState.READY:
                 what += "; its tensors are gone"
             if x.leases:

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -68,6 +69,9 @@ log = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILED = 3
 """Exit status of a worker whose load raised (the error was reported first)."""
+EXIT_UNKNOWN = 255
+"""What ``multiprocessing`` reports for a forked worker whose fork server died before it could tell the
+status (workers themselves exit with 0, :data:`EXIT_LOAD_FAILED`, 1 on an uncaught error, or by a signal)."""
 PROGRESS_INTERVAL_S = 0.2
 """Fewest seconds between two progress messages of one worker."""
 
@@ -170,14 +174,26 @@ def error_doc(exc: BaseException) -> dict[str, str]:
 
 
 class WorkerHandle:
-    """The parent's end of one worker: the process, its pipe, and the spec it was started with."""
+    """The parent's end of one worker: the process, its pipe, and the spec it was started with.
 
-    def __init__(self, spec: WorkerSpec, process: multiprocessing.process.BaseProcess, conn: Connection):
+    A forked worker is the fork server's child, not ours: ``multiprocessing`` learns of its exit from
+    the fork server, and would call every such worker dead (status 255) if the fork server died. So its
+    liveness, and the signals that stop it, go through a pidfd of the worker itself where Linux has them.
+    """
+
+    def __init__(self, spec: WorkerSpec, process: multiprocessing.process.BaseProcess, conn: Connection,
+                 start_method: str = "spawn"):
         self.spec = spec
         self.process = process
         self.conn: Connection | None = conn
         self.retired = False
         """Set when the parent stops the worker on purpose (unload, reload, shutdown): its exit is no crash."""
+        self._pidfd: int | None = None
+        if start_method == "forkserver" and process.pid is not None:
+            try:
+                self._pidfd = os.pidfd_open(process.pid)
+            except (AttributeError, OSError):  # Linux < 5.3, or the worker is gone already
+                pass
 
     @classmethod
     def spawn(cls, spec: WorkerSpec, start_method: str = "spawn") -> WorkerHandle:
@@ -205,7 +221,7 @@ class WorkerHandle:
         child_conn.close()
         log.info("rank %d: started worker pid %s by %s (CUDA_VISIBLE_DEVICES=%r)", spec.rank, process.pid,
                  start_method, spec.cuda_visible_devices)
-        return cls(spec, process, parent_conn)
+        return cls(spec, process, parent_conn, start_method)
 
     @property
     def pid(self) -> int | None:
@@ -213,7 +229,42 @@ class WorkerHandle:
 
     @property
     def sentinel(self) -> int:
-        return self.process.sentinel
+        """Readable once the worker has exited."""
+        return self._pidfd if self._pidfd is not None else self.process.sentinel
+
+    def alive(self) -> bool:
+        if self._pidfd is not None:
+            return not select.select([self._pidfd], [], [], 0)[0]
+        return self.process.exitcode is None
+
+    def exitcode(self) -> int | None:
+        """The exit status once the worker has exited (negative: killed by that signal); None while it runs.
+
+        A forked worker's status comes from the fork server; :data:`EXIT_UNKNOWN` when that is gone.
+        """
+        if self.alive():
+            return None
+        self.process.join(1.0)
+        return self.process.exitcode
+
+    def describe_exit(self) -> str:
+        """How the worker ended, for logs and errors (it must have exited)."""
+        code = self.exitcode()
+        if self._pidfd is not None and code == EXIT_UNKNOWN:
+            return "exited; its exit status is unknown (the fork server that started it is gone)"
+        return describe_exit(code)
+
+    def _wait(self, timeout: float) -> None:
+        select.select([self.sentinel], [], [], max(0.0, timeout))
+
+    def _signal(self, sig: int) -> None:
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            else:
+                os.kill(self.process.pid, sig)  # type: ignore[arg-type]
+        except (ProcessLookupError, OSError):  # exited meanwhile
+            pass
 
     def send(self, kind: str, **payload: Any) -> bool:
         """Send a command; False when the worker can no longer receive it."""
@@ -240,21 +291,24 @@ class WorkerHandle:
 
     def kill_after(self, deadline: float) -> None:
         """Wait for the process until ``deadline`` (monotonic), then SIGTERM it, then SIGKILL it."""
-        self.process.join(max(0.0, deadline - time.monotonic()))
-        if self.process.exitcode is None:
+        self._wait(deadline - time.monotonic())
+        if self.alive():
             log.warning("rank %d: worker pid %s did not exit in time; sending SIGTERM", self.spec.rank, self.pid)
-            self.process.terminate()
-            self.process.join(2.0)
-        if self.process.exitcode is None:
+            self._signal(signal.SIGTERM)
+            self._wait(2.0)
+        if self.alive():
             log.warning("rank %d: worker pid %s ignored SIGTERM; sending SIGKILL", self.spec.rank, self.pid)
-            self.process.kill()
-            self.process.join(2.0)
+            self._signal(signal.SIGKILL)
+            self._wait(2.0)
 
     def close(self) -> None:
-        """Release the pipe and the process object (the process must have exited)."""
+        """Release the pipe, the pidfd and the process object (the process must have exited)."""
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        if self._pidfd is not None and not self.alive():
+            os.close(self._pidfd)
+            self._pidfd = None
         if self.process.exitcode is not None:
             self.process.close()
 
@@ -381,7 +435,8 @@ class _Worker:
             gpu = _torch_gpu_facts()
         else:
             gpu = None
-        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu, **marks)
+        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu, fork_server=forkserver.STATE or None,
+                          **marks)
 
         def loading(plan: LoadPlan) -> None:  # called once the headers are parsed, before any data is read
             self.channel.send(
@@ -499,8 +554,9 @@ def _torch_gpu_facts() -> dict[str, Any]:
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of a worker process: load ``spec.rank``, report, keep the tensors until told to unload."""
     entered_at = time.time()
-    # Before any CUDA context: a forked worker inherited the fork server's environment, and the driver
-    # reads the variable when it initialises. (A spawned one was started with it set already.)
+    # Before any CUDA context: a forked worker inherited the fork server's environment (as it was when
+    # the fork server started: anything a worker needs from the server's environment must be set here),
+    # and the driver reads the variable when it initialises. A spawned worker was started with it set.
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
     if spec.cuda_visible_devices and forkserver.inherited_problem() is None:

@@ -261,8 +261,12 @@ def test_status_reports_every_rank(server: Server, models: Models):
         assert r["started_at"] + r["seconds"] <= r["loaded_at"] <= r["ready_at"]
         assert r["imported_at"] is None and r["cuda_ready_at"] is None  # host-memory ranks make no CUDA context
         assert r["started_at"] <= r["entered_at"] <= r["loaded_at"] - r["seconds"]
-    # The default on a host whose workers load with torch: both forked from one helper.
+    # The default on a host whose workers load with torch: both forked from one helper, which imported torch
+    # without initialising CUDA, and said so.
     assert s["config"]["worker_start"] == "auto" and s["worker_start"] == "forkserver"
+    fork_server = s["fork_server"]
+    assert isinstance(fork_server["modules"]["torch"], float) and fork_server["cuda_initialised"] in (None, False)
+    assert fork_server["threads"] >= 1 and fork_server["seconds"] >= fork_server["modules"]["torch"]
     assert s["ranks"]["0"]["pid"] != s["ranks"]["1"]["pid"]  # one worker process per rank
     parents = {worker_parent(s["ranks"][r]["pid"], server.proc.pid).pid for r in ("0", "1")}
     assert len(parents) == 1 and parents != {server.proc.pid}
@@ -562,13 +566,53 @@ def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
         srv.close()
 
 
+def test_workers_outlive_their_fork_server(models: Models, tmp_path: Path):
+    """The fork server reports its children's exits; if it dies, the workers it forked keep their ranks
+    (their liveness is watched through pidfds), and the next worker start launches a new fork server."""
+    srv = Server([str(models.a), "--tp", "2", "--device-map", "cpu"], tmp_path / "serve.log",
+                 env={"GDSLOAD_RESTART_BACKOFF": "0.1"})
+    try:
+        srv.poll_ready(timeout=120)
+        before = srv.status()["ranks"]
+        helper = worker_parent(before["0"]["pid"], srv.proc.pid)
+        helper.kill()  # it stays a zombie of the server until the next worker start looks for it
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(helper.pid) and helper.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.5)  # time for the supervisor to (wrongly) notice anything
+        after = srv.status()["ranks"]
+        assert srv.http.get("/readyz").status_code == 200
+        for r in ("0", "1"):
+            assert after[r]["pid"] == before[r]["pid"] and psutil.pid_exists(before[r]["pid"])
+            assert after[r]["state"] == "ready" and after[r]["restarts"] == 0 and after[r]["failures"] == 0
+        os.kill(before["1"]["pid"], signal.SIGKILL)  # now a real crash: noticed, restarted by a new fork server
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r1 = srv.status()["ranks"]["1"]
+            if r1["restarts"] == 1 and r1["state"] == "ready":
+                break
+            time.sleep(0.05)
+        # Its fork server is gone, so nobody can say how it ended; that it ended is seen all the same.
+        assert r1["restarts"] == 1 and r1["state"] == "ready"
+        assert "exit status is unknown (the fork server that started it is gone)" in r1["last_error"]["message"]
+        new_helper = worker_parent(r1["pid"], srv.proc.pid)
+        assert new_helper.pid not in (helper.pid, srv.proc.pid)
+        assert srv.status()["ranks"]["0"]["pid"] == before["0"]["pid"]
+        assert srv.terminate() == 0
+        # The orphaned worker of the dead fork server stopped with the server too.
+        assert not psutil.pid_exists(before["0"]["pid"]) or psutil.Process(before["0"]["pid"]).status() == "zombie"
+    finally:
+        srv.close()
+
+
 def test_spawned_workers_load_the_same(models: Models, tmp_path: Path):
     """``--worker-start spawn``: a fresh interpreter per worker, started by the server itself."""
     srv = Server([str(models.a), "--tp", "2", "--device-map", "cpu", "--worker-start", "spawn"], tmp_path / "serve.log")
     try:
         srv.poll_ready(timeout=120)
         s = srv.status()
-        assert s["config"]["worker_start"] == s["worker_start"] == "spawn"
+        assert s["config"]["worker_start"] == s["worker_start"] == "spawn" and s["fork_server"] is None
         for rank in (0, 1):
             r = s["ranks"][str(rank)]
             assert r["state"] == "ready" and (r["stored_bytes"], r["logical_bytes"]) == oracle_bytes(models.a, rank)
@@ -617,15 +661,19 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu(2)
-@pytest.mark.parametrize("worker_start, resolved", [("auto", "spawn"), ("forkserver", "forkserver")])
-def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path, worker_start: str, resolved: str):
+@pytest.mark.parametrize("worker_start", ["auto", "forkserver"])
+def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path, worker_start: str):
     """--tp 2: each worker holds a context on its own GPU only; an engine per GPU maps its rank."""
     import torch
 
     from gdsload.bench.multi_gpu import gpu_processes
     from gdsload.server.workers import visible_gpus
 
+    from gdsload.loader.bare import bare_unavailable
+
     visible = visible_gpus()
+    # auto spawns torch-free GPU workers (their imports hide the CUDA context) and forks torch ones.
+    resolved = worker_start if worker_start != "auto" else "spawn" if bare_unavailable() is None else "forkserver"
     srv = Server([str(models.a), "--tp", "2", "--worker-start", worker_start], tmp_path / "serve.log",
                  env={"GDSLOAD_TOKEN": TOKEN})
     try:
@@ -639,7 +687,7 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path,
             # Start-up marks taken in the worker, in order.
             assert x["started_at"] <= x["entered_at"] <= x["imported_at"] <= x["cuda_ready_at"] <= x["loaded_at"]
             assert x["loaded_at"] <= x["ready_at"]
-        assert srv.status()["worker_start"] == resolved  # auto: torch-free GPU workers are spawned
+        assert srv.status()["worker_start"] == resolved
         parent = worker_parent(ranks["0"]["pid"], srv.proc.pid)
         assert (parent.pid == srv.proc.pid) == (resolved == "spawn")
         smi = gpu_processes()
