@@ -3,10 +3,14 @@
 # taking turns; the page cache is emptied before every load and its residency checked.
 # Usage (GPU machine, root): python bench/diag/cold_shapes.py MODEL_DIR ROUNDS [THREADSxMiB[/PIECE_MiB] ...]
 # (PIECE: bytes each kvikio task reads in order, CuFileBackend.COLD_PIECE; session 7, call 4)
+# Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
+# their mean size, mean requests in flight; session 7, call 7).
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gdsload.loader.pagecache import evict, resident_fraction
@@ -14,6 +18,38 @@ from gdsload.loader.pagecache import evict, resident_fraction
 model, rounds = sys.argv[1], int(sys.argv[2])
 shapes = sys.argv[3:] or ["4x16", "8x16", "16x16", "16x4", "32x16"]
 files = sorted(str(p) for p in Path(model).glob("*.safetensors"))
+dev = os.stat(files[0]).st_dev
+major, minor = os.major(dev), os.minor(dev)
+
+
+def diskstats() -> dict[str, list[int]]:
+    """/proc/diskstats fields (reads, merged, sectors, ms reading, ..., weighted ms) of the model's device,
+    or, when its files sit on a device-less file system (overlay), of every whole disk by name."""
+    out: dict[str, list[int]] = {}
+    with open("/proc/diskstats") as f:
+        for line in f:
+            parts = line.split()
+            fields = [int(x) for x in parts[3:14]]
+            if int(parts[0]) == major and int(parts[1]) == minor:
+                return {parts[2]: fields}
+            if re.fullmatch(r"(vd|sd|xvd)[a-z]+|nvme\d+n\d+", parts[2]):
+                out[parts[2]] = fields
+    return out
+
+
+def disk_seen(before: dict[str, list[int]], after: dict[str, list[int]], seconds: float) -> dict:
+    """What the busiest disk saw between ``before`` and ``after``."""
+    deltas = {n: [a - b for a, b in zip(after[n], before[n])] for n in after if n in before}
+    if not deltas:
+        return {}
+    name, d = max(deltas.items(), key=lambda kv: kv[1][2])
+    reads, merged, sectors, ms_reading, weighted_ms = d[0], d[1], d[2], d[3], d[10]
+    return {"disk": name, "disk_reads": reads, "disk_merged": merged,
+            "disk_mib_per_read": round(sectors * 512 / max(reads, 1) / 2**20, 3),
+            "disk_in_flight": round(weighted_ms / 1000 / seconds, 2) if seconds else None,
+            "disk_ms_per_read": round(ms_reading / max(reads, 1), 2)}
+
+
 variants = [("fastsafetensors", None)] + [("gdsload:bare", s) for s in shapes]
 for i in range(rounds):
     for method, shape in variants[i % len(variants):] + variants[: i % len(variants)]:
@@ -30,8 +66,11 @@ for i in range(rounds):
                        "runpy.run_module('gdsload.bench.methods', run_name='__main__')"]
         how = evict(files)
         resident = resident_fraction(files)
+        before, t0 = diskstats(), time.perf_counter()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        row = {"round": i, "method": method, "shape": shape, "evicted_by": how, "resident_before": round(resident, 4)}
+        seen = disk_seen(before, diskstats(), time.perf_counter() - t0)
+        row = {"round": i, "method": method, "shape": shape, "evicted_by": how, "resident_before": round(resident, 4),
+               **seen}
         try:
             x = json.loads(p.stdout.strip().splitlines()[-1])
             row.update(gbps=round(x["bytes"] / x["seconds"] / 1e9, 3), seconds=round(x["seconds"], 3),
