@@ -2,6 +2,7 @@
 # processes, our torch-free path with several (threads x read size) shapes against fastsafetensors,
 # taking turns; the page cache is emptied before every load and its residency checked.
 # Usage (GPU machine, root): python bench/diag/cold_shapes.py MODEL_DIR ROUNDS [THREADSxMiB[/PIECE_MiB] ...]
+# (MiB may be a fraction: 16x0.5 reads 512 KiB at a time)
 # (PIECE: bytes each kvikio task reads in order, CuFileBackend.COLD_PIECE; session 7, call 4)
 # Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
 # their mean size, mean requests in flight; session 7, call 7).
@@ -58,7 +59,7 @@ for i in range(rounds):
         if shape:
             shape_, _, piece = shape.partition("/")
             threads, mib = shape_.split("x")
-            env.update(GDSLOAD_NUM_THREADS=threads, GDSLOAD_CHUNK_BYTES=f"{mib}MiB")
+            env.update(GDSLOAD_NUM_THREADS=threads, GDSLOAD_CHUNK_BYTES=f"{round(float(mib) * 1024)}KiB")
             if piece:
                 cmd = [sys.executable, "-c",
                        "import runpy, sys; from gdsload.loader.backends.cufile import CuFileBackend as C; "
