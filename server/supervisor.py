@@ -528,9 +528,10 @@ class Supervisor:
                           log_level=self.config.log_level)
         started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns
         try:
-            start_worker_server(self.config)  # started early by `serve`; here for other callers, or after a crash
-            handle = WorkerHandle.spawn(spec, self.worker_start)
-        except (OSError, EOFError) as e:  # EOFError: the worker fork server died
+            handle = self._fork(spec) if self.worker_start == "forkserver" else None
+            if handle is None:
+                handle = WorkerHandle.spawn(spec, "spawn")
+        except OSError as e:
             with self._lock:
                 self._crashed(x, f"worker for rank {x.rank} could not be started ({e})")
             return
@@ -543,6 +544,20 @@ class Supervisor:
             x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, started_at, None, None
             x.entered_at = x.imported_at = x.cuda_ready_at = None
             self._publish()
+
+    def _fork(self, spec: WorkerSpec) -> WorkerHandle | None:
+        """Start the worker from the fork server; None (and spawn from now on) when the fork server fails."""
+        try:
+            start_worker_server(self.config)  # started early by `serve`; here for other callers, or anew
+            return WorkerHandle.spawn(spec, "forkserver")
+        except (OSError, EOFError) as e:  # it could not start, or it died while forking
+            log.warning("the worker fork server failed (%s: %s); starting workers with spawn from now on",
+                        type(e).__name__, e)
+            with self._lock:
+                self.worker_start = "spawn"
+                self._fork_server = {"error": f"{type(e).__name__}: {e}"}
+                self._publish()
+            return None
 
     def _stop_handles(self, handles: list[WorkerHandle]) -> None:
         """Ask workers to free their memory and exit; kill those that do not within ``stop_timeout``."""

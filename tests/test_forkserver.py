@@ -101,3 +101,42 @@ def test_the_server_preloads_what_its_workers_import(monkeypatch: pytest.MonkeyP
     assert supervisor.worker_start_method(config) == method
     start_worker_server(config)
     assert started == ([preload] if preload else [])  # spawn starts no helper
+
+
+def test_a_failing_fork_server_falls_back_to_spawn(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A fork server that cannot fork (it crashed in a native import, say) costs no rank: the server
+    says why in the log and the status, and starts this worker and every later one with spawn."""
+    import time
+
+    from gdsload.loader.synthetic import LlamaShape, make_checkpoint
+    from gdsload.server import supervisor
+    from gdsload.server.workers import WorkerHandle
+
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=2)
+    real_spawn = WorkerHandle.spawn.__func__
+    methods: list[str] = []
+
+    def spawn(cls, spec, start_method="spawn"):
+        methods.append(start_method)
+        if start_method == "forkserver":
+            raise EOFError("the fork server closed the connection")
+        return real_spawn(cls, spec, start_method)
+
+    monkeypatch.setattr(WorkerHandle, "spawn", classmethod(spawn))
+    monkeypatch.setattr(forkserver, "start", lambda *a, **k: None)  # no real helper in the test process
+    sup = supervisor.Supervisor(ServeConfig(model_dir=str(model), device_map="cpu"))
+    assert sup.worker_start == "forkserver"  # auto, for workers that load with torch
+    sup.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sup.readiness()[0] != 200:
+            assert time.monotonic() < deadline, sup.status()
+            time.sleep(0.05)
+        status = sup.status()
+        assert status["worker_start"] == "spawn"
+        assert status["fork_server"] == {"error": "EOFError: the fork server closed the connection"}
+        assert all(r["restarts"] == 0 and r["failures"] == 0 for r in status["ranks"].values())
+        assert methods == ["forkserver", "spawn", "spawn"]  # rank 0 tried the fork server once, rank 1 did not
+    finally:
+        sup.stop()
