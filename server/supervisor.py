@@ -139,10 +139,9 @@ def start_worker_server(config: ServeConfig) -> None:
 
     Called at start-up right after the socket is bound, so those imports overlap the server's own.
     """
-    method = worker_start_method(config)
-    if method == "forkserver":
-        gpu, torch = worker_imports(config)
-        forkserver.start(method, gpu=gpu, torch=torch)
+    gpu, torch = worker_imports(config)
+    if forkserver.resolve(config.worker_start, torch=torch) == "forkserver":
+        forkserver.start("forkserver", gpu=gpu, torch=torch)
 
 
 @dataclass
