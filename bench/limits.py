@@ -2,7 +2,7 @@
 
 - ``raw_read_gbps``: parallel reads of the same files into host memory, no GPU (O_DIRECT when
   the files are cold and the file system allows it; the bench takes the best of a few thread
-  counts and orders, since disks differ in which they prefer);
+  counts, read sizes and orders, since disks differ in which they prefer);
 - ``raw_read_together``: the same read, one process per group of files (a rank's), all starting
   at once: what a host's readers can take together, whichever GPUs the bytes go to next;
 - ``h2d_gbps``: pinned host memory to the device; ``h2d_all_gbps``: to every listed device at once
@@ -28,46 +28,57 @@ __all__ = ["raw_read_gbps", "raw_read_together", "h2d_gbps", "h2d_all_gbps", "de
 
 
 def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
-                  interleave: bool = False) -> float:
+                  interleave: bool = False, per_file: bool = False) -> float:
     """Read every byte of ``files`` with ``threads`` readers into reused aligned buffers.
 
     Reads go file after file, or with ``interleave`` round-robin across the files (as the
-    ``pinned`` ring issues them); which one a disk prefers differs between disks.
+    ``pinned`` ring issues them), or with ``per_file`` one reader per file, front to back
+    (``threads`` is then the number of files); which one a disk prefers differs between disks.
     """
-    total, seconds = _raw_read(files, direct=direct, threads=threads, chunk=chunk, interleave=interleave)
+    total, seconds = _raw_read(files, direct=direct, threads=threads, chunk=chunk, interleave=interleave,
+                               per_file=per_file)
     return total / seconds / 1e9
 
 
 def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, interleave: bool = False,
-              ready: Any = None) -> tuple[int, float]:
+              per_file: bool = False, ready: Any = None, buffer: Any = None) -> tuple[int, float]:
     """Bytes read and seconds taken; ``ready`` (if given) is called once the files are open, just
-    before the clock starts."""
-    per_file = [[(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)]
-                for f in files]
-    if interleave:
-        jobs = [q[i] for i in range(max(map(len, per_file), default=0)) for q in per_file if i < len(q)]
+    before the clock starts. Each reader reads into ``buffer(nbytes)`` (a writable, page-aligned
+    memoryview of at least ``nbytes``), by default an anonymous ``mmap``."""
+    by_file = [[(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)]
+               for f in files]
+    if per_file:
+        queues = by_file
+    elif interleave:
+        queues = [[q[i] for i in range(max(map(len, by_file), default=0)) for q in by_file if i < len(q)]]
     else:
-        jobs = [j for q in per_file for j in q]
+        queues = [[j for q in by_file for j in q]]
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds: dict[str, int] = {}
     try:
         for f in files:
             fds[f] = os.open(f, flags)
-        return _read_jobs(fds, jobs, direct=direct, threads=threads, chunk=chunk, ready=ready)
+        return _read_jobs(fds, queues, direct=direct, threads=len(files) if per_file else threads, chunk=chunk,
+                          ready=ready, buffer=buffer or _mmap_buffer)
     finally:
         for fd in fds.values():
             os.close(fd)
 
 
-def _read_jobs(fds: dict[str, int], jobs: list[tuple[str, int, int]], *, direct: bool, threads: int, chunk: int,
-               ready: Any) -> tuple[int, float]:
-    it, lock = iter(jobs), threading.Lock()
+def _mmap_buffer(nbytes: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, nbytes))  # page aligned, as O_DIRECT requires
+
+
+def _read_jobs(fds: dict[str, int], queues: list[list[tuple[str, int, int]]], *, direct: bool, threads: int,
+               chunk: int, ready: Any, buffer: Any) -> tuple[int, float]:
+    """``threads`` readers work through ``queues``: reader i takes jobs from queue i % len(queues), in order."""
+    its, lock = [iter(q) for q in queues], threading.Lock()
     if ready is not None:
         ready()
 
-    def worker() -> int:
-        buf = mmap.mmap(-1, chunk + 4096)  # page aligned, as O_DIRECT requires
-        view = memoryview(buf)
+    def worker(i: int) -> int:
+        it = its[i % len(its)]
+        view = buffer(-(-chunk // 4096) * 4096)
         done = 0
         while True:
             with lock:
@@ -81,7 +92,7 @@ def _read_jobs(fds: dict[str, int], jobs: list[tuple[str, int, int]], *, direct:
 
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda _: worker(), range(threads)))
+        total = sum(pool.map(worker, range(threads)))
     return total, time.perf_counter() - t
 
 

@@ -50,7 +50,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
     assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
     shapes = {k: v for k, v in doc["limits"].items() if k.startswith("raw_read_gbps.cold.")}
-    assert len(shapes) == 3 and doc["limits"]["raw_read_gbps.cold"] == max(shapes.values())
+    assert len(shapes) == 6 and doc["limits"]["raw_read_gbps.cold"] == max(shapes.values())
     # The sidecar's time to ready, per condition and directory, from a real `gdsload serve` on loopback.
     assert [(t["condition"], t["dir"]) for t in doc["ttr"]] == [("warm", "plain"), ("warm", "compressed"),
                                                                  ("cold", "plain"), ("cold", "compressed")]
@@ -107,6 +107,35 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     assert all(0 <= lag < 5 for lag in serve["ready_message_lag_s"].values()) and len(serve["ready_message_lag_s"]) == 2
     assert "group   gdsload:cpu        world=2" in p.stdout and "limits  raw read" in p.stdout
     assert "2 processes at once" in p.stdout
+
+
+@pytest.mark.parametrize("order", [dict(per_file=True), dict(interleave=True), dict()])
+def test_raw_read_reads_every_byte_once_in_each_order(tmp_path, order):
+    from gdsload.bench import limits
+
+    files = []
+    for i, size in enumerate((3 << 20, (5 << 20) + 4096, 12288)):
+        (tmp_path / f"f{i}").write_bytes(bytes([i + 1]) * size)
+        files.append(str(tmp_path / f"f{i}"))
+    seen: list[tuple[str, int, int]] = []
+    real = limits.os.preadv
+
+    def spy(fd, bufs, off):
+        n = real(fd, bufs, off)
+        seen.append((limits.os.readlink(f"/proc/self/fd/{fd}"), off, n))
+        return n
+
+    limits.os.preadv = spy
+    try:
+        total, seconds = limits._raw_read(files, direct=False, threads=2, chunk=1 << 20, **order)
+    finally:
+        limits.os.preadv = real
+    assert total == sum(map(limits.os.path.getsize, files)) and seconds > 0
+    for f in files:  # each file read once, front to back when one reader has it
+        offsets = [off for path, off, _ in seen if path == f]
+        assert sorted(offsets) == list(range(0, limits.os.path.getsize(f), 1 << 20))
+        if order.get("per_file"):
+            assert offsets == sorted(offsets)
 
 
 def test_context_check_flags_a_process_on_another_ranks_gpu():

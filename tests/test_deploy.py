@@ -470,7 +470,8 @@ def test_striping_sets_every_directory_and_checks_it(lustre: Lustre):
 def test_striping_and_cufile_sizes_fit_gdsloads_reads():
     assert re.search(r"^size=(\S+)$", STRIPING.read_text(), re.M).group(1) == "16M"
     stripe = 16 << 20
-    reads = {CuFileBackend.DEFAULT_TASK, PinnedBackend.RING_CHUNK, PinnedBackend.KVIKIO_TASK, CpuBackend.DEFAULT_CHUNK}
+    reads = {CuFileBackend.DEFAULT_TASK, CuFileBackend.COLD_TASK, PinnedBackend.RING_CHUNK, PinnedBackend.KVIKIO_TASK,
+             PinnedBackend.KVIKIO_COLD_TASK, CpuBackend.DEFAULT_CHUNK}
     # Every default read size divides the stripe (no read spans more than two OSTs)...
     assert all(stripe % r == 0 for r in reads), reads
     # ...and cuFile never splits one of them.

@@ -176,8 +176,8 @@ def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_
     assert b.direct_io() == [True]
     if switch:  # kvikio's engine, O_DIRECT, the cold shape
         assert b.kvikio_direct and b.engines() == ["kvikio"]
-        assert seen["settings"] == [{"compat_mode": "ON", "num_threads": 4, "task_size": 16 << 20,
-                                     "bounce_buffer_size": 16 << 20, "auto_direct_io_read": True}]
+        assert seen["settings"] == [{"compat_mode": "ON", "num_threads": 4, "task_size": 2 << 20,
+                                     "bounce_buffer_size": 2 << 20, "auto_direct_io_read": True}]
     else:  # a kvikio without the switch: our O_DIRECT ring
         assert not b.kvikio_direct and b.engines() == ["ring"] and seen["settings"] == []
 

@@ -4,6 +4,8 @@
 # Usage (GPU machine, root): python bench/diag/cold_shapes.py MODEL_DIR ROUNDS [THREADSxMiB[/PIECE_MiB] ...]
 # (MiB may be a fraction: 16x0.5 reads 512 KiB at a time)
 # (PIECE: bytes each kvikio task reads in order, CuFileBackend.COLD_PIECE; session 7, call 4)
+# A shape "raw:KIND:THREADSxMiB[:perfile]" is no loader but raw_direct.py: O_DIRECT reads into host memory
+# with buffers of KIND (4k, thp, cuda; session 8).
 # Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
 # their mean size, mean requests in flight; session 7, call 7).
 import json
@@ -51,12 +53,16 @@ def disk_seen(before: dict[str, list[int]], after: dict[str, list[int]], seconds
             "disk_ms_per_read": round(ms_reading / max(reads, 1), 2)}
 
 
-variants = [("fastsafetensors", None)] + [("gdsload:bare", s) for s in shapes]
+variants = [("fastsafetensors", None)] + [("raw" if s.startswith("raw:") else "gdsload:bare", s) for s in shapes]
 for i in range(rounds):
     for method, shape in variants[i % len(variants):] + variants[: i % len(variants)]:
         env = dict(os.environ)
         cmd = [sys.executable, "-m", "gdsload.bench.methods", method, model, "cuda"]
-        if shape:
+        if method == "raw":
+            _, kind, shape_, *order = shape.split(":")
+            threads, mib = shape_.split("x")
+            cmd = [sys.executable, str(Path(__file__).with_name("raw_direct.py")), model, kind, threads, mib, *order]
+        elif shape:
             shape_, _, piece = shape.partition("/")
             threads, mib = shape_.split("x")
             env.update(GDSLOAD_NUM_THREADS=threads, GDSLOAD_CHUNK_BYTES=f"{round(float(mib) * 1024)}KiB")

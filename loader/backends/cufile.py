@@ -7,9 +7,12 @@ into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligne
 
 Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in the page cache
 (weighted by size) and every one accepts O_DIRECT, kvikio reads them with O_DIRECT (its
-``auto_direct_io_read``) into page-aligned bounce buffers, with the shape the ``pinned`` ring found
-best on a cold disk: 4 threads, 16 MiB reads cut at 16 MiB-aligned file offsets, queued as one
-sequential stream per thread (:func:`~gdsload.loader.plan.stream_order`).
+``auto_direct_io_read``) into page-aligned bounce buffers: 4 threads, 2 MiB reads cut at
+2 MiB-aligned file offsets, queued as one sequential stream per thread
+(:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit the H200 machines'
+virtio disk best: with 16 MiB reads 11-24 requests waited at the disk, 15-25 ms each, and loads
+took 1.79-2.09 GB/s against 1.88-2.28 with 2 MiB reads, taking turns in fresh processes
+(bench/RESULTS.md, session 8).
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
 
 The arena comes from torch here; :mod:`gdsload.loader.bare` reads the same way into cupy memory
@@ -41,8 +44,8 @@ class CuFileBackend(Backend):
     DEFAULT_TASK = 4 << 20
     COLD_THREADS = 4
     """Threads for cold files read with O_DIRECT (see the module doc)."""
-    COLD_TASK = 16 << 20
-    """Size of one O_DIRECT read of a cold file (kvikio's bounce buffer)."""
+    COLD_TASK = 2 << 20
+    """Size of one O_DIRECT read of a cold file (kvikio's bounce buffer; see the module doc)."""
     COLD_PIECE: int | None = None
     """Bytes one kvikio task (so one thread) reads in order, ``COLD_TASK`` at a time; None: one read per task.
     fastsafetensors reads that way; measured here with 8-16 threads and 128 MiB-1 GiB pieces, it gained

@@ -13,10 +13,11 @@ chosen per file from its page-cache residency (``mincore``):
   Without kvikio, the Python ring below serves cached files too.
 - **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
   ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
-  O_DIRECT, in the shape the ring below found best on a cold disk: 4 threads, 16 MiB reads cut at
-  aligned file offsets, queued as one sequential stream per thread.
-  On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds):
-  1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS copy (bench/RESULTS.md).
+  O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
+  as one sequential stream per thread (16 MiB until session 8; see ``cufile``'s module doc).
+  On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds, fifth
+  session, 16 MiB reads): 1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS
+  copy (bench/RESULTS.md).
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
@@ -38,7 +39,7 @@ import torch
 from ..pagecache import COLD_RESIDENCY, is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
 from . import Backend, Progress, wait_preads
-from .cufile import MIN_DIRECT_TASK, has_direct_switch, kvikio_reads_direct
+from .cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
@@ -69,6 +70,8 @@ class PinnedBackend(Backend):
     RING_STREAMS: int | None = None
     """Sequential streams the ring keeps going (None: one per reader; see ``ring.stream_order``)."""
     RING_CHUNK = 16 << 20
+    KVIKIO_COLD_TASK = CuFileBackend.COLD_TASK
+    """kvikio's O_DIRECT read size for a cold rank: ``cufile``'s (see its module doc)."""
     BUFFERS_PER_THREAD = 2
 
     @classmethod
@@ -143,7 +146,7 @@ class PinnedBackend(Backend):
 
     def _kvikio_task(self, direct: bool | None = None) -> int:
         direct = self.kvikio_direct if direct is None else direct
-        return self.options.chunk_bytes or (self.RING_CHUNK if direct else self.KVIKIO_TASK)
+        return self.options.chunk_bytes or (self.KVIKIO_COLD_TASK if direct else self.KVIKIO_TASK)
 
     def _kvikio_settings(self) -> Any:
         kv = self._kv
