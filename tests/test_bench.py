@@ -110,7 +110,7 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("order", [dict(per_file=True), dict(interleave=True), dict()])
-def test_raw_read_reads_every_byte_once_in_each_order(tmp_path, order):
+def test_raw_read_reads_every_byte_once_in_each_order(tmp_path, monkeypatch, order):
     from gdsload.bench import limits
 
     files = []
@@ -125,11 +125,9 @@ def test_raw_read_reads_every_byte_once_in_each_order(tmp_path, order):
         seen.append((limits.os.readlink(f"/proc/self/fd/{fd}"), off, n))
         return n
 
-    limits.os.preadv = spy
-    try:
-        total, seconds = limits._raw_read(files, direct=False, threads=2, chunk=1 << 20, **order)
-    finally:
-        limits.os.preadv = real
+    monkeypatch.setattr(limits.os, "preadv", spy)
+    total, seconds = limits._raw_read(files, direct=False, threads=2, chunk=1 << 20, **order)
+    monkeypatch.undo()
     assert total == sum(map(limits.os.path.getsize, files)) and seconds > 0
     for f in files:  # each file read once, front to back when one reader has it
         offsets = [off for path, off, _ in seen if path == f]
