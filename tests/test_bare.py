@@ -280,6 +280,25 @@ def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypat
     _assert_oracle_bytes(plan, arena)
 
 
+def test_cold_streams_keep_neighbouring_reads_of_a_stream_in_flight(sharded_dir, monkeypatch):
+    """``COLD_STREAMS``: fewer streams than threads, so the threads take neighbouring reads of each stream."""
+    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.plan import split_extents, stream_order
+
+    monkeypatch.setattr(CuFileBackend, "COLD_STREAMS", 1)
+    seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
+    reader = _host_reader(chunk=8192)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, arena)
+    reader.close()
+    assert seen["settings"][0]["num_threads"] == 3
+    reads = split_extents([e for e in plan.extents if e.length], 8192, interleave=False, aligned=True)
+    assert stream_order(reads, 1) == reads  # one stream: every read in file order
+    assert seen["preads"] == [(paths[e.file_index], e.file_offset, e.length) for e in reads]
+    _assert_oracle_bytes(plan, arena)
+
+
 def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatch):
     from gdsload.loader import discover, plan_rank
     from gdsload.loader.iomode import o_direct_supported

@@ -6,6 +6,13 @@
 # (PIECE: bytes each kvikio task reads in order, CuFileBackend.COLD_PIECE; session 7, call 4)
 # A shape "raw:KIND:THREADSxMiB[:perfile]" is no loader but raw_direct.py: O_DIRECT reads into host memory
 # with buffers of KIND (4k, thp, cuda; session 8).
+# A shape "THREADSxMiB:ring" loads with the pinned backend's Python ring instead of kvikio: each reader reads
+# its next chunk while the last one copies to the GPU (session 9).
+# A shape "THREADSxMiB:buffered" reads without O_DIRECT (through the page cache, with the kernel's read-ahead,
+# as Run:ai's streamer does by default; session 9). "peer:METHOD" runs another loader of gdsload.bench.methods
+# (e.g. peer:runai) in the turns too. "THREADSxMiB@STREAMS" queues the reads as STREAMS sequential streams
+# (CuFileBackend.COLD_STREAMS): 16x0.5@4 keeps four neighbouring 512 KiB reads in flight per stream, as
+# fastsafetensors does (session 9).
 # Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
 # their mean size, mean requests in flight; session 7, call 7).
 import json
@@ -53,7 +60,8 @@ def disk_seen(before: dict[str, list[int]], after: dict[str, list[int]], seconds
             "disk_ms_per_read": round(ms_reading / max(reads, 1), 2)}
 
 
-variants = [("fastsafetensors", None)] + [("raw" if s.startswith("raw:") else "gdsload:bare", s) for s in shapes]
+variants = [("fastsafetensors", None)] + [
+    (s[5:], None) if s.startswith("peer:") else ("raw" if s.startswith("raw:") else "gdsload:bare", s) for s in shapes]
 for i in range(rounds):
     for method, shape in variants[i % len(variants):] + variants[: i % len(variants)]:
         env = dict(os.environ)
@@ -64,13 +72,25 @@ for i in range(rounds):
             cmd = [sys.executable, str(Path(__file__).with_name("raw_direct.py")), model, kind, threads, mib, *order]
         elif shape:
             shape_, _, piece = shape.partition("/")
+            shape_, _, how_ = shape_.partition(":")
+            shape_, _, streams = shape_.partition("@")
             threads, mib = shape_.split("x")
             env.update(GDSLOAD_NUM_THREADS=threads, GDSLOAD_CHUNK_BYTES=f"{round(float(mib) * 1024)}KiB")
+            patches = []
+            if how_ == "buffered":  # the cufile backend then sees the rank as cached: kvikio reads through the page cache
+                patches.append("c.is_cold = lambda *a: False")
+            if how_ == "ring":  # the pinned backend's own O_DIRECT ring: reads go on while their copies run
+                method = "gdsload:pinned"
+                patches.append("import gdsload.loader.backends.pinned as p; p.has_direct_switch = lambda kv: False")
             if piece:
+                patches.append(f"c.CuFileBackend.COLD_PIECE = {int(piece)} << 20")
+            if streams:
+                patches.append(f"c.CuFileBackend.COLD_STREAMS = {int(streams)}")
+            if patches:
                 cmd = [sys.executable, "-c",
-                       "import runpy, sys; from gdsload.loader.backends.cufile import CuFileBackend as C; "
-                       f"C.COLD_PIECE = {int(piece)} << 20; sys.argv = sys.argv[:1] + {[method, model, 'cuda']!r}; "
-                       "runpy.run_module('gdsload.bench.methods', run_name='__main__')"]
+                       ("import runpy, sys; import gdsload.loader.backends.cufile as c; " + "; ".join(patches)
+                        + f"; sys.argv = sys.argv[:1] + {[method, model, 'cuda']!r}; "
+                        "runpy.run_module('gdsload.bench.methods', run_name='__main__')")]
         how = evict(files)
         resident = resident_fraction(files)
         before, t0 = diskstats(), time.perf_counter()

@@ -50,6 +50,10 @@ class CuFileBackend(Backend):
     """Bytes one kvikio task (so one thread) reads in order, ``COLD_TASK`` at a time; None: one read per task.
     fastsafetensors reads that way; measured here with 8-16 threads and 128 MiB-1 GiB pieces, it gained
     nothing over the default (bench/RESULTS.md, seventh session), so the default stays None."""
+    COLD_STREAMS: int | None = None
+    """Sequential streams the cold reads are queued as; None: one per thread. With more threads than
+    streams, each stream has several neighbouring reads in flight, as fastsafetensors reads. Measured with
+    8-16 threads and 4 streams, it gained nothing over the default (bench/RESULTS.md, ninth session)."""
     cold_direct = False
     """Set by :meth:`open`: this load reads cold files with O_DIRECT through kvikio's POSIX path."""
 
@@ -127,7 +131,7 @@ class CuFileBackend(Backend):
         self._use_device()
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
             settings = self._kvikio_settings()
-            reads = direct_read_order(extents, settings["task_size"], settings["num_threads"])
+            reads = direct_read_order(extents, settings["task_size"], self.COLD_STREAMS or settings["num_threads"])
         else:
             reads = [e for e in extents if e.length]
         futures = [
