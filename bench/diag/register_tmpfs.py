@@ -6,14 +6,14 @@
 # Is registration fast enough when the tmpfs holds the file in 2 MiB pages (huge=always)?
 # Prints one JSON line per load. Modes:
 #   kvikio   kvikio compat reads (16 threads x 4 MiB, 4 MiB bounce buffers): the bounce-buffer baseline
-#   register T MIB   T threads; each maps PIECE bytes at a time (mmap of the file), registers them
-#            (cuMemHostRegister, read-only), copies them to the arena on its own stream, and unregisters
+#   register T MIB   every file is mapped once; T threads take MIB pieces of the mappings, register each
+#            (cuMemHostRegister, read-only), copy it to the arena on their own stream, and unregister
 #            the piece before last once its copy is done
 #   defer T MIB      the same, but every piece stays registered until all copies are done; the load's time
 #            stops there and the unregistering after it is timed on its own ("unregister_after")
 #   collapse MIB     madvise(MADV_COLLAPSE) over each file's mapping in MIB pieces: makes a tmpfs file's
 #            pages huge in place (kernel >= 6.1); then prints how much of the mapping is PMD-mapped
-# Usage: python bench/diag/register_tmpfs.py MODEL_DIR kvikio|register T MIB|collapse MIB
+# Usage: python bench/diag/register_tmpfs.py MODEL_DIR kvikio|register T MIB|defer T MIB|collapse MIB
 import ctypes
 import json
 import mmap
@@ -28,16 +28,14 @@ from spans import data_spans
 MADV_COLLAPSE = 25
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 PAGE = 4096
+HUGE = 2 << 20
+MAP_FIXED = 0x10
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-HUGE = 2 << 20
-MAP_FIXED = 0x10
 
 
 def map_file(path: str) -> tuple[int, int]:
