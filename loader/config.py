@@ -6,7 +6,7 @@ Precedence: explicit argument > environment variable > default.
 |-----------------------|-------------------------------------------|----------|
 | GDSLOAD_BACKEND       | auto, or a backend name (see BACKENDS)    | auto     |
 | GDSLOAD_NUM_THREADS   | integer 1..256                            | per backend (cpu 8, pinned and cufile 16 cached / 4 cold) |
-| GDSLOAD_CHUNK_BYTES   | size: 16777216, 16MiB, 64M, 1GiB          | per backend (cpu 16MiB; pinned, cufile 4MiB cached / 2MiB cold; pinned without kvikio 16MiB) |
+| GDSLOAD_CHUNK_BYTES   | size, 4 KiB multiple <= 1GiB: 16MiB, 1GiB | per backend (cpu 16MiB; pinned, cufile 4MiB cached / 2MiB cold; pinned without kvikio 16MiB) |
 | GDSLOAD_PINNED_BYTES  | size: upper bound on pinned host staging  | 1GiB     |
 | GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | 0        |
 """
@@ -62,7 +62,7 @@ class LoadConfig:
     """How ``load_rank`` reads. Build with :meth:`resolve` to apply the environment."""
 
     backend: str = "auto"
-    """Reader backend: ``auto`` (try cufile, pinned, fastsafetensors, cpu in order) or one name."""
+    """Reader backend: ``auto`` (try cufile, pinned, cpu in order; see ``AUTO_ORDER``) or one name."""
     num_threads: int | None = None
     """Reader threads per rank; None picks the backend's default."""
     chunk_bytes: int | None = None

@@ -78,8 +78,9 @@ def cli(verbose: int) -> None:
 @click.option("--tensors", is_flag=True, help="List every tensor.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: str, tensors: bool, as_json: bool) -> None:
-    """Show ranks, files, tensors, dtypes, bytes and alignment of a checkpoint."""
+    """Show ranks, files, tensors, dtypes, bytes, alignment and compression of a checkpoint."""
     from gdsload.loader import list_ranks, read_header
+    from gdsload.loader.compression import parse_compression
 
     source, tp, ranks = list_ranks(path)
     doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": tp, "ranks": {}}
@@ -87,22 +88,33 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
         out = []
         for f in files:
             h = read_header(f)
+            packed = parse_compression(h)
             entry: dict[str, Any] = {
                 "file": Path(f).name,
                 "bytes": h.file_size,
                 "tensors": len(h.tensors),
-                "dtypes": dict(Counter(t.dtype for t in h.tensors)),
+                "dtypes": dict(Counter(packed[t.name].dtype if t.name in packed else t.dtype for t in h.tensors)),
                 "data_offset": h.data_offset,
                 "data_aligned_4k": h.data_aligned,
                 "misaligned_tensors": len(h.misaligned()),
                 "metadata": h.metadata,
             }
+            if packed:
+                stored = sum(e.stored_bytes for e in packed.values())
+                logical = sum(e.nbytes for e in packed.values())
+                entry["compression"] = {"tensors": len(packed), "codecs": dict(Counter(e.codec for e in packed.values())),
+                                        "stored_bytes": stored, "logical_bytes": logical,
+                                        "ratio": round(logical / stored, 3) if stored else None}
             if tensors:
-                entry["tensor_list"] = [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": h.data_offset + t.start,
-                     "bytes": t.nbytes}
-                    for t in h.tensors
-                ]
+                entry["tensor_list"] = []
+                for t in h.tensors:
+                    row = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": h.data_offset + t.start,
+                           "bytes": t.nbytes}
+                    if t.name in packed:  # what it decodes to
+                        e = packed[t.name]
+                        row.update(dtype=e.dtype, shape=list(e.shape), codec=e.codec, logical_bytes=e.nbytes,
+                                   stored_dtype=t.dtype)
+                    entry["tensor_list"].append(row)
             out.append(entry)
         doc["ranks"][rank] = out
     if as_json:
@@ -114,9 +126,16 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
             dtypes = ", ".join(f"{k}×{v}" for k, v in sorted(e["dtypes"].items()))
             align = "data@4K" if e["data_aligned_4k"] else f"data@{e['data_offset']} (unaligned)"
             mis = f", {e['misaligned_tensors']} misaligned" if e["misaligned_tensors"] else ""
-            click.echo(f"  rank {rank}  {e['file']}: {format_bytes(e['bytes'])}, {e['tensors']} tensors ({dtypes}), {align}{mis}")
+            c = e.get("compression")
+            packed_note = (f", {c['tensors']} compressed ({', '.join(f'{k}×{v}' for k, v in sorted(c['codecs'].items()))}:"
+                           f" {format_bytes(c['stored_bytes'])} for {format_bytes(c['logical_bytes'])},"
+                           f" ratio {c['ratio']})") if c else ""
+            click.echo(f"  rank {rank}  {e['file']}: {format_bytes(e['bytes'])}, {e['tensors']} tensors ({dtypes}), "
+                       f"{align}{mis}{packed_note}")
             for t in e.get("tensor_list", []):
-                click.echo(f"      {t['name']}  {t['dtype']}{t['shape']}  @{t['offset']}  {format_bytes(t['bytes'])}")
+                codec = f"  {t['codec']}: {format_bytes(t['bytes'])} stored" if "codec" in t else ""
+                size = format_bytes(t.get("logical_bytes", t["bytes"]))
+                click.echo(f"      {t['name']}  {t['dtype']}{t['shape']}  @{t['offset']}  {size}{codec}")
 
 
 @cli.command()

@@ -15,8 +15,8 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_TOKEN_FILE            | --token-file            | a file holding the bearer token                   | none        |
 | GDSLOAD_ALLOW_ROOT            | --allow-root (repeat)   | directories, ``:``-separated in the variable      | none        |
 | GDSLOAD_LOG_FORMAT            | --log-format            | ``text``, ``json``                                | ``text``    |
-| GDSLOAD_LOG_LEVEL             | --log-level             | ``debug``, ``info``, ``warning``, ``error``       | ``info``    |
-| GDSLOAD_RESTART_BACKOFF       | --restart-backoff       | seconds > 0: first restart delay                  | 1.0         |
+| GDSLOAD_LOG_LEVEL             | --log-level             | ``debug`` .. ``critical``                         | ``info``    |
+| GDSLOAD_RESTART_BACKOFF       | --restart-backoff       | seconds > 0, <= 3600: first restart delay         | 1.0         |
 | GDSLOAD_RESTART_BACKOFF_MAX   | --restart-backoff-max   | seconds >= the first delay, <= 3600               | 30.0        |
 | GDSLOAD_MAX_RESTARTS          | --max-restarts          | integer 0..1000 consecutive restarts per rank     | 5           |
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |

@@ -38,6 +38,26 @@ def test_inspect(sharded_dir):
     assert len(f["tensor_list"]) == f["tensors"]
 
 
+def test_inspect_shows_what_compressed_tensors_decode_to(tmp_path):
+    model, out_dir = tmp_path / "plain", tmp_path / "zstd"
+    run("bench", "--make-model", "8MB", "--out", str(model))  # tensors big enough to compress
+    run("compress", str(model), str(out_dir), "--codec", "zstd", "--device", "cpu")
+    doc = json.loads(run("inspect", str(out_dir), "--json", "--tensors").stdout)
+    f = next(f for f in doc["ranks"]["0"] if "compression" in f)  # a file may hold only small (raw) tensors
+    c = f["compression"]
+    packed = [t for t in f["tensor_list"] if "codec" in t]
+    assert c["tensors"] == len(packed) > 0 and c["codecs"] == {"zstd": len(packed)}
+    assert c["stored_bytes"] == sum(t["bytes"] for t in packed) < c["logical_bytes"]
+    assert c["logical_bytes"] == sum(t["logical_bytes"] for t in packed)
+    assert c["ratio"] == round(c["logical_bytes"] / c["stored_bytes"], 3)
+    assert all(t["stored_dtype"] == "U8" and t["dtype"] != "U8" for t in packed)
+    assert "U8" not in f["dtypes"]  # counted as what they decode to
+    plain = {p["file"]: p for p in json.loads(run("inspect", str(model), "--json").stdout)["ranks"]["0"]}
+    assert f["dtypes"] == plain[f["file"]]["dtypes"] and not any("compression" in p for p in plain.values())
+    text = run("inspect", str(out_dir)).stdout
+    assert f"{c['tensors']} compressed (zstd×{c['tensors']}" in text and f"ratio {c['ratio']}" in text
+
+
 def test_load_prints_report(sharded_dir):
     out = run("load", str(sharded_dir), "--rank", "1", "--threads", "2", "--chunk", "64KiB", "--verify").stdout
     assert out.startswith("rank 1: ") and "backend=cpu io=cpu files=2" in out and "verified=True" in out
