@@ -122,12 +122,15 @@ class Manifest:
         missing = sorted(set(range(tp)) - set(ranks))
         if missing:
             raise bad(f"tp_size is {tp} but ranks {missing} have no files")
+        extra = doc.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise bad(f"'extra' must be an object, got {extra!r:.200}; fix or remove it")
         return cls(
             tp_size=tp,
             layout=layout,
             ranks=ranks,
             created_by=str(doc.get("created_by", "")),
-            extra=dict(doc.get("extra") or {}),
+            extra=dict(extra),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 | endpoint                        | token | answers                                                         |
 |---------------------------------|-------|-----------------------------------------------------------------|
-| ``GET /healthz``                | no    | 200 while the process lives                                     |
+| ``GET /healthz``                | no    | 200 while the process lives and its supervisor runs, else 503   |
 | ``GET /readyz``                 | no    | 200 when every served rank is loaded, else 503; per-rank states |
 | ``GET /v1/status``              | no    | model, per-rank state, bytes, phases, GB/s, errors, time-to-ready |
 | ``GET /metrics``                | no    | Prometheus text exposition                                      |
@@ -12,10 +12,12 @@
 | ``POST /v1/ipc/{rank}/release`` | yes   | the engine is done with a lease                                 |
 
 The server answers from its first second: the supervisor loads in the background, and the
-lifespan only starts it (returning at once) and stops it at shutdown. Errors are
-``{"error": {"type": ..., "message": ...}}``: 400 bad model or request, 401 missing or wrong
-token, 403 no token configured or path outside the allowed roots, 404 unknown rank or lease,
-409 rank not ready or exports outstanding, 413 body too large, 422 malformed body, 503 worker gone.
+lifespan only starts it (returning at once) and stops it at shutdown. The probes also answer
+``HEAD``. Every error, of any status, is ``{"error": {"type": ..., "message": ...}}``: 400 bad
+model or request (a body that is not JSON too), 401 missing or wrong token, 403 no token
+configured or path outside the allowed roots, 404 unknown rank, lease or path, 405 method, 409
+rank not ready or exports outstanding, 413 body too large, 422 body or path parameter of the
+wrong shape, 500 a fault of the server, 503 worker gone. The token is checked before the body.
 
 >>> app = create_app(Supervisor(ServeConfig.resolve(model_dir="/models/m")))  # doctest: +SKIP
 """
@@ -32,9 +34,11 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
@@ -181,6 +185,20 @@ def _require_token(request: Request,
         raise UnauthorizedError("missing or wrong bearer token; send the header 'Authorization: Bearer TOKEN'")
 
 
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line naming each invalid field of a request and why, e.g. ``body.model_dir: Field required``."""
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "the request is invalid"
+
+
+def _needs_token(request: Request) -> bool:
+    route = request.scope.get("route")
+    return any(getattr(d, "dependency", None) is _require_token for d in getattr(route, "dependencies", ()))
+
+
 class _ReadyzFastPath:
     """ASGI wrapper: answer ``GET /readyz`` from the prebuilt body without routing or validation.
 
@@ -194,11 +212,11 @@ class _ReadyzFastPath:
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["path"] == "/readyz" and scope["method"] == "GET":
+        if scope["type"] == "http" and scope["path"] == "/readyz" and scope["method"] in ("GET", "HEAD"):
             code, body = self.supervisor.readiness()
             await send({"type": "http.response.start", "status": code,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
-            await send({"type": "http.response.body", "body": body})
+            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
             return
         await self.app(scope, receive, send)
 
@@ -237,13 +255,45 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         headers = {"WWW-Authenticate": 'Bearer realm="gdsload"'} if code == 401 else None
         return JSONResponse({"error": error_doc(exc)}, status_code=code, headers=headers)
 
-    @app.get("/healthz", tags=["probes"], summary="Liveness: 200 while the process lives")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "alive", "uptime_s": round(time.monotonic() - started, 3)}
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if _needs_token(request):  # the body is parsed before the dependencies run: check the token first
+            try:
+                _require_token(request, await _bearer(request))
+            except GdsloadError as denied:
+                return await _typed_error(request, denied)
+        if any(e.get("type") == "json_invalid" for e in exc.errors()):
+            return JSONResponse({"error": {"type": "MalformedJson", "message": "the request body is not valid JSON: "
+                                           + _validation_message(exc)}}, status_code=400)
+        return JSONResponse({"error": {"type": "InvalidRequest", "message": _validation_message(exc)}},
+                            status_code=422)
 
-    @app.get("/readyz", tags=["probes"], summary="Readiness: 200 only when every served rank is loaded",
-             responses={200: {"description": "Every rank is ready"},
-                        503: {"description": "Not ready: per-rank states and the reason"}})
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HttpError")
+        return JSONResponse({"error": {"type": kind, "message": f"{request.method} {request.url.path}: {exc.detail}"}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _server_fault(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}; "
+                                       "see the server's log"}}, status_code=500)
+
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["probes"],
+                   summary="Liveness: 200 while the process lives and its supervisor runs",
+                   responses={503: {"description": "The supervisor loop died: restart the process"}})
+    async def healthz() -> JSONResponse:
+        uptime = round(time.monotonic() - started, 3)
+        if supervisor.loop_error is not None:
+            return JSONResponse({"status": "failed", "uptime_s": uptime, "error": supervisor.loop_error},
+                                status_code=503)
+        return JSONResponse({"status": "alive", "uptime_s": uptime})
+
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["probes"],
+                   summary="Readiness: 200 only when every served rank is loaded",
+                   responses={200: {"description": "Every rank is ready"},
+                              503: {"description": "Not ready: per-rank states and the reason"}})
     async def readyz() -> Response:
         code, body = supervisor.readiness()
         return Response(body, status_code=code, media_type="application/json")

@@ -204,6 +204,8 @@ class Supervisor:
         self._ranks: dict[int, _Rank] = {}
         self._model: dict[str, Any] | None = None
         self._model_error: dict[str, str] | None = None
+        self.loop_error: dict[str, str] | None = None
+        """Set when the supervisor loop died: nothing loads or restarts any more (``/healthz`` fails)."""
         self._generation = 0
         self._gen_started_mono = time.monotonic()
         self._gen_started_wall = time.time()
@@ -388,8 +390,13 @@ class Supervisor:
                     if h.sentinel in ready:
                         self._reap(h)
                 self._restart_due()
-        except Exception:
+        except Exception as e:
             log.exception("the supervisor loop failed; stopping the workers")
+            with self._lock:  # /healthz fails from now on, so an orchestrator restarts the process
+                self.loop_error = self._model_error = {
+                    "type": "SupervisorFailed",
+                    "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
+                self._publish()
         finally:
             self._stop.set()
             self._shutdown()
@@ -434,14 +441,25 @@ class Supervisor:
     # ------------------------------------------------------------------ generations
 
     def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
-        from gdsload.loader.discovery import discover, list_ranks
+        """What serving ``path`` takes; raises a typed error when it cannot be served.
 
+        ``strict`` (a reload): any rank that cannot be served raises, and every served file's header is
+        read, so a bad target is refused while the current model still serves.
+        """
         try:
-            source, tp, files = list_ranks(real)
+            return self._plan_unchecked(path, real, ranks, strict=strict)
         except GdsloadError:
             raise
         except OSError as e:
             raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e}); check its permissions") from None
+        except Exception as e:  # a malformed file the loader's checks did not name
+            raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
+
+    def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
+        from gdsload.loader.discovery import discover, list_ranks
+        from gdsload.loader.plan import plan_rank
+
+        source, tp, files = list_ranks(real)
         served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
         errors: dict[int, dict[str, str]] = {}
         for r in (r for r in served if r not in files):
@@ -455,6 +473,9 @@ class Supervisor:
             for r in served:
                 for f in files.get(r, ()):
                     confine_path(f, self.config.allow_roots)
+        if strict:
+            for r in served:
+                plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
         devices = assign_devices(served, self.config.device_map, visible_gpus())
         return _Plan(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
                      errors=errors)
@@ -462,7 +483,7 @@ class Supervisor:
     def _initial_load(self, path: str) -> None:
         try:
             plan = self._plan(path, os.path.realpath(path), None, strict=False)
-        except GdsloadError as e:
+        except GdsloadError as e:  # _plan names every failure with a typed error
             log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
             with self._lock:
                 self._model_error = error_doc(e)
@@ -728,8 +749,10 @@ class Supervisor:
 
     def _await_leases(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
-        while self.outstanding_leases() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while self.outstanding_leases() and time.monotonic() < deadline and not self._stop.is_set():
+            self._stop.wait(0.05)
+        if self._stop.is_set():  # shutting down: do not hold up the exit for the rest of wait_s
+            raise WorkerError("the sidecar is shutting down")
 
     # ------------------------------------------------------------------ derived state (lock held)
 

@@ -176,6 +176,8 @@ def test_manifest_problems_are_typed(tmp_path, sharded_dir):
         (lambda m: m.update(tp_size=3), r"ranks \[2\] have no files"),
         (lambda m: m["ranks"]["0"][0].update(path="../escape.safetensors"), "inside the directory"),
         (lambda m: m.update(layout="weird"), "layout 'weird'"),
+        (lambda m: m.update(extra="x"), "'extra' must be an object"),
+        (lambda m: m["ranks"]["0"].__setitem__(0, "x.safetensors"), "file entry 'x.safetensors' is malformed"),
     ]:
         bad = json.loads(json.dumps(doc))
         mutate(bad)

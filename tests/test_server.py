@@ -181,6 +181,7 @@ class Models:
     escape: Path
     sneaky: Path
     corrupt: Path
+    tampered: Path
 
 
 @pytest.fixture(scope="module")
@@ -202,18 +203,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     shutil.copytree(a, corrupt)
     victim = corrupt / "model-rank-1-part-0.safetensors"
     os.truncate(victim, victim.stat().st_size // 2)
-    return Models(root, a, b, root / "empty", outside, root / "escape", sneaky, corrupt)
+    tampered = root / "tampered"  # rank 1's last data byte flipped: the header still parses, the digest differs
+    shutil.copytree(a, tampered)
+    victim = tampered / "model-rank-1-part-0.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    return Models(root, a, b, root / "empty", outside, root / "escape", sneaky, corrupt, tampered)
 
 
 @pytest.fixture(scope="module")
 def server(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Model A, token from a file, allowed root; restart backoff and JSON logs from the environment."""
+    """Model A, token from a file, allowed root; restart backoff, JSON logs and digest checks from the environment."""
     tmp = tmp_path_factory.mktemp("server")
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     srv = Server([str(models.a), "--allow-root", str(models.root), "--token-file", str(token_file)], tmp / "serve.log",
-                 env={"GDSLOAD_RESTART_BACKOFF": "0.2", "GDSLOAD_LOG_FORMAT": "json", "GDSLOAD_STOP_TIMEOUT": "5"})
+                 env={"GDSLOAD_RESTART_BACKOFF": "0.2", "GDSLOAD_LOG_FORMAT": "json", "GDSLOAD_STOP_TIMEOUT": "5",
+                      "GDSLOAD_VERIFY": "1"})
     # What an operator sees in the first moments: the process answers while the ranks still load.
     srv.first_health = srv.http.get("/healthz")
     srv.first_health_after = time.monotonic() - srv.started
@@ -354,16 +362,22 @@ def test_model_paths_confined_to_allowed_roots(server: Server, models: Models):
 def test_invalid_bodies_are_422(server: Server, body: Any):
     r = server.http.post("/v1/reload", json=body, headers=auth())
     assert r.status_code == 422, r.text
+    assert r.json()["error"]["type"] == "InvalidRequest" and r.json()["error"]["message"].startswith("body")
 
 
 def test_other_malformed_requests(server: Server):
     r = server.http.post("/v1/reload", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
-    assert r.status_code == 422
+    assert r.status_code == 400 and r.json()["error"]["type"] == "MalformedJson"
     r = server.http.post("/v1/reload", content=b"x" * (65 << 10), headers={**auth(), "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLarge"
-    assert server.http.post("/v1/unload", json={"wait_s": "soon"}, headers=auth()).status_code == 422
-    assert server.http.post("/v1/ipc/0/release", json={"lease": "not-a-lease"}, headers=auth()).status_code == 422
-    assert server.http.get("/v1/ipc/zero", headers=auth()).status_code == 422
+    for r in (server.http.post("/v1/unload", json={"wait_s": "soon"}, headers=auth()),
+              server.http.post("/v1/ipc/0/release", json={"lease": "not-a-lease"}, headers=auth()),
+              server.http.get("/v1/ipc/zero", headers=auth())):
+        assert r.status_code == 422 and r.json()["error"]["type"] == "InvalidRequest", r.text
+    r = server.http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound"
+    r = server.http.head("/readyz")
+    assert r.status_code == 200 and r.content == b""
     r = server.http.get("/v1/ipc/7", headers=auth())
     assert r.status_code == 404 and r.json()["error"]["type"] == "UnknownRankError"
 
@@ -374,6 +388,10 @@ def test_bad_reload_target_keeps_the_current_model(server: Server, models: Model
     assert str(models.empty) in r.json()["error"]["message"]
     r = server.http.post("/v1/reload", json={"model_dir": str(models.b), "ranks": [0, 5]}, headers=auth())
     assert r.status_code == 400 and "No files for rank 5" in r.json()["error"]["message"]
+    # The served files' headers are read before anything stops: a file cut short is refused up front.
+    r = server.http.post("/v1/reload", json={"model_dir": str(models.corrupt)}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["type"] in ("TruncatedFileError", "HeaderError"), r.text
+    assert "model-rank-1-part-0.safetensors" in r.json()["error"]["message"]
     s = server.status()
     assert s["ready"] and s["generation"] == 1 and s["model"]["path"] == str(models.a)
 
@@ -461,8 +479,9 @@ def test_unload_frees_the_workers(server: Server, models: Models):
 
 
 def test_corrupt_rank_fails_typed_and_is_not_restarted(server: Server, models: Models):
-    r = server.http.post("/v1/reload", json={"model_dir": str(models.corrupt), "ranks": [1]}, headers=auth())
-    assert r.status_code == 202, r.text  # discovery is fine: the damage shows when the worker reads the header
+    # The headers are fine, so the reload is taken; the worker's digest check (GDSLOAD_VERIFY=1) finds the damage.
+    r = server.http.post("/v1/reload", json={"model_dir": str(models.tampered), "ranks": [1]}, headers=auth())
+    assert r.status_code == 202, r.text
     deadline = time.monotonic() + 60
     while server.status()["ranks"]["1"]["state"] != "failed" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -470,7 +489,7 @@ def test_corrupt_rank_fails_typed_and_is_not_restarted(server: Server, models: M
     s = server.status()
     r1 = s["ranks"]["1"]
     assert r1["state"] == "failed" and s["state"] == "failed"
-    assert r1["error"]["type"] in ("TruncatedFileError", "HeaderError"), r1["error"]
+    assert r1["error"]["type"] == "IntegrityError", r1["error"]
     assert "model-rank-1-part-0.safetensors" in r1["error"]["message"]
     assert r1["restarts"] == 1 and r1["failures"] == 2 and r1["pid"] is None  # counts from the earlier kill
     r = server.http.get("/readyz")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -9,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gdsload.server.app import create_app
 from gdsload.server.settings import ServeConfig
-from gdsload.server.supervisor import Supervisor
+from gdsload.server.supervisor import Supervisor, WorkerError
 
 
 def test_started_without_a_model(tmp_path: Path):
@@ -44,3 +46,73 @@ def test_chunked_body_over_the_limit_is_413():
         r = client.post("/v1/reload", content=chunks(), headers={"Authorization": "Bearer tok-123456",
                                                                  "Content-Type": "application/json"})
         assert r.status_code == 413
+
+
+AUTH = {"Authorization": "Bearer tok-123456"}
+
+
+def test_every_error_has_the_error_shape():
+    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-123456"})
+    with TestClient(create_app(Supervisor(config))) as client:
+        def error(r, code: int, kind: str) -> str:
+            assert r.status_code == code, r.text
+            assert set(r.json()) == {"error"} and r.json()["error"]["type"] == kind, r.text
+            return r.json()["error"]["message"]
+
+        bad_json = {"content": b"{not json", "headers": {"Content-Type": "application/json"}}
+        # The token is checked before the body is looked at.
+        error(client.post("/v1/reload", **bad_json), 401, "UnauthorizedError")
+        assert "not valid JSON" in error(
+            client.post("/v1/reload", content=bad_json["content"], headers={**bad_json["headers"], **AUTH}),
+            400, "MalformedJson")
+        assert "body.model_dir: Field required" in error(client.post("/v1/reload", json={}, headers=AUTH),
+                                                          422, "InvalidRequest")
+        assert "path.rank" in error(client.get("/v1/ipc/zero", headers=AUTH), 422, "InvalidRequest")
+        assert "GET /v2/nothing" in error(client.get("/v2/nothing"), 404, "NotFound")
+        error(client.delete("/healthz"), 405, "MethodNotAllowed")
+        # Probes answer HEAD as they answer GET, without a body.
+        for path, code in (("/healthz", 200), ("/readyz", 503)):
+            r = client.head(path)
+            assert r.status_code == code and r.content == b""
+
+
+def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
+    """Should the loop that starts and restarts workers die, the process must not look alive forever."""
+    def broken(self, path: str) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Supervisor, "_initial_load", broken)
+    supervisor = Supervisor(ServeConfig.resolve(model_dir=str(tmp_path), env={}))
+    with TestClient(create_app(supervisor)) as client:
+        deadline = time.monotonic() + 10
+        while supervisor.loop_error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = client.get("/healthz")
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        assert r.json()["error"]["type"] == "SupervisorFailed" and "RuntimeError: a bug" in r.json()["error"]["message"]
+        assert client.head("/healthz").status_code == 503
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["reason"].startswith("SupervisorFailed: the supervisor loop failed")
+        assert client.get("/v1/status").json()["state"] == "failed"
+
+
+def test_waiting_for_leases_ends_when_the_server_stops(monkeypatch):
+    supervisor = Supervisor(ServeConfig.resolve(env={}))
+    monkeypatch.setattr(supervisor, "outstanding_leases", lambda: {0: 1})  # an engine that never releases
+    supervisor.start()
+    outcome: list[BaseException] = []
+
+    def unload() -> None:
+        try:
+            supervisor.unload(wait_s=60)
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=unload)
+    waiter.start()
+    time.sleep(0.2)
+    t = time.monotonic()
+    supervisor.stop()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - t < 5
+    assert isinstance(outcome[0], WorkerError) and "shutting down" in str(outcome[0])
