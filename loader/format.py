@@ -22,6 +22,7 @@ import json
 import math
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,8 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         raise HeaderError(
-            f"{path!r}: tensor name {e.args[0]!r} appears twice in the header; names must be unique"
+            f"{path!r}: key {e.args[0]!r} appears twice in one object of the header (tensor names, and the keys of "
+            "an entry or of __metadata__, must be unique)"
         ) from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise HeaderError(f"{path!r}: header is not valid UTF-8 JSON ({e}); the file is corrupt") from None
@@ -233,7 +235,7 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
         missing, extra = sorted(_TENSOR_KEYS - keys), sorted(keys - _TENSOR_KEYS)
         raise HeaderError(f"{where}: entry has missing keys {missing} / unknown keys {extra}")
     dtype = entry["dtype"]
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise HeaderError(
             f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
         )
@@ -309,15 +311,24 @@ class atomic_output:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         assert self.file is not None
         try:
+            try:
+                if exc_type is None:
+                    self.file.flush()
+                    os.fsync(self.file.fileno())
+            finally:
+                self.file.close()
             if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        finally:
-            self.file.close()
+                os.replace(self.tmp, self.path)
+        except OSError as e:  # e.g. the disk filled at the last flush: nothing stays behind
+            self.tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"{self.path}: could not finish writing it ({e.strerror}); nothing was written "
+                          "under that name") from e
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
         if exc_type is not None:
             self.tmp.unlink(missing_ok=True)
             return
-        os.replace(self.tmp, self.path)
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -354,6 +365,8 @@ class AlignedWriter:
         for s in specs:
             if s.dtype not in ITEMSIZE:
                 raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+            if s.name == "__metadata__":
+                raise ValueError("a tensor cannot be named '__metadata__': safetensors keeps that key for metadata")
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise TypeError("metadata must map str to str (safetensors stores only strings)")
         self.order: list[TensorSpec] = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
@@ -374,7 +387,11 @@ class AlignedWriter:
 
     def __enter__(self) -> AlignedWriter:
         self._f = self._out.__enter__()
-        self._f.write(self.header)
+        try:
+            self._f.write(self.header)
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self._out.__exit__(*sys.exc_info())
+            raise
         return self
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -388,7 +405,10 @@ class AlignedWriter:
         got = TensorSpec.of(name, tensor)
         if got != spec:
             raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
-        self._f.write(tensor_bytes(tensor))
+        try:
+            self._f.write(tensor_bytes(tensor))
+        except OSError as e:  # e.g. a full disk; the file is removed as the with-block ends
+            raise OSError(e.errno, f"{self._out.path}: writing tensor {name!r} failed ({e.strerror})") from e
         self._next += 1
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

@@ -114,6 +114,38 @@ def test_failed_write_leaves_nothing_on_disk(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+FULL_DISK = """
+import resource, signal, sys, torch
+from gdsload.loader import save_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+try:
+    save_file({"w": torch.ones(4096)}, sys.argv[1])
+except OSError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("limit", [100, 6000], ids=["header", "data"])
+def test_a_full_disk_leaves_nothing_and_names_the_file(tmp_path, limit):
+    import subprocess
+    import sys
+
+    target = tmp_path / "w.safetensors"
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(target), str(limit)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("OSError") and str(target) in p.stdout, p.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_rename_leaves_nothing(tmp_path):
+    (tmp_path / "w.safetensors").mkdir()  # the name is taken by a directory
+    with pytest.raises(OSError, match="nothing was written under that name"):
+        save_file({"w": torch.ones(4)}, tmp_path / "w.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
 def test_writer_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="unique"):
         AlignedWriter(tmp_path / "d.safetensors", [TensorSpec("a", "F32", (1,)), TensorSpec("a", "F32", (1,))])
@@ -121,6 +153,8 @@ def test_writer_rejects_bad_input(tmp_path):
         save_file({"a": torch.ones(1)}, tmp_path / "m.safetensors", {"k": 1})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="cannot be stored in safetensors"):
         save_file({"a": torch.ones(1, dtype=torch.complex128)}, tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match="'__metadata__'"):
+        save_file({"__metadata__": torch.ones(1)}, tmp_path / "n.safetensors")
     assert list(tmp_path.iterdir()) == []
 
 
