@@ -215,7 +215,8 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
     for leaf in stream:
         assert codec is not None
         layout = CODECS[codec]
-        chunks = (leaf.nbytes,) * -(-leaf.nbytes // ZSTD_CHUNK) if layout == "chunks" else ()
+        # Each chunk's size is a uint32; its base64 length depends only on the count of chunks.
+        chunks = (min(leaf.nbytes, 0xFFFFFFFF),) * -(-leaf.nbytes // ZSTD_CHUNK) if layout == "chunks" else ()
         worst[leaf.name] = CompressedEntry(
             leaf.name, leaf.dtype, tuple(leaf.tensor.shape), leaf.nbytes, codec, layout, leaf.nbytes,
             default_params(codec, leaf.dtype), ZSTD_CHUNK if chunks else 0, chunks,

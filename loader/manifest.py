@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,8 @@ class Manifest:
             raise bad("'ranks' must map rank numbers to lists of files")
         ranks: dict[int, tuple[ManifestFile, ...]] = {}
         for key, files in raw_ranks.items():
-            if not (isinstance(key, str) and key.isdigit()) or int(key) >= tp:
-                raise bad(f"rank key {key!r} is not a rank in 0..{tp - 1}")
+            if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key)) or int(key) >= tp:
+                raise bad(f"rank key {key!r} is not a rank in 0..{tp - 1} (written without leading zeros)")
             if not isinstance(files, list) or not files:
                 raise bad(f"rank {key} must list at least one file")
             entries = []
@@ -117,7 +118,7 @@ class Manifest:
                     raise bad(f"rank {key}: file entry {f!r:.200} is malformed ({e})") from None
                 if not isinstance(entry.path, str) or os.path.isabs(entry.path) or ".." in Path(entry.path).parts:
                     raise bad(f"rank {key}: file path {entry.path!r} must be relative and stay inside the directory")
-                entries.append(entry)
+                entries.append(replace(entry, path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
             ranks[int(key)] = tuple(entries)
         missing = sorted(set(range(tp)) - set(ranks))
         if missing:

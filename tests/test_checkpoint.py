@@ -301,6 +301,18 @@ def test_any_tree_of_supported_values_round_trips(tmp_path, tree):
     assert_same(load_compressed_checkpoint(path)["extras"], {"tree": tree})
 
 
+def test_header_room_for_tensors_of_4_gib_and_more():
+    """A 4 GiB tensor (an embedding of a large model) must not overflow the reserve's uint32 chunk sizes."""
+    from gdsload.loader.checkpoint import _reserve
+    from gdsload.loader.checkpoint_tree import Leaf
+
+    huge = Leaf("embed", torch.empty(2**31 + 7, dtype=torch.bfloat16, device="meta"), "BF16", "model['embed']")
+    assert huge.nbytes > 0xFFFFFFFF
+    for checksum in (False, True):
+        reserved = _reserve([], [huge], "zstd", checksum, {})
+        assert reserved % 4096 == 0 and reserved > 8
+
+
 def test_a_checkpoint_without_tensors(tmp_path):
     path = tmp_path / "meta.safetensors"
     report = save_compressed_checkpoint(None, None, path, "zstd", extras={"epoch": 7})

@@ -177,6 +177,8 @@ def test_manifest_problems_are_typed(tmp_path, sharded_dir):
         (lambda m: m["ranks"]["0"][0].update(path="../escape.safetensors"), "inside the directory"),
         (lambda m: m.update(layout="weird"), "layout 'weird'"),
         (lambda m: m.update(extra="x"), "'extra' must be an object"),
+        (lambda m: m["ranks"].__setitem__("00", m["ranks"]["0"]), "rank key '00' is not a rank"),
+        (lambda m: m["ranks"].__setitem__("\u00b2", m["ranks"]["0"]), "is not a rank"),
         (lambda m: m["ranks"]["0"].__setitem__(0, "x.safetensors"), "file entry 'x.safetensors' is malformed"),
     ]:
         bad = json.loads(json.dumps(doc))
@@ -188,6 +190,23 @@ def test_manifest_problems_are_typed(tmp_path, sharded_dir):
     (d / "model-rank-0-part-1.safetensors").unlink()
     with pytest.raises(ManifestError, match="file is missing"):
         load_rank(d, 0)
+
+
+def test_verify_matches_manifest_paths_written_with_dot_slash(tmp_path, sharded_dir):
+    d = tmp_path / "dot"
+    shutil.copytree(sharded_dir, d)
+    doc = json.loads((d / "gdsload.json").read_text())
+    for files in doc["ranks"].values():
+        for f in files:
+            f["path"] = "./" + f["path"]
+    (d / "gdsload.json").write_text(json.dumps(doc))
+    assert load_rank(d, 0, verify=True).report.verified is True
+    victim = d / "model-rank-0-part-1.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="does not match"):
+        load_rank(d, 0, verify=True)
 
 
 def test_verify_catches_a_changed_file(tmp_path, sharded_dir):
