@@ -82,6 +82,8 @@ class QuantScheme:
         >>> QuantScheme.parse("fp8").granularity
         'per-tensor'
         """
+        if not isinstance(text, str):
+            raise ConfigError(f"quantize={text!r} must be a string: fp8, fp8:per-tensor or fp8:per-channel")
         method, _, granularity = text.strip().lower().partition(":")
         if method != "fp8":
             raise ConfigError(

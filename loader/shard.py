@@ -226,7 +226,9 @@ class _Source:
                     "`AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST, safe_serialization=True)`"
                 )
             raise SourceNotFoundError(f"no *.safetensors files under {str(root)!r}")
-        self._check_index()
+        indexed = self._check_index()
+        if indexed is not None:  # the index names the weights; other files (e.g. Mistral's consolidated.safetensors) are not
+            self.files = [p for p in self.files if p.name in indexed]
         self.tensors: dict[str, _Located] = {}
         for path in self.files:
             for info in read_header(path).tensors:
@@ -237,20 +239,28 @@ class _Source:
                     )
                 self.tensors[info.name] = _Located(str(path), info)
 
-    def _check_index(self) -> None:
+    def _check_index(self) -> set[str] | None:
+        """The file names ``model.safetensors.index.json`` maps tensors to (None without an index)."""
         index = self.root / "model.safetensors.index.json"
         if not index.is_file():
-            return
+            return None
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise SourceCheckpointError(f"{str(index)!r} is not a valid safetensors index ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v and "/" not in v for k, v in weight_map.items()):
+            raise SourceCheckpointError(
+                f"{str(index)!r}: 'weight_map' must map tensor names to file names in the same directory; "
+                "the index is damaged — fetch it again"
+            )
         for name, fname in weight_map.items():
             if not (self.root / fname).is_file():
                 raise SourceNotFoundError(
                     f"{str(index)!r} maps tensor {name!r} to {fname!r}, but that file is missing from "
                     f"{str(self.root)!r}; the download is incomplete — fetch the missing shard"
                 )
+        return set(weight_map.values())
 
     def fingerprint_parts(self) -> dict[str, Any]:
         files = []
@@ -533,7 +543,13 @@ class _Builder:
         """fp32 scale of a whole source weight: 0-d, or [rows, 1] per channel."""
         assert self.scheme is not None
         if source not in self._scales:
-            self._scales[source] = compute_scale(self.src.amax(source, self.scheme.per_channel), self.scheme)
+            amax = self.src.amax(source, self.scheme.per_channel)
+            if not bool(torch.isfinite(amax).all()):
+                raise SourceCheckpointError(
+                    f"tensor {source!r} in {self.src.tensors[source].path!r} holds inf or NaN values; fp8 scales "
+                    "from it would zero every other weight. Fix the source weights, or shard without --quantize"
+                )
+            self._scales[source] = compute_scale(amax, self.scheme)
         return self._scales[source]
 
     def build(self, t: OutTensor, spec: TensorSpec) -> torch.Tensor:
@@ -665,6 +681,10 @@ def _prepare_out(out: Path, plan: ShardPlan) -> tuple[bool, bool]:
                 f"{str(out)!r} holds an unfinished `gdsload shard` run of a different command: {why}. "
                 f"Rerun that command to finish it, or delete {str(out)!r} (or its {PARTIAL_DIR}/) to start over"
             )
+        # A run killed while it wrote its manifest leaves the manifest's temporary file: ours, remove it.
+        for stale in out.glob(f".{MANIFEST_NAME}.tmp-*"):
+            stale.unlink(missing_ok=True)
+            entries.discard(stale.name)
         stray = sorted(entries - ours)
     else:
         stray = sorted(entries)

@@ -141,8 +141,8 @@ class ModelSpec:
             return value
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or hidden // heads
+        kv_heads = heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"]
+        head_dim = hidden // heads if config.get("head_dim") is None else config["head_dim"]
         if type(kv_heads) is not int or kv_heads < 1 or heads % kv_heads:
             raise UnsupportedModelError(
                 f"{where!r}: num_key_value_heads={kv_heads!r} must be a positive divisor of num_attention_heads={heads}"

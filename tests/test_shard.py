@@ -25,6 +25,7 @@ import torch
 
 from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover, load_rank, read_header
 from gdsload.loader import format as fmt
+from gdsload.loader.errors import ConfigError
 from gdsload.loader.shard import (
     PARTIAL_DIR,
     SourceCheckpointError,
@@ -414,6 +415,47 @@ def test_missing_tensor_and_missing_shard_file(checkpoints, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_index_names_the_weight_files_and_a_bad_index_is_typed(checkpoints, tmp_path):
+    src = _copy(checkpoints["mistral-mqa"][0], tmp_path / "src")
+    # Mistral repositories ship consolidated.safetensors beside the shards the index names: it is not read.
+    safetensors.torch.save_file({"norm.weight": torch.ones(4)}, str(src / "consolidated.safetensors"))
+    assert shard_checkpoint(src, tmp_path / "out", tp=2).files
+    index = src / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    for weight_map in ([list(doc["weight_map"])], {"model.norm.weight": 3}, {"model.norm.weight": "../x.safetensors"}):
+        index.write_text(json.dumps({**doc, "weight_map": weight_map}))
+        _fails(lambda: shard_checkpoint(src, tmp_path / "out2", tp=2), SourceCheckpointError,
+               "'weight_map' must map tensor names to file names", str(index))
+    assert not (tmp_path / "out2").exists()
+
+
+def test_inf_weight_refuses_fp8_naming_the_tensor(checkpoints, tmp_path):
+    src = _copy(checkpoints["llama-gqa-tied"][0], tmp_path / "src")
+    name = "model.layers.0.mlp.down_proj.weight"
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = safetensors.torch.load_file(str(f))
+        if name in tensors:
+            tensors[name][0, 0] = float("inf")
+            safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+            break
+    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=2, quantize="fp8"), SourceCheckpointError,
+           repr(name), "inf or NaN", "without --quantize")
+    assert not (tmp_path / "out").exists()
+    assert shard_checkpoint(src, tmp_path / "plain", tp=2).files  # unquantized, the values are copied as they are
+
+
+def test_zero_head_counts_in_config_are_refused(checkpoints, tmp_path):
+    src = _copy(checkpoints["llama-gqa-tied"][0], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    for key, words in (("num_key_value_heads", "num_key_value_heads=0"), ("head_dim", "head_dim must be a positive")):
+        (src / "config.json").write_text(json.dumps({**cfg, key: 0}))
+        _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=1), UnsupportedModelError, words)
+    (src / "config.json").write_text(json.dumps({**cfg, "head_dim": None}))  # as some configs write it: the default
+    assert shard_checkpoint(src, tmp_path / "out", tp=1).files
+    with pytest.raises(ConfigError, match="must be a string"):
+        shard_checkpoint(src, tmp_path / "q", tp=1, quantize=True)  # type: ignore[arg-type]
+
+
 def test_shape_mismatch_names_tensor_and_config(checkpoints, tmp_path):
     bad = _copy(checkpoints["mistral-mqa"][0], tmp_path / "wrong")
     cfg = json.loads((bad / "config.json").read_text())
@@ -576,6 +618,15 @@ def test_partial_dir_without_state_is_taken_over(checkpoints, tmp_path):
     (out / PARTIAL_DIR / ".lock").touch()
     result = shard_checkpoint(src, out, tp=2)
     assert not result.resumed_files and (out / "gdsload.json").exists() and not (out / PARTIAL_DIR).exists()
+
+
+def test_a_run_killed_while_writing_its_manifest_resumes(checkpoints, tmp_path):
+    src, _ = checkpoints["mistral-mqa"]
+    out = tmp_path / "out"
+    (out / PARTIAL_DIR).mkdir(parents=True)
+    (out / ".gdsload.json.tmp-99999").write_text("{")  # the manifest's temporary file of a killed run
+    shard_checkpoint(src, out, tp=2)
+    assert (out / "gdsload.json").exists() and not list(out.glob(".gdsload.json.tmp-*"))
 
 
 def test_sigkill_mid_file_then_rerun_resumes(checkpoints, tmp_path):
