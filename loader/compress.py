@@ -168,17 +168,21 @@ def compress_dir(
     staging.mkdir(parents=True)
     total = CompressStats()
     try:
-        for item in sorted(src_p.iterdir()):
-            if item.name == MANIFEST_NAME or item.name.startswith("."):
+        for item in sorted(src_p.rglob("*")):  # subdirectories too: a manifest may list files in them
+            rel_item = item.relative_to(src_p)
+            if str(rel_item) == MANIFEST_NAME or any(part.startswith(".") for part in rel_item.parts):
                 continue
+            if not item.is_file():
+                continue
+            (staging / rel_item).parent.mkdir(parents=True, exist_ok=True)
             if item.suffix == ".safetensors":
-                stats = compress_file(item, staging / item.name, codec=codec, min_gain=min_gain, device=device,
+                stats = compress_file(item, staging / rel_item, codec=codec, min_gain=min_gain, device=device,
                                       min_tensor_bytes=min_tensor_bytes, progress=progress)
-                log.info("%s: %d/%d tensors compressed, ratio %.3f", item.name, stats.compressed, stats.tensors,
+                log.info("%s: %d/%d tensors compressed, ratio %.3f", rel_item, stats.compressed, stats.tensors,
                          stats.ratio)
                 total.add(stats)
-            elif item.is_file():
-                shutil.copy2(item, staging / item.name)
+            else:
+                shutil.copy2(item, staging / rel_item)
         rel = {r: [os.path.relpath(p, src_p) for p in files] for r, files in ranks.items()}
         layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
         extra = dict(manifest.extra) if manifest else {}

@@ -132,11 +132,13 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
             "trtllm": TRTLLM_PATTERN,
             "plain": "*.safetensors",
         }[source]
-        hint = (
-            "it is a TP=1 checkpoint; shard it with `gdsload shard SRC OUT --tp N`"
-            if source == "plain"
-            else f"was it sharded for tp={max(ranks) + 1}?"
-        )
+        if source == "plain":
+            hint = "it is a TP=1 checkpoint; shard it with `gdsload shard SRC OUT --tp N`"
+        elif rank < max(ranks):  # a gap: higher ranks are here, this one is not
+            hint = (f"rank {rank}'s files are missing although higher ranks are here; the copy is incomplete "
+                    "(re-copy it), or this host was given only some of the ranks")
+        else:
+            hint = f"was it sharded for tp={max(ranks) + 1}?"
         raise NoFilesForRankError(
             f"No files for rank {rank} under {str(path)!r} matching {pattern!r}; "
             f"the directory holds rank{'s' if len(ranks) > 1 else ''} {_ranges(list(ranks))} — {hint}"

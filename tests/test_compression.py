@@ -15,6 +15,7 @@ from conftest import random_tensor
 from gdsload.loader import CodecError, ConfigError, load_rank, read_header, save_file
 from gdsload.loader.compress import compress_dir, compress_file
 from gdsload.loader.compression import METADATA_KEY, parse_compression
+from gdsload.loader.manifest import write_manifest
 from gdsload.loader.synthetic import make_checkpoint
 
 
@@ -191,6 +192,23 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
     with pytest.raises(OSError, match="No space left"):
         compress_dir(src, tmp_path / "mz2", codec="zstd", device="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "mz"]
+
+
+def test_compress_dir_keeps_subdirectories(tmp_path):
+    """A manifest may list files in subdirectories; they are compressed in place, other files copied."""
+    src = tmp_path / "m"
+    (src / "weights").mkdir(parents=True)
+    (src / "tokenizer").mkdir()
+    for r in range(2):
+        save_file({"w": (0.02 * torch.randn(256, 256)).to(torch.bfloat16)}, src / "weights" / f"rank{r}.safetensors")
+    (src / "tokenizer" / "tokenizer.json").write_text("{}")
+    write_manifest(src, {r: [f"weights/rank{r}.safetensors"] for r in range(2)}, tp_size=2, layout="vllm")
+    out = tmp_path / "mz"
+    stats = compress_dir(src, out, codec="zstd", device="cpu")
+    assert stats.files == 2 and (out / "tokenizer" / "tokenizer.json").read_text() == "{}"
+    for rank in (0, 1):
+        a, b = load_rank(src, rank), load_rank(out, rank, verify=True)
+        assert b.report.verified and _bits(a.tensors["w"]) == _bits(b.tensors["w"])
 
 
 def test_compressed_vllm_directory_without_manifest(tmp_path):

@@ -131,6 +131,10 @@ def test_vllm_trtllm_and_plain_directories_load_without_manifest(tmp_path, shard
         save_file({f"w{r}": torch.full((4,), float(r))}, trt / f"rank{r}.safetensors")
     assert discover(trt, 2).tp_size == 3
     assert torch.equal(load_rank(trt, 2).tensors["w2"], torch.full((4,), 2.0))
+    (trt / "rank1.safetensors").unlink()  # a gap: a partial copy, or a host given only some ranks
+    assert torch.equal(load_rank(trt, 0).tensors["w0"], torch.zeros(4))
+    with pytest.raises(NoFilesForRankError, match="rank 1's files are missing although higher ranks are here"):
+        discover(trt, 1)
 
     plain = tmp_path / "plain"
     plain.mkdir()
