@@ -17,6 +17,7 @@ Only the standard library talks HTTP here, so engines need no extra dependency.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import urllib.error
@@ -203,6 +204,11 @@ class SidecarClient:
             raise SidecarUnavailableError(
                 f"{method} {url}: no answer ({reason}); start `gdsload serve` on this host or fix sidecar_url "
                 f"(default {DEFAULT_SIDECAR_URL})"
+            ) from None
+        except http.client.HTTPException as e:  # something answered, but not in HTTP (another service on the port)
+            raise SidecarProtocolError(
+                f"{method} {url}: the answer is not HTTP ({type(e).__name__}: {str(e)[:100]!r}); is sidecar_url the "
+                "port `gdsload serve` listens on?"
             ) from None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -140,8 +141,9 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--rank", default=0, show_default=True, help="Tensor-parallel rank to load.")
-@click.option("--device", default="cpu", show_default=True, help="Target device: cpu, cuda, cuda:N.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Tensor-parallel rank to load.")
+@click.option("--device", default="cpu", show_default=True, callback=lambda ctx, param, value: _device(value),
+              help="Target device: cpu, cuda, cuda:N.")
 @click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
 @click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
@@ -155,6 +157,12 @@ def load(path: str, rank: int, device: str, backend: str | None, num_threads: in
     result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
                        chunk_bytes=chunk_bytes, verify=verify)
     print_report(result.report, as_json)
+
+
+def _device(value: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value):
+        raise click.BadParameter(f"{value!r} is not a device; use cpu, cuda or cuda:N")
+    return value
 
 
 def print_report(report: Any, as_json: bool) -> None:

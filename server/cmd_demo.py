@@ -59,7 +59,8 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
 
         log_path = Path(tmp) / "serve.log"
         # Flags pin what the demo needs; the worker verifies the manifest digests (GDSLOAD_VERIFY).
-        cmd = serve_command(str(root), "--tp", str(tp), "--host", "127.0.0.1", "--port", "0", "--device-map", "cpu")
+        cmd = serve_command(str(root), "--tp", str(tp), "--host", "127.0.0.1", "--port", "0", "--device-map", "cpu",
+                            "--log-level", "info")  # the demo reads the port and each rank's progress from the log
         env = {**os.environ, "GDSLOAD_VERIFY": "1", "PYTHONUNBUFFERED": "1"}
         click.echo(f"starting: gdsload serve {root} --tp {tp} --host 127.0.0.1 --port 0 --device-map cpu")
         with open(log_path, "wb") as log:

@@ -40,8 +40,8 @@ def _env(name: str) -> str:
               help=f"File holding the bearer token for reload/unload/IPC; {_env('token_file')}, or the token in {TOKEN_ENV}.")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(file_okay=False),
               help=f"Directory model paths must lie in (repeatable); {_env('allow_roots')} (':'-separated).")
-@click.option("--log-format", type=click.Choice(LOG_FORMATS), default=None, help=f"text or json; {_env('log_format')}.")
-@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, help=f"Default info; {_env('log_level')}.")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS, case_sensitive=False), default=None, help=f"text or json; {_env('log_format')}.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help=f"Default info; {_env('log_level')}.")
 @click.option("--restart-backoff", type=float, default=None,
               help=f"Seconds before the first restart of a crashed worker (default 1, doubling); {_env('restart_backoff')}.")
 @click.option("--restart-backoff-max", type=float, default=None,
@@ -50,7 +50,7 @@ def _env(name: str) -> str:
               help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
 @click.option("--stop-timeout", type=float, default=None,
               help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.")
-@click.option("--worker-start", type=click.Choice(START_METHODS), default=None,
+@click.option("--worker-start", type=click.Choice(START_METHODS, case_sensitive=False), default=None,
               help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
                    f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
                    f"{_env('worker_start')}.")
@@ -122,7 +122,9 @@ def run_server(config: ServeConfig) -> None:
                                                lifespan="on", timeout_graceful_shutdown=5, server_header=False))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        log.info("listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
+        # Logged at any --log-level: with --port 0 this line is the only place the port is named.
+        level = max(logging.INFO, logging.getLogger().getEffectiveLevel())
+        log.log(level, "listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
         server.run(sockets=[sock])
     finally:
         supervisor.stop()

@@ -592,8 +592,8 @@ class Supervisor:
             for h in waiting:
                 h.receive()  # keep the pipes flowing so no worker blocks on a full one
             waiting = [h for h in waiting if h.alive()]
+        WorkerHandle.kill_after(handles, deadline)
         for h in handles:
-            h.kill_after(deadline)
             log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
             h.close()
 

@@ -173,6 +173,16 @@ def error_doc(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
 
 
+def _wait_all(handles: list[WorkerHandle], deadline: float) -> None:
+    """Until every one of ``handles`` has exited or ``deadline`` (monotonic) has passed."""
+    while True:
+        running = [h for h in handles if h.alive()]
+        left = deadline - time.monotonic()
+        if not running or left <= 0:
+            return
+        select.select([h.sentinel for h in running], [], [], left)
+
+
 class WorkerHandle:
     """The parent's end of one worker: the process, its pipe, and the spec it was started with.
 
@@ -254,9 +264,6 @@ class WorkerHandle:
             return "exited; its exit status is unknown (the fork server that started it is gone)"
         return describe_exit(code)
 
-    def _wait(self, timeout: float) -> None:
-        select.select([self.sentinel], [], [], max(0.0, timeout))
-
     def _signal(self, sig: int) -> None:
         try:
             if self._pidfd is not None:
@@ -289,17 +296,19 @@ class WorkerHandle:
                 self.conn = None
         return out
 
-    def kill_after(self, deadline: float) -> None:
-        """Wait for the process until ``deadline`` (monotonic), then SIGTERM it, then SIGKILL it."""
-        self._wait(deadline - time.monotonic())
-        if self.alive():
-            log.warning("rank %d: worker pid %s did not exit in time; sending SIGTERM", self.spec.rank, self.pid)
-            self._signal(signal.SIGTERM)
-            self._wait(2.0)
-        if self.alive():
-            log.warning("rank %d: worker pid %s ignored SIGTERM; sending SIGKILL", self.spec.rank, self.pid)
-            self._signal(signal.SIGKILL)
-            self._wait(2.0)
+    @staticmethod
+    def kill_after(handles: list[WorkerHandle], deadline: float, grace: float = 2.0) -> None:
+        """Wait for the processes until ``deadline`` (monotonic), then SIGTERM every one still running,
+        then SIGKILL those still running ``grace`` seconds later: all at once, so N stuck workers take as
+        long to stop as one."""
+        for sig, why in ((signal.SIGTERM, "did not exit in time"), (signal.SIGKILL, "ignored SIGTERM")):
+            _wait_all(handles, deadline)
+            survivors = [h for h in handles if h.alive()]
+            for h in survivors:
+                log.warning("rank %d: worker pid %s %s; sending %s", h.spec.rank, h.pid, why, sig.name)
+                h._signal(sig)
+            deadline = time.monotonic() + grace
+        _wait_all(handles, deadline)
 
     def close(self) -> None:
         """Release the pipe, the pidfd and the process object (the process must have exited)."""

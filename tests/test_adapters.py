@@ -369,6 +369,22 @@ def test_sidecar_errors_are_typed_and_name_the_fix(prepared):
     with pytest.raises(SidecarUnavailableError, match="start `gdsload serve`") as e:
         SidecarClient(f"http://127.0.0.1:{free_port}", token=TOKEN, timeout=5).ipc_document(0)
     assert isinstance(e.value, ConnectionError)
+    # Another service on the port, answering something that is not HTTP.
+    with socket.socket() as banner:
+        banner.bind(("127.0.0.1", 0))
+        banner.listen(1)
+
+        def answer() -> None:
+            conn, _ = banner.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        with pytest.raises(SidecarProtocolError, match="the answer is not HTTP"):
+            SidecarClient(f"http://127.0.0.1:{banner.getsockname()[1]}", token=TOKEN, timeout=5).ipc_document(0)
+        t.join(5)
 
 
 _CHILD = r"""

@@ -71,6 +71,8 @@ def test_load_prints_report(sharded_dir):
         (["load", "{d}", "--rank", "5"], "error: No files for rank 5"),
         (["load", "{d}", "--backend", "warp"], "error: backend='warp' is not known"),
         (["load", "{d}", "--chunk", "huge"], "is not a size"),
+        (["load", "{d}", "--rank", "-1"], "-1 is not in the range x>=0"),
+        (["load", "{d}", "--device", "gpu0"], "'gpu0' is not a device; use cpu, cuda or cuda:N"),
     ],
 )
 def test_errors_are_one_line_and_nonzero(sharded_dir, args, message):

@@ -585,6 +585,36 @@ def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
         srv.close()
 
 
+def test_the_bound_port_is_named_at_any_log_level(models: Models, tmp_path: Path):
+    srv = Server([str(models.a), "--log-level", "error"], tmp_path / "serve.log")  # finds the URL in the log
+    try:
+        assert srv.http.get("/healthz").status_code == 200
+        assert "INFO" not in srv.log() and srv.terminate() == 0
+    finally:
+        srv.close()
+
+
+def test_stuck_workers_are_killed_together_at_the_stop_timeout(tmp_path: Path):
+    """Four frozen workers (SIGSTOP: they cannot act on 'unload', SIGTERM waits) are escalated at once:
+    shutdown takes the stop timeout plus one grace period, not one grace period per worker."""
+    model = make_checkpoint(tmp_path / "tp4", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096,
+                                                         layers=2), tp=4)
+    srv = Server([str(model), "--tp", "4", "--device-map", "cpu", "--stop-timeout", "1"], tmp_path / "serve.log")
+    try:
+        srv.poll_ready(timeout=120)
+        pids = [r["pid"] for r in srv.status()["ranks"].values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        assert srv.terminate() == 0
+        took = time.monotonic() - t
+        assert took < 6.5, took  # one at a time: 1 s + 4 x 2 s
+        assert srv.log().count("sending SIGKILL") == 4
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    finally:
+        srv.close()
+
+
 def test_workers_outlive_their_fork_server(models: Models, tmp_path: Path):
     """The fork server reports its children's exits; if it dies, the workers it forked keep their ranks
     (their liveness is watched through pidfds), and the next worker start launches a new fork server."""
