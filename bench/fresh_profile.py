@@ -70,11 +70,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
     ap.add_argument("--backend", default="pinned")
-    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--device", default="cuda:0", help="CUDA device to load to (this profile times GPU loads)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prewarm-h2d", action="store_true")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
+    if not args.device.startswith("cuda"):
+        ap.error(f"--device {args.device!r}: this profile times loads to a GPU; give cuda or cuda:N")
 
     t = time.perf_counter()
     import torch
