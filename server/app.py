@@ -276,7 +276,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _server_fault(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
+        # Starlette re-raises the exception after this answer, and uvicorn logs it with its traceback.
         return JSONResponse({"error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}; "
                                        "see the server's log"}}, status_code=500)
 

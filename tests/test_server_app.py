@@ -76,6 +76,15 @@ def test_every_error_has_the_error_shape():
             assert r.status_code == code and r.content == b""
 
 
+def test_a_fault_of_the_server_answers_500_in_the_error_shape(monkeypatch):
+    supervisor = Supervisor(ServeConfig.resolve(env={}))
+    monkeypatch.setattr(supervisor, "status", lambda: 1 / 0)
+    with TestClient(create_app(supervisor), raise_server_exceptions=False) as client:
+        r = client.get("/v1/status")
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalError"
+        assert r.json()["error"]["message"].startswith("ZeroDivisionError: division by zero")
+
+
 def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
     """Should the loop that starts and restarts workers die, the process must not look alive forever."""
     def broken(self, path: str) -> None:
