@@ -13,7 +13,7 @@ from .config import LoadConfig
 from .decode import load_compressed
 from .discovery import RankFiles, discover
 from .dtypes import to_torch
-from .errors import IntegrityError
+from .errors import ConfigError, IntegrityError
 from .manifest import file_digest
 from .plan import FilePlan, LoadPlan, Placement, plan_rank
 from .result import FileReport, LoadReport, LoadResult
@@ -58,7 +58,10 @@ def load_rank(
 
     cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
                              pinned_bytes=pinned_bytes)
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a torch device ({e}); use 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     phases: dict[str, float] = {}

@@ -638,6 +638,9 @@ def _saved_device(saved: str, path: str, name: str) -> torch.device:
     except RuntimeError:
         raise CheckpointError(f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton; the file is "
                               "corrupt") from None
+    if dev.type not in ("cpu", "cuda"):  # saving takes only these: anything else (meta: no data) is damage
+        raise CheckpointError(f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton, which a save "
+                              "never writes; the file is corrupt")
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = dev.index or 0

@@ -131,10 +131,13 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             raise CodecError(f"{where} must be stored as 1-D U8, found {t.dtype}{list(t.shape)}")
         try:
             dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
-            layout, params = e.get("layout", CODECS.get(codec)), dict(e.get("params") or {})
+            layout, params = e.get("layout", CODECS.get(codec)), e.get("params") or {}
         except (KeyError, TypeError) as err:
             raise CodecError(f"{where}: metadata entry is missing {err}") from None
-        if dtype not in ITEMSIZE:
+        if type(nbytes) is not int or not isinstance(params, dict):
+            raise CodecError(f"{where}: nbytes {nbytes!r} must be an integer and params {params!r:.100} an object")
+        params = dict(params)
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise CodecError(f"{where}: unknown dtype {dtype!r}")
         if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
             raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")

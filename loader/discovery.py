@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ManifestError, NoFilesForRankError
+from .errors import ConfigError, ManifestError, NoFilesForRankError
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile
 
 __all__ = ["RankFiles", "discover", "list_ranks", "VLLM_PATTERN", "TRTLLM_PATTERN"]
@@ -121,7 +121,7 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
     ('/models/llama-tp2/model-rank-1-part-0.safetensors',)
     """
     if type(rank) is not int or rank < 0:
-        raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
     source, tp, ranks, manifest = _scan(path)
     root = Path(path).resolve()
     root_dir = str(root if root.is_dir() else root.parent)

@@ -25,10 +25,11 @@ from __future__ import annotations
 import base64
 import ctypes
 import logging
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import from_torch, to_torch
+from .dtypes import ITEMSIZE, from_torch, to_torch
 from .errors import GdsloadError
 from .result import LoadResult
 
@@ -168,8 +169,37 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
     """
     import torch
 
-    if doc.get("version") != IPC_VERSION:
-        raise IpcError(f"IPC document version {doc.get('version')!r} is not {IPC_VERSION}; upgrade gdsload on both sides")
+    if not isinstance(doc, dict) or doc.get("version") != IPC_VERSION:
+        version = doc.get("version") if isinstance(doc, dict) else doc
+        raise IpcError(f"IPC document version {version!r} is not {IPC_VERSION}; upgrade gdsload on both sides")
+    if doc.get("kind") not in ("cuda", "cuda-ipc", "cpu"):
+        raise IpcError(f"IPC document kind {doc.get('kind')!r} is not 'cuda', 'cuda-ipc' or 'cpu'")
+    _check_table(doc)  # before anything is mapped
+    try:
+        return _import_checked(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise IpcError(f"the IPC document is damaged ({type(e).__name__}: {e}); ask the sidecar for a new one") from None
+
+
+def _check_table(doc: dict[str, Any]) -> None:
+    """Every tensor of the document lies inside the arena, aligned for its dtype, its size matching its shape."""
+    total, table = doc.get("nbytes"), doc.get("tensors")
+    if type(total) is not int or total < 0 or not isinstance(table, list):
+        raise IpcError("the IPC document has no valid 'nbytes' and 'tensors'; ask the sidecar for a new one")
+    for t in table:
+        ok = isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("dtype") in ITEMSIZE
+        shape, offset, nbytes = (t.get("shape"), t.get("offset"), t.get("nbytes")) if ok else (None, None, None)
+        ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        ok = ok and type(offset) is int and type(nbytes) is int and 0 <= offset and offset + nbytes <= total
+        ok = ok and nbytes == math.prod(shape) * ITEMSIZE[t["dtype"]] and offset % ITEMSIZE[t["dtype"]] == 0
+        if not ok:
+            raise IpcError(f"the IPC document's tensor entry {t!r:.200} does not fit its {total}-byte arena (offset, "
+                           "size, dtype and shape must agree); the document is damaged: ask the sidecar for a new one")
+
+
+def _import_checked(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
+    import torch
+
     kind = doc.get("kind")
     if kind == "cuda":
         c = doc["cuda"]

@@ -201,6 +201,8 @@ def test_duplicate_names_in_a_stream_are_an_error():
         collect_weights([("w", torch.ones(1)), ("w", torch.ones(1))])
     with pytest.raises(TypeError, match="not a torch.Tensor"):
         collect_weights([("w", [1.0])])
+    with pytest.raises(TypeError, match="weight 'w' is a list"):
+        collect_weights({"w": [1.0]})
 
 
 def test_meta_buffers_are_refused_with_the_fix(prepared):
@@ -219,6 +221,10 @@ def test_meta_init_restores_torch_state():
         raise RuntimeError("boom")
     assert (torch.get_default_dtype(), nn.Module.register_parameter) == before
     assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.float16
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+    with pytest.raises(TypeError), meta_init(dtype=torch.int32):  # not a floating dtype: refused, nothing patched
+        pass
+    assert (torch.get_default_dtype(), nn.Module.register_parameter) == before
     assert nn.Linear(2, 2).weight.device.type == "cpu"
 
 

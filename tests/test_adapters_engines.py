@@ -257,6 +257,10 @@ def test_vllm_filter_shared_tensors_follows_sharded_state():
     kept = gvllm.filter_shared_tensors(state)
     # The widest tensor wins; of identical spans the smallest name; views and non-contiguous tensors are covered.
     assert sorted(kept) == ["b.fused", "other"]
+    # A non-contiguous tensor with storage of its own (a transposed buffer) is kept, and measured by its strides.
+    grid = torch.arange(12.0).reshape(3, 4)
+    kept = gvllm.filter_shared_tensors({"grid.t": grid.t(), "grid.row": grid[0]})
+    assert sorted(kept) == ["grid.row", "grid.t"]  # the row is not covered: non-contiguous tensors cover nothing
 
 
 def test_vllm_plans_refuse_what_the_engine_would_load_wrongly(vllm_dir, hf_tp2_dir, hf_dir, tmp_path):
@@ -369,6 +373,9 @@ def test_sglang_bucketize_keeps_order_and_bounds():
     assert buckets == [["t0", "t1"], ["t2", "t3"], ["t4"], ["t5"]]
     with pytest.raises(ConfigError):
         list(gsglang.bucketize(named, 0))
+    twice = [("a", torch.zeros(2)), ("b", torch.ones(2)), ("a", torch.full((2,), 7.0))]
+    out = [(n, t[0].item()) for b in gsglang.bucketize(twice, 1 << 20) for n, t in b]
+    assert out == [("a", 0.0), ("b", 1.0), ("a", 7.0)]  # a repeated name keeps each of its tensors
 
 
 def test_sglang_per_rank_without_sglang_names_the_package(hf):
@@ -431,6 +438,18 @@ def test_trtllm_legacy_rank_files_load_with_their_config(tmp_path):
         gtrtllm.load_trtllm_weights(tmp_path, tp_rank=0, tp_size=2)
     with pytest.raises(LayoutError, match="rank 2 is outside the checkpoint's world_size 2"):
         gtrtllm.load_legacy_checkpoint(tmp_path, 2)
+
+
+def test_trtllm_legacy_checkpoint_compressed_by_gdsload_loads(tmp_path):
+    from gdsload.loader.compress import compress_dir
+
+    src = tmp_path / "legacy"
+    src.mkdir()
+    ranks = _legacy(src, {"world_size": 2, "tp_size": 2}, 2)
+    compress_dir(src, tmp_path / "packed", codec="zstd", device="cpu", min_tensor_bytes=0)  # adds a manifest
+    ckpt = gtrtllm.load_legacy_checkpoint(tmp_path / "packed", 1)
+    assert all(torch.equal(ckpt.tensors[k], v) for k, v in ranks[1].items())
+    ckpt.close()
 
 
 def test_trtllm_legacy_context_parallel_ranks_share_files(tmp_path):

@@ -577,6 +577,11 @@ def test_loading_something_else_is_a_checkpoint_error(tmp_path):
     save_file({"model/w": torch.ones(2)}, lying, {CHECKPOINT_KEY: json.dumps(skeleton)})
     with pytest.raises(CheckpointError, match=r"corrupt at model\['w'\]"):
         load_compressed_checkpoint(lying)
+    skeleton["tree"]["model"] = {"dict": [["w", {"tensor": "model/w"}]]}
+    skeleton["tensors"]["model/w"]["device"] = "meta"  # no save writes it: tensors would come back without data
+    save_file({"model/w": torch.ones(2)}, lying, {CHECKPOINT_KEY: json.dumps(skeleton)})
+    with pytest.raises(CheckpointError, match="device 'meta' in the skeleton, which a save never writes"):
+        load_compressed_checkpoint(lying)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on hosts without a GPU")

@@ -106,6 +106,9 @@ def _rewrite_metadata(path: Path, mutate) -> None:
         (lambda t: t.update(ghost=dict(t["w.bf16"])), "not stored in the file"),
         (lambda t: t.update({"scalar": dict(t["w.bf16"])}), "must be stored as 1-D U8"),
         (lambda t: t["w.bf16"].update(crc32=-1), "crc32 -1"),
+        (lambda t: t["w.bf16"].update(nbytes=float(t["w.bf16"]["nbytes"])), "must be an integer"),
+        (lambda t: t["w.bf16"].update(params="fast"), "params 'fast'"),
+        (lambda t: t["w.bf16"].update(dtype=["BF16"]), "unknown dtype"),
     ],
 )
 def test_lying_metadata_is_rejected_before_reading(zfile, mutate, match):

@@ -59,11 +59,24 @@ def test_import_in_same_process_gives_views_of_one_mapping(sharded_dir):
     assert _digests(tensors) == _digests(result.tensors)
 
 
-def test_bad_documents_are_typed_errors():
+def test_bad_documents_are_typed_errors(sharded_dir):
     with pytest.raises(IpcError, match="version"):
         import_rank({"version": 99})
     with pytest.raises(IpcError, match="kind"):
         import_rank({"version": 1, "kind": "tpu"})
+    good = json.loads(json.dumps(export_rank(load_rank(sharded_dir, 0))))
+    first = good["tensors"][0]
+    for damage, words in (
+        (lambda d: d.pop("tensors"), "no valid 'nbytes' and 'tensors'"),
+        (lambda d: d["tensors"][0].update(offset=d["nbytes"]), "does not fit its"),
+        (lambda d: d["tensors"][0].update(dtype="Q4"), "does not fit its"),
+        (lambda d: d["tensors"][0].update(shape=[*first["shape"], 2]), "does not fit its"),
+        (lambda d: d.pop("cpu"), "the IPC document is damaged"),
+    ):
+        doc = json.loads(json.dumps(good))
+        damage(doc)
+        with pytest.raises(IpcError, match=words):
+            import_rank(doc)
 
 
 @pytest.mark.gpu

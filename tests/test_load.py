@@ -145,6 +145,13 @@ def test_vllm_trtllm_and_plain_directories_load_without_manifest(tmp_path, shard
     assert set(res.tensors) == {"x", "y"} and res.report.source == "plain"
 
 
+def test_bad_arguments_are_config_errors(sharded_dir):
+    for kwargs, words in (({"rank": -1}, "rank must be a non-negative integer"), ({"rank": True}, "got True"),
+                          ({"device": "gpu"}, "device='gpu' is not a torch device")):
+        with pytest.raises(ConfigError, match=words):
+            load_rank(sharded_dir, **{"rank": 0, **kwargs})
+
+
 def test_missing_rank_names_what_is_there(tmp_path, sharded_dir):
     with pytest.raises(NoFilesForRankError, match=r"No files for rank 3 .* holds ranks 0-1 — was it sharded for tp=2\?"):
         load_rank(sharded_dir, 3)

@@ -185,11 +185,10 @@ def collect_weights(weights: Weights) -> dict[str, torch.Tensor]:
     dict_keys(['a', 'b'])
     """
     if isinstance(weights, LoadResult):
-        return dict(weights.tensors)
-    if isinstance(weights, Mapping):
-        return dict(weights)
+        weights = weights.tensors
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
     out: dict[str, torch.Tensor] = {}
-    for item in weights:
+    for item in pairs:
         try:
             name, tensor = item
         except (TypeError, ValueError):

@@ -108,9 +108,9 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
     [2, 1]
     """
     pairs = list(named)
-    tensors = dict(pairs)
-    for names in _group([(n, t.numel() * t.element_size()) for n, t in pairs], bucket_bytes):
-        yield [(n, tensors[n]) for n in names]
+    sizes = [(str(i), t.numel() * t.element_size()) for i, (_, t) in enumerate(pairs)]  # by position: names may repeat
+    for positions in _group(sizes, bucket_bytes):
+        yield [pairs[int(i)] for i in positions]
 
 
 def _group(sizes: Iterable[tuple[str, int]], limit: int) -> Iterator[list[str]]:

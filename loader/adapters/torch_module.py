@@ -61,9 +61,9 @@ def meta_init(dtype: torch.dtype | None = None) -> Iterator[None]:
             meta.__dict__.update(p.__dict__)  # keep attributes engines hang on parameters
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-    if dtype is not None:
+    if dtype is not None:  # before patching: a bad dtype raises here with nothing to undo
         torch.set_default_dtype(dtype)
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -42,6 +42,7 @@ import torch
 
 from ..discovery import list_ranks
 from ..errors import ConfigError
+from ..manifest import Manifest
 from .base import AdapterOptions, LayoutError, RankWeights, describe_checkpoint, import_engine, open_rank
 
 __all__ = [
@@ -135,6 +136,8 @@ def read_legacy_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict[str
                           f"{expected_world}; fix the config or re-run convert_checkpoint.py")
     mapping = LegacyMapping(world_size=world, **values)
     source, _, ranks = list_ranks(checkpoint_dir)
+    if source == "manifest" and Manifest.read(checkpoint_dir).layout == "trtllm":
+        source = "trtllm"  # e.g. `gdsload compress` of a legacy checkpoint: the same rank files, with a manifest
     if source != "trtllm":
         raise LayoutError(f"{str(checkpoint_dir)!r} has no rank{{N}}.safetensors files (found a {source!r} "
                           "layout); this is not a legacy TensorRT-LLM checkpoint")

@@ -93,7 +93,9 @@ def filter_shared_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.
             groups[(t.device, t.untyped_storage().data_ptr())].append((name, t))
 
     def span(t: torch.Tensor) -> tuple[int, int]:
-        return t.data_ptr(), t.view(-1)[-1].data_ptr() + t.element_size()
+        """First and one-past-last byte the tensor touches (strides included: it may be non-contiguous)."""
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
     kept: dict[str, torch.Tensor] = {}
     for group in groups.values():
