@@ -167,8 +167,6 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
 
     For CUDA, the current process must see the exporter's GPU; the device is found by UUID.
     """
-    import torch
-
     if not isinstance(doc, dict) or doc.get("version") != IPC_VERSION:
         version = doc.get("version") if isinstance(doc, dict) else doc
         raise IpcError(f"IPC document version {version!r} is not {IPC_VERSION}; upgrade gdsload on both sides")
