@@ -7,6 +7,12 @@ from pathlib import Path
 import click
 
 from gdsload.loader import parse_size
+from gdsload.server.cli import DEVICE
+
+
+def _given(name: str) -> bool:
+    """Whether the option ``name`` of the running command was given (not its default)."""
+    return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
 
 def _generator_device(device: str) -> str:
@@ -27,16 +33,19 @@ def _generator_device(device: str) -> str:
 @click.option("--cold", "conditions", flag_value="cold", multiple=True, help="Page cache dropped before each run.")
 @click.option("--warm", "conditions", flag_value="warm", multiple=True, help="Files in the page cache.")
 @click.option("--tmpfs", "conditions", flag_value="tmpfs", multiple=True, help="A copy of the files in /dev/shm.")
-@click.option("--repeat", default=3, show_default=True, help="Runs per method and condition (median, min, max shown).")
-@click.option("--device", default="cuda", show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per method and condition (median, min, max shown).")
+@click.option("--device", type=DEVICE, default="cuda", show_default=True, help="Where the loads go: cuda, cuda:N or cpu.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="Where results.json and chart.png go (with --make-model: where the model goes).")
 @click.option("--make-model", "make_model", default=None,
               help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.")
-@click.option("--tp", default=1, show_default=True, help="With --make-model: ranks to split it into.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --make-model: ranks to split it into.")
 @click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
               help="With --make-model: start a new part file before one would exceed this.")
-@click.option("--compress", "compress_codec", default=None, help="With --make-model: also write OUT-CODEC compressed.")
+@click.option("--compress", "compress_codec", type=click.Choice(["ans", "gdeflate", "zstd"]), default=None,
+              help="With --make-model: also write OUT-CODEC compressed.")
 @click.option("--ttr/--no-ttr", default=True, show_default=True,
               help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")
 @click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -47,10 +56,25 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
+        import json
+
         from .plot import plot
 
-        click.echo(plot(plot_json, Path(plot_json).with_name("chart.png")))
+        try:
+            doc = json.loads(Path(plot_json).read_text())
+            if not isinstance(doc, dict) or not {"config", "summary", "limits"} <= set(doc):
+                raise ValueError("it has no config, summary and limits")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"--plot {plot_json!r} is not a results.json of `gdsload bench` ({e})") from None
+        target = Path(out) if _given("out") else Path(plot_json).parent
+        target.mkdir(parents=True, exist_ok=True)
+        click.echo(plot(doc, target / "chart.png"))
         return
+    if device.startswith("cuda") and not make_model:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError(f"--device {device} but torch sees no CUDA device here; use --device cpu")
     if make_model:
         from gdsload.loader.synthetic import make_checkpoint, shape_for_size
 
@@ -66,6 +90,8 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         return
     if not model_dir:
         raise click.UsageError("give MODEL_DIR, or --make-model SIZE, or --plot results.json")
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise click.UsageError(f"MODEL_DIR {model_dir!r} holds no .safetensors files")
     from .coldstart import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -152,11 +153,11 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
             for k, d in list(dirs.items()):
                 if d is None:
                     continue
-                dst = cfg.tmpfs_root / f"gdsload-bench-{k}"
-                if not dst.exists():
-                    shutil.copytree(d, dst)
-                copies.append(dst)
-                dirs[k] = dst
+                # A fresh copy under a unique name: never an older copy of another model, never someone else's.
+                room = Path(tempfile.mkdtemp(prefix=f"gdsload-bench-{k}-", dir=cfg.tmpfs_root))
+                copies.append(room)
+                dirs[k] = room / Path(d).name
+                shutil.copytree(d, dirs[k])
         try:
             plain_files = _files(dirs["plain"])
             if condition == "cold":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import ConfigError
 from .format import AlignedWriter, TensorSpec
 from .manifest import write_manifest
 
@@ -145,9 +146,15 @@ def make_checkpoint(
         shape = PRESETS[shape]
     elif isinstance(shape, int):
         shape = shape_for_size(shape)
+    entries = list(tensor_shapes(shape))
+    if type(tp) is not int or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be a positive integer")
+    for name, full, split in entries:  # checked before anything is written
+        if split != "rep" and full[0 if split == "col" else 1] % tp:
+            raise ConfigError(f"tp={tp} does not divide {name} {list(full)} of this synthetic shape; "
+                              "choose a tp that divides the heads and widths (1, 2, 4 or 8 usually do)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    entries = list(tensor_shapes(shape))
     full_shapes = {name: s for name, s, _ in entries}
     ranks: dict[int, list[str]] = {}
     for rank in range(tp):

@@ -1,6 +1,7 @@
 """The ``gdsload`` command line. A thin shell: parse, call the library, format.
 
-Only this boundary turns a :class:`GdsloadError` into a one-line message and a non-zero exit.
+Only this boundary turns a :class:`GdsloadError` (or an ``OSError``) into a one-line message and a
+non-zero exit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ class _Size(click.ParamType):
 
 
 SIZE = _Size()
+
+
+class _Device(click.ParamType):
+    """A device name a load can target: ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    name = "device"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(value)):
+            self.fail(f"{value!r} is not a device; use cpu, cuda or cuda:N", param, ctx)
+        return str(value)
+
+
+DEVICE = _Device()
 
 
 # Subcommands that live in their own modules: name -> "module:attr", imported when used.
@@ -142,8 +157,7 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 @cli.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Tensor-parallel rank to load.")
-@click.option("--device", default="cpu", show_default=True, callback=lambda ctx, param, value: _device(value),
-              help="Target device: cpu, cuda, cuda:N.")
+@click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Target device: cpu, cuda, cuda:N.")
 @click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
 @click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
@@ -157,12 +171,6 @@ def load(path: str, rank: int, device: str, backend: str | None, num_threads: in
     result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
                        chunk_bytes=chunk_bytes, verify=verify)
     print_report(result.report, as_json)
-
-
-def _device(value: str) -> str:
-    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value):
-        raise click.BadParameter(f"{value!r} is not a device; use cpu, cuda or cuda:N")
-    return value
 
 
 def print_report(report: Any, as_json: bool) -> None:
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except GdsloadError as e:
+    except (GdsloadError, OSError) as e:  # OSError: an unwritable output, a path that vanished, ...
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
 

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from gdsload.loader import format_bytes
 from gdsload.loader.compress import compress_dir, compress_file
 from gdsload.loader.compression import CODECS
+from gdsload.server.cli import DEVICE
 
 
 def _total_bytes(src: Path) -> int:
@@ -24,10 +25,13 @@ def _total_bytes(src: Path) -> int:
               help="ans (GPU, best ratio and speed), gdeflate (GPU), zstd (GPU or CPU; CPU hosts can load it).")
 @click.option("--min-gain", type=float, default=0.02, show_default=True,
               help="Keep a tensor raw unless it shrinks by at least this fraction.")
-@click.option("--device", default=None, help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
+@click.option("--device", type=DEVICE, default=None,
+              help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
 def compress(src: str, out: str, codec: str, min_gain: float, device: str | None) -> None:
     """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""
     src_p = Path(src)
+    if Path(out).exists():  # a file as well as a directory: nothing is overwritten, the source least of all
+        raise click.UsageError(f"OUT {out!r} already exists; choose a new path (nothing was written)")
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"compressing ({codec})", total=_total_bytes(src_p))

@@ -61,6 +61,37 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     table = format_table(doc)
     assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = subprocess.run([*GDSLOAD, "bench", "--plot", str(out / "results.json"), "--out", str(tmp_path / "charts")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and (tmp_path / "charts" / "chart.png").read_bytes()[:4] == b"\x89PNG", p.stderr
+
+
+def test_tmpfs_condition_copies_afresh_and_removes_only_its_copy(tmp_path):
+    from gdsload.bench.coldstart import BenchConfig, run_bench
+    from gdsload.loader.synthetic import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    shm = tmp_path / "shm"
+    stale = make_checkpoint(shm / "gdsload-bench-plain", "tiny", tp=2)  # someone's older copy, another model
+    doc = run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu",
+                                out=tmp_path / "out", conditions=("tmpfs",), tmpfs_root=shm, ttr=False),
+                    log=lambda *a: None)
+    assert [r["bytes"] for r in doc["runs"]] == [load_rank(model).report.logical_bytes]
+    assert sorted(p.name for p in shm.iterdir()) == ["gdsload-bench-plain"] and (stale / "gdsload.json").exists()
+
+
+def test_bench_cli_refuses_bad_input_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text("{")
+    for args, words in ((["--repeat", "0", str(tmp_path)], "0 is not in the range x>=1"),
+                        (["--device", "gpu0", str(tmp_path)], "'gpu0' is not a device"),
+                        (["--device", "cpu", str(tmp_path / "empty")], "holds no .safetensors files"),
+                        (["--make-model", "8MB", "--tp", "3", "--out", str(tmp_path / "t3")], "tp=3 does not divide"),
+                        (["--make-model", "8MB", "--compress", "lzma", "--out", str(tmp_path / "c")], "'lzma'"),
+                        (["--plot", str(tmp_path / "bad.json")], "is not a results.json")):
+        p = subprocess.run([*GDSLOAD, "bench", *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "empty"]  # nothing half-made
 
 
 def test_multi_gpu_bench_rows_on_cpu(tmp_path):
