@@ -626,7 +626,8 @@ class ArticleRow:
             return {k: getattr(p, k) for k in ("weights_bytes", "kv_budget_bytes", "kv_bytes_per_token_per_gpu",
                                                "kv_effective_bits", "max_tokens")}
         return {"step": self.step, "change": self.change, "cumulative": self.cumulative,
-                "kv16": brief(self.at_16bit), "kv3": brief(self.at_3bit), "ratio": self.ratio,
+                "kv16": brief(self.at_16bit), "kv3": brief(self.at_3bit),
+                "ratio": self.ratio if self.at_16bit.max_tokens else None,  # JSON has no NaN
                 "tokens_16bit_vs_article": self.vs_article}
 
 

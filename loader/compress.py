@@ -60,7 +60,8 @@ class CompressStats:
             cur[1] += b
 
 
-def _device_for(codec: str, device: str | torch.device | None) -> torch.device:
+def compress_device(codec: str, device: str | torch.device | None) -> torch.device:
+    """Where ``codec`` compresses (``device`` None: the GPU when nvCOMP works); CodecError when it cannot here."""
     if device is None:
         device = "cuda" if nvcomp_available() is None else "cpu"
     dev = torch.device(device)
@@ -91,7 +92,7 @@ def compress_file(
         raise ConfigError(f"codec={codec!r} is not one of {sorted(CODECS)}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
-    dev = _device_for(codec, device)
+    dev = compress_device(codec, device)
     t0 = time.perf_counter()
     header = read_header(src)
     source_entries = parse_compression(header)  # a compressed source is decoded, then re-compressed

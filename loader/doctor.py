@@ -36,6 +36,7 @@ class DoctorReport:
     nvidia_fs: bool = False
     nvidia_fs_version: str | None = None
     cufile_json: str | None = None
+    cufile_json_malformed: bool = False
     cufile_settings: dict[str, Any] = field(default_factory=dict)
     p2pdma_configured: bool = False
     kvikio: dict[str, Any] = field(default_factory=dict)
@@ -110,7 +111,8 @@ def _gpus() -> list[dict[str, str]]:
 
 
 def diagnose(paths: list[str] | None = None) -> DoctorReport:
-    """Collect the facts for ``paths`` (model directories; default: the current directory and /dev/shm)."""
+    """Collect the facts for ``paths`` (model directories; default: ``GDSLOAD_MODEL_DIR`` where it is set and
+    exists, the current directory and /dev/shm)."""
     r = DoctorReport()
     r.gpus = _gpus()
     try:
@@ -126,7 +128,9 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
         except OSError:
             pass
     r.cufile_json = cufile_json_path()
-    cfg = cufile_config() or {}
+    cfg = cufile_config()
+    r.cufile_json_malformed = r.cufile_json is not None and cfg is None
+    cfg = cfg or {}
     props = cfg.get("properties", {})
     r.cufile_settings = {k: props.get(k) for k in ("allow_compat_mode", "use_pci_p2pdma", "max_direct_io_size_kb",
                                                    "max_device_cache_size_kb", "max_device_pinned_mem_size_kb",
@@ -143,7 +147,9 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
         from .bare import bare_unavailable
 
         r.torch_free_workers = bare_unavailable()
-    for path in paths or [os.getcwd(), "/dev/shm"]:
+    model_dir = os.environ.get("GDSLOAD_MODEL_DIR")
+    default = [p for p in (model_dir, os.getcwd(), "/dev/shm") if p and os.path.exists(p)]
+    for path in paths or default:
         if not os.path.exists(path):
             continue
         mp, fs = _mount_of(path)
@@ -157,6 +163,9 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
 
 def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     advice = []
+    if r.cufile_json_malformed:
+        advice.append(f"{r.cufile_json} is not a readable cufile.json (a JSON object whose 'properties' is an "
+                      "object): cuFile cannot use it; fix it or point CUFILE_ENV_PATH_JSON at a good one.")
     if not r.gpus:
         advice.append("No NVIDIA GPU found (nvidia-smi): loads run on the CPU backend.")
         return "cpu", advice

@@ -82,7 +82,7 @@ def cufile_json_path() -> str | None:
 
 
 def cufile_config() -> dict[str, Any] | None:
-    """cufile.json parsed (it allows // comments), or None when absent or unreadable."""
+    """cufile.json parsed (it allows // comments), or None when absent, unreadable or not a cufile.json."""
     path = cufile_json_path()
     if path is None:
         return None
@@ -90,9 +90,12 @@ def cufile_config() -> dict[str, Any] | None:
         text = open(path, encoding="utf-8").read()
         text = re.sub(r"^\s*//.*$", "", text, flags=re.M)
         text = re.sub(r",(\s*[}\]])", r"\1", text)  # tolerate trailing commas
-        return json.loads(text)
+        doc = json.loads(text)
     except (OSError, ValueError):
         return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("properties", {}), dict):
+        return None  # valid JSON of another shape: not a cufile.json
+    return doc
 
 
 def p2pdma_configured(config: dict[str, Any] | None = None) -> bool:

@@ -54,7 +54,7 @@ def _epilog() -> str:
         "\b\n"
         f"  {cmd} --quantize-embeddings --activation-reserve 0 --cuda-graph-reserve 0 \\\n"
         f"      --kv-heads 128 --kv-bits 16   -> {article.at_16bit.max_tokens:,} tokens "
-        f"(3-bit: {article.at_3bit.max_tokens:,})\n"
+        f"(--kv-bits 3 --kv-scale-bits 0: {article.at_3bit.max_tokens:,})\n"
         "  gdsload plan --explain-article   # the step-by-step table\n"
     )
 
@@ -117,7 +117,12 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
                                    f"and the KV heads itself; leave out {', '.join(fixed) or 'MODEL'}")
         base = PlanInputs(PRESETS[ARTICLE_405B["model"]], tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"],
                           **common)
-        _show_article(capacity.explain_article(base), as_json)
+        rows = capacity.explain_article(base)
+        if not rows[0].at_16bit.max_tokens:
+            raise click.UsageError("with these options llama-3.1-405b at tp 8 leaves no memory for the KV cache "
+                                   f"({rows[0].at_16bit.kv_budget_bytes:,} bytes), so there is nothing to compare; "
+                                   "raise --gpu-memory or --gpu-memory-utilization, or lower the reserves")
+        _show_article(rows, as_json)
         return
     if model is None:
         raise click.UsageError("MODEL is missing: a preset "

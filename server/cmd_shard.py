@@ -18,7 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gdsload.loader.compress import compress_dir
+from gdsload.loader.compress import compress_device, compress_dir
 from gdsload.loader.shard import ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
@@ -53,6 +53,10 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
         gdsload shard /models/Llama-3-8B /models/llama3-tp2-fp8 --tp 2 --quantize fp8
     """
     options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest)
+    if codec is not None:  # what would stop the compression is checked before the sharding work
+        if Path(out).exists():
+            raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
+        compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
     plan = plan_shard(src, options)
     console = Console(stderr=True)
     enabled = console.is_terminal if show_progress is None else show_progress
@@ -67,6 +71,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     if codec is not None:
         stats = compress_dir(target, out, codec=codec)
         shutil.rmtree(target)
+        result.out = str(out)  # the uncompressed shards it reports were a step on the way
     if as_json:
         doc = asdict(result)
         if codec is not None:

@@ -263,6 +263,16 @@ def test_cli_explain_article_and_help() -> None:
     assert r.exit_code == 2 and "--tp" in r.output
     r = runner.invoke(plan_command, [])
     assert r.exit_code == 2 and "MODEL is missing" in r.output
+    # Options that leave no KV budget: a usage error, not a division by zero (nor NaN in JSON)
+    for extra in ([], ["--json"]):
+        r = runner.invoke(plan_command, ["--explain-article", "--gpu-memory", "1GiB", *extra])
+        assert r.exit_code == 2 and "leaves no memory for the KV cache" in r.output, r.output
+    # The help's 3-bit figure is what its stated flags give
+    r = runner.invoke(plan_command, ["llama-3.1-405b", "--tp", "8", "--weights", "fp8", "--quantize-embeddings",
+                                     "--activation-reserve", "0", "--cuda-graph-reserve", "0", "--kv-heads", "128",
+                                     "--kv-bits", "3", "--kv-scale-bits", "0", "--json"])
+    assert r.exit_code == 0 and '"max_tokens": 438880' in r.output
+    assert "(--kv-bits 3 --kv-scale-bits 0: 438,880)" in runner.invoke(plan_command, ["--help"]).output
 
 
 def test_cli_errors_are_typed_and_one_line(monkeypatch, capsys) -> None:

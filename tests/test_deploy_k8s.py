@@ -860,7 +860,7 @@ def test_doctor_job_runs_doctor_with_the_sidecar_image_and_model_volume():
     job = one(_load_docs(K8S / "jobs" / "doctor.yaml"), "Job")
     pod = job["spec"]["template"]
     doctor = container(pod, "doctor")
-    assert doctor["args"] == ["doctor"]
+    assert doctor["args"] == ["doctor", "/models"]  # the model volume is what the doctor checks
     sidecar_image = container(one(overlay("sidecar"), "Deployment")["spec"]["template"], "gdsload")["image"]
     assert doctor["image"] == sidecar_image
     assert [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]

@@ -61,6 +61,18 @@ def test_cufile_json_with_comments(tmp_path, monkeypatch):
     assert cufile_config() is None and not p2pdma_configured()
 
 
+@pytest.mark.parametrize("text", ["[1]", '{"properties": null}', '{"properties": "x"}'])
+def test_cufile_json_of_the_wrong_shape_is_reported_not_a_crash(tmp_path, monkeypatch, text):
+    from gdsload.loader.doctor import diagnose
+
+    cfg = tmp_path / "cufile.json"
+    cfg.write_text(text)
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(cfg))
+    assert cufile_config() is None and not p2pdma_configured()
+    report = diagnose([str(tmp_path)])
+    assert report.cufile_json_malformed and any("is not a readable cufile.json" in a for a in report.advice)
+
+
 def test_explicit_gpu_backends_fail_loudly_on_a_cpu_host():
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
@@ -120,3 +132,12 @@ def test_several_gpus_with_nvcomp_get_the_gpu0_context_warning():
     assert note.startswith("2 GPUs visible") and "CUDA_VISIBLE_DEVICES" in note
     without = DoctorReport(gpus=two.gpus, torch_cuda="13.0", kvikio=KVIKIO, nvcomp=None)
     assert not any("opens a CUDA context on GPU 0" in a for a in _advise(without)[1])
+
+
+def test_without_paths_the_served_model_directory_is_checked(tmp_path, monkeypatch):
+    from gdsload.loader.doctor import diagnose
+
+    monkeypatch.setenv("GDSLOAD_MODEL_DIR", str(tmp_path))
+    assert str(tmp_path) in [m.path for m in diagnose().mounts]
+    monkeypatch.setenv("GDSLOAD_MODEL_DIR", str(tmp_path / "not-yet"))  # not there (yet): skipped, no error
+    assert str(tmp_path / "not-yet") not in [m.path for m in diagnose().mounts]

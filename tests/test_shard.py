@@ -685,8 +685,13 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(out), "--tp", "2",
                             "--no-progress", *extra], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
-    assert "compressed with zstd" in p.stdout
+    assert "compressed with zstd" in p.stdout and f"sharded -> {str(packed)!r}" in p.stdout
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
+    # An existing OUT is refused before any sharding work, leaving nothing behind.
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(packed), "--tp", "2",
+                        "--no-progress", "--compress", "zstd"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "already exists" in p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]
     for rank in (0, 1):
         a, b = load_rank(plain, rank), load_rank(packed, rank)
         assert b.report.stored_bytes < a.report.stored_bytes
