@@ -46,6 +46,7 @@ _LAZY: dict[str, str] = {
     "IntegrityError": "errors",
     "ManifestError": "errors",
     "NoFilesForRankError": "errors",
+    "FileUnreadableError": "errors",
     "TruncatedFileError": "errors",
     "AlignedWriter": "format",
     "SafetensorsHeader": "format",
@@ -89,7 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
     from .config import LoadConfig, format_bytes, parse_size
     from .discovery import RankFiles, discover, list_ranks
-    from .errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, TruncatedFileError
+    from .errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, FileUnreadableError, TruncatedFileError
     from .format import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
     from .manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
     from .plan import LoadPlan, plan_rank
@@ -143,6 +144,7 @@ __all__ = [
     "TruncatedFileError",
     "ManifestError",
     "NoFilesForRankError",
+    "FileUnreadableError",
     "BackendUnavailableError",
     "CodecError",
     "IntegrityError",

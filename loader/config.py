@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -25,18 +26,18 @@ __all__ = ["LoadConfig", "parse_size", "format_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 
 def parse_size(value: str | int, *, what: str = "size") -> int:
     """``"16MiB"`` -> 16777216; plain integers are bytes. Decimal (MB) and binary (MiB) units."""
-    if isinstance(value, int):
+    if type(value) is int and value >= 0:
         return value
-    m = _SIZE_RE.match(value)
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
     unit = m[2].lower() if m else None
     if not m or unit not in _UNITS:
         raise ConfigError(f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB")
-    return int(float(m[1]) * _UNITS[unit])
+    return int(Fraction(m[1]) * _UNITS[unit])  # exact: 2.01GB is 2010000000 bytes, not one byte fewer
 
 
 def format_bytes(n: float) -> str:
@@ -96,7 +97,7 @@ class LoadConfig:
             values["backend"] = env["GDSLOAD_BACKEND"].strip()
         if "GDSLOAD_NUM_THREADS" in env:
             raw = env["GDSLOAD_NUM_THREADS"]
-            if not raw.strip().isdigit():
+            if not (raw.strip().isascii() and raw.strip().isdigit()):
                 raise ConfigError(f"GDSLOAD_NUM_THREADS={raw!r} is not an integer")
             values["num_threads"] = int(raw)
         if "GDSLOAD_CHUNK_BYTES" in env:
@@ -105,10 +106,18 @@ class LoadConfig:
             values["pinned_bytes"] = parse_size(env["GDSLOAD_PINNED_BYTES"], what="GDSLOAD_PINNED_BYTES")
         if "GDSLOAD_VERIFY" in env:
             values["verify"] = _parse_bool(env["GDSLOAD_VERIFY"], "GDSLOAD_VERIFY")
+        from_env = {k: f"GDSLOAD_{k.upper()}" for k in values}
         known = {f.name for f in fields(cls)}
         for k, v in overrides.items():
             if k not in known:
                 raise TypeError(f"unknown load option {k!r}; known: {sorted(known)}")
             if v is not None:
                 values[k] = v
-        return replace(cls(), **values)
+                from_env.pop(k, None)
+        try:
+            return replace(cls(), **values)
+        except ConfigError as e:  # say which variable to fix when the value came from the environment
+            var = next((var for k, var in from_env.items() if str(e).startswith(f"{k}=")), None)
+            if var is None:
+                raise
+            raise ConfigError(f"{var}: {e}") from None

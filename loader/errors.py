@@ -15,6 +15,7 @@ __all__ = [
     "TruncatedFileError",
     "ManifestError",
     "NoFilesForRankError",
+    "FileUnreadableError",
     "BackendUnavailableError",
     "CodecError",
     "IntegrityError",
@@ -47,6 +48,10 @@ class ManifestError(GdsloadError, ValueError):
 
 class NoFilesForRankError(GdsloadError, FileNotFoundError):
     """Discovery found no files for the requested rank."""
+
+
+class FileUnreadableError(GdsloadError, OSError):
+    """A file of the rank was found when planning but cannot be opened now (removed, permissions)."""
 
 
 class BackendUnavailableError(GdsloadError, RuntimeError):

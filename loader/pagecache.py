@@ -60,6 +60,7 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
             spans = [(s * page, min(window_pages, pages - s)) for s in starts]
         else:
             spans = [(0, pages)]
+        seen = probed = 0
         with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
             arr = np.frombuffer(m, dtype=np.uint8)  # a read-only mmap's address, via numpy
             base = arr.ctypes.data
@@ -69,10 +70,13 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
                     if _libc.mincore(base + offset, min(n * page, size - offset), vec) != 0:
                         err = ctypes.get_errno()
                         raise OSError(err, f"mincore failed on {p!r}: {os.strerror(err)}")
-                    resident += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
-                    total += n
+                    seen += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+                    probed += n
             finally:
                 del arr
+        # Each file weighs by its size, however few of its pages were probed.
+        resident += pages * seen / probed
+        total += pages
     return resident / total if total else 1.0
 
 

@@ -84,8 +84,8 @@ ENV_VARS: dict[str, str] = {
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MAX_RANK = 4095
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-_TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+_TOKEN_RE = re.compile(r"^[\x21-\x7e]+\Z")
 
 
 class PathNotAllowedError(GdsloadError, PermissionError):
@@ -264,7 +264,7 @@ class ServeConfig:
     @property
     def is_loopback(self) -> bool:
         """True when :attr:`host` is a loopback address (or ``localhost``)."""
-        if self.host == "localhost":
+        if self.host.lower() == "localhost":
             return True
         try:
             return ipaddress.ip_address(self.host).is_loopback
@@ -296,9 +296,17 @@ class ServeConfig:
             raw.pop("ranks", None)
             raw.pop("tp", None)
         values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
         for key, value in {**raw, **given}.items():
             origin = "--" + key.replace("_", "-") if key in given else ENV_VARS[key]
+            if key == "model_dir" and isinstance(value, str) and not value.strip():
+                raise ConfigError(f"{origin} is empty; give the model directory, or unset it to start without a model")
             values[key] = _convert(key, value, origin)
+            origins[key] = origin
+        if "restart_backoff" in values and "restart_backoff_max" not in values:
+            # A first delay above the default ceiling raises the ceiling with it, rather than blaming a setting
+            # nobody gave.
+            values["restart_backoff_max"] = max(cls.restart_backoff_max, values["restart_backoff"])
 
         if "ranks" in values and "tp" in values:
             raise ConfigError("give either --ranks or --tp (GDSLOAD_RANKS or GDSLOAD_TP), not both")
@@ -315,7 +323,13 @@ class ServeConfig:
         elif TOKEN_ENV in env:
             values["token"] = env[TOKEN_ENV].strip()
             values["token_source"] = TOKEN_ENV
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as e:  # name the flag or variable the value came from
+            origin = next((o for k, o in origins.items() if str(e).startswith(f"{k}=")), None)
+            if origin is None:
+                raise
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def _is_number(x: object) -> bool:
@@ -334,7 +348,11 @@ def _convert(key: str, value: Any, origin: str) -> Any:
     """Turn a flag or environment value into the field's type; errors name where the value came from."""
     try:
         if key == "ranks":
-            return parse_ranks(value, what=origin) if isinstance(value, str) else tuple(value)
+            if isinstance(value, str):
+                return parse_ranks(value, what=origin)
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{origin}={value!r} must be a string like '0-7' or a sequence of ranks")
+            return tuple(value)
         if key in ("tp", "port", "max_restarts"):
             if isinstance(value, str):
                 value = int(value.strip())

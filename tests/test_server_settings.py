@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,9 @@ def test_flags_win_over_env(tmp_path: Path):
     ({"GDSLOAD_TOKEN": " "}, "is empty or holds spaces"),
     ({"GDSLOAD_TOKEN_FILE": "/no/such/token"}, "token file '/no/such/token' does not exist"),
     ({"GDSLOAD_MODEL_DIR": "/srv/elsewhere", "GDSLOAD_ALLOW_ROOT": "/"}, None),
+    ({"GDSLOAD_MODEL_DIR": ""}, "GDSLOAD_MODEL_DIR is empty"),  # as templates render an unset value
+    ({"GDSLOAD_PORT": "99999"}, "GDSLOAD_PORT: port=99999"),  # range errors name the variable too
+    ({"GDSLOAD_STOP_TIMEOUT": "0"}, "GDSLOAD_STOP_TIMEOUT: stop_timeout=0.0"),
 ])
 def test_bad_values_are_typed_errors_naming_the_value(env: dict[str, str], words: str | None):
     if words is None:  # a model under the allowed root (here "/") is fine
@@ -109,6 +113,17 @@ def test_bad_values_are_typed_errors_naming_the_value(env: dict[str, str], words
         ServeConfig.resolve(env=env)
     assert isinstance(e.value, ValueError) and isinstance(e.value, GdsloadError)
     assert words in str(e.value)
+
+
+def test_edge_values_resolve_sensibly():
+    # A first restart delay above the default ceiling raises the ceiling, rather than failing on a setting not given.
+    assert ServeConfig.resolve(env={"GDSLOAD_RESTART_BACKOFF": "60"}).restart_backoff_max == 60.0
+    assert ServeConfig.resolve(env={"GDSLOAD_HOST": "LOCALHOST"}).is_loopback
+    with pytest.raises(ConfigError, match="must be a string like '0-7' or a sequence of ranks"):
+        ServeConfig.resolve(env={}, ranks=3)
+    for kwargs in ({"token": "secret\n"}, {"host": "localhost\n"}):  # a trailing newline is not a valid value
+        with pytest.raises(ConfigError):
+            ServeConfig(**kwargs)
 
 
 def test_model_dir_must_lie_under_allowed_roots(tmp_path: Path):
@@ -233,7 +248,8 @@ def test_serve_command_refuses_bad_flags_before_starting_anything():
     assert result.exit_code == 2 and "port=99999 must be an integer in 0..65535" in result.output
     result = runner.invoke(serve, ["--help"], terminal_width=200)
     assert result.exit_code == 0
-    assert [v for v in ENV_VARS.values() if v not in result.output] == []  # every flag names its variable
+    named = set(re.findall(r"GDSLOAD_[A-Z_]+", result.output))  # whole names, not prefixes of longer ones
+    assert [v for v in ENV_VARS.values() if v not in named] == []  # every flag names its variable
 
 
 def test_bad_port_binding_is_a_clear_error():

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import TruncatedFileError
+from ..errors import FileUnreadableError, TruncatedFileError
 from ..plan import Extent, LoadPlan, split_extents
 from . import Backend, Progress
 
@@ -45,7 +45,15 @@ class CpuBackend(Backend):
 
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
-        self._fds = [os.open(f.path, os.O_RDONLY) for f in plan.files]
+        self._fds: list[int] = []
+        for f in plan.files:  # one by one: close() closes those opened before a failure
+            try:
+                self._fds.append(os.open(f.path, os.O_RDONLY))
+            except OSError as e:
+                raise FileUnreadableError(
+                    f"{f.path!r} cannot be opened ({e.strerror}); it was removed or its permissions changed "
+                    "after planning — restore it and load again"
+                ) from None
 
     def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
         assert self.plan is not None
