@@ -17,10 +17,12 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_LOG_FORMAT            | --log-format            | ``text``, ``json``                                | ``text``    |
 | GDSLOAD_LOG_LEVEL             | --log-level             | ``debug`` .. ``critical``                         | ``info``    |
 | GDSLOAD_RESTART_BACKOFF       | --restart-backoff       | seconds > 0, <= 3600: first restart delay         | 1.0         |
-| GDSLOAD_RESTART_BACKOFF_MAX   | --restart-backoff-max   | seconds >= the first delay, <= 3600               | 30.0        |
+| GDSLOAD_RESTART_BACKOFF_MAX   | --restart-backoff-max   | seconds >= the first delay, <= 3600               | 30.0 (1)    |
 | GDSLOAD_MAX_RESTARTS          | --max-restarts          | integer 0..1000 consecutive restarts per rank     | 5           |
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |
 | GDSLOAD_WORKER_START          | --worker-start          | ``auto``, ``forkserver``, ``spawn``               | ``auto``    |
+
+(1) or the first delay, when only that is given and it is larger.
 
 The token comes from ``--token-file``, else ``GDSLOAD_TOKEN_FILE``, else ``GDSLOAD_TOKEN``.
 
