@@ -221,12 +221,10 @@ def _import_checked(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
             torch.empty(0, device=dev)  # the device's primary context, current on this thread
             arena = torch.as_tensor(_IpcMapping(handle, c["size"], device), device=dev)
         storage = None
-    elif kind == "cpu":
+    else:  # "cpu" (import_rank checked the kind)
         c = doc["cpu"]
         storage = torch.UntypedStorage._new_shared_filename_cpu(_unb64(c["manager"]), _unb64(c["handle"]), c["size"])
         dev = torch.device("cpu")
-    else:
-        raise IpcError(f"IPC document kind {kind!r} is not 'cuda', 'cuda-ipc' or 'cpu'")
     if storage is not None:
         arena = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
     if arena.numel() < doc["nbytes"]:

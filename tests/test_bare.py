@@ -260,18 +260,24 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": False}]
 
 
-def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypatch):
-    """``COLD_PIECE``: each kvikio task (one thread) covers a piece of several O_DIRECT reads, in file order."""
-    from gdsload.loader.backends.cufile import CuFileBackend
-    from gdsload.loader.plan import split_extents, stream_order
-
-    monkeypatch.setattr(CuFileBackend, "COLD_PIECE", 3 * 8192 + 100)  # rounded down to whole reads
+def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any]:
+    """:func:`_cold_rank`, then one read of it with 8 KiB reads; also returns the arena."""
     seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
     reader = _host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, arena)
     reader.close()
+    return seen, plan, paths, arena
+
+
+def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypatch):
+    """``COLD_PIECE``: each kvikio task (one thread) covers a piece of several O_DIRECT reads, in file order."""
+    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.plan import split_extents, stream_order
+
+    monkeypatch.setattr(CuFileBackend, "COLD_PIECE", 3 * 8192 + 100)  # rounded down to whole reads
+    seen, plan, paths, arena = _read_cold_rank(sharded_dir, monkeypatch)
     assert seen["settings"] == [{"num_threads": 3, "task_size": 3 * 8192, "bounce_buffer_size": 8192,
                                  "auto_direct_io_read": True}]
     pieces = stream_order(split_extents([e for e in plan.extents if e.length], 3 * 8192, interleave=False,
@@ -286,12 +292,7 @@ def test_cold_streams_keep_neighbouring_reads_of_a_stream_in_flight(sharded_dir,
     from gdsload.loader.plan import split_extents, stream_order
 
     monkeypatch.setattr(CuFileBackend, "COLD_STREAMS", 1)
-    seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
-    reader = _host_reader(chunk=8192)
-    arena = reader.allocate(plan.arena_bytes)
-    reader.open(plan)
-    reader.read(plan.extents, arena)
-    reader.close()
+    seen, plan, paths, arena = _read_cold_rank(sharded_dir, monkeypatch)
     assert seen["settings"][0]["num_threads"] == 3
     reads = split_extents([e for e in plan.extents if e.length], 8192, interleave=False, aligned=True)
     assert stream_order(reads, 1) == reads  # one stream: every read in file order
