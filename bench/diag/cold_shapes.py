@@ -12,7 +12,10 @@
 # as Run:ai's streamer does by default; session 9). "peer:METHOD" runs another loader of gdsload.bench.methods
 # (e.g. peer:runai) in the turns too. "THREADSxMiB@STREAMS" queues the reads as STREAMS sequential streams
 # (CuFileBackend.COLD_STREAMS): 16x0.5@4 keeps four neighbouring 512 KiB reads in flight per stream, as
-# fastsafetensors does (session 9).
+# fastsafetensors does (session 9); with ":ring", "@STREAMS" sets the ring's streams (PinnedBackend.RING_STREAMS,
+# session 10).
+# A shape "cring:THREADSxMiB[@STREAMS]" is no loader but cupy_ring.py: fastsafetensors' way of reading, from
+# Python without torch (session 10).
 # Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
 # their mean size, mean requests in flight; session 7, call 7).
 import json
@@ -61,7 +64,8 @@ def disk_seen(before: dict[str, list[int]], after: dict[str, list[int]], seconds
 
 
 variants = [("fastsafetensors", None)] + [
-    (s[5:], None) if s.startswith("peer:") else ("raw" if s.startswith("raw:") else "gdsload:bare", s) for s in shapes]
+    (s[5:], None) if s.startswith("peer:") else
+    ("raw" if s.startswith("raw:") else "cupy_ring" if s.startswith("cring:") else "gdsload:bare", s) for s in shapes]
 for i in range(rounds):
     for method, shape in variants[i % len(variants):] + variants[: i % len(variants)]:
         env = dict(os.environ)
@@ -70,6 +74,11 @@ for i in range(rounds):
             _, kind, shape_, *order = shape.split(":")
             threads, mib = shape_.split("x")
             cmd = [sys.executable, str(Path(__file__).with_name("raw_direct.py")), model, kind, threads, mib, *order]
+        elif method == "cupy_ring":
+            shape_, _, streams = shape[6:].partition("@")
+            threads, mib = shape_.split("x")
+            cmd = [sys.executable, str(Path(__file__).with_name("cupy_ring.py")), model, threads, mib,
+                   *([streams] if streams else [])]
         elif shape:
             shape_, _, piece = shape.partition("/")
             shape_, _, how_ = shape_.partition(":")
@@ -84,7 +93,9 @@ for i in range(rounds):
                 patches.append("import gdsload.loader.backends.pinned as p; p.has_direct_switch = lambda kv: False")
             if piece:
                 patches.append(f"c.CuFileBackend.COLD_PIECE = {int(piece)} << 20")
-            if streams:
+            if streams and how_ == "ring":  # the ring's own stream count (session 10)
+                patches.append(f"p.PinnedBackend.RING_STREAMS = {int(streams)}")
+            elif streams:
                 patches.append(f"c.CuFileBackend.COLD_STREAMS = {int(streams)}")
             if patches:
                 cmd = [sys.executable, "-c",

@@ -11,9 +11,14 @@
 #            the piece before last once its copy is done
 #   defer T MIB      the same, but every piece stays registered until all copies are done; the load's time
 #            stops there and the unregistering after it is timed on its own ("unregister_after")
+#   hybrid T MIB F   session 10: both at once, in one process: the last fraction F of the bytes goes the
+#            "defer" way (T registering threads), the rest through kvikio's bounce buffers. The two are
+#            bounded by different things (the driver's registration, host memory), and share the link
 #   collapse MIB     madvise(MADV_COLLAPSE) over each file's mapping in MIB pieces: makes a tmpfs file's
 #            pages huge in place (kernel >= 6.1); then prints how much of the mapping is PMD-mapped
-# Usage: python bench/diag/register_tmpfs.py MODEL_DIR kvikio|register T MIB|defer T MIB|collapse MIB
+# With GDSLOAD_DIAG_START_AT=<epoch seconds> set, the load starts at that time (after CUDA and the arena are
+# ready), so that processes on several GPUs load at once; every row has its wall-clock start and end.
+# Usage: python bench/diag/register_tmpfs.py MODEL_DIR kvikio|register T MIB|defer T MIB|hybrid T MIB F|collapse MIB
 import ctypes
 import json
 import mmap
@@ -83,6 +88,17 @@ def mount_of(path: str) -> str:
     return best[1]
 
 
+def wait_for_start(info: dict) -> None:
+    """Sleep until GDSLOAD_DIAG_START_AT (epoch seconds), when set; note the wall-clock start."""
+    at = os.environ.get("GDSLOAD_DIAG_START_AT")
+    if at:
+        late = time.time() - float(at)
+        info["late_s"] = round(late, 3)  # > 0: this process was not ready when the others started
+        if late < 0:
+            time.sleep(-late)
+    info["wall_start"] = round(time.time(), 4)
+
+
 def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
     spans = data_spans(model)
@@ -105,47 +121,56 @@ def main() -> None:
         print(json.dumps(info))
         return
 
+    if mode not in ("kvikio", "register", "defer", "hybrid"):
+        raise SystemExit(f"unknown mode {mode!r}")
     import cupy
 
     cupy.cuda.Device(0).use()
     arena = cupy.empty(total, dtype=cupy.uint8)
     cupy.cuda.runtime.deviceSynchronize()
-    if mode == "kvikio":
+    kvikio_cut = total  # bytes [0, kvikio_cut) of the arena come through kvikio, the rest by registering
+    if mode == "hybrid":
+        kvikio_cut = int(total * (1 - float(sys.argv[5]))) // PAGE * PAGE
+    elif mode in ("register", "defer"):
+        kvikio_cut = 0
+    files, futs = [], []
+    if kvikio_cut:
         import kvikio
         import kvikio.defaults
 
         kvikio.defaults.set({"num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20,
                              "compat_mode": kvikio.CompatMode.ON})
-        t = time.perf_counter()
         files = [kvikio.CuFile(p, "r") for p, _, _ in spans]
-        futs, at = [], 0
-        for f, (_, off, n) in zip(files, spans):
-            futs.append(f.pread(arena[at : at + n], n, off))
-            at += n
-        for fu in futs:
-            fu.get()
-        cupy.cuda.runtime.deviceSynchronize()
-        seconds = time.perf_counter() - t
-    elif mode in ("register", "defer"):
+    if mode in ("register", "defer", "hybrid"):
         threads, piece = int(sys.argv[3]), int(float(sys.argv[4]) * 2**20)
         cuda = ctypes.CDLL("libcuda.so.1")  # ctypes releases the GIL: registrations of several threads overlap
         cuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         cuda.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    wait_for_start(info)
+    t = time.perf_counter()
+    at = 0
+    for f, (_, off, n) in zip(files, spans):  # kvikio's share: every file's bytes below the cut
+        take = max(0, min(n, kvikio_cut - at))
+        if take:
+            futs.append(f.pread(arena[at : at + take], take, off))
+        at += n
+    if kvikio_cut < total:
         spent = {"register": 0.0, "unregister": 0.0, "map": 0.0}
         lock = threading.Lock()
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         maps = [map_file(p) for p, _, _ in spans]
-        spent["map"] = time.perf_counter() - t
+        spent["map"] = time.perf_counter() - t0
         work: queue.Queue = queue.Queue()
         at = 0
         for (addr, _), (_, off, n) in zip(maps, spans):
-            lo = off // PAGE * PAGE  # registered ranges start on a page; the copy skips the lead
+            first = off + max(0, kvikio_cut - at)  # the file's first byte past the cut
+            lo = first // PAGE * PAGE  # registered ranges start on a page; the copy skips the lead
             for p in range(lo, off + n, piece):
-                start, end = max(p, off), min(p + piece, off + n)
+                start, end = max(p, first), min(p + piece, off + n)
                 work.put((addr + p, min(p + piece, off + n) - p, addr + start, at + start - off, end - start))
             at += n
         errors: list = []
-        deferred: list = []  # registered addresses left for after the load ("defer")
+        deferred: list = []  # registered addresses left for after the load ("defer", "hybrid")
 
         def worker() -> None:
             cupy.cuda.Device(0).use()
@@ -191,8 +216,12 @@ def main() -> None:
             th.start()
         for th in pool:
             th.join()
-        cupy.cuda.runtime.deviceSynchronize()
-        seconds = time.perf_counter() - t
+    for fu in futs:
+        fu.get()
+    cupy.cuda.runtime.deviceSynchronize()
+    seconds = time.perf_counter() - t
+    info["wall_end"] = round(time.time(), 4)
+    if kvikio_cut < total:
         t0 = time.perf_counter()
         for b in deferred:
             cuda.cuMemHostUnregister(b)
@@ -201,16 +230,22 @@ def main() -> None:
             info["errors"] = errors[:3]
         info["smaps_first_file"] = pmd_mapped_kb(maps[0][0])
         info["thread_seconds"] = {k: round(v, 3) for k, v in spent.items()}
+        info["registered_bytes"] = total - kvikio_cut
         for addr, size in maps:
             libc.munmap(addr, size)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
-    # Check the bytes: the arena's first and last MiB of the last file against the file.
+    for f in files:
+        f.close()
+    # Check the bytes: the arena's first MiB (kvikio's share in "hybrid") and last MiB against the files.
     path, off, n = spans[-1]
     with open(path, "rb") as fh:
         fh.seek(off + n - (1 << 20))
         want = fh.read(1 << 20)
     info["tail_matches"] = bytes(arena[total - (1 << 20) :].get()) == want
+    path, off, n = spans[0]
+    with open(path, "rb") as fh:
+        fh.seek(off)
+        want = fh.read(min(n, 1 << 20))
+    info["head_matches"] = bytes(arena[: len(want)].get()) == want
     info.update(seconds=round(seconds, 4), gbps=round(total / seconds / 1e9, 2))
     print(json.dumps(info))
 
