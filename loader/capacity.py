@@ -63,6 +63,14 @@ def _flag(name: str, flag: str | None = None) -> str:
     return f"{name} ({flag or '--' + name.replace('_', '-')})"
 
 
+GATED_MLP_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "cohere",
+                                "internlm2", "olmo2", "phi3"})
+"""``model_type``s whose weights the planner counts right: dense decoders with a gated MLP (gate, up, down) and
+grouped-query attention. A config without ``model_type`` is counted the same way."""
+TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "cohere"})
+"""``model_type``s whose transformers config ties lm_head to the embeddings unless it says otherwise."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The dimensions of a dense decoder-only transformer (Llama, Mistral, Qwen2/3 families).
@@ -120,8 +128,13 @@ class ModelSpec:
         ...                           "intermediate_size": 128, "vocab_size": 1000}).kv_heads
         4
         """
+        wrapper = ""
         if "num_hidden_layers" not in doc and isinstance(doc.get("text_config"), Mapping):
-            doc = doc["text_config"]  # multimodal wrappers keep the language model's dims here
+            # Multimodal wrappers keep the language model's dims here; keys it lacks (tie_word_embeddings)
+            # come from the wrapper. Only the language model is counted.
+            wrapper = str(doc.get("model_type") or "multimodal")
+            text = doc["text_config"]
+            doc = {**{k: v for k, v in doc.items() if k not in ("text_config", "model_type")}, **text}
         moe = sorted(k for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
                      if doc.get(k))
         if moe:
@@ -135,6 +148,14 @@ class ModelSpec:
         heads = doc["num_attention_heads"]
         hidden = doc["hidden_size"]
         model_type = str(doc.get("model_type", ""))
+        if model_type and model_type not in GATED_MLP_DECODERS:
+            raise ConfigError(f"{name}: model_type {model_type!r} is not one the planner counts: it assumes a dense "
+                              "decoder with a gated MLP (gate, up and down projections) and grouped-query "
+                              f"attention, as in {', '.join(sorted(GATED_MLP_DECODERS))}")
+        tied = doc.get("tie_word_embeddings")
+        tied_note = "" if tied is not None else (
+            f"; tie_word_embeddings absent, taken as {str(model_type in TIED_BY_DEFAULT).lower()} "
+            f"(transformers' default for {model_type or 'a config without model_type'})")
         attention_bias = bool(doc.get("attention_bias", False))
         return cls(
             name=name,
@@ -146,14 +167,15 @@ class ModelSpec:
                                              and heads else 0),
             intermediate=doc["intermediate_size"],
             vocab=doc["vocab_size"],
-            tied_embeddings=bool(doc.get("tie_word_embeddings", False)),
+            tied_embeddings=bool(tied) if tied is not None else model_type in TIED_BY_DEFAULT,
             max_position=doc.get("max_position_embeddings"),
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias,
             mlp_bias=bool(doc.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            source=f"{name} (model_type={model_type or '?'}"
-                   + ("" if "tie_word_embeddings" in doc else "; tie_word_embeddings absent, taken as false") + ")",
+            source=f"{name} (model_type={model_type or '?'}{tied_note}"
+                   + (f"; the language model of a {wrapper} config: its vision or audio encoder is not counted"
+                      if wrapper else "") + ")",
         )
 
 
@@ -407,7 +429,11 @@ class PlanInputs:
                 raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} must divide "
                                   f"the model's {h} attention heads; allowed values: "
                                   f"{[n for n in range(1, h + 1) if not h % n]}")
-            _check_tp(self.kv_spec, self.tp)
+            ok = [n for n in range(1, h + 1) if not h % n and not (n % self.tp if n >= self.tp else self.tp % n)]
+            if self.kv_cache_heads not in ok:
+                raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} does not split "
+                                  f"over tp {self.tp} (it must divide or be a multiple of tp, and divide the "
+                                  f"model's {h} attention heads); allowed values with this tp: {ok}")
 
     @property
     def kv_spec(self) -> ModelSpec:
@@ -464,7 +490,9 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.kv_budget_bytes > 0 and self.max_tokens > 0
+        """Weights and reserves fit, and the cache holds at least one request of ``context`` tokens (else vLLM
+        refuses to start)."""
+        return self.kv_budget_bytes > 0 and self.concurrent_sequences > 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: inputs (model dims included), results and the assumptions, all bytes per GPU."""
@@ -568,6 +596,9 @@ def plan(inputs: PlanInputs) -> Plan:
         notes.append(f"does not fit: weights {_gib(weights)} + reserves "
                      f"{_gib(inputs.activation_reserve + inputs.cuda_graph_reserve)} exceed the usable "
                      f"{_gib(usable)} per GPU; raise --tp, quantize weights, or raise --gpu-memory-utilization")
+    elif budget < block_bytes:
+        notes.append(f"does not fit: the KV budget {_gib(budget)} is less than one cache block ({inputs.block_size} "
+                     f"tokens × {per_token:,} B = {_gib(block_bytes)}); free memory as above or lower --block-size")
     elif spec.max_position and max_tokens > spec.max_position:
         notes.append(f"the cache holds {max_tokens:,} tokens but one request is capped at max_position_embeddings "
                      f"{spec.max_position:,}; the rest serves other requests")

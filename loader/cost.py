@@ -19,7 +19,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +83,12 @@ def _number(doc: Mapping[str, Any], key: str, path: str) -> float | None:
     v = doc.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{path}: {key}={v!r} must be a positive number")
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    if not ok:
+        raise ConfigError(f"{path}: {key}={v!r} must be a positive number within a float's range")
     return float(v)
 
 
@@ -162,8 +166,11 @@ class CostInputs:
     def __post_init__(self) -> None:
         def positive(name: str, flag: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                  and (v >= 0 if allow_zero else v > 0))
+            try:
+                ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                      and (v >= 0 if allow_zero else v > 0))
+            except OverflowError:  # an integer too large for a float
+                ok = False
             if not ok:
                 raise ConfigError(f"{name} ({flag}) = {v!r} must be a {'non-negative' if allow_zero else 'positive'} "
                                   "number")
@@ -249,10 +256,30 @@ def _usd(x: float) -> str:
 def checkpoint_cost(inputs: CostInputs) -> CostResult:
     """The money math for ``inputs``; every formula is returned with its numbers filled in.
 
+    Inputs so extreme that a result overflows (a rate of 1e-320 GB/s, a 400-digit GPU count) raise
+    ``ConfigError`` rather than report ``inf`` or ``nan``.
+
     >>> r = checkpoint_cost(CostInputs(782 * 10**9, 1.0, 10, 5, 8, 4.40, 1800, 1, 0.0))
     >>> round(r.idle_raw_usd_month, 2)       # 156.4 s × 1440 checkpoints × 8 GPUs / 3600 × $4.40
     2202.11
     """
+    try:
+        result = _checkpoint_cost(inputs)
+    except OverflowError as e:
+        raise ConfigError(f"the inputs are too large to compute with ({e}): {_inputs_line(inputs)}") from None
+    bad = [f.name for f in fields(result) if isinstance(getattr(result, f.name), float)
+           and not math.isfinite(getattr(result, f.name))]
+    if bad:
+        raise ConfigError(f"the inputs give a non-finite {', '.join(bad)}: {_inputs_line(inputs)}; "
+                          "use values within a few orders of magnitude of real ones")
+    return result
+
+
+def _inputs_line(i: CostInputs) -> str:
+    return ", ".join(f"{f.name}={getattr(i, f.name)!r}" for f in fields(i))
+
+
+def _checkpoint_cost(inputs: CostInputs) -> CostResult:
     i = inputs
     size_gb = i.checkpoint_bytes / GB
     comp_gb = size_gb / i.ratio

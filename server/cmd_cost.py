@@ -8,6 +8,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gdsload.loader.cost import COMPRESS_SCOPES, MONTH_SECONDS, REPORT_KEYS, CostInputs, CostResult, checkpoint_cost
@@ -115,7 +116,7 @@ def _show(r: CostResult, origin: dict[str, str]) -> None:
         ("month", "month", f"{i.month_s / 86400:g} days"),
     )
     for label, key, value in rows:
-        inp.add_row(label, value, origin.get(key, "default"))
+        inp.add_row(label, value, escape(origin.get(key, "default")))
     con.print(inp)
 
     per = Table(title="Per checkpoint (wall seconds; every GPU waits)", title_justify="left")

@@ -8,6 +8,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gdsload.loader import capacity
@@ -97,7 +98,10 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
     """HBM budget per GPU: weights, free memory, KV-cache tokens, context per request and concurrency.
 
     MODEL is a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b) or a Hugging Face config.json (or the
-    directory holding it). Every assumption is printed with the result.
+    directory holding it) of a dense decoder with a gated MLP (model_type llama, mistral, qwen2, qwen3, gemma,
+    gemma2, granite, cohere, internlm2, olmo2 or phi3; of a multimodal config, its text_config). A plan
+    "fits" when at least one request of --context tokens fits in the KV cache. Every assumption is printed
+    with the result.
 
     \b
         gdsload plan llama-3.1-70b --tp 4 --weights fp8 --kv-bits 8 --context 32768
@@ -145,10 +149,10 @@ def _console() -> Console:
 def _show_plan(p: Plan) -> None:
     i, m = p.inputs, p.inputs.model
     con = _console()
-    con.print(f"[bold]{m.name}[/]: {m.layers} layers, hidden {m.hidden}, {m.heads} heads / {m.kv_heads} KV heads × "
+    con.print(f"[bold]{escape(m.name)}[/]: {m.layers} layers, hidden {m.hidden}, {m.heads} heads / {m.kv_heads} KV heads × "
               f"{m.head_dim}, intermediate {m.intermediate}, vocab {m.vocab}"
               f"{', tied embeddings' if m.tied_embeddings else ''}; {p.params / 1e9:,.2f} B parameters")
-    con.print(f"  source: {m.source}")
+    con.print(f"  source: {m.source}", markup=False)
     con.print(f"  tp {i.tp} × {i.gpu_memory // MIB} MiB, {i.weights} weights, {i.kv_bits}-bit KV cache")
     t = Table(title="Per GPU", title_justify="left")
     t.add_column("item")
@@ -206,7 +210,8 @@ def _show_article(rows: list[ArticleRow], as_json: bool) -> None:
         t.add_row(r.step if r.cumulative else f"[dim]{r.step} (side check)[/]", r.change,
                   _gib(r.at_16bit.weights_bytes), _gib(r.at_16bit.kv_budget_bytes),
                   f"{r.at_16bit.kv_bytes_per_token_per_gpu:,}", f"{r.at_16bit.max_tokens:,}",
-                  f"{r.at_3bit.max_tokens:,}", f"{r.ratio:.2f}×", f"{r.vs_article:.2f}×")
+                  f"{r.at_3bit.max_tokens:,}", f"{r.ratio:.2f}×" if r.at_16bit.max_tokens else "n/a",
+                  f"{r.vs_article:.2f}×")
     con.print(t)
     cumulative = [r for r in rows if r.cumulative]
     match, before = cumulative[-1], cumulative[-2]

@@ -227,6 +227,51 @@ def test_model_errors(tmp_path) -> None:
         resolve_model(bad)
 
 
+def test_config_families_ties_and_wrappers(tmp_path) -> None:
+    dims = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 100}
+    # A two-matrix MLP (GPT-NeoX, Phi-2) would be miscounted as gated: refused, naming the model_type
+    with pytest.raises(ConfigError, match="'gpt_neox' is not one the planner counts"):
+        ModelSpec.from_hf_config({**dims, "model_type": "gpt_neox"})
+    untied = count_params(ModelSpec.from_hf_config({**dims, "model_type": "llama"}))
+    # Gemma ties lm_head unless its config says otherwise; Llama does not
+    gemma = ModelSpec.from_hf_config({**dims, "model_type": "gemma"})
+    assert gemma.tied_embeddings and count_params(gemma) == untied - 100 * 64
+    assert "taken as true" in gemma.source
+    assert not ModelSpec.from_hf_config({**dims, "model_type": "gemma", "tie_word_embeddings": False}).tied_embeddings
+    # A multimodal wrapper: the text_config's dims, the wrapper's tie flag, and a word that the encoder is left out
+    wrapped = ModelSpec.from_hf_config({"model_type": "llava", "tie_word_embeddings": True,
+                                        "text_config": {**dims, "model_type": "qwen2"}})
+    assert wrapped.tied_embeddings and wrapped.qkv_bias and "vision or audio encoder is not counted" in wrapped.source
+    with pytest.raises(ConfigError, match="'llava'"):  # the text model's type is what is checked, so it is needed
+        ModelSpec.from_hf_config({"model_type": "llava", "text_config": {**dims, "model_type": "llava"}})
+
+
+def test_fits_needs_one_request_and_one_block() -> None:
+    # Room for some tokens but not one 131,072-token request: vLLM would refuse to start, so it does not fit
+    p = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB))
+    assert 0 < p.max_tokens < 131072 and p.concurrent_sequences == 0 and not p.fits
+    assert any("does not fit in the cache" in n for n in p.notes)
+    assert plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB, context=4096)).fits
+    # A budget above zero but below one block says why
+    base = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1))
+    block = 16 * base.kv_bytes_per_token_per_gpu
+    tight = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1,
+                            gpu_memory=base.inputs.gpu_memory - base.kv_budget_bytes + block - 1))
+    assert 0 < tight.kv_budget_bytes < block and tight.max_tokens == 0 and not tight.fits
+    assert any("less than one cache block" in n for n in tight.notes)
+
+
+def test_kv_heads_checked_against_tp_names_kv_heads() -> None:
+    qwen7 = ModelSpec("qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
+                      vocab=152064)
+    PlanInputs(qwen7, tp=4)  # the model itself splits over 4 GPUs
+    with pytest.raises(ConfigError) as e:
+        PlanInputs(qwen7, tp=4, kv_cache_heads=7)
+    assert str(e.value).startswith("kv_cache_heads (--kv-heads) = 7 does not split over tp 4")
+    assert "allowed values with this tp: [1, 2, 4, 28]" in str(e.value)
+
+
 # ----------------------------------------------------------------------------------------------- the command
 
 def test_cli_json_and_table() -> None:
@@ -273,6 +318,21 @@ def test_cli_explain_article_and_help() -> None:
                                      "--kv-bits", "3", "--kv-scale-bits", "0", "--json"])
     assert r.exit_code == 0 and '"max_tokens": 438880' in r.output
     assert "(--kv-bits 3 --kv-scale-bits 0: 438,880)" in runner.invoke(plan_command, ["--help"]).output
+
+
+def test_cli_prints_paths_verbatim_and_no_nan(tmp_path) -> None:
+    d = tmp_path / "qwen2[awq]"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64,
+                                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                                               "intermediate_size": 128, "vocab_size": 100}))
+    r = CliRunner().invoke(plan_command, [str(d), "--context", "64"])
+    assert r.exit_code == 0, r.output
+    assert "qwen2[awq]/config.json" in r.output  # not read as rich markup
+    # A side-check row with no 16-bit tokens shows n/a, not nan×
+    r = CliRunner().invoke(plan_command, ["--explain-article", "--gpu-memory-utilization", "0.65"])
+    assert r.exit_code == 0, r.output
+    assert "nan" not in r.output and "n/a" in r.output
 
 
 def test_cli_errors_are_typed_and_one_line(monkeypatch, capsys) -> None:

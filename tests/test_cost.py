@@ -128,6 +128,22 @@ def test_read_report(tmp_path) -> None:
         read_report(path)
 
 
+def test_results_out_of_range_are_errors_not_inf(tmp_path) -> None:
+    for override, words in (({"compress_gbps": 1e-320}, ["non-finite compress_s", "compress_gbps=1e-320"]),
+                            ({"gpu_hour_usd": 1e308}, ["non-finite idle_raw_usd_month"]),
+                            ({"gpus": 10**400}, ["too large to compute with"])):
+        with pytest.raises(ConfigError) as e:
+            checkpoint_cost(CostInputs(**{**SMALL, **override}))
+        for w in words:
+            assert w in str(e.value), (w, str(e.value))
+    with pytest.raises(ConfigError, match=r"ratio \(--ratio\) = 10+ must be a positive number"):
+        CostInputs(**{**SMALL, "ratio": 10**400})
+    path = tmp_path / "r.json"
+    path.write_text('{"logical_bytes": ' + "9" * 400 + ', "stored_bytes": 1, "compress_seconds": 1}')
+    with pytest.raises(ConfigError, match="logical_bytes=9+ must be a positive number within a float's range"):
+        read_report(path)
+
+
 # ----------------------------------------------------------------------------------------------- the command
 
 FLAGS = ["--size", "100GB", "--ratio", "2", "--compress-gbps", "10", "--write-gbps", "10", "--gpus", "4",
@@ -161,6 +177,15 @@ def test_cli_from_report(tmp_path) -> None:
     # a flag wins over the report
     doc = json.loads(CliRunner().invoke(cost_command, [*base, "--ratio", "4"]).output)
     assert doc["inputs"]["ratio"] == 4.0 and doc["inputs_from"]["ratio"] == "flag"
+
+
+def test_cli_report_path_printed_verbatim(tmp_path) -> None:
+    d = tmp_path / "rep[v2]"
+    d.mkdir()
+    (d / "r.json").write_text(json.dumps({"ratio": 1.5}))
+    r = CliRunner().invoke(cost_command, [*FLAGS[:2], *FLAGS[4:], "--from-report", str(d / "r.json")])
+    assert r.exit_code == 0, r.output
+    assert "rep[v2]" in r.output.replace("\n", "")
 
 
 def test_cli_errors(monkeypatch, capsys) -> None:
