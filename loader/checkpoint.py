@@ -39,8 +39,10 @@ offset, through kvikio's ``CuFile.pwrite`` when kvikio imports, else ``pwrite``,
 ``fdatasync`` every 256 MiB so the disk works during compression too. The queue between them
 is bounded: at most four tensors' stored bytes (plus 4 MiB of coalesced small tensors) sit in
 host memory. Last, the real header goes to offset 0, padded to R; then fsync and rename.
-Everything is written to a temp file beside ``path``: a failure (ENOSPC, an exception, a kill)
-leaves nothing partial, and a previous checkpoint at ``path`` untouched.
+Everything is written to a temp file beside ``path``, one per save: a failure (ENOSPC, an
+exception, KeyboardInterrupt) removes it, and a previous checkpoint at ``path`` stays untouched;
+two saves to one path at once never mix (the last to finish wins). A save killed outright leaves
+its hidden temp file (``.NAME.tmp-*``), which the next save of that name on the host removes.
 
 **Loading** mirrors the pipeline: a reader thread preads each tensor's stored bytes into a
 buffer of its own while the calling thread decodes the previous one (zstandard on the CPU,
@@ -66,7 +68,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -299,11 +301,15 @@ def _open_sink(writer: str, tmp: Path, fd: int) -> _PosixSink | _KvikioSink:
 
 
 def _write_failed(path: Path, e: BaseException, done: int | None = None) -> CheckpointWriteError:
+    while isinstance(e, OSError) and isinstance(e.__cause__, OSError):
+        e = e.__cause__  # the system's own words, not a wrapper's sentence (atomic_output rephrases)
     code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
     text = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
     fix = {errno.ENOSPC: "free space or save elsewhere", errno.EDQUOT: "free space or save elsewhere",
-           errno.ENOENT: "create its directory first", errno.EACCES: "save where you may write"}.get(
-        code, "check the path, its file system and permissions")
+           errno.EACCES: "save where you may write"}.get(code, "check the path, its file system and permissions")
+    if code == errno.ENOENT:
+        fix = ("create its directory first" if not path.parent.is_dir() else
+               "its temporary file vanished while saving: did another process remove it?")
     after = "" if done is None else f" after {format_bytes(done)} of data"
     return CheckpointWriteError(
         code,
@@ -470,6 +476,9 @@ def save_compressed_checkpoint(
             f"path {str(path)!r} must end in '.safetensors' (the file is a safetensors file, and load_rank finds "
             f"files by that suffix); e.g. {str(dst.with_suffix('.safetensors'))!r}"
         )
+    if dst.is_dir():
+        raise ConfigError(f"path {str(path)!r} is a directory; name a file in it, e.g. "
+                          f"{str(dst / 'checkpoint.safetensors')!r}")
     codec = _codec_of(algorithm)
     if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be a number in [0, 1)")
@@ -611,7 +620,8 @@ def _skeleton(header: SafetensorsHeader) -> dict[str, Any]:
     if not isinstance(tree, dict) or not isinstance(table, dict):
         raise CheckpointError(f"{path!r}: the checkpoint skeleton has no 'tree' or 'tensors'; the file is corrupt")
     for name, spec in table.items():
-        ok = (isinstance(spec, dict) and spec.get("dtype") in ITEMSIZE and isinstance(spec.get("shape"), list)
+        ok = (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in ITEMSIZE
+              and isinstance(spec.get("shape"), list)
               and all(type(d) is int and d >= 0 for d in spec["shape"]) and isinstance(spec.get("device"), str))
         if not ok:
             raise CheckpointError(f"{path!r}: skeleton entry for tensor {name!r} is malformed: {spec!r:.200}")
@@ -778,7 +788,14 @@ def load_compressed_checkpoint(
     >>> torch.set_rng_state(ckpt["extras"]["rng"])  # doctest: +SKIP
     """
     t_start = time.perf_counter()
-    header = read_header(path)
+    # One open for header and data: a trainer may replace the file meanwhile (saves rename into place).
+    with open(path, "rb") as f:
+        return _load_open(f, os.fspath(path), device, verify, t_start)
+
+
+def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify: bool, t_start: float
+               ) -> dict[str, Any]:
+    header = read_header(path, file=f)
     where = header.path
     doc = _skeleton(header)
     table: dict[str, dict[str, Any]] = doc["tensors"]
@@ -795,13 +812,12 @@ def load_compressed_checkpoint(
 
     tensors: dict[str, torch.Tensor] = {}
     spans = sorted(((n, header.data_offset + stored[n].start, stored[n].nbytes) for n in table), key=lambda s: s[1])
-    with open(where, "rb") as f:
-        reader = _Prefetch(f.fileno(), spans, where)
-        try:
-            for name, buf in reader:
-                tensors[name] = decode(buf, comp.get(name), table[name], name, targets[name])
-        finally:
-            reader.close()
+    reader = _Prefetch(f.fileno(), spans, where)
+    try:
+        for name, buf in reader:
+            tensors[name] = decode(buf, comp.get(name), table[name], name, targets[name])
+    finally:
+        reader.close()
     for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
         torch.cuda.synchronize(d)
     rebuild = Rebuilder(tensors, where)

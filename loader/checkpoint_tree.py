@@ -179,6 +179,7 @@ class Rebuilder:
         self.tensors = tensors
         self.path = path
         self._params: dict[str, torch.nn.Parameter] = {}
+        self._grad_aliases: dict[str, torch.Tensor] = {}
 
     def build(self, node: Any, where: str) -> Any:
         if node is None or type(node) in (bool, int, float, str):
@@ -212,7 +213,7 @@ class Rebuilder:
             raise KeyError(f"no known tag among {sorted(node)}")
         except CheckpointError:
             raise
-        except (KeyError, TypeError, ValueError, struct.error) as e:
+        except (KeyError, IndexError, TypeError, ValueError, struct.error) as e:
             raise CheckpointError(
                 f"{self.path!r}: the checkpoint skeleton is corrupt at {where} ({type(e).__name__}: {e}); "
                 "re-save the checkpoint"
@@ -225,6 +226,10 @@ class Rebuilder:
             if name not in self._params:
                 self._params[name] = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
             return self._params[name]
-        if node.get("requires_grad") and not t.requires_grad:
-            t.requires_grad_(True)
-        return t
+        if not node.get("requires_grad"):
+            return t
+        # A tensor saved once may be reached both with and without requires_grad (w and w.detach()):
+        # the ones that want it share one alias of its memory; the stored tensor itself stays as it was.
+        if name not in self._grad_aliases:
+            self._grad_aliases[name] = t.detach().requires_grad_(True)
+        return self._grad_aliases[name]

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import glob
 import json
 import math
 import os
+import secrets
+import socket
 import struct
 import sys
 from collections.abc import Iterable, Mapping
@@ -116,28 +119,34 @@ class SafetensorsHeader:
         raise KeyError(name)
 
 
-def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file.
 
     Raises :class:`HeaderError` / :class:`TruncatedFileError` (both ``ValueError``) naming the
-    file, the tensor and the value at fault; nothing is read beyond the header.
+    file, the tensor and the value at fault; nothing is read beyond the header. With ``file`` (an
+    open binary file of ``path``), the header comes from it: a caller that then reads the data
+    through the same file reads the file the header describes, even if ``path`` is replaced
+    meanwhile.
 
     >>> hdr = read_header("model.safetensors")  # doctest: +SKIP
     >>> hdr["lm_head.weight"].shape
     (32000, 4096)
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise TruncatedFileError(
-                f"{path!r}: {file_size} bytes is too short for a safetensors file (needs an 8-byte "
-                "header length first); the file is truncated or not safetensors"
-            )
-        (n,) = struct.unpack("<Q", prefix)
-        _check_header_len(path, n, file_size)
-        raw = f.read(n)
+    if file is None:
+        with open(path, "rb") as f:
+            return read_header(path, file=f)
+    file_size = os.fstat(file.fileno()).st_size
+    file.seek(0)
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise TruncatedFileError(
+            f"{path!r}: {file_size} bytes is too short for a safetensors file (needs an 8-byte "
+            "header length first); the file is truncated or not safetensors"
+        )
+    (n,) = struct.unpack("<Q", prefix)
+    _check_header_len(path, n, file_size)
+    raw = file.read(n)
     return parse_header(prefix + raw, file_size, path=path)
 
 
@@ -296,15 +305,20 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 class atomic_output:
     """Write to a temporary file beside ``path``; fsync and rename on success, delete on failure.
 
-    A killed or failing writer never leaves a partial file under the final name.
+    A killed or failing writer never leaves a partial file under the final name. Each writer has
+    its own temporary file (``.NAME.tmp-HOST-PID-RANDOM``), so two writers of one name never mix
+    their bytes: the last rename wins. A writer killed outright (SIGKILL, SIGTERM without a
+    handler, power loss) leaves its temporary file; the next write of that name on the same host
+    removes the ones whose process is gone.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
         self.file: BinaryIO | None = None
 
     def __enter__(self) -> BinaryIO:
+        _remove_dead_temps(self.path)
         self.file = open(self.tmp, "wb")
         return self.file
 
@@ -334,6 +348,27 @@ class atomic_output:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+_HOST = socket.gethostname().replace("/", "_") or "host"
+
+
+def _remove_dead_temps(path: Path) -> None:
+    """Delete temporary files of ``path`` left by writers of this host whose process no longer runs."""
+    try:
+        leftovers = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-{glob.escape(_HOST)}-*-*"))
+    except OSError:
+        return
+    for tmp in leftovers:
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if not pid.isdigit() or tmp.name.rsplit("-", 2)[0] != f".{path.name}.tmp-{_HOST}":
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its writer is gone
+            tmp.unlink(missing_ok=True)
+        except (PermissionError, OverflowError):  # another user's live process, or no pid at all
+            pass
 
 
 class AlignedWriter:

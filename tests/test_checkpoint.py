@@ -9,6 +9,7 @@ import math
 import os
 import random
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -584,6 +585,113 @@ def test_loading_something_else_is_a_checkpoint_error(tmp_path):
     save_file({"model/w": torch.ones(2)}, lying, {CHECKPOINT_KEY: json.dumps(skeleton)})
     with pytest.raises(CheckpointError, match="device 'meta' in the skeleton, which a save never writes"):
         load_compressed_checkpoint(lying)
+
+
+def test_corrupt_skeleton_values_are_checkpoint_errors(tmp_path):
+    path = tmp_path / "c.safetensors"
+    table = {"model/w": {"dtype": ["F32"], "shape": [2], "device": "cpu"}}  # an unhashable dtype
+    skeleton = {"version": 1, "tree": {"model": {"dict": [["w", {"tensor": "model/w"}]]}}, "tensors": table}
+    save_file({"model/w": torch.ones(2)}, path, {CHECKPOINT_KEY: json.dumps(skeleton)})
+    with pytest.raises(CheckpointError, match="c.safetensors"):
+        load_compressed_checkpoint(path)
+    table["model/w"]["dtype"] = "F32"
+    skeleton["tree"]["extras"] = {"dict": [["x", {"npscalar": "<f8", "hex": ""}]]}  # no bytes for the scalar
+    save_file({"model/w": torch.ones(2)}, path, {CHECKPOINT_KEY: json.dumps(skeleton)})
+    with pytest.raises(CheckpointError, match=r"corrupt at extras\['x'\] \(IndexError"):
+        load_compressed_checkpoint(path)
+
+
+def test_requires_grad_stays_with_each_reference(tmp_path):
+    w = torch.randn(3, requires_grad=True)
+    path = tmp_path / "g.safetensors"
+    save_compressed_checkpoint(None, None, path, "none", extras={"w": w, "snap": w.detach(), "again": w})
+    e = load_compressed_checkpoint(path)["extras"]
+    assert e["w"].requires_grad and not e["snap"].requires_grad  # as torch.load gives them
+    assert e["again"] is e["w"] and torch.equal(e["snap"], w.detach())
+    assert e["snap"].untyped_storage().data_ptr() == e["w"].untyped_storage().data_ptr()  # still one memory
+
+
+def test_load_reads_the_file_whose_header_it_read(tmp_path, monkeypatch):
+    # A trainer renames a new checkpoint over the path while a load is between header and data.
+    path, other = tmp_path / "latest.safetensors", tmp_path / "next.safetensors"
+    save_compressed_checkpoint(None, None, path, "none", extras={"x": torch.arange(4, dtype=torch.float32)})
+    save_compressed_checkpoint(None, None, other, "none", extras={"z": torch.ones(8, dtype=torch.float64),
+                                                                  "x": torch.full((4,), 7.0)})
+    real = ckpt_mod._skeleton
+
+    def swap_then_parse(header: Any) -> Any:
+        os.replace(other, path)
+        return real(header)
+
+    monkeypatch.setattr(ckpt_mod, "_skeleton", swap_then_parse)
+    got = load_compressed_checkpoint(path)["extras"]
+    assert list(got) == ["x"] and torch.equal(got["x"], torch.arange(4, dtype=torch.float32))
+
+
+def test_concurrent_saves_of_one_path_do_not_mix(tmp_path, monkeypatch):
+    path = tmp_path / "c.safetensors"
+    first_started, second_done = threading.Event(), threading.Event()
+    real = ckpt_mod._compress
+    seen: list[int] = []
+
+    def slow_first(leaf: Any, *args: Any) -> Any:  # the first save stops after one tensor until the second is done
+        seen.append(threading.get_ident())
+        if threading.get_ident() == seen[0] and not second_done.is_set():
+            first_started.set()
+            second_done.wait(10)
+        return real(leaf, *args)
+
+    monkeypatch.setattr(ckpt_mod, "_compress", slow_first)
+    big = 1 << 18  # above the raw threshold, so every tensor goes through _compress
+    errors: list[BaseException] = []
+
+    def save_ones() -> None:
+        try:
+            save_compressed_checkpoint({f"w{i}": torch.ones(big) for i in range(4)}, None, path, "zstd")
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=save_ones)
+    t.start()
+    assert first_started.wait(10)
+    save_compressed_checkpoint({f"w{i}": torch.full((big,), 2.0) for i in range(4)}, None, path, "zstd")
+    second_done.set()
+    t.join(20)
+    assert not errors, errors
+    model = load_compressed_checkpoint(path)["model"]
+    assert {float(v.unique()) for v in model.values()} == {1.0}  # the last to finish wins, whole
+    assert _listing(tmp_path) == ["c.safetensors"]
+
+
+def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
+    path = tmp_path / "c.safetensors"
+    code = ("import os, sys, torch; from gdsload.loader import checkpoint as c; "
+            "real = c._compress\n"
+            "def die(*a):\n    os._exit(9)\n"
+            "c._compress = die; "
+            f"c.save_compressed_checkpoint({{'w': torch.ones(1 << 18)}}, None, {str(path)!r}, 'zstd')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 9, p.stderr
+    left = [n for n in _listing(tmp_path) if n.startswith(".c.safetensors.tmp-")]
+    assert len(left) == 1, _listing(tmp_path)
+    live = tmp_path / left[0].replace(left[0].rsplit("-", 2)[-2], str(os.getpid()))  # a writer still running
+    live.write_bytes(b"busy")
+    save_compressed_checkpoint({"w": torch.ones(3)}, None, path, "none")
+    assert _listing(tmp_path) == [live.name, "c.safetensors"]
+
+
+def test_rename_failure_says_what_happened_once(tmp_path, monkeypatch):
+    path = tmp_path / "c.safetensors"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(FileNotFoundError(errno.ENOENT, "gone")))
+    with pytest.raises(CheckpointWriteError) as info:
+        save_compressed_checkpoint({"w": torch.ones(3)}, None, path, "none")
+    text = str(info.value)
+    assert text.count("nothing was written under that name") == 1 and "temporary file vanished" in text
+    assert "create its directory" not in text and _listing(tmp_path) == []
+    monkeypatch.undo()
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(ConfigError, match="is a directory; name a file in it"):
+        save_compressed_checkpoint({"w": torch.ones(3)}, None, tmp_path / "d.safetensors", "none")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on hosts without a GPU")
