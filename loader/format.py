@@ -109,7 +109,10 @@ class SafetensorsHeader:
         return self.data_offset % DATA_ALIGNMENT == 0
 
     def misaligned(self) -> list[TensorInfo]:
-        """Tensors whose offset is not a multiple of their element size (they cannot be views)."""
+        """Tensors whose offset in the data section is not a multiple of their element size.
+
+        gdsload's arena holds the data section from an aligned base, so these are the tensors it
+        moves to an aligned slot after the read (``Placement.copy_from``)."""
         return [t for t in self.tensors if t.start % t.itemsize]
 
     def __getitem__(self, name: str) -> TensorInfo:
@@ -172,7 +175,7 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
     if len(buf) < 8 + n:
         raise TruncatedFileError(f"{path!r}: header is {len(buf) - 8} bytes, its length field says {n}")
     raw = buf[8 : 8 + n]
-    if not raw.startswith(b"{"):
+    if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON whitespace may lead, as safetensors accepts
         raise HeaderError(f"{path!r}: header must be a JSON object starting with '{{', got {raw[:16]!r}")
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -235,22 +238,33 @@ def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
     return meta
 
 
+_SUB_BYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
+"""Dtypes recent safetensors writes for torch's packed FP4/FP6 types; not read here."""
+
+
 def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     where = f"{path!r}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got {entry!r:.200}")
-    keys = set(entry)
-    if keys != _TENSOR_KEYS:
-        missing, extra = sorted(_TENSOR_KEYS - keys), sorted(keys - _TENSOR_KEYS)
-        raise HeaderError(f"{where}: entry has missing keys {missing} / unknown keys {extra}")
+    missing = sorted(_TENSOR_KEYS - set(entry))
+    if missing:  # other keys are ignored, as safetensors ignores them
+        raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HeaderError(f"{where}: the name is not valid Unicode (a lone surrogate escape); safetensors "
+                          "refuses it too: rename the tensor") from None
     dtype = entry["dtype"]
+    if dtype in _SUB_BYTE_DTYPES:
+        raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
+                          "does not read those yet: store them as U8 blocks (as MXFP4/NVFP4 checkpoints usually do)")
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise HeaderError(
             f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
         )
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise HeaderError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.200}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape):
+        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**64), got {shape!r:.200}")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -350,6 +364,15 @@ class atomic_output:
             os.close(dir_fd)
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates): safetensors could not read the header."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (it holds a lone surrogate); safetensors could not read "
+                         "the file: rename it") from None
+
+
 _HOST = socket.gethostname().replace("/", "_") or "host"
 
 
@@ -400,10 +423,14 @@ class AlignedWriter:
         for s in specs:
             if s.dtype not in ITEMSIZE:
                 raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+            _check_text(s.name, f"tensor name {s.name!r}")
             if s.name == "__metadata__":
                 raise ValueError("a tensor cannot be named '__metadata__': safetensors keeps that key for metadata")
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise TypeError("metadata must map str to str (safetensors stores only strings)")
+        for k, v in (metadata or {}).items():
+            _check_text(k, f"metadata key {k!r}")
+            _check_text(v, f"metadata value of {k!r}")
         self.order: list[TensorSpec] = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
         header: dict[str, Any] = {}
         if metadata:

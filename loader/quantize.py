@@ -54,8 +54,9 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 GRANULARITIES = ("per-tensor", "per-channel")
 
-_MIN_AMAX = 1e-12
-"""An all-zero tensor (or row) still gets a positive scale, so dequantization is finite."""
+_MIN_AMAX = torch.finfo(torch.float32).tiny * 448.0
+"""Floor of amax: the scale (amax / 448) stays a normal float32, so an all-zero tensor (or row) still gets a
+positive scale and dequantization is finite, while tiny but nonzero weights keep their values."""
 
 
 @dataclass(frozen=True)

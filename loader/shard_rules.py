@@ -359,7 +359,8 @@ def rank_tensors(
         out.append(OutTensor(name + ".bias", (n,), "copy", 0, tuple(pieces), split=split))
 
     def vocab(name: str, source: str) -> None:
-        pieces = (_piece(source, rg.vocab),) if rg.vocab[1] > rg.vocab[0] else ()
+        # A rank past the vocabulary holds padding only: an empty piece still names the source (its dtype).
+        pieces = (_piece(source, rg.vocab),)
         pad = rg.vocab_rows - (rg.vocab[1] - rg.vocab[0])
         out.append(OutTensor(name, (rg.vocab_rows, h), "copy", 0, pieces, pad=pad, split="vocab"))
 

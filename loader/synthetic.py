@@ -6,7 +6,9 @@ family; the number of layers is chosen to reach the requested size (9.08 GB at L
 widths with 16 layers).
 
 Rank files split column-parallel weights (q/k/v, gate/up, embedding, lm_head) along dim 0 and
-row-parallel ones (o, down) along dim 1, with norms replicated: a plain ``hf``-layout split.
+row-parallel ones (o, down) along dim 1, with norms replicated: a plain ``hf``-layout split, by whole
+heads. With fewer KV heads than ranks, each KV head is replicated on ``tp / kv_heads`` ranks, as
+``gdsload shard`` and vLLM place them.
 """
 
 from __future__ import annotations
@@ -68,14 +70,15 @@ PRESETS: dict[str, LlamaShape] = {
 
 
 def tensor_shapes(s: LlamaShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """``(name, shape, split)`` for every tensor; split is ``col``, ``row`` or ``rep``."""
+    """``(name, shape, split)`` for every tensor; split is ``col``, ``row``, ``kv`` (column-parallel by whole
+    KV heads, replicated when there are fewer than ranks) or ``rep``."""
     d = s.head_dim
     yield "model.embed_tokens.weight", (s.vocab, s.hidden), "col"
     for i in range(s.layers):
         p = f"model.layers.{i}."
         yield p + "self_attn.q_proj.weight", (s.heads * d, s.hidden), "col"
-        yield p + "self_attn.k_proj.weight", (s.kv_heads * d, s.hidden), "col"
-        yield p + "self_attn.v_proj.weight", (s.kv_heads * d, s.hidden), "col"
+        yield p + "self_attn.k_proj.weight", (s.kv_heads * d, s.hidden), "kv"
+        yield p + "self_attn.v_proj.weight", (s.kv_heads * d, s.hidden), "kv"
         yield p + "self_attn.o_proj.weight", (s.hidden, s.heads * d), "row"
         yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), "col"
         yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), "col"
@@ -115,13 +118,33 @@ def _full_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torc
     return t.to(torch.bfloat16).cpu()
 
 
-def _rank_slice(t: torch.Tensor, split: str, rank: int, tp: int) -> torch.Tensor:
+def _rank_rows(s: LlamaShape, split: str, rank: int, tp: int, size: int) -> tuple[int, int]:
+    """``[start, stop)`` of the split dimension (of ``size``) that ``rank`` holds."""
+    if split == "kv" and s.kv_heads < tp:  # one KV head, shared by tp / kv_heads ranks
+        head = rank // (tp // s.kv_heads)
+        return head * s.head_dim, (head + 1) * s.head_dim
+    step = size // tp
+    return rank * step, (rank + 1) * step
+
+
+def _rank_slice(t: torch.Tensor, s: LlamaShape, split: str, rank: int, tp: int) -> torch.Tensor:
     if split == "rep" or tp == 1:
         return t
-    dim = 0 if split == "col" else 1
-    if t.shape[dim] % tp:
-        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not divide by tp={tp}")
-    return t.chunk(tp, dim=dim)[rank]
+    dim = 1 if split == "row" else 0
+    start, stop = _rank_rows(s, split, rank, tp, t.shape[dim])
+    return t.narrow(dim, start, stop - start)
+
+
+def _check_tp(s: LlamaShape, tp: int) -> None:
+    if type(tp) is not int or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be a positive integer")
+    kv_ok = s.kv_heads % tp == 0 if s.kv_heads >= tp else tp % s.kv_heads == 0
+    if s.heads % tp or not kv_ok or s.intermediate % tp or s.vocab % tp:
+        ok = [n for n in range(1, s.heads + 1) if not s.heads % n and not s.intermediate % n and not s.vocab % n
+              and (s.kv_heads % n == 0 if s.kv_heads >= n else n % s.kv_heads == 0)]
+        raise ConfigError(f"tp={tp} does not split this synthetic shape by whole heads (heads={s.heads}, "
+                          f"kv_heads={s.kv_heads}, intermediate={s.intermediate}, vocab={s.vocab}); "
+                          f"tp values that do: {ok}")
 
 
 def make_checkpoint(
@@ -147,12 +170,7 @@ def make_checkpoint(
     elif isinstance(shape, int):
         shape = shape_for_size(shape)
     entries = list(tensor_shapes(shape))
-    if type(tp) is not int or tp < 1:
-        raise ConfigError(f"tp={tp!r} must be a positive integer")
-    for name, full, split in entries:  # checked before anything is written
-        if split != "rep" and full[0 if split == "col" else 1] % tp:
-            raise ConfigError(f"tp={tp} does not divide {name} {list(full)} of this synthetic shape; "
-                              "choose a tp that divides the heads and widths (1, 2, 4 or 8 usually do)")
+    _check_tp(shape, tp)  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     full_shapes = {name: s for name, s, _ in entries}
@@ -164,7 +182,9 @@ def make_checkpoint(
         for name, full, split in entries:
             part_shape = list(full)
             if split != "rep" and tp > 1:
-                part_shape[0 if split == "col" else 1] //= tp
+                dim = 1 if split == "row" else 0
+                start, stop = _rank_rows(shape, split, rank, tp, full[dim])
+                part_shape[dim] = stop - start
             nbytes = math.prod(part_shape) * 2
             if files[-1] and size + nbytes > max_file_bytes:
                 files.append([])
@@ -177,7 +197,8 @@ def make_checkpoint(
             splits = {name: split for name, _, split in group}
             with AlignedWriter(out / fname, specs, {"format": "pt"}) as w:
                 for spec in w.order:
-                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name], device), splits[spec.name], rank, tp)
+                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name], device), shape, splits[spec.name],
+                                    rank, tp)
                     w.write(spec.name, t.contiguous())
                     if progress is not None:
                         progress(spec.nbytes)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gdsload.bench.coldstart import format_table
-from gdsload.loader import load_rank
+from gdsload.loader import ConfigError, load_rank
 from gdsload.loader.synthetic import PRESETS, make_checkpoint, shape_for_size, tensor_shapes
 
 GDSLOAD = [sys.executable, "-m", "gdsload.server.cli"]
@@ -30,6 +30,24 @@ def test_make_model_is_reproducible_and_llama_shaped(tmp_path):
     assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
     eight = shape_for_size(9_080_000_000)
     assert (eight.hidden, eight.layers) == (4096, 16)  # the 9.08 GB bench checkpoint: Llama-3-8B widths, 16 layers
+
+
+def test_synthetic_ranks_hold_whole_heads(tmp_path):
+    # tiny: 8 heads of 32, 4 KV heads. At tp=8 each KV head sits on two ranks, as gdsload shard and vLLM place it.
+    import torch
+
+    m = make_checkpoint(tmp_path / "tp8", "tiny", tp=8)
+    full = make_checkpoint(tmp_path / "tp1", "tiny", tp=1)
+    whole = load_rank(full, 0).tensors
+    for rank in range(8):
+        t = load_rank(m, rank).tensors
+        k = "model.layers.0.self_attn.k_proj.weight"
+        assert t[k].shape == (32, 256) and torch.equal(t[k], whole[k][rank // 2 * 32 : (rank // 2 + 1) * 32])
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert t[q].shape == (32, 256) and torch.equal(t[q], whole[q][rank * 32 : (rank + 1) * 32])
+    with pytest.raises(ConfigError, match=r"tp values that do: \[1, 2, 4, 8\]"):
+        make_checkpoint(tmp_path / "tp16", "tiny", tp=16)  # 16 ranks would split a head of the 8
+    assert not (tmp_path / "tp16").exists()
 
 
 def test_bench_runs_end_to_end_on_cpu(tmp_path):
@@ -86,7 +104,7 @@ def test_bench_cli_refuses_bad_input_in_one_line(tmp_path):
     for args, words in ((["--repeat", "0", str(tmp_path)], "0 is not in the range x>=1"),
                         (["--device", "gpu0", str(tmp_path)], "'gpu0' is not a device"),
                         (["--device", "cpu", str(tmp_path / "empty")], "holds no .safetensors files"),
-                        (["--make-model", "8MB", "--tp", "3", "--out", str(tmp_path / "t3")], "tp=3 does not divide"),
+                        (["--make-model", "8MB", "--tp", "3", "--out", str(tmp_path / "t3")], "tp=3 does not split this synthetic shape by whole heads"),
                         (["--make-model", "8MB", "--compress", "lzma", "--out", str(tmp_path / "c")], "'lzma'"),
                         (["--plot", str(tmp_path / "bad.json")], "is not a results.json")):
         p = subprocess.run([*GDSLOAD, "bench", *args], capture_output=True, text=True, timeout=120)

@@ -164,3 +164,11 @@ def test_non_contiguous_and_views_are_written_by_value(tmp_path):
     save_file(tensors, tmp_path / "v.safetensors")
     loaded = safetensors.torch.load_file(str(tmp_path / "v.safetensors"))
     assert torch.equal(loaded["t"], base.t()) and torch.equal(loaded["slice"], base[1:3, ::2])
+
+
+def test_writer_refuses_text_safetensors_could_not_read(tmp_path):
+    for tensors, metadata, what in (({"\ud800": torch.ones(1)}, None, "tensor name"),
+                                    ({"a": torch.ones(1)}, {"k": "\udc00"}, "metadata value of 'k'")):
+        with pytest.raises(ValueError, match=f"{what}.*lone surrogate"):
+            save_file(tensors, tmp_path / "t.safetensors", metadata)
+        assert not list(tmp_path.iterdir())

@@ -114,6 +114,13 @@ def test_zeros_and_saturation():
     w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert quantize(w, torch.tensor(0.5)).float().tolist() == [[2.0, 4.0], [6.0, 8.0]]
     assert w.tolist() == [[1.0, 2.0], [3.0, 4.0]], "quantize must not modify its input"
+    # tiny but nonzero weights (or rows) keep their values: the scale follows them down to float32's normals
+    for scheme, tiny in ((QuantScheme("fp8", "per-tensor"), torch.tensor([[1e-20, -1e-20], [3e-20, 2e-20]])),
+                         (QuantScheme("fp8", "per-channel"), torch.tensor([[1e-20, -1e-20], [3e-30, 1e-30]]))):
+        amax = tiny.abs().amax(dim=1) if scheme.per_channel else tiny.abs().max()
+        scale = compute_scale(amax, scheme)
+        back = dequantize(quantize(tiny, scale), scale)
+        assert torch.allclose(back, tiny, rtol=0.07, atol=0), (scheme, back)
 
 
 def test_quantization_config_as_vllm_reads_it():

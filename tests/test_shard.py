@@ -373,6 +373,22 @@ def test_tp_not_dividing_heads_names_the_numbers(checkpoints, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("layout", ["vllm", "hf"])
+def test_a_rank_past_the_vocabulary_holds_padding_only(tmp_path, layout):
+    # vocab 130 at tp=4 pads to 192 rows, 48 per rank: rank 3 starts at row 144, past the last real row
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                      num_key_value_heads=4, num_hidden_layers=1, vocab_size=130,
+                                      tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    shard_checkpoint(tmp_path / "src", tmp_path / "out", tp=4, layout=layout)
+    src = source_tensors(tmp_path / "src")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = torch.cat([read_rank(tmp_path / "out", r)[name] for r in range(4)])
+        assert rows.shape == (192, 64) and torch.equal(rows[:130], src[name]) and not rows[130:].any()
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
