@@ -16,6 +16,30 @@ def _given(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
 
+def _check_whole(path: str, what: str) -> None:
+    """The bench loads one whole checkpoint on one device: refuse a tensor-parallel split."""
+    from gdsload.loader import GdsloadError
+    from gdsload.loader.discovery import list_ranks
+
+    try:
+        _, tp, ranks = list_ranks(path)
+    except GdsloadError as e:
+        raise click.UsageError(f"{what} {path!r}: {e}") from None
+    if len(ranks) > 1:
+        raise click.UsageError(f"{what} {path!r} holds {len(ranks)} ranks (tp={tp}); `gdsload bench` loads one whole "
+                               "checkpoint on one device: give it the unsharded copy, and time tensor-parallel loads "
+                               "with `python -m gdsload.bench.multi_gpu`")
+
+
+def _check_compressed(path: str) -> None:
+    from gdsload.loader import discover, read_header
+    from gdsload.loader.compression import parse_compression
+
+    if not any(parse_compression(read_header(f)) for f in discover(path, 0).files):
+        raise click.UsageError(f"--compressed {path!r} holds no compressed tensors; make the copy with "
+                               f"`gdsload compress {path} OUT` and pass OUT")
+
+
 def _generator_device(device: str) -> str:
     """Draw synthetic values on the GPU when the bench targets one that torch can use."""
     if device.startswith("cuda"):
@@ -56,6 +80,9 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
           compress_codec: str | None, ttr: bool,
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
+    from . import stop_on_sigterm
+
+    stop_on_sigterm()  # tmpfs copies and serve children are cleaned up on SIGTERM too
     if plot_json:
         import json
 
@@ -63,8 +90,13 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
 
         try:
             doc = json.loads(Path(plot_json).read_text())
-            if not isinstance(doc, dict) or not {"config", "summary", "limits"} <= set(doc):
-                raise ValueError("it has no config, summary and limits")
+            if not isinstance(doc, dict) or not {"config", "summary", "limits", "facts"} <= set(doc):
+                raise ValueError("it has no config, summary, limits and facts")
+            if not isinstance(doc["config"], dict) or not {"conditions", "methods", "device", "repeat"} <= set(
+                    doc["config"]) or not isinstance(doc["facts"], dict) or "date" not in doc["facts"]:
+                raise ValueError("its config or facts lack what the chart names")
+            if not any(isinstance(r, dict) and "median_gbps" in r for r in doc["summary"]):
+                raise ValueError("no method has a successful run to draw")
         except (ValueError, UnicodeDecodeError) as e:
             raise click.UsageError(f"--plot {plot_json!r} is not a results.json of `gdsload bench` ({e})") from None
         target = Path(out) if _given("out") else Path(plot_json).parent
@@ -79,6 +111,13 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
     if make_model:
         from gdsload.loader.synthetic import make_checkpoint, shape_for_size
 
+        for target in [Path(out)] + ([Path(f"{out.rstrip('/')}-{compress_codec}")] if compress_codec else []):
+            if target.exists() and any(target.iterdir()):  # old part files would sit beside the new model
+                raise click.UsageError(f"{str(target)!r} is not empty; --make-model writes into a new directory")
+        if compress_codec:
+            from gdsload.loader.compress import compress_device
+
+            compress_device(compress_codec, None)  # a GPU-only codec without nvCOMP: refused before the model is made
         shape = shape_for_size(parse_size(make_model))
         gen = _generator_device(device)
         click.echo(f"synthetic Llama: {shape} (values drawn on {gen})")
@@ -93,10 +132,17 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         raise click.UsageError("give MODEL_DIR, or --make-model SIZE, or --plot results.json")
     if not any(Path(model_dir).glob("*.safetensors")):
         raise click.UsageError(f"MODEL_DIR {model_dir!r} holds no .safetensors files")
+    _check_whole(model_dir, "MODEL_DIR")
+    names = methods.split(",") if methods else []
+    if compressed_dir:
+        _check_whole(compressed_dir, "--compressed")
+        _check_compressed(compressed_dir)
+    elif any(m.endswith(":compressed") for m in names):
+        raise click.UsageError("a :compressed method needs --compressed DIR (a copy made by `gdsload compress`)")
     from .coldstart import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,
-                      methods=methods.split(",") if methods else [], repeat=repeat, device=device, out=Path(out),
+                      methods=names, repeat=repeat, device=device, out=Path(out),
                       conditions=tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold"), ttr=ttr)
     doc = run_bench(cfg, log=click.echo)
     click.echo(format_table(doc))

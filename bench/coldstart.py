@@ -122,15 +122,20 @@ def machine_facts(device: str) -> dict[str, Any]:
 
 
 def _one(method: str, model_dir: Path, device: str, timeout: float) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, str(model_dir), device],
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, str(model_dir), device],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hung loader is a failed run, not the end of the bench
+        return {"method": method, "error": [f"timed out after {timeout:g} s"]}
     if p.returncode != 0:
         return {"method": method, "error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def _files(d: Path) -> list[str]:
-    return sorted(str(p) for p in d.glob("*.safetensors"))
+    from gdsload.loader import discover
+
+    return list(discover(d, 0).files)  # what the methods load (methods._files)
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -149,16 +154,17 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
     for condition in cfg.conditions:
         dirs = {"plain": cfg.model_dir, "compressed": cfg.compressed_dir}
         copies: list[Path] = []
-        if condition == "tmpfs":
-            for k, d in list(dirs.items()):
-                if d is None:
-                    continue
-                # A fresh copy under a unique name: never an older copy of another model, never someone else's.
-                room = Path(tempfile.mkdtemp(prefix=f"gdsload-bench-{k}-", dir=cfg.tmpfs_root))
-                copies.append(room)
-                dirs[k] = room / Path(d).name
-                shutil.copytree(d, dirs[k])
         try:
+            if condition == "tmpfs":
+                for k, d in list(dirs.items()):
+                    if d is None:
+                        continue
+                    # A fresh copy under a unique name: never an older copy of another model, never someone
+                    # else's; removed below even when the copy itself fails or is interrupted.
+                    room = Path(tempfile.mkdtemp(prefix=f"gdsload-bench-{k}-", dir=cfg.tmpfs_root))
+                    copies.append(room)
+                    dirs[k] = room / Path(d).name
+                    shutil.copytree(d, dirs[k])
             plain_files = _files(dirs["plain"])
             if condition == "cold":
                 # Several access patterns, each from a cold cache: the limit is the best one; all are kept.
@@ -256,16 +262,21 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
         cond_rows = []
         for method in doc["config"]["methods"]:
             runs = [r for r in doc["runs"] if r["method"] == method and r["condition"] == condition and "error" not in r]
+            errs = [r["error"] for r in doc["runs"] if r["method"] == method and r["condition"] == condition
+                    and "error" in r]
             if not runs:
-                errs = [r["error"] for r in doc["runs"] if r["method"] == method and r["condition"] == condition]
                 if errs:  # no runs at all: not reached (yet)
-                    cond_rows.append({"method": method, "condition": condition, "error": errs[:1]})
+                    cond_rows.append({"method": method, "condition": condition, "error": errs[:1],
+                                      "runs_ok": 0, "runs_failed": len(errs)})
                 continue
             rates = [r["bytes"] / r["seconds"] / 1e9 for r in runs]
             row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),
                    "min_gbps": min(rates), "max_gbps": max(rates), "seconds": statistics.median(r["seconds"] for r in runs),
                    "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
-                   "max_resident_before": max(r["resident_before"] for r in runs)}
+                   "max_resident_before": max(r["resident_before"] for r in runs),
+                   "runs_ok": len(runs), "runs_failed": len(errs)}
+            if errs:
+                row["error"] = errs[:1]
             if not method.startswith("gdsload"):
                 best_peer = max(best_peer, row["median_gbps"])
             cond_rows.append(row)
@@ -284,13 +295,15 @@ def format_table(doc: dict[str, Any]) -> str:
     lines = [f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'s':>7} "
              f"{'/raw':>6} {'/h2d':>6} {'/peer':>6}  io"]
     for r in doc["summary"]:
-        if "error" in r:
+        if "median_gbps" not in r:
             lines.append(f"{r['condition']:9} {r['method']:34} error: {r['error']}")
             continue
         f = lambda v: f"{v:6.2f}" if v is not None else "     -"  # noqa: E731
+        failed = (f"  ({r['runs_failed']} of {r['runs_ok'] + r['runs_failed']} runs failed: {r['error']})"
+                  if r.get("runs_failed") else "")
         lines.append(f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
                      f"{r['max_gbps']:7.2f} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
-                     f"{f(r['vs_best_peer'])}  {','.join(sorted(set(r['io_modes'] or []))) or '-'}")
+                     f"{f(r['vs_best_peer'])}  {','.join(sorted(set(r['io_modes'] or []))) or '-'}{failed}")
     for r in doc.get("ttr", []):
         what = f"{r['condition']:9} {'serve:' + r['dir']:34}"
         if "error" in r:

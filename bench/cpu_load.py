@@ -28,6 +28,8 @@ METHODS = ("gdsload-cpu", "safetensors")
 def _worker(method: str, model_dir: str, threads: int) -> None:
     files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
     if method == "gdsload-cpu":
+        import torch  # noqa: F401 - load_rank imports it lazily: outside the clock, as for safetensors
+
         from gdsload.loader import load_rank
 
         t = time.perf_counter()
@@ -59,8 +61,11 @@ def _worker(method: str, model_dir: str, threads: int) -> None:
 def _run(method: str, model_dir: Path, threads: int) -> dict:
     p = subprocess.run(
         [sys.executable, "-m", "gdsload.bench.cpu_load", "--worker", method, str(model_dir), "--threads", str(threads)],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"error: {method} failed on {str(model_dir)!r} (exit {p.returncode}): {last}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--out", default="cpu-bench", help="where the checkpoint and results.json go")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.threads < 1:
+        ap.error(f"--repeat and --threads must be at least 1 (got {args.repeat} and {args.threads})")
     if args.worker:
         _worker(args.worker[0], args.worker[1], args.threads)
         return

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 PROCESS_START = time.perf_counter()
@@ -30,7 +29,11 @@ PEER_MODULES = {"safetensors": "safetensors", "safetensors-device": "safetensors
 
 
 def _files(model_dir: str) -> list[str]:
-    return sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
+    """The files gdsload loads for rank 0 (the manifest's, else every ``*.safetensors``): every method
+    reads the same ones, and a stray file beside them counts for none."""
+    from gdsload.loader import discover
+
+    return list(discover(model_dir, 0).files)
 
 
 def _nbytes(tensors: Any) -> int:

@@ -207,8 +207,11 @@ def run_limits(model_dir: str, tp: int, device: str = "cuda", timeout: float = 3
 def run_single(method: str, model_dir: str, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
     """The whole checkpoint on one GPU, in a fresh process (:mod:`gdsload.bench.methods`)."""
     dev = "cuda:0" if device == "cuda" else device
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, model_dir, dev],
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, model_dir, dev],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": "single", "method": method, "error": [f"timed out after {timeout:g} s"]}
     if p.returncode != 0:
         return {"row": "single", "method": method, "error": p.stderr.strip().splitlines()[-3:]}
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -257,7 +260,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
         elif r["row"] == "group":
             scale = f" = {r['aggregate_gbps'] / base:.2f} x single" if base else ""
             ctx = r.get("contexts") or {}
-            out.append(f"group   {r['method']:18} world={r['world']} {r['aggregate_gbps']:6.2f} GB/s{scale}; "
+            label = r["method"] + (":compressed" if r.get("compressed") else "")
+            out.append(f"group   {label:18} world={r['world']} {r['aggregate_gbps']:6.2f} GB/s{scale}; "
                        f"per rank {', '.join(f'{v:.1f}' for v in r['per_rank_gbps'].values())}; "
                        f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
         else:
@@ -292,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from gdsload.loader import discover
 
+    from . import stop_on_sigterm
+
+    stop_on_sigterm()  # the serve and group children are stopped on the way out
     tp = args.tp or discover(args.model_dir, 0).tp_size
     if args.limits:
         _limits_worker(args.model_dir, tp, args.device)
@@ -312,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.single:
             for m in methods:
                 add({**run_single(m, args.single, args.device, args.timeout), "run": i})
+        worlds = sorted({1, tp})  # tp=1 runs world 1 once
         for m in methods:
-            for world in (1, tp):
+            for world in worlds:
                 add({**run_group(m, args.model_dir, world, args.device, args.timeout), "run": i})
         if args.compressed:
             m = "gdsload:cpu" if args.device == "cpu" else "gdsload:pinned"
-            for world in (1, tp):
+            for world in worlds:
                 add({**run_group(m, args.compressed, world, args.device, args.timeout), "run": i,
                      "compressed": True})
         if not args.no_serve:

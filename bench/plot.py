@@ -24,10 +24,12 @@ def plot(doc: dict[str, Any] | str | Path, out: str | Path) -> Path:
     for ax, cond in zip(axes[:, 0], conditions):
         rows = sorted((r for r in doc["summary"] if r["condition"] == cond and "median_gbps" in r),
                       key=lambda r: r["median_gbps"])
-        names = [r["method"] for r in rows]
+        # A method with failed runs says how many of its runs the median is of.
+        names = [r["method"] + (f" ({r['runs_ok']} ok, {r['runs_failed']} failed)" if r.get("runs_failed") else "")
+                 for r in rows]
         med = [r["median_gbps"] for r in rows]
         err = [[m - r["min_gbps"] for m, r in zip(med, rows)], [r["max_gbps"] - m for m, r in zip(med, rows)]]
-        colors = ["#2b7bba" if n.startswith("gdsload") else "#999999" for n in names]
+        colors = ["#2b7bba" if r["method"].startswith("gdsload") else "#999999" for r in rows]
         ax.barh(names, med, xerr=err, color=colors, capsize=3)
         for y, m in enumerate(med):
             ax.text(m, y, f" {m:.1f}", va="center", fontsize=8)

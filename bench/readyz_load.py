@@ -150,12 +150,18 @@ def _one_load(url: str, token: str, model: str, server_pid: int, rate: float, co
     generator = None
     cpu_before = _cpu_seconds(server_pid)
     if polled:
+        quiet_cpu = _cpu_seconds(server_pid)  # the server's own background CPU, with nothing polling it
+        time.sleep(settle / 2)
+        quiet_cpu = _cpu_seconds(server_pid) - quiet_cpu
         generator = subprocess.Popen(
             [sys.executable, "-m", "gdsload.bench.readyz_load", "--generator", url, "--rate", str(rate),
              "--connections", str(connections)], stdout=subprocess.PIPE, text=True)
         assert generator.stdout is not None
         generator.stdout.readline()  # "generating"
-        time.sleep(settle)  # let the rate settle before the load starts
+        time.sleep(settle / 2)  # let the rate settle, then take the server's CPU for polls alone
+        polls_cpu = _cpu_seconds(server_pid)
+        time.sleep(settle / 2)
+        polls_cpu = _cpu_seconds(server_pid) - polls_cpu
         cpu_before = _cpu_seconds(server_pid)
     t0 = time.monotonic()
     code, doc = _http("POST", url + "/v1/reload", token, {"model_dir": model, "force": True}, timeout=60)
@@ -186,8 +192,10 @@ def _one_load(url: str, token: str, model: str, server_pid: int, rate: float, co
         "window_s": elapsed,
         "poller": load,
     }
-    if load and load["requests"]:
-        row["server_cpu_us_per_request"] = cpu / (load["rate"] * elapsed) * 1e6
+    if load and load["requests"] and settle > 0:
+        # Over the second half of the settle window: polls only, no load (the reload's own CPU is not
+        # theirs), less the server's background CPU over as long a window before the polls began.
+        row["server_cpu_us_per_request"] = max(0.0, polls_cpu - quiet_cpu) / (load["rate"] * settle / 2) * 1e6
     return row
 
 
@@ -200,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=1000.0, help="/readyz requests per second while polled")
     ap.add_argument("--connections", type=int, default=8, help="keep-alive connections of the poller (default 8)")
     ap.add_argument("--device-map", default="cpu", help="the server's --device-map (default cpu; auto uses the GPUs)")
-    ap.add_argument("--settle", type=float, default=1.0, help="seconds of polling before each polled load starts")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of polling before each polled load starts "
+                    "(the server's CPU per request is taken over its second half, less its CPU over as long a quiet window before)")
     ap.add_argument("--out", default="readyz-bench", help="where the checkpoint and results.json go")
     args = ap.parse_args(argv)
     if args.generator:
@@ -243,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(row)
                 p = row["poller"]
                 extra = (f"  poll {p['rate']:.0f}/s p50 {p['p50_ms']:.2f} ms p99 {p['p99_ms']:.2f} ms "
-                         f"server {row['server_cpu_us_per_request']:.0f} us CPU/request" if p else "")
+                         + (f" server {row['server_cpu_us_per_request']:.0f} us CPU/request"
+                            if "server_cpu_us_per_request" in row else "") if p else "")
                 print(f"round {i} {row['condition']:6}  load {row['load_seconds_max']:.3f} s  "
                       f"read {row['read_seconds_max']:.3f} s  ready after {row['time_to_ready_s']:.3f} s{extra}",
                       flush=True)
@@ -265,16 +275,18 @@ def main(argv: list[str] | None = None) -> None:
         "p50_ms_median": statistics.median(p["p50_ms"] for p in polls),
         "p99_ms_median": statistics.median(p["p99_ms"] for p in polls),
         "non_2xx_5xx": sum(n for p in polls for c, n in p["codes"].items() if c not in ("200", "503")),
-        "server_cpu_us_per_request_median": statistics.median(
-            r["server_cpu_us_per_request"] for r in runs if "server_cpu_us_per_request" in r),
     }
+    per_request = [r["server_cpu_us_per_request"] for r in runs if "server_cpu_us_per_request" in r]
+    summary["poller"]["server_cpu_us_per_request_median"] = statistics.median(per_request) if per_request else None
     print(f"\n{'median over ' + str(args.repeat) + ' rounds':32} {'idle':>9} {'polled':>9} {'slowdown':>9}")
     for key in ("load_seconds_max", "read_seconds_max", "time_to_ready_s"):
         s = summary[key]
         print(f"{key:32} {s['idle_median']:9.3f} {s['polled_median']:9.3f} {s['slowdown_pct']:8.1f}%")
     p = summary["poller"]
     print(f"poller: {p['rate_median']:.0f} req/s achieved, p50 {p['p50_ms_median']:.2f} ms, p99 "
-          f"{p['p99_ms_median']:.2f} ms; server CPU {p['server_cpu_us_per_request_median']:.0f} us per request")
+          f"{p['p99_ms_median']:.2f} ms; server CPU "
+          + (f"{p['server_cpu_us_per_request_median']:.0f} us per request"
+             if p["server_cpu_us_per_request_median"] is not None else "not measured (--settle 0)"))
     facts = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": os.cpu_count(),
              "python": platform.python_version(), "size": args.size, "tp": args.tp, "rate": args.rate,
              "connections": args.connections, "repeat": args.repeat, "settle": args.settle,

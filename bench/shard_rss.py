@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layout", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--quantize", default=None, help="e.g. fp8 or fp8:per-channel")
-    ap.add_argument("--out", default="shard-rss", help="work directory (checkpoint, shards, results.json)")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the shards")
+    ap.add_argument("--out", default="shard-rss", help="work directory: src/ (the checkpoint), sharded/ and "
+                    "results.json go here; other files in it are left alone")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the shards (else they are removed)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
 
@@ -137,10 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline_rss_bytes": baseline, "peak_rss_bytes": peak, "peak_above_baseline_bytes": peak - baseline,
         "bound_bytes": bound, "within_bound": peak <= bound,
     }
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        (work / "results.json").write_text(json.dumps(result, indent=2))
+    if not args.keep:  # only what this run made: the directory may hold the user's other files
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+        facts_path.unlink(missing_ok=True)
+    (work / "results.json").write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import stop_on_sigterm
+
 __all__ = ["time_to_ready"]
 
 
@@ -105,10 +107,15 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
                 code = None  # not listening yet
             if code is not None and first_answer is None:
                 first_answer = elapsed
-            if code == 503 and "failed" in json.loads(body).get("ranks", {}).values():
-                _, body = _get(port, "/v1/status")
-                errors = {r: d.get("error") for r, d in json.loads(body).get("ranks", {}).items() if d.get("error")}
-                return {"error": f"a rank failed while loading: {errors}"}
+            ranks = json.loads(body).get("ranks", {}) if code == 503 else None
+            if ranks is not None and ("failed" in ranks.values() or not ranks):
+                _, body = _get(port, "/v1/status")  # no rank yet may also mean the server failed before any
+                doc = json.loads(body)
+                errors = {r: d.get("error") for r, d in doc.get("ranks", {}).items() if d.get("error")}
+                if errors:
+                    return {"error": f"a rank failed while loading: {errors}"}
+                if doc.get("state") == "failed":
+                    return {"error": f"the server failed before loading: {doc.get('error')}"}
             if code == 200:
                 ttr = time.perf_counter() - t0
                 break
@@ -204,6 +211,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--reload", action="store_true", help="then POST /v1/reload the same model and time that too")
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     for i in range(args.repeat):
         r = time_to_ready(args.model_dir, serve_args, timeout=args.timeout, reload=args.reload)
         print(json.dumps({"run": i, **r}, default=str), flush=True)

@@ -112,6 +112,103 @@ def test_bench_cli_refuses_bad_input_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "empty"]  # nothing half-made
 
 
+def test_bench_cli_refuses_what_it_would_measure_wrongly(tmp_path):
+    tp2 = make_checkpoint(tmp_path / "tp2", "tiny", tp=2)
+    plain = make_checkpoint(tmp_path / "plain", "tiny")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "x.txt").write_text("mine")
+    nofacts = tmp_path / "nofacts.json"
+    nofacts.write_text(json.dumps({"config": {}, "summary": [], "limits": {}}))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"config": {"conditions": ["warm"], "methods": [], "device": "cpu", "repeat": 1},
+                                 "summary": [], "limits": {}, "facts": {"date": "x"}}))
+    for args, words in (
+        ([str(tp2), "--device", "cpu"], "holds 2 ranks (tp=2)"),  # peers would read both ranks, we one
+        ([str(plain), "--device", "cpu", "--methods", "gdsload:cpu:compressed"], "needs --compressed DIR"),
+        ([str(plain), "--device", "cpu", "--compressed", str(plain)], "holds no compressed tensors"),
+        (["--make-model", "8MB", "--out", str(tmp_path / "notes")], "is not empty"),  # stale parts would stay
+        (["--plot", str(nofacts)], "is not a results.json"),
+        (["--plot", str(empty)], "no method has a successful run"),
+    ):
+        p = subprocess.run([*GDSLOAD, "bench", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o")]),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    assert (tmp_path / "notes" / "x.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(__import__("gdsload.loader.codecs", fromlist=["x"]).nvcomp_available() is None,
+                    reason="checks the refusal on hosts without nvCOMP")
+def test_make_model_refuses_a_gpu_codec_before_writing(tmp_path):
+    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--compress", "ans", "--out", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "'ans' compresses on a GPU only" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_methods_read_the_manifests_files_only(tmp_path):
+    from gdsload.bench.methods import _files
+
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    listed = sorted(str(p) for p in model.glob("*.safetensors"))
+    stray = model / "model-rank-1-part-0.safetensors"  # an older tp=2 model's part left behind
+    stray.write_bytes((model / "model-rank-0-part-0.safetensors").read_bytes())
+    assert _files(str(model)) == listed
+
+
+def test_failed_and_timed_out_runs_are_counted_not_hidden(tmp_path):
+    from gdsload.bench.coldstart import _one, format_table, summarize
+
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    r = _one("gdsload:cpu", model, "cpu", timeout=0.001)  # a hung loader: an error row, not a traceback
+    assert r["error"] == ["timed out after 0.001 s"]
+    ok = {"method": "gdsload:cpu", "condition": "warm", "bytes": 100, "seconds": 1.0, "resident_before": 1.0}
+    doc = {"config": {"conditions": ["warm"], "methods": ["gdsload:cpu"]}, "limits": {},
+           "runs": [ok, {**ok, "seconds": 2.0}, {**r, "condition": "warm"}]}
+    (row,) = summarize(doc)
+    assert (row["runs_ok"], row["runs_failed"], row["median_gbps"]) == (2, 1, 75e-9)
+    doc["summary"] = [row]
+    assert "(1 of 3 runs failed: [['timed out after 0.001 s']])" in format_table(doc)
+
+
+def test_tmpfs_copy_is_removed_when_copying_fails(tmp_path):
+    from gdsload.bench.coldstart import BenchConfig, run_bench
+
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    (model / "dangling").symlink_to(tmp_path / "nowhere")  # copytree fails on it
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(OSError):
+        run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "out",
+                              conditions=("tmpfs",), tmpfs_root=shm, ttr=False), log=lambda *a: None)
+    assert list(shm.iterdir()) == []
+
+
+def test_sigterm_runs_the_benchs_cleanup():
+    code = ("import os, signal, time; from gdsload.bench import stop_on_sigterm; stop_on_sigterm()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\nfinally:\n    print('cleaned up')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 143 and p.stdout.strip() == "cleaned up", (p.returncode, p.stdout, p.stderr)
+
+
+def test_time_to_ready_stops_when_the_server_fails_before_any_rank(tmp_path):
+    from gdsload.bench.ttr import time_to_ready
+
+    r = time_to_ready(str(tmp_path / "missing"), ["--device-map", "cpu"], timeout=30)
+    assert r["error"].startswith("the server failed before loading") and "does not exist" in r["error"], r
+
+
+def test_cpu_load_times_the_load_not_torchs_import(tmp_path):
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    code = ("import sys, gdsload.loader as L\n"
+            "real = L.load_rank\n"
+            "def probe(*a, **k):\n    print('torch imported before the clock:', 'torch' in sys.modules)\n"
+            "    return real(*a, **k)\n"
+            "L.load_rank = probe\n"
+            f"from gdsload.bench.cpu_load import _worker; _worker('gdsload-cpu', {str(model)!r}, 2)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "torch imported before the clock: True" in p.stdout, p.stdout + p.stderr
+
+
 def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     """The tensor-parallel bench's three kinds of rows, with the CPU backend: real processes, real files."""
     tp2 = make_checkpoint(tmp_path / "tp2", "tiny", tp=2)

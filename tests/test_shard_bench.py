@@ -24,3 +24,14 @@ def test_shard_rss_bench_runs_and_reports(tmp_path):
     assert json.loads((work / "results.json").read_text()) == result
     manifest = Manifest.read(work / "sharded")
     assert manifest.tp_size == 2 and manifest.extra["shard"]["quantize"] == "fp8:per-tensor"
+
+
+def test_shard_rss_without_keep_removes_only_what_it_made(tmp_path):
+    work = tmp_path / "bench"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.shard_rss", "--size", "12MB", "--tp", "2",
+                        "--out", str(work)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in work.iterdir()) == ["notes.txt", "results.json"]
+    assert json.loads((work / "results.json").read_text())["within_bound"]
