@@ -249,11 +249,7 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     missing = sorted(_TENSOR_KEYS - set(entry))
     if missing:  # other keys are ignored, as safetensors ignores them
         raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise HeaderError(f"{where}: the name is not valid Unicode (a lone surrogate escape); safetensors "
-                          "refuses it too: rename the tensor") from None
+    _check_text(name, f"{where}: the name", HeaderError)
     dtype = entry["dtype"]
     if dtype in _SUB_BYTE_DTYPES:
         raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
@@ -364,13 +360,13 @@ class atomic_output:
             os.close(dir_fd)
 
 
-def _check_text(text: str, what: str) -> None:
-    """Refuse text that is not valid Unicode (lone surrogates): safetensors could not read the header."""
+def _check_text(text: str, what: str, error: type[ValueError] = ValueError) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates): safetensors cannot read such a header."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"{what} is not valid Unicode (it holds a lone surrogate); safetensors could not read "
-                         "the file: rename it") from None
+        raise error(f"{what} is not valid Unicode (it holds a lone surrogate); safetensors cannot read such a "
+                    "header: rename it") from None
 
 
 _HOST = socket.gethostname().replace("/", "_") or "host"

@@ -156,7 +156,8 @@ def test_duplicate_names(entries):
 def test_unknown_dtype(entries, dtype):
     header, data_len = build(entries)
     header[next(iter(header))]["dtype"] = dtype
-    check(encode(header, data_len), HeaderError, "unknown dtype")
+    # FP4/FP6 (F4, F6_E2M3, F6_E3M2) are known to safetensors: their error says gdsload does not read them yet
+    check(encode(header, data_len), HeaderError, "unknown dtype|fractions of a byte")
 
 
 def _is_json(b: bytes) -> bool:
