@@ -19,7 +19,7 @@ and ``fastsafetensors`` backends stay with ``load_rank`` (and torch).
 
 >>> result = load_rank_bare("/models/llama-tp2", rank=1)  # doctest: +SKIP
 >>> result.report.summary()  # doctest: +SKIP
-'rank 1: 4.54 GB in 0.218 s (20.8 GB/s) backend=cufile io=compat files=2'
+'rank 1: 4.54 GB in 0.218 s (20.83 GB/s) backend=cufile io=compat files=2'
 """
 
 from __future__ import annotations

@@ -24,7 +24,13 @@ from .codecs import default_params, encode_tensor, nvcomp_available
 from .compression import CODECS, FORMAT_VERSION, METADATA_KEY, parse_compression
 from .discovery import list_ranks
 from .errors import CodecError, ConfigError
-from .format import AlignedWriter, TensorSpec, read_header
+from .format import (
+    AlignedWriter,
+    TensorSpec,
+    leftover_name,
+    read_header,
+    remove_dead_leftovers,
+)
 from .manifest import MANIFEST_NAME, Manifest, write_manifest
 
 __all__ = ["CompressStats", "compress_file", "compress_dir", "MIN_TENSOR_BYTES"]
@@ -134,6 +140,7 @@ def compress_file(
     with AlignedWriter(dst, specs, metadata) as w:
         for spec in w.order:
             w.write(spec.name, blobs[spec.name])
+    shutil.copymode(src, dst)  # private weights stay private (copy2 keeps the other files' modes too)
     loaded.close()
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -164,8 +171,8 @@ def compress_dir(
         raise ConfigError(f"output {str(out)!r} already exists; choose a new directory (nothing was written)")
     source, tp, ranks = list_ranks(src_p)
     manifest = Manifest.read(src_p) if source == "manifest" else None
-    staging = out_p.with_name(f".{out_p.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_dead_leftovers(out_p.parent, f".{out_p.name}.partial-")  # a run killed outright left these
+    staging = out_p.with_name(leftover_name(f".{out_p.name}.partial-"))
     staging.mkdir(parents=True)
     total = CompressStats()
     try:

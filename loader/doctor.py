@@ -7,6 +7,7 @@ opens with O_DIRECT, ``lfs getstripe``); nothing is assumed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -14,7 +15,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .iomode import cufile_config, cufile_json_path, kvikio_state, nvidia_fs_loaded, p2pdma_configured
+from .iomode import (
+    cufile_config,
+    cufile_json_path,
+    gds_filesystem,
+    kvikio_state,
+    mount_of,
+    nvidia_fs_loaded,
+    p2pdma_configured,
+)
 
 __all__ = ["MountFacts", "DoctorReport", "diagnose"]
 
@@ -32,6 +41,8 @@ class MountFacts:
 @dataclass
 class DoctorReport:
     gpus: list[dict[str, str]] = field(default_factory=list)
+    gpu_error: str | None = None
+    """What nvidia-smi said when it could not list the GPUs (no driver reachable)."""
     torch_cuda: str | None = None
     nvidia_fs: bool = False
     nvidia_fs_version: str | None = None
@@ -49,21 +60,6 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _mount_of(path: str) -> tuple[str, str]:
-    best, fs = "/", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) >= len(best):
-                        best, fs = parts[1], parts[2]
-    except OSError:
-        pass
-    return best, fs
 
 
 def _o_direct(path: str) -> bool | None:
@@ -107,14 +103,24 @@ def _gpus() -> list[dict[str, str]]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     keys = fields.split(",")
-    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in p.stdout.strip().splitlines() if line]
+    if p.returncode != 0:  # e.g. "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
+        raise _SmiFailed((p.stdout.strip() or p.stderr.strip() or f"exit status {p.returncode}").splitlines()[0])
+    rows = [[v.strip() for v in line.split(",")] for line in p.stdout.strip().splitlines() if line]
+    return [dict(zip(keys, row)) for row in rows if len(row) == len(keys)]
+
+
+class _SmiFailed(Exception):
+    """nvidia-smi ran but could not list the GPUs (its first line of output)."""
 
 
 def diagnose(paths: list[str] | None = None) -> DoctorReport:
     """Collect the facts for ``paths`` (model directories; default: ``GDSLOAD_MODEL_DIR`` where it is set and
     exists, the current directory and /dev/shm)."""
     r = DoctorReport()
-    r.gpus = _gpus()
+    try:
+        r.gpus = _gpus()
+    except _SmiFailed as e:
+        r.gpu_error = str(e)
     try:
         import torch
 
@@ -152,7 +158,7 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
     for path in paths or default:
         if not os.path.exists(path):
             continue
-        mp, fs = _mount_of(path)
+        mp, fs = mount_of(path)
         m = MountFacts(path=path, mount_point=mp, fs_type=fs, o_direct=_o_direct(path))
         if fs == "lustre":
             m.lustre_stripe = _lustre_stripe(path)
@@ -167,7 +173,11 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
         advice.append(f"{r.cufile_json} is not a readable cufile.json (a JSON object whose 'properties' is an "
                       "object): cuFile cannot use it; fix it or point CUFILE_ENV_PATH_JSON at a good one.")
     if not r.gpus:
-        advice.append("No NVIDIA GPU found (nvidia-smi): loads run on the CPU backend.")
+        if r.gpu_error:
+            advice.append(f"nvidia-smi failed: {r.gpu_error!r}; check the NVIDIA driver (and the container's GPU "
+                          "access), then re-run gdsload doctor. Until then loads run on the CPU backend.")
+        else:
+            advice.append("No NVIDIA GPU found (nvidia-smi): loads run on the CPU backend.")
         return "cpu", advice
     if r.torch_cuda is None:
         advice.append("torch has no CUDA here: install a CUDA build of torch matching the driver.")
@@ -190,12 +200,19 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
                       "GPU 0 (about 0.5 GiB, slower decodes) in any process that sees them all. `gdsload serve` "
                       "workers see one GPU each; give an engine's own worker processes only their GPU "
                       "(CUDA_VISIBLE_DEVICES) when they load compressed checkpoints.")
+    # The mode the read engine will report (iomode.cufile_io_mode): GDS needs the driver path *and* a kvikio
+    # that uses cuFile and reports GDS available.
+    cufile_ok = bool(kv.get("importable")) and not kv.get("compat_preferred") and bool(kv.get("gds_available"))
     mode = "posix"
-    if r.nvidia_fs:
+    if r.nvidia_fs and cufile_ok:
         mode = "gds"
-    elif r.p2pdma_configured:
+    elif r.p2pdma_configured and cufile_ok:
         mode = "p2pdma"
         advice.append("cufile.json enables P2PDMA; this needs a kernel with PCI P2PDMA and NVMe that supports it.")
+    elif r.nvidia_fs or r.p2pdma_configured:
+        advice.append(f"{'nvidia-fs is loaded' if r.nvidia_fs else 'cufile.json enables P2PDMA'}, but kvikio "
+                      f"{'is not installed' if not kv.get('importable') else 'does not use cuFile here (see kvikio above)'}"
+                      ": reads bounce through host memory until it does.")
     else:
         advice.append("nvidia-fs is not loaded and P2PDMA is not configured: no GPUDirect Storage; reads bounce "
                       "through host memory (backend auto picks 'pinned'). To enable GDS: install the "
@@ -206,14 +223,17 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     for m in r.mounts:
         if m.o_direct is False:
             advice.append(f"{m.path} ({m.fs_type}) refuses O_DIRECT: cold reads go through the page cache.")
-        if m.fs_type == "lustre" and m.lustre_stripe and "stripe_count: 1 " in m.lustre_stripe:
+        if mode in ("gds", "p2pdma") and not gds_filesystem(m.path):
+            advice.append(f"{m.path} is on {m.fs_type}: GPUDirect Storage cannot read from it; loads from there "
+                          "bounce through host memory (io=compat).")
+        if m.fs_type == "lustre" and m.lustre_stripe and re.search(r"stripe_count:\s+1\b", m.lustre_stripe):
             advice.append(f"{m.path}: Lustre stripe count 1; run deploy/lustre/setup-striping.sh (lfs setstripe -c -1 -S 16M).")
     return mode, advice
 
 
 def format_report(r: DoctorReport) -> str:
     lines = []
-    for g in r.gpus or [{"name": "none"}]:
+    for g in r.gpus or [{"name": f"none ({r.gpu_error})" if r.gpu_error else "none"}]:
         lines.append(f"GPU      {g.get('index', '-')}: {g.get('name')}  driver {g.get('driver_version', '-')}  "
                      f"PCIe gen {g.get('pcie.link.gen.current', '-')}/{g.get('pcie.link.gen.max', '-')} "
                      f"x{g.get('pcie.link.width.current', '-')}")

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import socket
 import struct
 import sys
@@ -50,6 +51,8 @@ __all__ = [
     "save_file",
     "tensor_bytes",
     "atomic_output",
+    "leftover_name",
+    "remove_dead_leftovers",
 ]
 
 DATA_ALIGNMENT = 4096
@@ -324,11 +327,11 @@ class atomic_output:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.tmp = self.path.with_name(leftover_name(f".{self.path.name}.tmp-"))
         self.file: BinaryIO | None = None
 
     def __enter__(self) -> BinaryIO:
-        _remove_dead_temps(self.path)
+        remove_dead_leftovers(self.path.parent, f".{self.path.name}.tmp-")
         self.file = open(self.tmp, "wb")
         return self.file
 
@@ -372,20 +375,30 @@ def _check_text(text: str, what: str, error: type[ValueError] = ValueError) -> N
 _HOST = socket.gethostname().replace("/", "_") or "host"
 
 
-def _remove_dead_temps(path: Path) -> None:
-    """Delete temporary files of ``path`` left by writers of this host whose process no longer runs."""
+def leftover_name(stem: str) -> str:
+    """``STEM HOST-PID-RANDOM``: the name of a temporary file or directory of this process, unique per call,
+    that :func:`remove_dead_leftovers` can tell apart from a live writer's."""
+    return f"{stem}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_dead_leftovers(parent: Path, stem: str) -> None:
+    """Delete ``parent``'s files and directories named by :func:`leftover_name` with ``stem`` that a process of
+    this host left when it was killed (its pid no longer runs). Other hosts' (a shared file system) are kept."""
     try:
-        leftovers = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-{glob.escape(_HOST)}-*-*"))
+        leftovers = list(parent.glob(f"{glob.escape(stem)}{glob.escape(_HOST)}-*-*"))
     except OSError:
         return
-    for tmp in leftovers:
-        pid = tmp.name.rsplit("-", 2)[-2]
-        if not pid.isdigit() or tmp.name.rsplit("-", 2)[0] != f".{path.name}.tmp-{_HOST}":
+    for item in leftovers:
+        head, pid, _ = item.name.rsplit("-", 2)
+        if not pid.isdigit() or head != f"{stem}{_HOST}":  # another host whose name extends this one's
             continue
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:  # its writer is gone
-            tmp.unlink(missing_ok=True)
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)
+            else:
+                item.unlink(missing_ok=True)
         except (PermissionError, OverflowError):  # another user's live process, or no pid at all
             pass
 

@@ -27,6 +27,8 @@ __all__ = [
     "cufile_config",
     "p2pdma_configured",
     "o_direct_supported",
+    "mount_of",
+    "gds_filesystem",
     "cufile_io_mode",
 ]
 
@@ -105,7 +107,7 @@ def p2pdma_configured(config: dict[str, Any] | None = None) -> bool:
 
 
 def o_direct_supported(path: str) -> bool:
-    """True when ``path``'s file system accepts O_DIRECT opens (tmpfs does not)."""
+    """True when ``path``'s file system accepts O_DIRECT opens (tmpfs did not before Linux 6.6)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
@@ -114,12 +116,43 @@ def o_direct_supported(path: str) -> bool:
     return True
 
 
-def cufile_io_mode(state: KvikioState, direct_ok: bool) -> str:
-    """The mode a kvikio ``CuFile.pread`` of a file really takes."""
+def mount_of(path: str) -> tuple[str, str]:
+    """``(mount point, file-system type)`` of the mount holding ``path``, from /proc/mounts."""
+    best, fs = "/", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
+                    if len(parts[1]) >= len(best):
+                        best, fs = parts[1], parts[2]
+    except OSError:
+        pass
+    return best, fs
+
+
+NO_GDS_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "overlay", "squashfs", "devtmpfs", "proc", "sysfs"})
+"""File systems whose files cuFile cannot DMA into GPU memory (memory or stacked file systems), though
+some accept O_DIRECT (tmpfs does since Linux 6.6); also every FUSE file system."""
+
+
+def gds_filesystem(path: str) -> bool:
+    """False when ``path`` lies on a file system GPUDirect Storage cannot read from (see NO_GDS_FILESYSTEMS)."""
+    fs = mount_of(path)[1]
+    return fs not in NO_GDS_FILESYSTEMS and not fs.startswith("fuse")
+
+
+def cufile_io_mode(state: KvikioState, direct_ok: bool, *, gds_fs: bool = True) -> str:
+    """The mode a kvikio ``CuFile.pread`` of a file really takes.
+
+    ``direct_ok``: the file opens with O_DIRECT; ``gds_fs``: its file system is one cuFile can DMA
+    from (:func:`gds_filesystem`). Without either, cuFile bounces through host memory: ``compat``.
+    """
     if not state.importable or state.compat_preferred:
         return "posix"
-    if state.gds_available and direct_ok and nvidia_fs_loaded():
+    if state.gds_available and direct_ok and gds_fs and nvidia_fs_loaded():
         return "gds"
-    if state.gds_available and direct_ok and p2pdma_configured():
+    if state.gds_available and direct_ok and gds_fs and p2pdma_configured():
         return "p2pdma"
     return "compat"

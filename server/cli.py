@@ -23,6 +23,8 @@ from gdsload.loader import __version__
 from gdsload.loader.config import format_bytes, parse_size
 from gdsload.loader.errors import GdsloadError
 
+from .signals import stop_on_sigterm
+
 __all__ = ["main", "cli"]
 
 
@@ -189,8 +191,11 @@ def print_report(report: Any, as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``gdsload`` command."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] != ["serve"]:  # serve stops its workers in order on SIGTERM; the rest unwind as on Ctrl-C
+        stop_on_sigterm()
     try:
-        cli.main(args=argv, prog_name="gdsload", standalone_mode=False)
+        cli.main(args=args, prog_name="gdsload", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -45,7 +45,8 @@ def _env(name: str) -> str:
 @click.option("--restart-backoff", type=float, default=None,
               help=f"Seconds before the first restart of a crashed worker (default 1, doubling); {_env('restart_backoff')}.")
 @click.option("--restart-backoff-max", type=float, default=None,
-              help=f"Longest restart delay in seconds (default 30); {_env('restart_backoff_max')}.")
+              help=f"Longest restart delay in seconds (default 30, or the first delay when that is larger); "
+                   f"{_env('restart_backoff_max')}.")
 @click.option("--max-restarts", type=int, default=None,
               help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
 @click.option("--stop-timeout", type=float, default=None,

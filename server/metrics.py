@@ -84,15 +84,16 @@ class SidecarCollector(Collector):
                 rate.add_metric([key], float(r["gbps"]) * 1e9)
         yield from (ready, state, phase, seconds, nbytes, done, rate, leases)
 
+        # Every served rank has both counters from the start, at 0: rate() and increase() cannot count the
+        # first event of a series that appears with it.
         failures = CounterMetricFamily("gdsload_load_failures", "Loads that failed or workers that died, per rank",
                                        labels=["rank"])
-        for key, n in s["failures_total"].items():
-            failures.add_metric([key], float(n))
-        yield failures
         restarts = CounterMetricFamily("gdsload_worker_restarts", "Workers restarted after a crash, per rank",
                                        labels=["rank"])
-        for key, n in s["restarts_total"].items():
-            restarts.add_metric([key], float(n))
+        for family, counts in ((failures, s["failures_total"]), (restarts, s["restarts_total"])):
+            for key in sorted(set(ranks) | set(counts), key=int):
+                family.add_metric([key], float(counts.get(key, 0)))
+        yield failures
         yield restarts
 
         ttr = GaugeMetricFamily("gdsload_time_to_ready_seconds",

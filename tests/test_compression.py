@@ -234,3 +234,42 @@ def test_bad_options(tmp_path):
         compress_file(src, tmp_path / "o.safetensors", codec="zstd", min_gain=1.5)
     with pytest.raises(ConfigError, match="not a directory"):
         compress_dir(src, tmp_path / "o", codec="zstd")
+
+
+def test_cpu_load_reports_decoding_as_decode_not_read(zfile):
+    report = load_rank(zfile[0], device="cpu").report
+    # On the CPU, reads and decodes take turns: all the decoder's time is the decode phase's.
+    assert report.decode_busy_seconds > 0
+    assert report.phases["decode"] >= report.decode_busy_seconds
+    assert report.phases["read"] + report.phases["decode"] <= report.seconds + 1e-6
+
+
+def test_compress_stopped_by_sigterm_leaves_nothing_and_a_killed_runs_leftover_goes(tmp_path):
+    import subprocess
+    import sys
+
+    src = make_checkpoint(tmp_path / "m", "tiny")
+    out = tmp_path / "mz"
+    code = ("import os, signal, time, gdsload.loader.compress as c\n"
+            "def stop(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+            "c.compress_file = stop\n"
+            f"from gdsload.server.cli import main; main(['compress', {str(src)!r}, {str(out)!r}, '--codec', 'zstd'])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 143, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["m"]  # no .mz.partial-* beside it
+    # A run killed outright (SIGKILL) leaves its staging directory; the next run removes it
+    code = code.replace("os.kill(os.getpid(), signal.SIGTERM)", "os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9 and [x.name for x in tmp_path.glob(".mz.partial-*")], p.stderr
+    compress_dir(src, out, codec="zstd", device="cpu")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["m", "mz"]
+
+
+def test_compressed_files_keep_the_sources_permissions(tmp_path):
+    src = make_checkpoint(tmp_path / "m", "tiny")
+    for f in src.iterdir():
+        f.chmod(0o600)
+    out = tmp_path / "mz"
+    compress_dir(src, out, codec="zstd", device="cpu")
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")} == \
+        {f.name: 0o600 for f in src.glob("*.safetensors")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -141,3 +142,59 @@ def test_without_paths_the_served_model_directory_is_checked(tmp_path, monkeypat
     assert str(tmp_path) in [m.path for m in diagnose().mounts]
     monkeypatch.setenv("GDSLOAD_MODEL_DIR", str(tmp_path / "not-yet"))  # not there (yet): skipped, no error
     assert str(tmp_path / "not-yet") not in [m.path for m in diagnose().mounts]
+
+
+def test_files_on_memory_file_systems_are_never_gds(monkeypatch, tmp_path):
+    # tmpfs accepts O_DIRECT since Linux 6.6, yet cuFile cannot DMA from it: the mode is compat, not gds/p2pdma
+    import gdsload.loader.iomode as iomode
+
+    monkeypatch.setattr(iomode, "nvidia_fs_loaded", lambda: True)
+    state = KvikioState(True, compat_preferred=False, gds_available=True)
+    assert cufile_io_mode(state, True, gds_fs=False) == "compat"
+    monkeypatch.setattr(iomode, "mount_of", lambda path: ("/dev/shm", "tmpfs"))
+    assert not iomode.gds_filesystem("/dev/shm/model.safetensors")
+    monkeypatch.setattr(iomode, "mount_of", lambda path: ("/models", "fuse.s3fs"))
+    assert not iomode.gds_filesystem("/models/x")
+    monkeypatch.setattr(iomode, "mount_of", lambda path: ("/models", "xfs"))
+    assert iomode.gds_filesystem("/models/x")
+
+
+def test_doctor_expects_what_the_read_engine_will_report():
+    from gdsload.loader.doctor import DoctorReport, MountFacts, _advise
+
+    p2p = {"importable": True, "compat_preferred": False, "gds_available": True}
+    # P2PDMA configured, but kvikio missing: the pinned backend reads, and reports posix
+    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", p2pdma_configured=True, kvikio={"importable": False})
+    mode, advice = _advise(r)
+    assert mode == "posix" and any("kvikio is not installed: reads bounce" in a for a in advice)
+    # With GDS available, a model on tmpfs is called out
+    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", nvidia_fs=True, kvikio=p2p, nvcomp="6.0.0",
+                     mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=True)])
+    mode, advice = _advise(r)
+    assert mode == "gds" and any("/dev/shm is on tmpfs: GPUDirect Storage cannot read" in a for a in advice)
+
+
+def test_lustre_stripe_count_one_as_lfs_prints_it():
+    from gdsload.loader.doctor import DoctorReport, MountFacts, _advise
+
+    out = "stripe_count:  1 stripe_size:   1048576 pattern:       raid0 stripe_offset: -1"  # lfs getstripe -d
+    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO,
+                     mounts=[MountFacts("/lustre/m", "/lustre", "lustre", True, lustre_stripe=out)])
+    assert any("Lustre stripe count 1" in a for a in _advise(r)[1])
+    r.mounts[0].lustre_stripe = out.replace(":  1 ", ":  16 ")
+    assert not any("Lustre stripe count" in a for a in _advise(r)[1])
+
+
+def test_a_failing_nvidia_smi_is_no_gpu(tmp_path, monkeypatch):
+    from gdsload.loader.doctor import _advise, diagnose, format_report
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with "
+                                     "the NVIDIA driver.\"\nexit 9\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    r = diagnose([str(tmp_path)])
+    assert r.gpus == [] and r.gpu_error.startswith("NVIDIA-SMI has failed")
+    assert any(a.startswith("nvidia-smi failed: ") and "NVIDIA-SMI has failed" in a for a in _advise(r)[1])
+    assert "GPU      -: none (NVIDIA-SMI has failed" in format_report(r)

@@ -297,7 +297,9 @@ def test_metrics(server: Server, models: Models):
         assert m[("gdsload_load_bytes", (("kind", "stored"), ("rank", rank)))] == rs["stored_bytes"]
         assert m[("gdsload_load_throughput_bytes_per_second", (("rank", rank),))] == pytest.approx(rs["gbps"] * 1e9)
     assert m[("gdsload_time_to_ready_seconds", (("scope", "process"),))] == pytest.approx(status["process"]["time_to_ready_s"])
-    assert ("gdsload_worker_restarts_total", (("rank", "0"),)) not in m  # nothing restarted yet
+    for rank in ("0", "1"):  # nothing failed or restarted yet, and both counters are there at 0 for alerts' rate()
+        assert m[("gdsload_worker_restarts_total", (("rank", rank),))] == 0.0
+        assert m[("gdsload_load_failures_total", (("rank", rank),))] == 0.0
     assert ("process_cpu_seconds_total", ()) in m
 
 

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..iomode import KvikioState, cufile_io_mode, kvikio_state, o_direct_supported
+from ..iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
 from ..pagecache import is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
 from . import Backend, Progress, wait_preads
@@ -84,7 +84,8 @@ class CuFileBackend(Backend):
         self._use_device()
         self._state: KvikioState = kvikio_state()
         direct_ok = [o_direct_supported(f.path) for f in plan.files]
-        self._modes = [cufile_io_mode(self._state, ok) for ok in direct_ok]
+        self._modes = [cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path))
+                       for ok, f in zip(direct_ok, plan.files)]
         # Only kvikio's own POSIX path takes this switch; with cuFile (GDS, or cuFile's own compat
         # mode) kvikio hands the reads to cuFile.
         has_switch = has_direct_switch(kvikio)
