@@ -80,9 +80,6 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
           compress_codec: str | None, ttr: bool,
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
-    from . import stop_on_sigterm
-
-    stop_on_sigterm()  # tmpfs copies and serve children are cleaned up on SIGTERM too
     if plot_json:
         import json
 
@@ -95,8 +92,13 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
             if not isinstance(doc["config"], dict) or not {"conditions", "methods", "device", "repeat"} <= set(
                     doc["config"]) or not isinstance(doc["facts"], dict) or "date" not in doc["facts"]:
                 raise ValueError("its config or facts lack what the chart names")
-            if not any(isinstance(r, dict) and "median_gbps" in r for r in doc["summary"]):
+            drawn = {"method", "condition", "median_gbps", "min_gbps", "max_gbps"}
+            if not isinstance(doc["summary"], list) or not all(isinstance(r, dict) for r in doc["summary"]):
+                raise ValueError("its summary is not a list of rows")
+            if not any(drawn <= set(r) for r in doc["summary"]):
                 raise ValueError("no method has a successful run to draw")
+            if any("median_gbps" in r and not drawn <= set(r) for r in doc["summary"]):
+                raise ValueError(f"a summary row lacks one of {sorted(drawn)}")
         except (ValueError, UnicodeDecodeError) as e:
             raise click.UsageError(f"--plot {plot_json!r} is not a results.json of `gdsload bench` ({e})") from None
         target = Path(out) if _given("out") else Path(plot_json).parent

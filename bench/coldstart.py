@@ -133,9 +133,9 @@ def _one(method: str, model_dir: Path, device: str, timeout: float) -> dict[str,
 
 
 def _files(d: Path) -> list[str]:
-    from gdsload.loader import discover
+    from .methods import _files as method_files
 
-    return list(discover(d, 0).files)  # what the methods load (methods._files)
+    return method_files(str(d))  # what the methods load
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no-untyped-def]

@@ -327,14 +327,18 @@ def _part_bytes(part: WeightPart, fmt: WeightFormat, quantize_embeddings: bool) 
     return data + scales
 
 
+def kv_heads_split(kv_heads: int, tp: int) -> bool:
+    """Whether ``kv_heads`` KV heads go over ``tp`` ranks whole: split evenly (``kv_heads`` a multiple of
+    ``tp``) or each replicated on ``tp / kv_heads`` ranks (``tp`` a multiple of ``kv_heads``), as vLLM does."""
+    return kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+
+
 def _check_tp(spec: ModelSpec, tp: int) -> None:
     if type(tp) is not int or tp < 1:
         raise ConfigError(f"{_flag('tp')} = {tp!r} must be a positive integer")
-    if spec.heads % tp or spec.intermediate % tp or (
-        spec.kv_heads % tp if spec.kv_heads >= tp else tp % spec.kv_heads
-    ):
+    if spec.heads % tp or spec.intermediate % tp or not kv_heads_split(spec.kv_heads, tp):
         ok = [n for n in range(1, spec.heads + 1) if not spec.heads % n and not spec.intermediate % n
-              and not (spec.kv_heads % n if spec.kv_heads >= n else n % spec.kv_heads)]
+              and kv_heads_split(spec.kv_heads, n)]
         raise ConfigError(
             f"{_flag('tp')} = {tp!r} does not split {spec.name!r} (heads={spec.heads}, kv_heads={spec.kv_heads}, "
             f"intermediate={spec.intermediate}): it must divide heads and intermediate, and divide or be a "
@@ -429,7 +433,7 @@ class PlanInputs:
                 raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} must divide "
                                   f"the model's {h} attention heads; allowed values: "
                                   f"{[n for n in range(1, h + 1) if not h % n]}")
-            ok = [n for n in range(1, h + 1) if not h % n and not (n % self.tp if n >= self.tp else self.tp % n)]
+            ok = [n for n in range(1, h + 1) if not h % n and kv_heads_split(n, self.tp)]
             if self.kv_cache_heads not in ok:
                 raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} does not split "
                                   f"over tp {self.tp} (it must divide or be a multiple of tp, and divide the "

@@ -27,7 +27,7 @@ from .errors import CodecError, ConfigError
 from .format import (
     AlignedWriter,
     TensorSpec,
-    leftover_name,
+    create_locked,
     read_header,
     remove_dead_leftovers,
 )
@@ -171,9 +171,9 @@ def compress_dir(
         raise ConfigError(f"output {str(out)!r} already exists; choose a new directory (nothing was written)")
     source, tp, ranks = list_ranks(src_p)
     manifest = Manifest.read(src_p) if source == "manifest" else None
+    out_p.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_leftovers(out_p.parent, f".{out_p.name}.partial-")  # a run killed outright left these
-    staging = out_p.with_name(leftover_name(f".{out_p.name}.partial-"))
-    staging.mkdir(parents=True)
+    staging, lock = create_locked(f".{out_p.name}.partial-", out_p.parent, directory=True)
     total = CompressStats()
     try:
         for item in sorted(src_p.rglob("*")):  # subdirectories too: a manifest may list files in them
@@ -200,4 +200,6 @@ def compress_dir(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return total

@@ -18,7 +18,7 @@ from typing import Any
 from .iomode import (
     cufile_config,
     cufile_json_path,
-    gds_filesystem,
+    gds_fs_type,
     kvikio_state,
     mount_of,
     nvidia_fs_loaded,
@@ -223,7 +223,7 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     for m in r.mounts:
         if m.o_direct is False:
             advice.append(f"{m.path} ({m.fs_type}) refuses O_DIRECT: cold reads go through the page cache.")
-        if mode in ("gds", "p2pdma") and not gds_filesystem(m.path):
+        if mode in ("gds", "p2pdma") and not gds_fs_type(m.fs_type):
             advice.append(f"{m.path} is on {m.fs_type}: GPUDirect Storage cannot read from it; loads from there "
                           "bounce through host memory (io=compat).")
         if m.fs_type == "lustre" and m.lustre_stripe and re.search(r"stripe_count:\s+1\b", m.lustre_stripe):

@@ -16,22 +16,20 @@ one is naturally aligned.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import fcntl
 import glob
 import json
 import math
 import os
 import secrets
 import shutil
-import socket
 import struct
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
 from .errors import HeaderError, TruncatedFileError
@@ -51,7 +49,7 @@ __all__ = [
     "save_file",
     "tensor_bytes",
     "atomic_output",
-    "leftover_name",
+    "create_locked",
     "remove_dead_leftovers",
 ]
 
@@ -238,6 +236,9 @@ def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
         return {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {meta!r:.200}")
+    for k, v in meta.items():
+        _check_text(k, f"{path!r}: metadata key {k!r}", HeaderError)
+        _check_text(v, f"{path!r}: metadata value of {k!r}", HeaderError)
     return meta
 
 
@@ -319,20 +320,23 @@ class atomic_output:
     """Write to a temporary file beside ``path``; fsync and rename on success, delete on failure.
 
     A killed or failing writer never leaves a partial file under the final name. Each writer has
-    its own temporary file (``.NAME.tmp-HOST-PID-RANDOM``), so two writers of one name never mix
-    their bytes: the last rename wins. A writer killed outright (SIGKILL, SIGTERM without a
-    handler, power loss) leaves its temporary file; the next write of that name on the same host
-    removes the ones whose process is gone.
+    its own temporary file (``.NAME.tmp-RANDOM``, locked while it writes), so two writers of one
+    name never mix their bytes: the last rename wins. A writer killed outright (SIGKILL, SIGTERM
+    without a handler, power loss) leaves its temporary file; the next write of that name removes
+    the ones no writer holds locked any more.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(leftover_name(f".{self.path.name}.tmp-"))
+        self.tmp = Path()
+        """The temporary file, named when the block is entered."""
         self.file: BinaryIO | None = None
 
     def __enter__(self) -> BinaryIO:
-        remove_dead_leftovers(self.path.parent, f".{self.path.name}.tmp-")
-        self.file = open(self.tmp, "wb")
+        stem = f".{self.path.name}.tmp-"
+        remove_dead_leftovers(self.path.parent, stem)
+        self.tmp, fd = create_locked(stem, self.path.parent)
+        self.file = os.fdopen(fd, "wb")
         return self.file
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -372,35 +376,58 @@ def _check_text(text: str, what: str, error: type[ValueError] = ValueError) -> N
                     "header: rename it") from None
 
 
-_HOST = socket.gethostname().replace("/", "_") or "host"
+LEFTOVER_MIN_AGE_S = 2.0
+"""A leftover younger than this is never removed: its writer may be between creating and locking it."""
 
 
-def leftover_name(stem: str) -> str:
-    """``STEM HOST-PID-RANDOM``: the name of a temporary file or directory of this process, unique per call,
-    that :func:`remove_dead_leftovers` can tell apart from a live writer's."""
-    return f"{stem}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[Path, int]:
+    """Create ``parent/STEM RANDOM`` (a new file, or a directory) and hold an exclusive ``flock`` on it.
+
+    Returns the path and the locked descriptor; closing the descriptor (or the process ending, however it
+    ends) releases the lock, which is how :func:`remove_dead_leftovers` tells a live writer's temporary
+    from a killed one's, across processes, PID namespaces and hosts sharing the file system.
+    """
+    while True:
+        path = parent / f"{stem}{secrets.token_hex(3)}"
+        try:
+            if directory:
+                path.mkdir()
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without flock: the leftover will look live, and stay
+            pass
+        return path, fd
 
 
 def remove_dead_leftovers(parent: Path, stem: str) -> None:
-    """Delete ``parent``'s files and directories named by :func:`leftover_name` with ``stem`` that a process of
-    this host left when it was killed (its pid no longer runs). Other hosts' (a shared file system) are kept."""
+    """Best effort: delete ``parent``'s entries named ``STEM*`` (made by :func:`create_locked`) that no process
+    holds locked any more (their writer was killed), unless younger than LEFTOVER_MIN_AGE_S."""
     try:
-        leftovers = list(parent.glob(f"{glob.escape(stem)}{glob.escape(_HOST)}-*-*"))
+        leftovers = list(parent.glob(f"{glob.escape(stem)}*"))
     except OSError:
         return
     for item in leftovers:
-        head, pid, _ = item.name.rsplit("-", 2)
-        if not pid.isdigit() or head != f"{stem}{_HOST}":  # another host whose name extends this one's
+        try:
+            if time.time() - item.lstat().st_mtime < LEFTOVER_MIN_AGE_S or item.is_symlink():
+                continue
+            fd = os.open(item, os.O_RDONLY | (os.O_DIRECTORY if item.is_dir() else 0))
+        except OSError:
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # its writer is gone
-            if item.is_dir() and not item.is_symlink():
-                shutil.rmtree(item, ignore_errors=True)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
+            if item.is_dir():
+                shutil.rmtree(item)
             else:
-                item.unlink(missing_ok=True)
-        except (PermissionError, OverflowError):  # another user's live process, or no pid at all
+                item.unlink()
+        except OSError:  # held, not ours to delete, or gone meanwhile: leave it
             pass
+        finally:
+            os.close(fd)
 
 
 class AlignedWriter:

@@ -29,6 +29,7 @@ __all__ = [
     "o_direct_supported",
     "mount_of",
     "gds_filesystem",
+    "gds_fs_type",
     "cufile_io_mode",
 ]
 
@@ -116,17 +117,20 @@ def o_direct_supported(path: str) -> bool:
     return True
 
 
-def mount_of(path: str) -> tuple[str, str]:
-    """``(mount point, file-system type)`` of the mount holding ``path``, from /proc/mounts."""
+def mount_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str]:
+    """``(mount point, file-system type)`` of the mount holding ``path``, from ``mounts`` (/proc/mounts)."""
     best, fs = "/", "unknown"
     real = os.path.realpath(path)
     try:
-        with open("/proc/mounts") as f:
+        with open(mounts) as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) >= len(best):
-                        best, fs = parts[1], parts[2]
+                if len(parts) < 3:
+                    continue
+                # The kernel writes space, tab, newline and backslash in mount points as \040 and the like.
+                mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[1])
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, fs = mount, parts[2]
     except OSError:
         pass
     return best, fs
@@ -139,8 +143,12 @@ some accept O_DIRECT (tmpfs does since Linux 6.6); also every FUSE file system."
 
 def gds_filesystem(path: str) -> bool:
     """False when ``path`` lies on a file system GPUDirect Storage cannot read from (see NO_GDS_FILESYSTEMS)."""
-    fs = mount_of(path)[1]
-    return fs not in NO_GDS_FILESYSTEMS and not fs.startswith("fuse")
+    return gds_fs_type(mount_of(path)[1])
+
+
+def gds_fs_type(fs_type: str) -> bool:
+    """False for file-system types GPUDirect Storage cannot read from (NO_GDS_FILESYSTEMS, FUSE)."""
+    return fs_type not in NO_GDS_FILESYSTEMS and not fs_type.startswith("fuse")
 
 
 def cufile_io_mode(state: KvikioState, direct_ok: bool, *, gds_fs: bool = True) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .capacity import kv_heads_split
 from .errors import ConfigError
 from .format import AlignedWriter, TensorSpec
 from .manifest import write_manifest
@@ -138,10 +139,9 @@ def _rank_slice(t: torch.Tensor, s: LlamaShape, split: str, rank: int, tp: int) 
 def _check_tp(s: LlamaShape, tp: int) -> None:
     if type(tp) is not int or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive integer")
-    kv_ok = s.kv_heads % tp == 0 if s.kv_heads >= tp else tp % s.kv_heads == 0
-    if s.heads % tp or not kv_ok or s.intermediate % tp or s.vocab % tp:
+    if s.heads % tp or not kv_heads_split(s.kv_heads, tp) or s.intermediate % tp or s.vocab % tp:
         ok = [n for n in range(1, s.heads + 1) if not s.heads % n and not s.intermediate % n and not s.vocab % n
-              and (s.kv_heads % n == 0 if s.kv_heads >= n else n % s.kv_heads == 0)]
+              and kv_heads_split(s.kv_heads, n)]
         raise ConfigError(f"tp={tp} does not split this synthetic shape by whole heads (heads={s.heads}, "
                           f"kv_heads={s.kv_heads}, intermediate={s.intermediate}, vocab={s.vocab}); "
                           f"tp values that do: {ok}")

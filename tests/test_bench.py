@@ -122,6 +122,12 @@ def test_bench_cli_refuses_what_it_would_measure_wrongly(tmp_path):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"config": {"conditions": ["warm"], "methods": [], "device": "cpu", "repeat": 1},
                                  "summary": [], "limits": {}, "facts": {"date": "x"}}))
+    nulls = tmp_path / "nulls.json"
+    nulls.write_text(empty.read_text().replace('"summary": []', '"summary": null'))
+    partial = tmp_path / "partial.json"
+    good_row = {"method": "x", "condition": "warm", "median_gbps": 1, "min_gbps": 1, "max_gbps": 1}
+    partial.write_text(empty.read_text().replace('"summary": []', json.dumps(
+        {"summary": [good_row, {"method": "y", "median_gbps": 1}]})[1:-1]))
     for args, words in (
         ([str(tp2), "--device", "cpu"], "holds 2 ranks (tp=2)"),  # peers would read both ranks, we one
         ([str(plain), "--device", "cpu", "--methods", "gdsload:cpu:compressed"], "needs --compressed DIR"),
@@ -129,6 +135,8 @@ def test_bench_cli_refuses_what_it_would_measure_wrongly(tmp_path):
         (["--make-model", "8MB", "--out", str(tmp_path / "notes")], "is not empty"),  # stale parts would stay
         (["--plot", str(nofacts)], "is not a results.json"),
         (["--plot", str(empty)], "no method has a successful run"),
+        (["--plot", str(nulls)], "its summary is not a list"),
+        (["--plot", str(partial)], "a summary row lacks one of"),
     ):
         p = subprocess.run([*GDSLOAD, "bench", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o")]),
                            capture_output=True, text=True, timeout=120)
@@ -183,11 +191,24 @@ def test_tmpfs_copy_is_removed_when_copying_fails(tmp_path):
     assert list(shm.iterdir()) == []
 
 
-def test_sigterm_runs_the_benchs_cleanup():
-    code = ("import os, signal, time; from gdsload.bench import stop_on_sigterm; stop_on_sigterm()\n"
-            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\nfinally:\n    print('cleaned up')")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 143 and p.stdout.strip() == "cleaned up", (p.returncode, p.stdout, p.stderr)
+def test_sigterm_during_the_bench_removes_its_tmpfs_copy(tmp_path):
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    # The bench as `gdsload bench` runs it (SIGTERM handled as for every one-shot command), stopped mid-run.
+    code = ("import os, signal\n"
+            "from pathlib import Path\n"
+            "from gdsload.server.signals import stop_on_sigterm\n"
+            "import gdsload.bench.coldstart as c\n"
+            "def one(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "c._one = one\n"
+            "stop_on_sigterm()\n"
+            f"c.run_bench(c.BenchConfig(model_dir=Path({str(model)!r}), methods=['gdsload:cpu'], repeat=1, "
+            f"device='cpu', out=Path({str(tmp_path / 'out')!r}), conditions=('tmpfs',), tmpfs_root=Path({str(shm)!r}), "
+            "ttr=False), log=lambda *a: None)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 143, p.stderr
+    assert list(shm.iterdir()) == []
 
 
 def test_time_to_ready_stops_when_the_server_fails_before_any_rank(tmp_path):

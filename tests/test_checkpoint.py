@@ -664,6 +664,10 @@ def test_concurrent_saves_of_one_path_do_not_mix(tmp_path, monkeypatch):
 
 
 def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
+    import fcntl
+
+    from gdsload.loader.format import create_locked
+
     path = tmp_path / "c.safetensors"
     code = ("import os, sys, torch; from gdsload.loader import checkpoint as c; "
             "real = c._compress\n"
@@ -672,12 +676,35 @@ def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
             f"c.save_compressed_checkpoint({{'w': torch.ones(1 << 18)}}, None, {str(path)!r}, 'zstd')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 9, p.stderr
-    left = [n for n in _listing(tmp_path) if n.startswith(".c.safetensors.tmp-")]
-    assert len(left) == 1, _listing(tmp_path)
-    live = tmp_path / left[0].replace(left[0].rsplit("-", 2)[-2], str(os.getpid()))  # a writer still running
-    live.write_bytes(b"busy")
+    (dead,) = [tmp_path / n for n in _listing(tmp_path) if n.startswith(".c.safetensors.tmp-")]
+    live, fd = create_locked(".c.safetensors.tmp-", tmp_path)  # another writer, still running, holds its lock
+    young = tmp_path / ".c.safetensors.tmp-young"  # just created: its writer may not have locked it yet
+    young.write_bytes(b"")
+    for old in (dead, live):
+        os.utime(old, (time.time() - 60, time.time() - 60))
+    try:
+        save_compressed_checkpoint({"w": torch.ones(3)}, None, path, "none")
+        assert _listing(tmp_path) == sorted([live.name, young.name, "c.safetensors"])
+        assert fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # still ours
+    finally:
+        os.close(fd)
+
+
+def test_a_leftover_that_cannot_be_removed_does_not_stop_a_save(tmp_path, monkeypatch):
+    path = tmp_path / "c.safetensors"
+    stale = tmp_path / ".c.safetensors.tmp-abc123"  # e.g. another user's, in a sticky shared directory
+    stale.write_bytes(b"old")
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    real_unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self == stale:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
     save_compressed_checkpoint({"w": torch.ones(3)}, None, path, "none")
-    assert _listing(tmp_path) == [live.name, "c.safetensors"]
+    assert _listing(tmp_path) == [stale.name, "c.safetensors"]
 
 
 def test_rename_failure_says_what_happened_once(tmp_path, monkeypatch):

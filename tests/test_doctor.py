@@ -157,6 +157,13 @@ def test_files_on_memory_file_systems_are_never_gds(monkeypatch, tmp_path):
     assert not iomode.gds_filesystem("/models/x")
     monkeypatch.setattr(iomode, "mount_of", lambda path: ("/models", "xfs"))
     assert iomode.gds_filesystem("/models/x")
+    monkeypatch.undo()
+    # /proc/mounts writes a space in a mount point as \040
+    (tmp_path / "my models").mkdir()
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda1 / ext4 rw 0 0\nnone {tmp_path}/my\\040models tmpfs rw 0 0\n")
+    assert iomode.mount_of(str(tmp_path / "my models" / "m.safetensors"), str(mounts)) == \
+        (f"{tmp_path}/my models", "tmpfs")
 
 
 def test_doctor_expects_what_the_read_engine_will_report():
@@ -172,6 +179,8 @@ def test_doctor_expects_what_the_read_engine_will_report():
                      mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=True)])
     mode, advice = _advise(r)
     assert mode == "gds" and any("/dev/shm is on tmpfs: GPUDirect Storage cannot read" in a for a in advice)
+    r.mounts = [MountFacts("/dev/shm", "/dev/shm", "ext4", o_direct=True)]  # the recorded type decides, not a new look
+    assert not any("GPUDirect Storage cannot read" in a for a in _advise(r)[1])
 
 
 def test_lustre_stripe_count_one_as_lfs_prints_it():

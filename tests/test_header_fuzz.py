@@ -186,6 +186,7 @@ def test_bad_json(junk):
          r"integers in \[0, 2\*\*64\)"),
         (b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "lone surrogate"),
         (b'{"a": {"dtype": "F4", "shape": [8], "data_offsets": [0, 4]}}', "fractions of a byte"),
+        (b'{"__metadata__": {"k": "\\udc00"}}', "metadata value of 'k' is not valid Unicode"),
         (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', "begin <= end"),
         (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}', "begin, end"),
         (b'{"__metadata__": {"k": 1}}', "strings to strings"),
