@@ -1,14 +1,18 @@
 """The decode stage: compressed bytes land in staging buffers and decode into their arena slots.
 
-On a GPU, two device staging buffers alternate: while nvCOMP decodes group *i* from one (on a
-decode thread, on its own stream), the backend reads group *i+1* into the other. Each group is
-at most ``staging_bytes`` of stored data (or one tensor, if a tensor is larger), so GPU memory
-peaks at the arena plus two staging buffers. On the CPU, Zstd frames are decoded by
-``zstandard`` in a thread pool straight into the arena.
+On a GPU, three device staging buffers take turns: while nvCOMP decodes group *i* from one (on
+a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others.
+Each buffer holds a third of ``staging_bytes`` (or one tensor, if a tensor is larger), so GPU
+memory peaks at the arena plus ``staging_bytes`` (or three times the largest compressed tensor).
+With two buffers the reader waited for each group's decode before it could start the group after
+next, and an ANS load from tmpfs ran at 42-45 GB/s against 45-47.5 with three (bench/RESULTS.md,
+eleventh session). On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool straight
+into the arena, from one buffer.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -24,11 +28,14 @@ from .codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
 from .errors import CodecError
 from .plan import CompressedTensor, Extent, LoadPlan, align_up
 
-__all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING"]
+__all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGING = 512 << 20
+DEFAULT_STAGING = 1 << 30
+"""Staging for compressed bytes, all buffers together."""
+STAGING_SLOTS = 3
+"""Staging buffers the reads and the decoder take turns on; reads stay in flight in all but one."""
 _ALIGN = 4096
 
 
@@ -77,7 +84,7 @@ def load_compressed(
     if not plan.compressed:
         return stats
     biggest = max(align_up(t.entry.stored_bytes, _ALIGN) for t in plan.compressed)
-    staging = max(staging_bytes, biggest)
+    staging = max(align_up(staging_bytes // STAGING_SLOTS, _ALIGN), biggest)
     groups = _groups(plan.compressed, staging)
     paths = [f.path for f in plan.files]
     t0 = time.perf_counter()
@@ -106,7 +113,7 @@ def load_compressed(
         raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
                          f"{reason}")
     _warn_if_other_gpus(arena)
-    slots = [reader.allocate(staging) for _ in range(min(2, len(groups)))]
+    slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]
     for ev in free:
@@ -247,13 +254,20 @@ def _pipeline(
 
     ``submit(i, k)`` starts reading group ``i`` into slot ``k`` and returns its waiter;
     ``hand_off(i, k)`` gives the read group to the decoder, which sets ``free[k]`` when done with
-    the slot (and appends to ``errors`` when decoding fails). Group ``i + 1`` is submitted before
-    group ``i`` is waited for, so reads never drain at a group boundary; a slot is reused only
+    the slot (and appends to ``errors`` when decoding fails). Up to ``len(free) - 1`` groups stay
+    in flight while the oldest is waited for (with two slots: group ``i + 1`` is submitted before
+    group ``i`` is waited for), so reads never drain at a group boundary; a slot is reused only
     once the decoder has finished with it. Every submitted read is waited for before this
     returns or raises: reads in flight write into staging until they are done.
     """
     slots = len(free)
-    pending: tuple[int, Callable[[], None]] | None = None
+    pending: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+
+    def oldest_to_decoder() -> None:
+        j, wait = pending.popleft()
+        wait()  # raises only once that group's reads are over
+        hand_off(j, j % slots)
+
     try:
         for i in range(n):
             k = i % slots
@@ -261,19 +275,14 @@ def _pipeline(
             if errors:
                 return
             free[k].clear()
-            previous, pending = pending, (i, submit(i, k))
-            if previous is not None:
-                j, previous_wait = previous
-                previous_wait()  # raises only once that group's reads are over
-                hand_off(j, j % slots)
-        if pending is not None and not errors:
-            j, last_wait = pending
-            pending = None
-            last_wait()
-            hand_off(j, j % slots)
+            pending.append((i, submit(i, k)))
+            while len(pending) >= slots:
+                oldest_to_decoder()
+        while pending and not errors:
+            oldest_to_decoder()
     finally:
-        if pending is not None:
+        for _, wait in pending:
             try:
-                pending[1]()
+                wait()
             except BaseException:
                 pass  # the error being raised already says what went wrong

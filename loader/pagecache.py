@@ -10,7 +10,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["evict", "resident_fraction", "is_cold", "COLD_RESIDENCY", "RESIDENCY_SAMPLES"]
+from .iomode import mount_of
+
+__all__ = ["evict", "resident_fraction", "is_cold", "COLD_RESIDENCY", "RESIDENCY_SAMPLES", "MEMORY_FILESYSTEMS"]
 
 COLD_RESIDENCY = 0.5
 """Files with less than this fraction of their pages cached count as cold: read with O_DIRECT."""
@@ -80,7 +82,17 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
     return resident / total if total else 1.0
 
 
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+"""File systems whose files live in memory: never cold, so :func:`is_cold` does not probe them."""
+
+
 def is_cold(*paths: str) -> bool:
     """Whether too little of these files is cached for page-cache reads to pay (sampled ``mincore``,
-    weighted by size: a small file that reading the headers pulled in does not make a rank warm)."""
+    weighted by size: a small file that reading the headers pulled in does not make a rank warm).
+
+    Files on a memory file system are never cold; the probe would cost ~8 ms per 9 GB there, 4 % of
+    a load from tmpfs (bench/RESULTS.md, eleventh session).
+    """
+    if paths and all(mount_of(p)[1] in MEMORY_FILESYSTEMS for p in paths):
+        return False
     return resident_fraction(paths, samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY

@@ -79,6 +79,26 @@ def test_next_group_is_read_before_the_last_is_waited_for():
     assert [i for what, i in ev if what == "wait"] == list(range(6))
 
 
+def test_three_slots_keep_two_groups_in_flight():
+    h = _Harness(slots=3)
+    h.run(7)
+    ev = h.events
+    for i in range(5):
+        assert ev.index(("submit", i + 2)) < ev.index(("wait", i)), f"group {i + 2} not in flight while {i} waited"
+    assert [i for what, i in ev if what == "decoded"] == list(range(7))
+    assert [i for what, i in ev if what == "wait"] == list(range(7))
+
+
+def test_a_failed_read_with_three_slots_waits_for_both_reads_in_flight():
+    h = _Harness(slots=3, fail_read=2)
+    with pytest.raises(OSError, match="group 2"):
+        h.run(8)
+    submitted = [i for what, i in h.events if what == "submit"]
+    waited = [i for what, i in h.events if what == "wait"]
+    assert submitted == waited == [0, 1, 2, 3, 4]  # groups 3 and 4 were in flight: waited for
+    assert ("hand_off", 2) not in h.events
+
+
 def test_a_failed_read_waits_for_the_read_in_flight_and_reads_no_further():
     h = _Harness(fail_read=2)
     with pytest.raises(OSError, match="group 2"):
