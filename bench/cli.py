@@ -141,15 +141,20 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         _check_compressed(compressed_dir)
     elif any(m.endswith(":compressed") for m in names):
         raise click.UsageError("a :compressed method needs --compressed DIR (a copy made by `gdsload compress`)")
-    from .coldstart import BenchConfig, format_table, run_bench
+    from .coldstart import BenchConfig, conditions_in_memory, format_table, run_bench
 
+    conditions = tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold")
+    not_run = conditions_in_memory(conditions, model_dir, compressed_dir)
+    if len(not_run) == len(conditions):
+        raise click.UsageError(f"--{conditions[0]}: {not_run[conditions[0]]}")
     cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,
-                      methods=names, repeat=repeat, device=device, out=Path(out),
-                      conditions=tuple(dict.fromkeys(conditions)) or ("tmpfs", "warm", "cold"), ttr=ttr)
+                      methods=names, repeat=repeat, device=device, out=Path(out), conditions=conditions, ttr=ttr)
     doc = run_bench(cfg, log=click.echo)
     click.echo(format_table(doc))
     for m, why in doc["skipped"].items():
         click.echo(f"skipped {m}: {why}")
+    for c, why in doc["conditions_skipped"].items():
+        click.echo(f"skipped condition {c}: {why}")
     try:
         from .plot import plot
 

@@ -28,13 +28,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.pagecache import evict, resident_fraction
+from gdsload.loader.iomode import mount_of
+from gdsload.loader.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
 
 from .limits import decode_gbps, h2d_gbps, raw_read_gbps
 from .methods import BARE, PEER_MODULES, PEERS
 from .ttr import time_to_ready
 
-__all__ = ["BenchConfig", "run_bench", "default_methods", "machine_facts"]
+__all__ = ["BenchConfig", "run_bench", "default_methods", "machine_facts", "conditions_in_memory"]
 
 CONDITIONS = ("tmpfs", "warm", "cold")
 OUR_BACKENDS = ("pinned", "cufile", "fastsafetensors")
@@ -138,20 +139,39 @@ def _files(d: Path) -> list[str]:
     return method_files(str(d))  # what the methods load
 
 
+def conditions_in_memory(conditions: tuple[str, ...], *dirs: Any) -> dict[str, str]:
+    """The ``warm`` and ``cold`` conditions that cannot run because a model directory lies on a memory
+    file system (its files never leave the page cache there: ``cold`` would time tmpfs reads, and
+    ``warm`` is the ``tmpfs`` condition again), each with the reason."""
+    for d in dirs:
+        if d is None:
+            continue
+        fs = mount_of(str(d))[1]
+        if fs in MEMORY_FILESYSTEMS:
+            return {c: f"{d} lies on a memory file system ({fs}), whose files cannot leave the page cache; "
+                       f"`{c}` needs the model on a disk (`tmpfs` times memory)"
+                    for c in conditions if c in ("warm", "cold")}
+    return {}
+
+
 def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Run every method under every condition; returns (and writes) the results document."""
     compressed = cfg.compressed_dir is not None
     methods, skipped = (cfg.methods, {}) if cfg.methods else default_methods(cfg.device, compressed)
+    not_run = conditions_in_memory(cfg.conditions, cfg.model_dir, cfg.compressed_dir)
+    for c, why in not_run.items():
+        log(f"condition {c} skipped: {why}")
+    conditions = [c for c in cfg.conditions if c not in not_run]
     doc: dict[str, Any] = {"facts": machine_facts(cfg.device), "config": {
         "model_dir": str(cfg.model_dir), "compressed_dir": str(cfg.compressed_dir) if compressed else None,
-        "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": list(cfg.conditions)},
-        "skipped": skipped, "limits": {}, "runs": [], "ttr": [], "complete": False}
+        "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": conditions},
+        "skipped": skipped, "conditions_skipped": not_run, "limits": {}, "runs": [], "ttr": [], "complete": False}
     if cfg.device.startswith("cuda"):
         doc["limits"]["h2d_gbps"] = h2d_gbps(cfg.device)
         if compressed:
             doc["limits"]["decode_gbps"] = decode_gbps(cfg.compressed_dir, cfg.device)
     log(f"limits: {doc['limits']}")
-    for condition in cfg.conditions:
+    for condition in conditions:
         dirs = {"plain": cfg.model_dir, "compressed": cfg.compressed_dir}
         copies: list[Path] = []
         try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +98,43 @@ def test_tmpfs_condition_copies_afresh_and_removes_only_its_copy(tmp_path):
                     log=lambda *a: None)
     assert [r["bytes"] for r in doc["runs"]] == [load_rank(model).report.logical_bytes]
     assert sorted(p.name for p in shm.iterdir()) == ["gdsload-bench-plain"] and (stale / "gdsload.json").exists()
+
+
+def test_warm_and_cold_are_not_run_on_a_memory_file_system(tmp_path, monkeypatch):
+    """A model in tmpfs never leaves the page cache: `cold` would time memory reads under the name of a disk's."""
+    from gdsload.bench import coldstart
+    from gdsload.bench.coldstart import BenchConfig, run_bench
+
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    monkeypatch.setattr(coldstart, "mount_of", lambda p: ("/m", "tmpfs" if str(p).startswith(str(model)) else "ext4"))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    lines: list[str] = []
+    doc = run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "out",
+                                conditions=("tmpfs", "warm", "cold"), tmpfs_root=shm, ttr=False), log=lines.append)
+    assert doc["config"]["conditions"] == ["tmpfs"] and [r["condition"] for r in doc["runs"]] == ["tmpfs"]
+    assert set(doc["conditions_skipped"]) == {"warm", "cold"}
+    assert all(f"{model} lies on a memory file system (tmpfs)" in why for why in doc["conditions_skipped"].values())
+    assert any(line.startswith("condition cold skipped") for line in lines)
+    assert coldstart.conditions_in_memory(("cold",), tmp_path / "elsewhere", None) == {}
+
+
+def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
+    import tempfile
+
+    from gdsload.loader.iomode import mount_of
+
+    if mount_of("/dev/shm")[1] != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    room = Path(tempfile.mkdtemp(prefix="gdsload-test-", dir="/dev/shm"))
+    try:
+        model = make_checkpoint(room / "m", "tiny")
+        p = subprocess.run([*GDSLOAD, "bench", str(model), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "lies on a memory file system (tmpfs)" in p.stderr and "Traceback" not in p.stderr
+        assert not (tmp_path / "o").exists()
+    finally:
+        shutil.rmtree(room)
 
 
 def test_bench_cli_refuses_bad_input_in_one_line(tmp_path):
