@@ -5,6 +5,10 @@
 #                  kvikio's reads are complete in device memory when their futures are);
 #   profile        load_rank_bare under cProfile: the 25 slowest calls by cumulative time, as text;
 #   groups         the reads alone, into two staging buffers, group after group as load_compressed issues them;
+#   alone          every tensor's stored bytes read first (4 KiB-aligned places, as in staging), then decoded with
+#                  nothing else running, one nvCOMP call per tensor: the decoder's time without reads beside it;
+#                  meanwhile a Python thread counts, and its pace against a sleep of the same length says how much
+#                  of the decoding holds the GIL (1.0: none of it);
 #   whole          the reads alone, each file's compressed bytes as one read into one device buffer (as a plain file
 #                  is read). Decoding from there is not possible: nvCOMP wants 16-byte aligned streams, and the
 #                  tensors of a compressed file are packed.
@@ -77,6 +81,45 @@ def worker(d: str, mode: str) -> dict:
         pending()
         out.update(seconds=time.perf_counter() - t, groups=len(groups))
         reader.close()
+        return out
+    if mode == "alone":
+        import threading
+
+        from gdsload.loader.codecs import GpuCodecs
+        places, cursor = [], 0
+        for x in plan.compressed:
+            places.append(cursor)
+            cursor = align_up(cursor + x.entry.stored_bytes, 4096)
+        buf, arena = reader.allocate(cursor), reader.allocate(plan.arena_bytes)
+        reader.read([Extent(x.file_index, x.file_offset, x.entry.stored_bytes, at) for x, at in zip(plan.compressed, places)], buf)
+        reader.close()
+        codecs = GpuCodecs(0, None)
+        count, stop = [0], threading.Event()
+
+        def spin() -> None:
+            while not stop.is_set():
+                count[0] += 1
+
+        def decode_all() -> None:
+            for x, at in zip(plan.compressed, places):
+                codecs.decode(x.entry, buf[at : at + x.entry.stored_bytes], arena[x.arena_offset : x.arena_offset + x.entry.nbytes],
+                              path=plan.files[x.file_index].path)
+            sync()
+
+        decode_all()  # warm-up: nvCOMP's first calls set up
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        t = time.perf_counter()
+        c0 = count[0]
+        decode_all()
+        out["decode_seconds"] = time.perf_counter() - t
+        during = (count[0] - c0) / out["decode_seconds"]
+        t, c0 = time.perf_counter(), count[0]
+        time.sleep(out["decode_seconds"])
+        idle = (count[0] - c0) / (time.perf_counter() - t)
+        stop.set()
+        spinner.join()
+        out["spinner_pace_during_decode"] = during / idle if idle else None
         return out
     # whole: one read per file of its compressed span, into one buffer
     spans = {}
