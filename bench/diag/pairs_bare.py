@@ -1,7 +1,7 @@
 # Diagnostic from session 10 (not installed with the package): load_rank_bare on one GPU (rank 0 of DIR) or on
 # two (ranks 0 and 1 of DIR, one process per GPU), every process starting its load at one wall-clock time after
 # its CUDA context and imports are ready; rows carry the load's phases, the decoder's busy time and the staging.
-# STAGING_MIB sets load_compressed's staging size. Variants take turns, round after round.
+# STAGING_MIB sets load_compressed's staging size (per buffer until session 11, all buffers together since). Variants take turns, round after round.
 # Usage: python bench/diag/pairs_bare.py drive ROUNDS OUT.jsonl VARIANT...   VARIANT = single:DIR | pair:DIR[:STAGING_MIB]
 #        (python bench/diag/pairs_bare.py worker DIR RANK START_AT [STAGING_MIB] is one process of it)
 import json
