@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -139,18 +140,21 @@ def _files(d: Path) -> list[str]:
     return method_files(str(d))  # what the methods load
 
 
-def conditions_in_memory(conditions: tuple[str, ...], *dirs: Any) -> dict[str, str]:
-    """The ``warm`` and ``cold`` conditions that cannot run because a model directory lies on a memory
-    file system (its files never leave the page cache there: ``cold`` would time tmpfs reads, and
-    ``warm`` is the ``tmpfs`` condition again), each with the reason."""
+def conditions_in_memory(conditions: Sequence[str], *dirs: Any) -> dict[str, str]:
+    """The ``warm`` and ``cold`` conditions that cannot run, each with the reason: those need every
+    model file on a disk. A file on a memory file system (directly or through a symlink) never leaves
+    the page cache, so ``cold`` would time memory reads under a disk's name and ``warm`` would be the
+    ``tmpfs`` condition again; and a condition whose methods read some from memory, some from a disk,
+    compares nothing."""
     for d in dirs:
         if d is None:
             continue
-        fs = mount_of(str(d))[1]
-        if fs in MEMORY_FILESYSTEMS:
-            return {c: f"{d} lies on a memory file system ({fs}), whose files cannot leave the page cache; "
-                       f"`{c}` needs the model on a disk (`tmpfs` times memory)"
-                    for c in conditions if c in ("warm", "cold")}
+        for f in _files(Path(d)):
+            fs = mount_of(f)[1]
+            if fs in MEMORY_FILESYSTEMS:
+                return {c: f"{f} lies on a memory file system ({fs}) and never leaves the page cache; `{c}` needs "
+                           "every model file on a disk (the `tmpfs` condition times memory)"
+                        for c in conditions if c in ("warm", "cold")}
     return {}
 
 
@@ -162,6 +166,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
     for c, why in not_run.items():
         log(f"condition {c} skipped: {why}")
     conditions = [c for c in cfg.conditions if c not in not_run]
+    if not conditions:
+        raise ValueError(f"no condition can run: {not_run[cfg.conditions[0]]}")
     doc: dict[str, Any] = {"facts": machine_facts(cfg.device), "config": {
         "model_dir": str(cfg.model_dir), "compressed_dir": str(cfg.compressed_dir) if compressed else None,
         "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": conditions},

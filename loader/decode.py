@@ -84,7 +84,7 @@ def load_compressed(
     if not plan.compressed:
         return stats
     biggest = max(align_up(t.entry.stored_bytes, _ALIGN) for t in plan.compressed)
-    staging = max(align_up(staging_bytes // STAGING_SLOTS, _ALIGN), biggest)
+    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, biggest)
     groups = _groups(plan.compressed, staging)
     paths = [f.path for f in plan.files]
     t0 = time.perf_counter()

@@ -114,9 +114,16 @@ def test_warm_and_cold_are_not_run_on_a_memory_file_system(tmp_path, monkeypatch
                                 conditions=("tmpfs", "warm", "cold"), tmpfs_root=shm, ttr=False), log=lines.append)
     assert doc["config"]["conditions"] == ["tmpfs"] and [r["condition"] for r in doc["runs"]] == ["tmpfs"]
     assert set(doc["conditions_skipped"]) == {"warm", "cold"}
-    assert all(f"{model} lies on a memory file system (tmpfs)" in why for why in doc["conditions_skipped"].values())
+    assert all(why.startswith(str(model)) and "lies on a memory file system (tmpfs)" in why
+               for why in doc["conditions_skipped"].values())
     assert any(line.startswith("condition cold skipped") for line in lines)
-    assert coldstart.conditions_in_memory(("cold",), tmp_path / "elsewhere", None) == {}
+    other = make_checkpoint(tmp_path / "elsewhere", "tiny")
+    assert coldstart.conditions_in_memory(("cold",), other, None) == {}
+    assert set(coldstart.conditions_in_memory(("cold",), other, model)) == {"cold"}  # one directory in memory is enough
+    with pytest.raises(ValueError, match="no condition can run"):
+        run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "o2",
+                              conditions=("cold",), ttr=False), log=lines.append)
+    assert not (tmp_path / "o2").exists()
 
 
 def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
@@ -133,6 +140,14 @@ def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and "lies on a memory file system (tmpfs)" in p.stderr and "Traceback" not in p.stderr
         assert not (tmp_path / "o").exists()
+        # A directory on disk whose files are links into tmpfs is in memory too.
+        links = tmp_path / "links"
+        links.mkdir()
+        for f in model.iterdir():
+            (links / f.name).symlink_to(f)
+        p = subprocess.run([*GDSLOAD, "bench", str(links), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "lies on a memory file system (tmpfs)" in p.stderr, p.stderr
     finally:
         shutil.rmtree(room)
 

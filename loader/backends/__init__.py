@@ -104,8 +104,8 @@ class Backend(abc.ABC):
         """Start copying ``extents`` into ``dst``; returns the function that waits for them.
 
         Backends that can keep reads in flight across calls (``pinned``, ``cufile``) override
-        this, so the compressed pipeline reads its next staging group while it waits for the
-        last one; by default the copy happens here and the waiter has nothing left to do.
+        this, so the compressed pipeline keeps its next staging groups in flight while it waits for
+        the oldest; by default the copy happens here and the waiter has nothing left to do.
         """
         self.read(extents, dst, progress)
         return lambda: None
