@@ -152,7 +152,6 @@ def load_compressed(
                             dst = arena[t.arena_offset : t.arena_offset + t.entry.nbytes]
                             codecs.decode(t.entry, slots[k][off : off + t.entry.stored_bytes], dst,
                                           path=paths[t.file_index])
-                            yield_gil()
                     stream.synchronize()
                     if verify:
                         for t, _ in group:
@@ -185,17 +184,6 @@ def load_compressed(
     if errors:
         raise errors[0]
     return stats
-
-
-def yield_gil() -> None:
-    """Let a thread waiting for the GIL take it now.
-
-    nvCOMP's Python calls hold the GIL while they run. A decoder that goes from one call straight
-    to the next keeps it, and the reading thread, back from a GIL-free wait on its reads, then waits
-    for the interpreter's switch interval (5 ms) each time. ``time.sleep(0)`` releases the GIL, so
-    the waiting thread gets it at once (a CPU simulation: 5.4 ms -> 0.16 ms per hand-over).
-    """
-    time.sleep(0)
 
 
 _WARNED: set[int] = set()

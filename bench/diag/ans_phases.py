@@ -2,9 +2,8 @@
 # spends its time. Each mode runs in a fresh process (one GPU, cupy, no torch), modes take turns, round after round:
 #   load[+OPT...]  load_rank_bare, as a sidecar worker loads (phases, decoder busy time, a checksum of the arena);
 #                  OPT: slotsN (N staging buffers), nosync (no device-wide synchronize after each group's reads;
-#                  kvikio's reads are complete in device memory when their futures are), noyield (the decoder does
-#                  not hand the GIL over after each nvCOMP call), switch (the interpreter's switch interval at 0.5 ms
-#                  instead of 5 ms);
+#                  kvikio's reads are complete in device memory when their futures are), switch (the interpreter's
+#                  switch interval at 0.5 ms instead of 5 ms);
 #   profile        load_rank_bare under cProfile: the 25 slowest calls by cumulative time, as text;
 #   groups         the reads alone, into two staging buffers, group after group as load_compressed issues them;
 #   alone          every tensor's stored bytes read first (4 KiB-aligned places, as in staging), then decoded with
@@ -41,8 +40,6 @@ def worker(d: str, mode: str) -> dict:
                 dec.STAGING_SLOTS = int(opt[5:])
             elif opt == "nosync":
                 _KvikioReader._synchronize = lambda self: None
-            elif opt == "noyield":
-                dec.yield_gil = lambda: None
             elif opt == "switch":
                 sys.setswitchinterval(0.0005)
             else:
