@@ -6,8 +6,8 @@ Each buffer holds a third of ``staging_bytes`` (or one tensor, if a tensor is la
 memory peaks at the arena plus ``staging_bytes`` (or three times the largest compressed tensor).
 With two buffers the reader waited for each group's decode before it could start the group after
 next: ANS loads from tmpfs had median 42.9 and 40.7 GB/s with two, 45.8 and 42.6 with three, in two
-calls taking turns (bench/RESULTS.md, eleventh session). On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool straight
-into the arena, from one buffer.
+calls taking turns (bench/RESULTS.md, eleventh session). On the CPU, Zstd frames are decoded by
+``zstandard`` in a thread pool straight into the arena, from one buffer.
 """
 
 from __future__ import annotations
