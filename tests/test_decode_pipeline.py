@@ -69,24 +69,17 @@ class _Harness:
             self.thread.join()
 
 
-def test_next_group_is_read_before_the_last_is_waited_for():
-    h = _Harness()
-    h.run(6)
+@pytest.mark.parametrize("slots, groups", [(2, 6), (3, 7)])
+def test_the_next_groups_are_read_before_the_oldest_is_waited_for(slots, groups):
+    """Two slots: group i + 1 is in flight while i is waited for; three: groups i + 1 and i + 2."""
+    h = _Harness(slots=slots)
+    h.run(groups)
     ev = h.events
-    for i in range(5):
-        assert ev.index(("submit", i + 1)) < ev.index(("wait", i)), f"group {i + 1} not in flight while {i} waited"
-    assert [i for what, i in ev if what == "decoded"] == list(range(6))
-    assert [i for what, i in ev if what == "wait"] == list(range(6))
-
-
-def test_three_slots_keep_two_groups_in_flight():
-    h = _Harness(slots=3)
-    h.run(7)
-    ev = h.events
-    for i in range(5):
-        assert ev.index(("submit", i + 2)) < ev.index(("wait", i)), f"group {i + 2} not in flight while {i} waited"
-    assert [i for what, i in ev if what == "decoded"] == list(range(7))
-    assert [i for what, i in ev if what == "wait"] == list(range(7))
+    ahead = slots - 1
+    for i in range(groups - ahead):
+        assert ev.index(("submit", i + ahead)) < ev.index(("wait", i)), f"group {i + ahead} not in flight while {i} waited"
+    assert [i for what, i in ev if what == "decoded"] == list(range(groups))
+    assert [i for what, i in ev if what == "wait"] == list(range(groups))
 
 
 def test_a_failed_read_with_three_slots_waits_for_both_reads_in_flight():
