@@ -164,6 +164,9 @@ class _KvikioReader(CuFileBackend):
 
         cupy.cuda.runtime.deviceSynchronize()
 
+    def _device_index(self) -> int:
+        return self.index
+
 
 def load_rank_bare(
     path: str,
@@ -177,6 +180,8 @@ def load_rank_bare(
     on_plan: Callable[[LoadPlan], None] | None = None,
 ) -> BareResult:
     """Load rank ``rank`` of ``path`` onto GPU ``device_index`` without torch (see the module doc).
+
+    GPU ``device_index`` is left the calling thread's current device.
 
     Options left as None come from ``GDSLOAD_*`` variables, then defaults; ``progress`` and
     ``on_plan`` as in ``load_rank``.
@@ -193,29 +198,32 @@ def load_rank_bare(
     plan = plan_rank(rank_files)
     if on_plan is not None:
         on_plan(plan)
-    with cupy.cuda.Device(device_index):
-        reader = _KvikioReader(device_index, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
-        try:
-            arena = reader.allocate(plan.arena_bytes)
-            reader.open(plan)
-            phases["plan"] = time.perf_counter() - t
-
-            t = time.perf_counter()
-            reader.read(plan.extents, arena, progress)
-            stats = load_compressed(plan, reader, arena, verify=cfg.verify, progress=progress,
-                                    threads=cfg.num_threads or 4)
-            cupy.cuda.runtime.deviceSynchronize()
-            phases["read"] = time.perf_counter() - t - stats.tail_seconds
-            io_modes, direct = reader.io_modes(), reader.direct_io()
-        finally:
-            reader.close()
+    # The GPU stays current on this thread: leaving a `with cupy.cuda.Device(...)` block makes the old
+    # device current again, and on CUDA 12+ that opens a context on it (GPU 0, in a process that sees
+    # several GPUs; bench/RESULTS.md, session 12).
+    cupy.cuda.Device(device_index).use()
+    reader = _KvikioReader(device_index, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
+    try:
+        arena = reader.allocate(plan.arena_bytes)
+        reader.open(plan)
+        phases["plan"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        for p in plan.placements:
-            if p.copy_from is not None and p.nbytes:  # a misaligned tensor moves to its aligned slot
-                arena[p.arena_offset : p.arena_offset + p.nbytes] = arena[p.copy_from : p.copy_from + p.nbytes]
+        reader.read(plan.extents, arena, progress)
+        stats = load_compressed(plan, reader, arena, verify=cfg.verify, progress=progress,
+                                threads=cfg.num_threads or 4)
         cupy.cuda.runtime.deviceSynchronize()
-        phases["decode"] = time.perf_counter() - t + stats.tail_seconds
+        phases["read"] = time.perf_counter() - t - stats.tail_seconds
+        io_modes, direct = reader.io_modes(), reader.direct_io()
+    finally:
+        reader.close()
+
+    t = time.perf_counter()
+    for p in plan.placements:
+        if p.copy_from is not None and p.nbytes:  # a misaligned tensor moves to its aligned slot
+            arena[p.arena_offset : p.arena_offset + p.nbytes] = arena[p.copy_from : p.copy_from + p.nbytes]
+    cupy.cuda.runtime.deviceSynchronize()
+    phases["decode"] = time.perf_counter() - t + stats.tail_seconds
 
     t = time.perf_counter()
     verified = cfg.verify and verify_digests(rank_files, plan, arena)

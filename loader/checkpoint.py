@@ -73,9 +73,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .codecs import ZSTD_CHUNK, GpuCodecs, cpu_decode, default_params, encode_tensor, nvcomp_available
+from .codecs import CHUNK_BYTES, GpuCodecs, cpu_decode, default_params, encode_tensor, nvcomp_available
 from .compress import MIN_TENSOR_BYTES
-from .compression import CODECS, FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
+from .compression import CHUNK_ALIGN, CODECS, FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
 from .config import format_bytes
 from .dtypes import ITEMSIZE, to_torch
 from .errors import (
@@ -216,13 +216,14 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
     worst: dict[str, dict[str, Any]] = {}
     for leaf in stream:
         assert codec is not None
-        layout = CODECS[codec]
+        layout = CODECS[codec][0]
+        chunk = CHUNK_BYTES.get(codec, 0) if layout == "chunks" else 0
         # Each chunk's size is a uint32; its base64 length depends only on the count of chunks.
-        chunks = (min(leaf.nbytes, 0xFFFFFFFF),) * -(-leaf.nbytes // ZSTD_CHUNK) if layout == "chunks" else ()
+        chunks = (min(leaf.nbytes, 0xFFFFFFFF),) * -(-leaf.nbytes // chunk) if chunk else ()
         worst[leaf.name] = CompressedEntry(
             leaf.name, leaf.dtype, tuple(leaf.tensor.shape), leaf.nbytes, codec, layout, leaf.nbytes,
-            default_params(codec, leaf.dtype), ZSTD_CHUNK if chunks else 0, chunks,
-            0xFFFFFFFF if checksum else None,
+            default_params(codec, leaf.dtype), chunk, chunks, 0xFFFFFFFF if checksum else None,
+            CHUNK_ALIGN.get(codec, 1) if chunk else 1,
         ).to_json()
     entries = [*raw, *((leaf.name, "U8", [leaf.nbytes], data_max, data_max) for leaf in stream)]
     bound = len(_header_json(_with_compression(metadata, worst), entries))

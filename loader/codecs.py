@@ -1,12 +1,14 @@
 """Codecs: nvCOMP on the GPU (ANS, GDeflate, Zstd), ``zstandard`` on the CPU (Zstd only).
 
 Encoding picks the codec's parameters from the tensor's dtype; decoding writes straight into
-the tensor's slot in the arena. nvCOMP is imported only when a GPU codec is used, so the CPU
-path works on hosts without CUDA.
+the tensor's slot in the arena. ANS chunks decode through nvCOMP's C API, many tensors per call
+(:mod:`gdsload.loader.nvcomp_c`); the rest through nvCOMP's Python package. nvCOMP is imported
+only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .compression import CODECS, CompressedEntry
+from .backends import device_address
+from .compression import CHUNK_ALIGN, CODECS, CompressedEntry
 from .errors import CodecError
 
 if TYPE_CHECKING:
@@ -34,8 +37,10 @@ __all__ = [
 ZSTD_CHUNK = 256 << 10
 """Decoded bytes per Zstd frame (``layout: chunks``)."""
 ANS_CHUNK = 256 << 10
-"""nvCOMP's internal chunk for native streams. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against
-1.46x at nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
+"""Decoded bytes per ANS chunk. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against 1.46x at
+nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
+CHUNK_BYTES = {"ans": ANS_CHUNK, "zstd": ZSTD_CHUNK}
+"""Decoded bytes per chunk of the codecs that ``gdsload compress`` writes as ``layout: chunks``."""
 GDEFLATE_CHUNK = 64 << 10
 """GDeflate's largest chunk (nvCOMP aborts the process on a larger one)."""
 
@@ -110,7 +115,7 @@ def encode_tensor(
     params = dict(default_params(codec, dtype) if params is None else params)
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     nbytes = raw.numel()
-    layout = CODECS[codec]
+    layout = CODECS[codec][0]
     on_gpu = raw.is_cuda
     if not on_gpu and codec != "zstd":
         raise CodecError(
@@ -134,13 +139,19 @@ def encode_tensor(
         blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size].cpu().numpy()
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params, crc32=crc)
         return entry, blob
-    pieces = list(raw.split(ZSTD_CHUNK))
-    enc = codecs.chunked(codec).encode(codecs.nv.as_arrays(pieces))
+    chunk, align = CHUNK_BYTES[codec], CHUNK_ALIGN.get(codec, 1)
+    if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
+        raw = raw.clone()
+    enc = codecs.chunked(codec, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
     frames = [_host_bytes(a) for a in enc]
-    blob = np.concatenate(frames)
-    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
-                            ZSTD_CHUNK, tuple(int(f.size) for f in frames), crc)
-    return entry, blob
+    sizes = tuple(int(f.size) for f in frames)
+    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, 0, params, chunk, sizes, crc,
+                            align)
+    starts, *_ = entry.chunk_table()
+    blob = np.zeros(int(starts[-1]) + sizes[-1] if sizes else 0, dtype=np.uint8)  # zeros fill the gaps
+    for at, f in zip(starts.tolist(), frames):
+        blob[at : at + f.size] = f
+    return dataclasses.replace(entry, stored_bytes=blob.size), blob
 
 
 def _host_bytes(arr: Any) -> np.ndarray:
@@ -205,10 +216,14 @@ class GpuCodecs:
         else:
             self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
         self._cache: dict[Any, Any] = {}
+        self._ans: Any = None  # nvcomp_c.AnsDecoder, made on the first ANS chunks
+        self._device: _TorchDevice | _CupyDevice | None = None
 
     def close(self) -> None:
         """Drop every nvCOMP codec made here (call it while the stream they borrow still exists)."""
         self._cache.clear()
+        if self._ans is not None:
+            self._ans.close()
 
     def _kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"device_id": self.device_index}
@@ -227,18 +242,52 @@ class GpuCodecs:
                                         **opts, **self._kwargs())
         return self._cache[key]
 
-    def chunked(self, codec: str) -> Any:
-        key = ("chunks", codec)
+    def chunked(self, codec: str, params: dict[str, Any] | None = None) -> Any:
+        """nvCOMP's batch codec for raw chunks (``layout: chunks``); ANS takes its ``data_type``."""
+        opts = {"data_type": (params or {})["data_type"]} if codec == "ans" else {}
+        key = ("chunks", codec, tuple(opts.items()))
         if key not in self._cache:
             nv = self.nv
-            self._cache[key] = nv.Codec(algorithm="Zstd", bitstream_kind=nv.BitstreamKind.RAW, **self._kwargs())
+            algo = {"ans": "ANS", "zstd": "Zstd"}[codec]
+            self._cache[key] = nv.Codec(algorithm=algo, bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
         return self._cache[key]
 
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
-        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst`` (asynchronous on the stream).
+        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst``.
 
-        ``src`` and ``dst`` are 1-D uint8 device arrays: torch tensors or cupy arrays.
+        ``src`` and ``dst`` are 1-D uint8 device arrays: torch tensors or cupy arrays. Returns
+        with the decode queued on the stream, except for ANS chunks, which are checked here
+        (the stream synchronized); :meth:`decode_many` batches them.
         """
+        self.decode_many([(entry, src, dst, path)])
+        self.finish()
+
+    def decode_many(self, items: list[tuple[CompressedEntry, Any, Any, str]]) -> None:
+        """Queue the decode of every ``(entry, src, dst, path)`` on the stream; then :meth:`finish`.
+
+        ANS chunks of all the items go to nvCOMP in one call, without the GIL; every other
+        tensor is its own call. ``src`` and ``dst`` must stay put until :meth:`finish`.
+        """
+        ans = [it for it in items if it[0].layout == "chunks" and it[0].codec == "ans"]
+        if ans:
+            from .nvcomp_c import AnsChunks, AnsDecoder
+
+            if self._ans is None:
+                self._device = _device_for(ans[0][1], self.stream or 0)
+                self._ans = AnsDecoder(self.stream or 0, self._device)
+            self._ans.launch(AnsChunks.build([(e, device_address(s), device_address(d), f"{p!r}: tensor {e.name!r}")
+                                              for e, s, d, p in ans]))
+        for entry, src, dst, path in items:
+            if not (entry.layout == "chunks" and entry.codec == "ans"):
+                self._decode_one(entry, src, dst, path=path)
+
+    def finish(self) -> None:
+        """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed."""
+        if self._ans is not None and self._device is not None:
+            self._device.sync()
+            self._ans.check()
+
+    def _decode_one(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
         where = f"{path!r}: tensor {entry.name!r}"
         nv = self.nv
         try:
@@ -256,3 +305,57 @@ class GpuCodecs:
             raise
         except Exception as e:  # nvCOMP reports corrupt streams and bad checksums as exceptions
             raise CodecError(f"{where}: nvCOMP could not decode it ({type(e).__name__}: {e})") from None
+
+
+def _device_for(like: Any, stream: int) -> _TorchDevice | _CupyDevice:
+    return _CupyDevice(stream) if type(like).__module__.startswith("cupy") else _TorchDevice(like.device, stream)
+
+
+class _TorchDevice:
+    """Device bytes for :class:`~gdsload.loader.nvcomp_c.AnsDecoder`, as torch tensors on ``stream``."""
+
+    def __init__(self, device: Any, stream: int):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.stream = torch.cuda.ExternalStream(stream, device=device)
+
+    def empty(self, nbytes: int) -> tuple[Any, int]:
+        a = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        return a, a.data_ptr()
+
+    def put(self, array: Any, host: np.ndarray) -> None:
+        with self.torch.cuda.stream(self.stream):
+            array[: host.size].copy_(self.torch.from_numpy(host), non_blocking=True)
+
+    def get(self, array: Any, nbytes: int) -> np.ndarray:
+        return array[:nbytes].cpu().numpy()
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+
+class _CupyDevice:
+    """Device bytes for :class:`~gdsload.loader.nvcomp_c.AnsDecoder`, as cupy arrays on ``stream`` (a raw handle)."""
+
+    def __init__(self, stream: int):
+        import cupy
+
+        self.cupy = cupy
+        self.stream = stream
+
+    def empty(self, nbytes: int) -> tuple[Any, int]:
+        a = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+        return a, a.data.ptr
+
+    def put(self, array: Any, host: np.ndarray) -> None:
+        # From pageable memory: the runtime has taken the bytes when the call returns.
+        self.cupy.cuda.runtime.memcpyAsync(array.data.ptr, host.ctypes.data, host.nbytes,
+                                           self.cupy.cuda.runtime.memcpyHostToDevice, self.stream)
+
+    def get(self, array: Any, nbytes: int) -> np.ndarray:
+        return array[:nbytes].get()
+
+    def sync(self) -> None:
+        self.cupy.cuda.runtime.streamSynchronize(self.stream)

@@ -112,7 +112,8 @@ def load_compressed(
     if reason is not None:
         raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
                          f"{reason}")
-    _warn_if_other_gpus(arena)
+    if any(t.entry.codec != "ans" or t.entry.layout != "chunks" for t in plan.compressed):
+        _warn_if_other_gpus(arena)  # ANS chunks go through nvCOMP's C API, which leaves GPU 0 alone
     slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]
@@ -148,11 +149,11 @@ def load_compressed(
             try:
                 if not errors:
                     with on_stream():
-                        for t, off in group:
-                            dst = arena[t.arena_offset : t.arena_offset + t.entry.nbytes]
-                            codecs.decode(t.entry, slots[k][off : off + t.entry.stored_bytes], dst,
-                                          path=paths[t.file_index])
+                        codecs.decode_many([(t.entry, slots[k][off : off + t.entry.stored_bytes],
+                                             arena[t.arena_offset : t.arena_offset + t.entry.nbytes],
+                                             paths[t.file_index]) for t, off in group])
                     stream.synchronize()
+                    codecs.finish()
                     if verify:
                         for t, _ in group:
                             if t.entry.layout == "chunks" and t.entry.crc32 is not None:
@@ -190,7 +191,7 @@ _WARNED: set[int] = set()
 
 
 def _warn_if_other_gpus(arena: Any) -> None:
-    """Say once per device when nvCOMP will also open a context on GPU 0 (a defect of nvCOMP 6.0)."""
+    """Say once per device when nvCOMP's Python package will also open a context on GPU 0 (nvCOMP 6.0)."""
     index = arena.device.id if _is_cupy(arena) else arena.device.index
     if not index or index in _WARNED:
         return

@@ -196,10 +196,11 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
         advice.append(f"sidecar GPU workers will import torch before they load (seconds per worker): "
                       f"{r.torch_free_workers}.")
     if r.nvcomp is not None and len(r.gpus) > 1:
-        advice.append(f"{len(r.gpus)} GPUs visible: nvCOMP's decode on GPU 1 or above also opens a CUDA context on "
-                      "GPU 0 (about 0.5 GiB, slower decodes) in any process that sees them all. `gdsload serve` "
-                      "workers see one GPU each; give an engine's own worker processes only their GPU "
-                      "(CUDA_VISIBLE_DEVICES) when they load compressed checkpoints.")
+        advice.append(f"{len(r.gpus)} GPUs visible: nvCOMP's Python decode (Zstd, GDeflate, ANS files of the older "
+                      "layout) on GPU 1 or above also opens a CUDA context on GPU 0 (about 0.5 GiB, slower decodes) in "
+                      "any process that sees them all; ANS chunks, what `gdsload compress` writes, are not affected. "
+                      "`gdsload serve` workers see one GPU each; give an engine's own worker processes only their "
+                      "GPU (CUDA_VISIBLE_DEVICES) when they load such checkpoints.")
     # The mode the read engine will report (iomode.cufile_io_mode): GDS needs the driver path *and* a kvikio
     # that uses cuFile and reports GDS available.
     cufile_ok = bool(kv.get("importable")) and not kv.get("compat_preferred") and bool(kv.get("gds_available"))

@@ -6,6 +6,7 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -109,6 +110,9 @@ def _rewrite_metadata(path: Path, mutate) -> None:
         (lambda t: t["w.bf16"].update(nbytes=float(t["w.bf16"]["nbytes"])), "must be an integer"),
         (lambda t: t["w.bf16"].update(params="fast"), "params 'fast'"),
         (lambda t: t["w.bf16"].update(dtype=["BF16"]), "unknown dtype"),
+        (lambda t: t["w.bf16"].update(chunk_align=3), "chunk_align 3 must be a power of two"),
+        (lambda t: t["w.bf16"].update(chunk_align=64), "chunk sizes add up to"),  # the gaps are not there
+        (lambda t: t["w.bf16"].update(codec="ans"), "chunk_align 1 must be .* a multiple of 16"),
     ],
 )
 def test_lying_metadata_is_rejected_before_reading(zfile, mutate, match):
@@ -147,6 +151,42 @@ def test_corrupted_chunk_is_a_codec_error(zfile):
         load_rank(dst)
 
 
+def _realign(src: Path, dst: Path, align: int, codec: str | None = None) -> None:
+    """Rewrite ``src``'s chunked tensors with every chunk at a multiple of ``align``, zeros in the gaps
+    (optionally relabelled as ``codec``), through the reference writer."""
+    entries = parse_compression(read_header(src))
+    with safetensors.safe_open(src, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    doc = json.loads(metadata[METADATA_KEY])
+    for name, e in entries.items():
+        moved = type(e)(**{**e.__dict__, "chunk_align": align})
+        starts, sizes, _, _ = moved.chunk_table()
+        blob = np.zeros(int(starts[-1] + sizes[-1]), dtype=np.uint8)
+        for (old, n, _, _), new in zip(e.chunk_spans(), starts.tolist()):
+            blob[new : new + n] = tensors[name][old : old + n].numpy()
+        tensors[name] = torch.from_numpy(blob)
+        doc["tensors"][name]["chunk_align"] = align
+        if codec:
+            doc["tensors"][name].update(codec=codec, params={"data_type": "<f2"})
+    metadata[METADATA_KEY] = json.dumps(doc)
+    safetensors.torch.save_file(tensors, dst, metadata)
+
+
+def test_chunks_at_aligned_offsets_decode(zfile, tmp_path):
+    """``chunk_align``: each chunk starts at a multiple of it, zeros between; the decoder finds them there."""
+    src, tensors = zfile
+    dst = tmp_path / "aligned.safetensors"
+    _realign(src, dst, 64)
+    entries = parse_compression(read_header(dst))
+    assert {e.chunk_align for e in entries.values()} == {64}
+    starts = entries["w.bf16"].chunk_table()[0]
+    assert len(starts) > 1 and not (starts % 64).any()
+    res = load_rank(dst, verify=True)
+    for k, v in tensors.items():
+        assert _bits(res.tensors[k]) == _bits(v), k
+
+
 def test_ans_on_a_cpu_host_names_the_fix(tmp_path):
     src = tmp_path / "s.safetensors"
     save_file(_weights(), src)
@@ -161,6 +201,27 @@ def test_ans_on_a_cpu_host_names_the_fix(tmp_path):
     with pytest.raises(CodecError, match="only a GPU decodes.*device='cuda'.*--codec zstd"):
         load_rank(z)
     assert not (tmp_path / "a.safetensors").exists()
+    # ANS as compress writes it now: raw chunks, 16-byte aligned.
+    compress_file(src, z2 := tmp_path / "z2.safetensors", codec="zstd", device="cpu")
+    _realign(z2, chunked := tmp_path / "ans-chunks.safetensors", 16, codec="ans")
+    assert {(e.codec, e.layout) for e in parse_compression(read_header(chunked)).values()} == {("ans", "chunks")}
+    with pytest.raises(CodecError, match="only a GPU decodes"):
+        load_rank(chunked)
+
+
+def test_ans_chunk_tables_point_at_every_chunk():
+    """What the batched decoder is handed: one row per chunk, at the stored and arena addresses."""
+    from gdsload.loader.compression import CompressedEntry
+    from gdsload.loader.nvcomp_c import AnsChunks
+
+    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), None, 16)
+    b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
+    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a"), (b, 5 << 20, 7 << 30, "f: b")])
+    assert c.src.tolist() == [1 << 20, (1 << 20) + 1008, (1 << 20) + 3024, 5 << 20]
+    assert c.src_bytes.tolist() == [1000, 2001, 5, 30]
+    assert c.dst.tolist() == [1 << 30, (1 << 30) + 262144, (1 << 30) + 524288, 7 << 30]
+    assert c.dst_bytes.tolist() == [262144, 262144, 600_000 - 524288, 20]
+    assert c.owner.tolist() == [0, 0, 0, 1] and c.names == ["f: a", "f: b"]
 
 
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):

@@ -10,10 +10,15 @@
 #                  nothing else running, one nvCOMP call per tensor: the decoder's time without reads beside it;
 #                  meanwhile a Python thread counts, and its pace against a sleep of the same length says how much
 #                  of the decoding holds the GIL (1.0: none of it);
+#   alonegroups    as alone, but decoded group by group as a load's decoder does (the default staging's groups, each
+#                  waited for), so a batched call's size matches the load's (session 12);
 #   whole          the reads alone, each file's compressed bytes as one read into one device buffer (as a plain file
 #                  is read). Decoding from there is not possible: nvCOMP wants 16-byte aligned streams, and the
 #                  tensors of a compressed file are packed.
+# A mode may end in @DIR: that model instead of DIR (session 12: ANS as raw chunks against the native streams).
 # Usage: python bench/diag/ans_phases.py ROUNDS OUT.jsonl DIR MODE...   (worker: ... worker DIR MODE)
+#        python bench/diag/ans_phases.py native SRC OUT   (an ANS copy in the layout written before session 12:
+#                                                          one nvCOMP container per tensor)
 import json
 import subprocess
 import sys
@@ -85,7 +90,7 @@ def worker(d: str, mode: str) -> dict:
         out.update(seconds=time.perf_counter() - t, groups=len(groups))
         reader.close()
         return out
-    if mode == "alone":
+    if mode in ("alone", "alonegroups"):
         import threading
 
         from gdsload.loader.codecs import GpuCodecs
@@ -103,11 +108,19 @@ def worker(d: str, mode: str) -> dict:
             while not stop.is_set():
                 count[0] += 1
 
+        from gdsload.loader.decode import DEFAULT_STAGING, STAGING_SLOTS
+        where = dict(zip((x.entry.name for x in plan.compressed), places))
+        batches = ([[x for x, _ in g] for g in _groups(plan.compressed, DEFAULT_STAGING // STAGING_SLOTS)]
+                   if mode == "alonegroups" else [plan.compressed])
+        out["batches"] = len(batches)
+
         def decode_all() -> None:
-            for x, at in zip(plan.compressed, places):
-                codecs.decode(x.entry, buf[at : at + x.entry.stored_bytes], arena[x.arena_offset : x.arena_offset + x.entry.nbytes],
-                              path=plan.files[x.file_index].path)
-            sync()
+            for batch in batches:
+                codecs.decode_many([(x.entry, buf[where[x.entry.name] : where[x.entry.name] + x.entry.stored_bytes],
+                                     arena[x.arena_offset : x.arena_offset + x.entry.nbytes],
+                                     plan.files[x.file_index].path) for x in batch])
+                sync()
+                codecs.finish()
 
         decode_all()  # warm-up: nvCOMP's first calls set up
         spinner = threading.Thread(target=spin)
@@ -145,12 +158,20 @@ if __name__ == "__main__":
     if sys.argv[1] == "worker":
         print(json.dumps(worker(sys.argv[2], sys.argv[3])))
         sys.exit(0)
+    if sys.argv[1] == "native":
+        from gdsload.loader.compress import compress_dir
+        from gdsload.loader.compression import CODECS
+        CODECS["ans"] = ("native", "chunks")
+        print(compress_dir(sys.argv[2], sys.argv[3], codec="ans", device="cuda"))
+        sys.exit(0)
     rounds, path, d, modes = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
     with open(path, "w") as fh:
         for rnd in range(rounds):
             k = rnd % len(modes)
             for m in modes[k:] + modes[:k]:
-                p = subprocess.run([sys.executable, __file__, "worker", d, m], capture_output=True, text=True, timeout=120)
+                mode, _, other = m.partition("@")
+                p = subprocess.run([sys.executable, __file__, "worker", other or d, mode], capture_output=True, text=True,
+                                   timeout=120)
                 rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
                 rec = {"round": rnd, "mode": m, **(rows[0] if rows else {"err": p.stderr[-400:]})}
                 fh.write(json.dumps(rec) + "\n")

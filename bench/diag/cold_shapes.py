@@ -16,6 +16,10 @@
 # session 10).
 # A shape "cring:THREADSxMiB[@STREAMS]" is no loader but cupy_ring.py: fastsafetensors' way of reading, from
 # Python without torch (session 10).
+# "THREADSxMiB:kvikio" keeps kvikio as the cold reader where fastsafetensors' native reader would take it (session
+# 12; the loader's default since then, so plain "4x2" shapes read through that reader when it is installed).
+# A shape "fst:THREADSxMiB" is no loader but fst_reader.py: fastsafetensors' native reader driven into one arena
+# (session 12; MiB: its whole bounce block).
 # Each row also has what the disk saw during the load (/proc/diskstats of the file's device: requests,
 # their mean size, mean requests in flight; session 7, call 7).
 import json
@@ -65,7 +69,8 @@ def disk_seen(before: dict[str, list[int]], after: dict[str, list[int]], seconds
 
 variants = [("fastsafetensors", None)] + [
     (s[5:], None) if s.startswith("peer:") else
-    ("raw" if s.startswith("raw:") else "cupy_ring" if s.startswith("cring:") else "gdsload:bare", s) for s in shapes]
+    ("raw" if s.startswith("raw:") else "cupy_ring" if s.startswith("cring:") else "fst_reader" if s.startswith("fst:")
+     else "gdsload:bare", s) for s in shapes]
 for i in range(rounds):
     for method, shape in variants[i % len(variants):] + variants[: i % len(variants)]:
         env = dict(os.environ)
@@ -79,6 +84,9 @@ for i in range(rounds):
             threads, mib = shape_.split("x")
             cmd = [sys.executable, str(Path(__file__).with_name("cupy_ring.py")), model, threads, mib,
                    *([streams] if streams else [])]
+        elif method == "fst_reader":
+            threads, mib = shape[4:].split("x")
+            cmd = [sys.executable, str(Path(__file__).with_name("fst_reader.py")), model, threads, mib]
         elif shape:
             shape_, _, piece = shape.partition("/")
             shape_, _, how_ = shape_.partition(":")
@@ -88,6 +96,8 @@ for i in range(rounds):
             patches = []
             if how_ == "buffered":  # the cufile backend then sees the rank as cached: kvikio reads through the page cache
                 patches.append("c.is_cold = lambda *a: False")
+            if how_ == "kvikio":  # kvikio reads the cold rank even where fastsafetensors' reader could (session 12)
+                patches.append("c.CuFileBackend.COLD_READER = 'kvikio'")
             if how_ == "ring":  # the pinned backend's own O_DIRECT ring: reads go on while their copies run
                 method = "gdsload:pinned"
                 patches.append("import gdsload.loader.backends.pinned as p; p.has_direct_switch = lambda kv: False")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "BARE_BACKENDS", "IO_MODES", "select_backend", "backend_class",
-           "wait_preads"]
+           "wait_preads", "device_address", "dst_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,16 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
         log.info("backend %s skipped: %s", candidate, reason)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")
+
+
+def device_address(a: object) -> int:
+    """Address of a 1-D device buffer: a torch tensor or a cupy array."""
+    return a.data.ptr if type(a).__module__.startswith("cupy") else a.data_ptr()  # type: ignore[attr-defined]
+
+
+def dst_bytes(a: object) -> int:
+    """Size in bytes of a 1-D uint8 buffer: a torch tensor or a cupy array."""
+    return int(a.nbytes)  # type: ignore[attr-defined]
 
 
 def wait_preads(plan: LoadPlan, futures: Sequence[tuple[Extent, object]], progress: Progress | None) -> None:

@@ -14,6 +14,10 @@ virtio disk best: with 16 MiB reads 11-24 requests waited at the disk, 15-25 ms 
 took 1.79-2.09 GB/s against 1.88-2.28 with 2 MiB reads, taking turns in fresh processes
 (bench/RESULTS.md, session 8).
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
+When fastsafetensors is installed, its native reader does such a cold rank's whole reads (into the
+arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.backends.fst_reader`); a compressed
+load's staging groups stay with kvikio. Taking turns in fresh processes (bench/RESULTS.md,
+session 12), it read a cold 9 GB rank at 1.90 GB/s median against 1.77 for kvikio's shape above.
 
 The arena comes from torch here; :mod:`gdsload.loader.bare` reads the same way into cupy memory
 by overriding the three device hooks (``allocate``, ``_use_device``, ``_synchronize``).
@@ -28,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from ..iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
 from ..pagecache import is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
-from . import Backend, Progress, wait_preads
+from . import Backend, Progress, device_address, dst_bytes, wait_preads
+from .fst_reader import make_fst_reader
 
 if TYPE_CHECKING:
     import torch
@@ -54,8 +59,13 @@ class CuFileBackend(Backend):
     """Sequential streams the cold reads are queued as; None: one per thread. With more threads than
     streams, each stream has several neighbouring reads in flight, as fastsafetensors reads. Measured with
     8-16 threads and 4 streams, it gained nothing over the default (bench/RESULTS.md, ninth session)."""
+    COLD_READER = "fastsafetensors"
+    """Who reads a cold rank with O_DIRECT: ``fastsafetensors`` (its native reader, where installed; else
+    kvikio) or ``kvikio``."""
     cold_direct = False
-    """Set by :meth:`open`: this load reads cold files with O_DIRECT through kvikio's POSIX path."""
+    """Set by :meth:`open`: this load reads cold files with O_DIRECT (kvikio's POSIX path, or ``cold_reader``)."""
+    cold_reader: Any = None
+    """Set by :meth:`open`: fastsafetensors' reader for this cold rank's :meth:`read` calls, or None."""
 
     @classmethod
     def probe(cls, device: torch.device) -> str | None:
@@ -102,6 +112,11 @@ class CuFileBackend(Backend):
             self._files.append(kvikio.CuFile(f.path, "r"))
         self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
                         for m, cf in zip(self._modes, self._files)]
+        self.cold_reader = None
+        if self.cold_direct and self.COLD_READER == "fastsafetensors":
+            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], self._device_index)
+            if self.cold_reader is None:
+                log.info("%s: cold reads through kvikio: %s", self.name, why)
 
     def _task(self, *, cold: bool) -> int:
         return self.options.chunk_bytes or (self.COLD_TASK if cold else self.DEFAULT_TASK)
@@ -126,6 +141,11 @@ class CuFileBackend(Backend):
 
         torch.cuda.synchronize(self.device)
 
+    def _device_index(self) -> int:
+        import torch
+
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
     def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
                ) -> Callable[[], None]:
         assert self.plan is not None
@@ -149,6 +169,12 @@ class CuFileBackend(Backend):
         return wait
 
     def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        if self.cold_reader is not None:
+            # Whole reads only (the arena): a compressed load's staging groups, submitted while the
+            # decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
+            self.cold_reader.submit(extents, device_address(dst), dst_bytes(dst), progress)()
+            self._synchronize()
+            return
         self.submit(extents, dst, progress)()
 
     def io_modes(self) -> list[str]:
@@ -158,6 +184,9 @@ class CuFileBackend(Backend):
         return list(self._direct)
 
     def close(self) -> None:
+        if self.cold_reader is not None:
+            self.cold_reader.close()
+            self.cold_reader = None
         for f in getattr(self, "_files", []):
             f.close()
         self._files = []

@@ -18,6 +18,9 @@ chosen per file from its page-cache residency (``mincore``):
   On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds, fifth
   session, 16 MiB reads): 1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS
   copy (bench/RESULTS.md).
+- **cold ranks, when fastsafetensors is installed**: its native reader reads what goes straight
+  into the arena, as in ``cufile`` (see :mod:`gdsload.loader.backends.fst_reader`;
+  ``CuFileBackend.COLD_READER``); a compressed load's staging groups stay with the engines below.
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
@@ -40,6 +43,7 @@ from ..pagecache import COLD_RESIDENCY, is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
 from . import Backend, Progress, wait_preads
 from .cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
+from .fst_reader import make_fst_reader
 from .ring import PAGE, RingFile, StagingRing
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
@@ -100,6 +104,13 @@ class PinnedBackend(Backend):
                               and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
         self._engine = ["kvikio" if self._kv is not None and (not d or self.kvikio_direct) else "ring"
                         for d in self._direct]
+        self._fst = None
+        if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
+            self._fst, why = make_fst_reader(
+                [f.path for f in plan.files],
+                lambda: self.device.index if self.device.index is not None else torch.cuda.current_device())
+            if self._fst is None:
+                log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", why)
         self._cufiles: dict[int, Any] = {}
         self._kv_settings: Any = None
         if "kvikio" in self._engine:
@@ -178,6 +189,10 @@ class PinnedBackend(Backend):
         return wait
 
     def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+        if self._fst is not None:  # whole reads of the cold rank; staging groups stay with submit (see cufile)
+            self._fst.submit(extents, dst.data_ptr(), dst.nbytes, progress)()
+            torch.cuda.synchronize(self.device)
+            return
         self.submit(extents, dst, progress)()
 
     def io_modes(self) -> list[str]:
@@ -188,10 +203,14 @@ class PinnedBackend(Backend):
         return list(self._direct)
 
     def engines(self) -> list[str]:
-        """Per file: ``kvikio`` (C++ POSIX engine) or ``ring`` (our threads)."""
+        """Per file: ``kvikio`` (C++ POSIX engine) or ``ring`` (our threads), for staging groups; whole reads of
+        a cold rank go through fastsafetensors' reader when :meth:`open` made one."""
         return list(self._engine)
 
     def close(self) -> None:
+        if getattr(self, "_fst", None) is not None:
+            self._fst.close()
+            self._fst = None
         if getattr(self, "_ring", None) is not None:
             self._ring.close()
             self._ring = None
