@@ -54,6 +54,8 @@ class DoctorReport:
     nvcomp: str | None = None
     torch_free_workers: str | None = None
     """Why sidecar GPU workers would import torch before loading (None: they load without it)."""
+    cold_reader: str | None = None
+    """Why a cold rank would be read by kvikio, not fastsafetensors' native reader (None: by that reader)."""
     mounts: list[MountFacts] = field(default_factory=list)
     expected_io_mode: str = "cpu"
     advice: list[str] = field(default_factory=list)
@@ -152,7 +154,10 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
     if r.gpus:
         from .bare import bare_unavailable
 
+        from .backends.fst_reader import fst_reader_unavailable
+
         r.torch_free_workers = bare_unavailable()
+        r.cold_reader = fst_reader_unavailable()
     model_dir = os.environ.get("GDSLOAD_MODEL_DIR")
     default = [p for p in (model_dir, os.getcwd(), "/dev/shm") if p and os.path.exists(p)]
     for path in paths or default:
@@ -165,6 +170,12 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
         r.mounts.append(m)
     r.expected_io_mode, r.advice = _advise(r)
     return r
+
+
+def _major(version: str) -> int:
+    """The major number of a version string such as ``6.0.0``; 0 when it has none."""
+    m = re.match(r"\d+", version)
+    return int(m.group()) if m else 0
 
 
 def _advise(r: DoctorReport) -> tuple[str, list[str]]:
@@ -192,6 +203,12 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
     if r.nvcomp is None:
         advice.append("nvidia-nvcomp is not installed: ANS-compressed checkpoints cannot be decoded here "
                       "(pip install 'gdsload[cu12]' or [cu13]).")
+    elif _major(r.nvcomp) < 6:
+        advice.append(f"nvidia-nvcomp {r.nvcomp} is older than 6.0, whose C API decodes the ANS files gdsload "
+                      "writes (ANS chunks): pip install 'nvidia-nvcomp-cu12>=6' (or -cu13).")
+    if r.cold_reader is not None:
+        advice.append(f"cold ranks will be read by kvikio, not fastsafetensors' native reader (1.77 against 1.90 GB/s "
+                      f"median on the H200 machines' disk; bench/RESULTS.md): {r.cold_reader}.")
     if r.torch_free_workers is not None:
         advice.append(f"sidecar GPU workers will import torch before they load (seconds per worker): "
                       f"{r.torch_free_workers}.")
@@ -249,6 +266,8 @@ def format_report(r: DoctorReport) -> str:
     if r.gpus:
         lines.append(f"sidecar  GPU workers load without torch: "
                      f"{'yes' if r.torch_free_workers is None else 'no (' + r.torch_free_workers + ')'}")
+        lines.append(f"cold     ranks read by: "
+                     f"{'fastsafetensors native reader' if r.cold_reader is None else 'kvikio (' + r.cold_reader + ')'}")
     for m in r.mounts:
         lines.append(f"mount    {m.path} on {m.mount_point} ({m.fs_type}): O_DIRECT "
                      f"{ {True: 'yes', False: 'no', None: 'untested'}[m.o_direct] }")

@@ -123,6 +123,21 @@ def test_sidecar_workers_that_would_import_torch_are_called_out():
     assert "GPU workers load without torch: yes" in format_report(r)
 
 
+def test_the_cold_reader_and_an_old_nvcomp_are_called_out():
+    from gdsload.loader.doctor import DoctorReport, _advise, format_report
+
+    why = "fastsafetensors is not installed (No module named 'fastsafetensors'); pip install 'gdsload[cu12]' (or [cu13])"
+    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="5.3.0", cold_reader=why)
+    r.expected_io_mode, r.advice = _advise(r)
+    assert any(a.startswith("cold ranks will be read by kvikio") and why in a for a in r.advice)
+    assert any("nvidia-nvcomp 5.3.0 is older than 6.0" in a for a in r.advice)
+    assert f"cold     ranks read by: kvikio ({why})" in format_report(r)
+    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0")
+    r.expected_io_mode, r.advice = _advise(r)
+    assert not any("cold ranks" in a or "older than 6.0" in a for a in r.advice)
+    assert "cold     ranks read by: fastsafetensors native reader" in format_report(r)
+
+
 def test_several_gpus_with_nvcomp_get_the_gpu0_context_warning():
     from gdsload.loader.doctor import DoctorReport, _advise
 
