@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends import device_address
+from .backends import device_address, is_cupy
 from .compression import CHUNK_ALIGN, CODECS, CompressedEntry
 from .errors import CodecError
 
@@ -308,7 +308,7 @@ class GpuCodecs:
 
 
 def _device_for(like: Any, stream: int) -> _TorchDevice | _CupyDevice:
-    return _CupyDevice(stream) if type(like).__module__.startswith("cupy") else _TorchDevice(like.device, stream)
+    return _CupyDevice(stream) if is_cupy(like) else _TorchDevice(like.device, stream)
 
 
 class _TorchDevice:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend
+from .backends import Backend, is_cupy
 from .codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
 from .errors import CodecError
 from .plan import CompressedTensor, Extent, LoadPlan, align_up
@@ -88,7 +88,7 @@ def load_compressed(
     groups = _groups(plan.compressed, staging)
     paths = [f.path for f in plan.files]
     t0 = time.perf_counter()
-    if not _is_cupy(arena) and arena.device.type == "cpu":
+    if not is_cupy(arena) and arena.device.type == "cpu":
         import torch
 
         buf = torch.empty(staging, dtype=torch.uint8)
@@ -192,7 +192,7 @@ _WARNED: set[int] = set()
 
 def _warn_if_other_gpus(arena: Any) -> None:
     """Say once per device when nvCOMP's Python package will also open a context on GPU 0 (nvCOMP 6.0)."""
-    index = arena.device.id if _is_cupy(arena) else arena.device.index
+    index = arena.device.id if is_cupy(arena) else arena.device.index
     if not index or index in _WARNED:
         return
     visible = cuda_device_count()
@@ -202,10 +202,6 @@ def _warn_if_other_gpus(arena: Any) -> None:
                     "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes; bench/RESULTS.md). "
                     "Give each process only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, "
                     "whose workers see one GPU each", index, visible)
-
-
-def _is_cupy(a: Any) -> bool:
-    return type(a).__module__.startswith("cupy")
 
 
 _CUPY_STREAMS: dict[int, Any] = {}
@@ -222,7 +218,7 @@ def _stream_for(arena: Any) -> tuple[Any, int, int, Callable[[], Any]]:
     traceback holds them). torch keeps its streams in a pool for the process's life; cupy streams
     are kept the same way here, one per device, so no codec ever sees its stream destroyed.
     """
-    if _is_cupy(arena):
+    if is_cupy(arena):
         import cupy
 
         index = arena.device.id
@@ -241,7 +237,7 @@ def _stream_for(arena: Any) -> tuple[Any, int, int, Callable[[], Any]]:
 
 def _to_host(a: Any) -> Any:
     """Device bytes as a host numpy array."""
-    return a.get() if _is_cupy(a) else a.cpu().numpy()
+    return a.get() if is_cupy(a) else a.cpu().numpy()
 
 
 def _pipeline(

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "BARE_BACKENDS", "IO_MODES", "select_backend", "backend_class",
-           "wait_preads", "device_address", "dst_bytes"]
+           "wait_preads", "is_cupy", "device_address", "dst_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +157,14 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")
 
 
+def is_cupy(a: object) -> bool:
+    """Whether ``a`` is a cupy array (the torch-free path's buffers) rather than a torch tensor."""
+    return type(a).__module__.startswith("cupy")
+
+
 def device_address(a: object) -> int:
     """Address of a 1-D device buffer: a torch tensor or a cupy array."""
-    return a.data.ptr if type(a).__module__.startswith("cupy") else a.data_ptr()  # type: ignore[attr-defined]
+    return a.data.ptr if is_cupy(a) else a.data_ptr()  # type: ignore[attr-defined]
 
 
 def dst_bytes(a: object) -> int:
