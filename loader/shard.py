@@ -473,8 +473,11 @@ def _check_source(src: _Source, spec: ModelSpec, where: str) -> None:
 def _out_dtype(t: OutTensor, src: _Source) -> str:
     if t.op == "fp8":
         return from_torch(FP8_DTYPE)
-    if t.op in ("fp8_scale", "fill"):
+    if t.op == "fp8_scale":
         return "F32"
+    if t.op == "fill":
+        # None: the model's dtype, which vLLM takes as its default dtype while it builds the model.
+        return t.dtype or src.dtype("model.embed_tokens.weight")
     dtypes = {src.dtype(p.source) for p in t.pieces}
     if len(dtypes) > 1:
         raise SourceCheckpointError(

@@ -8,14 +8,17 @@ vocabulary ``V`` padded to ``Vp``, a multiple of 64):
 * ``k_proj``/``v_proj``: split like ``q_proj`` when ``K >= tp``; when ``K < tp`` each KV head is
   replicated on ``tp/K`` ranks and rank ``r`` holds head ``r // (tp/K)`` (vLLM's QKVParallelLinear).
 * row-parallel (split the input columns): ``o_proj`` and ``down_proj``; their biases replicated.
-* vocab-parallel: ``embed_tokens`` and ``lm_head`` rows ``[r·Vp/tp, (r+1)·Vp/tp)``, rows past
-  ``V`` zero-filled (vLLM's VocabParallelEmbedding with padding 64).
+* vocab-parallel: ``embed_tokens`` and ``lm_head`` rows ``[r·Vp/tp, (r+1)·Vp/tp)``; in the vllm layout
+  rows past ``V`` are zero-filled (vLLM's VocabParallelEmbedding with padding 64), in the hf layout
+  a rank holds only the real rows of its range.
 * replicated: every norm.
 
 Layouts: ``vllm`` fuses per rank as vLLM's model parameters are named and shaped
 (``self_attn.qkv_proj`` = q, k, v rows stacked; ``mlp.gate_up_proj`` = gate, up rows stacked;
 with tied embeddings only ``lm_head.weight``, the name vLLM's ``sharded_state`` loader keeps);
-``hf`` keeps the Hugging Face names, one slice per rank.
+``hf`` keeps the Hugging Face names, one slice per rank. The vllm layout also holds the entries vLLM's
+attention layers register and no HF checkpoint has (:func:`vllm_attention_state`), so a rank's
+file is exactly the model's state dict at that tensor-parallel size.
 
 Each planned output tensor is an :class:`OutTensor`: *pieces* of source tensors, concatenated
 along one dimension and zero-padded, optionally quantized to FP8. Nothing here reads data.
@@ -40,7 +43,8 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "VOCAB_PADDING",
     "LAYOUTS",
-    "VLLM_ATTENTION_SCALES",
+    "EngineState",
+    "vllm_attention_state",
     "UnsupportedModelError",
     "ShardConfigError",
     "SourceCheckpointError",
@@ -66,12 +70,46 @@ VOCAB_PADDING = 64
 
 LAYOUTS = ("vllm", "hf")
 
-VLLM_ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
-"""Parameters vLLM's KV-cache quant method registers on every attention layer of an FP8 model
-(``fp8`` and ``compressed-tensors``); its ``sharded_state`` loader expects them, -1 meaning
-"not calibrated" (vLLM then uses 1.0)."""
+@dataclass(frozen=True)
+class EngineState:
+    """A tensor the engine's attention layer registers that no Hugging Face checkpoint holds.
 
-_UNCALIBRATED = -1.0
+    vLLM's ``sharded_state`` loader (and gdsload's strict mode) want every entry of the model's
+    state dict, so the vllm layout stores these with the value vLLM gives them when a checkpoint
+    lacks them; vLLM then derives its attention scales from them after loading, exactly as it
+    does for an ordinary checkpoint.
+    """
+
+    name: str
+    """Name under ``model.layers.N.self_attn.attn.``."""
+    shape: tuple[int, ...]
+    dtype: str | None
+    """safetensors dtype; None: the model's dtype (what vLLM's default dtype is while it builds the model)."""
+    fill: float
+
+
+def vllm_attention_state(quant: QuantScheme | None) -> tuple[EngineState, ...]:
+    """The attention-layer entries of vLLM's state dict (vLLM 0.32) for a model quantized with ``quant``.
+
+    Every attention layer registers the buffers ``_k_scale``, ``_v_scale``, ``_q_scale`` and
+    ``_prob_scale`` (fp32 scalars, 1.0). A quantized model's KV-cache method adds parameters:
+    vLLM's ``fp8`` method (per-tensor) ``q_scale``, ``k_scale``, ``v_scale``, ``prob_scale``
+    (scalars in the model dtype, -1.0: "not calibrated", after which vLLM uses 1.0);
+    ``compressed-tensors`` (per-channel) ``q_scale``, ``k_scale``, ``v_scale`` (fp32 ``[1]``, 1.0)
+    and ``q_zero_point``, ``k_zero_point``, ``v_zero_point`` (model dtype ``[1]``, 0.0).
+
+    >>> [s.name for s in vllm_attention_state(None)]
+    ['_k_scale', '_v_scale', '_q_scale', '_prob_scale']
+    """
+    out = [EngineState(n, (), "F32", 1.0) for n in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")]
+    if quant is None:
+        return tuple(out)
+    if not quant.per_channel:
+        return tuple(EngineState(n, (), None, -1.0) for n in ("q_scale", "k_scale", "v_scale", "prob_scale")) + \
+            tuple(out)
+    scales = [EngineState(n, (1,), "F32", 1.0) for n in ("k_scale", "v_scale", "q_scale")]
+    zeros = [EngineState(n, (1,), None, 0.0) for n in ("k_zero_point", "v_zero_point", "q_zero_point")]
+    return tuple(scales + zeros + out)
 
 
 class UnsupportedModelError(GdsloadError, ValueError):
@@ -276,6 +314,8 @@ class OutTensor:
     scale_of: str | None = None
     """For ``fp8_scale``: the ``fp8`` output tensor whose scales these are."""
     fill: float = 0.0
+    dtype: str | None = None
+    """For ``fill``: the safetensors dtype (None: the model's dtype)."""
     split: str = "replicate"
     """``column``, ``row``, ``vocab``, ``replicate``: how the tensor is split, for the manifest's plan."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -360,9 +400,11 @@ def rank_tensors(
 
     def vocab(name: str, source: str) -> None:
         # A rank past the vocabulary holds padding only: an empty piece still names the source (its dtype).
+        # The hf layout keeps the real rows only (at tp=1: the source's own shape).
         pieces = (_piece(source, rg.vocab),)
-        pad = rg.vocab_rows - (rg.vocab[1] - rg.vocab[0])
-        out.append(OutTensor(name, (rg.vocab_rows, h), "copy", 0, pieces, pad=pad, split="vocab"))
+        rows = rg.vocab[1] - rg.vocab[0]
+        pad = rg.vocab_rows - rows if layout == "vllm" else 0
+        out.append(OutTensor(name, (rows + pad, h), "copy", 0, pieces, pad=pad, split="vocab"))
 
     if layout == "hf" or not spec.tie_embeddings:
         vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
@@ -385,9 +427,9 @@ def rank_tensors(
         linear(a + "o_proj", [_piece(a + "o_proj.weight", rg.q)], 1, h, "row")
         if spec.o_bias:
             replicate(a + "o_proj.bias", (h,))
-        if quant is not None and layout == "vllm":
-            for s in VLLM_ATTENTION_SCALES:
-                out.append(OutTensor(a + "attn." + s, (), "fill", fill=_UNCALIBRATED))
+        if layout == "vllm":
+            for st in vllm_attention_state(quant):
+                out.append(OutTensor(a + "attn." + st.name, st.shape, "fill", fill=st.fill, dtype=st.dtype))
         replicate(p + "post_attention_layernorm.weight", (h,))
         if layout == "vllm":
             linear(m + "gate_up_proj", [_piece(m + "gate_proj.weight", rg.mlp),

@@ -167,18 +167,29 @@ def test_fp8_shards_dequantize_within_bounds_and_logits_close(fp8_sources, tmp_p
 
     # files: FP8 weights, fp32 scales, everything else untouched in the source dtype
     ranks = [read_rank(out, r) for r in range(tp)]
+    # vLLM 0.32's attention state for this quantization (what its model registers; the engine tier checks it)
+    if granularity == "per-tensor":
+        attn = {s: ((), torch.bfloat16, -1.0) for s in ("q_scale", "k_scale", "v_scale", "prob_scale")}
+    else:
+        attn = {s: ((1,), torch.float32, 1.0) for s in ("q_scale", "k_scale", "v_scale")}
+        attn |= {s: ((1,), torch.bfloat16, 0.0) for s in ("q_zero_point", "k_zero_point", "v_zero_point")}
+    attn |= {s: ((), torch.float32, 1.0) for s in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")}
     for tensors in ranks:
         for name, t in tensors.items():
-            if name.endswith("_proj.weight"):
+            if ".attn." in name:
+                assert layout == "vllm", name
+                shape, dtype, value = attn[name.rsplit(".", 1)[1]]
+                assert (tuple(t.shape), t.dtype) == (shape, dtype) and (t == value).all(), (name, t)
+            elif name.endswith("_proj.weight"):
                 assert t.dtype == torch.float8_e4m3fn, name
-            elif name.endswith(("weight_scale", "_scale")):
+            elif name.endswith("weight_scale"):
                 assert t.dtype == torch.float32, name
             else:
                 assert t.dtype == torch.bfloat16, name
         if layout == "vllm":
             for i in range(2):
-                for s in ("q_scale", "k_scale", "v_scale", "prob_scale"):
-                    assert tensors[f"model.layers.{i}.self_attn.attn.{s}"].item() == -1.0
+                assert {n.rsplit(".", 1)[1] for n in tensors if n.startswith(f"model.layers.{i}.self_attn.attn.")} \
+                    == set(attn)
             if granularity == "per-tensor":
                 assert tensors["model.layers.0.self_attn.qkv_proj.weight_scale"].shape == (3,)
                 assert tensors["model.layers.0.mlp.gate_up_proj.weight_scale"].shape == (2,)

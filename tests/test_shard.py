@@ -223,6 +223,8 @@ def vllm_expected(kind: str, tp: int, quant: bool = False) -> dict[str, tuple[in
         if cfg.get("mlp_bias", False):
             out[p + "mlp.gate_up_proj.bias"] = (2 * inter // tp,)
             out[p + "mlp.down_proj.bias"] = (h,)
+        for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):  # vLLM's attention buffers
+            out[p + "self_attn.attn." + s] = ()
         if quant:
             for s in ("q_scale", "k_scale", "v_scale", "prob_scale"):
                 out[p + "self_attn.attn." + s] = ()
@@ -322,7 +324,8 @@ def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_pat
     k = shard["tensors"]["model.layers.0.self_attn.k_proj.weight"]
     assert k["split"] == "column" and k["ranks"] == [[[0, 0, 8]], [[0, 0, 8]], [[0, 8, 16]], [[0, 8, 16]]]
     emb = shard["tensors"]["model.embed_tokens.weight"]
-    assert emb["split"] == "vocab" and emb["pad"] == [0, 0, 0, 24] and emb["ranks"][3] == [[0, 768, 1000]]
+    # hf layout: the real rows of each rank's range, no padding (at tp=1, the source's own shape)
+    assert emb["split"] == "vocab" and "pad" not in emb and emb["ranks"][3] == [[0, 768, 1000]]
     assert "lm_head.weight" not in shard["tensors"]  # tied: HF names keep only the embedding
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
@@ -385,8 +388,12 @@ def test_a_rank_past_the_vocabulary_holds_padding_only(tmp_path, layout):
     shard_checkpoint(tmp_path / "src", tmp_path / "out", tp=4, layout=layout)
     src = source_tensors(tmp_path / "src")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        rows = torch.cat([read_rank(tmp_path / "out", r)[name] for r in range(4)])
-        assert rows.shape == (192, 64) and torch.equal(rows[:130], src[name]) and not rows[130:].any()
+        parts = [read_rank(tmp_path / "out", r)[name] for r in range(4)]
+        rows = torch.cat(parts)
+        if layout == "vllm":  # vLLM's padded vocabulary: 48 rows on every rank
+            assert rows.shape == (192, 64) and torch.equal(rows[:130], src[name]) and not rows[130:].any()
+        else:  # the real rows of each range only: rank 3's range starts past the vocabulary
+            assert [p.shape[0] for p in parts] == [48, 48, 34, 0] and torch.equal(rows, src[name])
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -135,6 +135,8 @@ class InjectReport:
     """Tensors bound to the model without a copy (they are views of the loaded arena)."""
     narrowed: list[str] = field(default_factory=list)
     """Parameters larger than their checkpoint tensor (vLLM's LoRA padding rule): only the leading part was written."""
+    source: str = ""
+    """Where the tensors came from: the load report's summary line, or the sidecar mapping (set by the adapters)."""
 
     @property
     def ok(self) -> bool:
@@ -411,7 +413,17 @@ class RankWeights:
     """``storage`` (read with ``load_rank``) or ``sidecar`` (mapped over IPC)."""
     report: LoadReport | None = None
     """The load report when read from storage."""
+    seconds: float = 0.0
+    """Time to read (or map) the tensors."""
     _release: Any = None
+
+    def describe(self) -> str:
+        """One line: the load report's summary, or what was mapped from the sidecar (``backend=sidecar io=ipc``)."""
+        if self.report is not None:
+            return self.report.summary()
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return (f"rank {self.rank}: {format_bytes(nbytes)} mapped from the sidecar in {self.seconds:.3f} s "
+                f"backend=sidecar io=ipc tensors={len(self.tensors)}")
 
     def close(self) -> None:
         self.tensors = {}
@@ -448,9 +460,11 @@ def open_rank(
     if options.sidecar_url is not None:
         from ..sidecar_client import SidecarClient
 
+        start = time.perf_counter()
         client = SidecarClient(options.sidecar_url, token=options.sidecar_token(), timeout=options.timeout)
         mapped = client.map_rank(rank, device=device if expect_device else None)
-        return RankWeights(rank=rank, tensors=mapped.tensors, origin="sidecar", _release=mapped.release)
+        return RankWeights(rank=rank, tensors=mapped.tensors, origin="sidecar", seconds=time.perf_counter() - start,
+                           _release=mapped.release)
     if path is None:
         raise ConfigError("no model path and no sidecar_url: nothing to load the weights from")
     from ..api import load_rank

@@ -28,7 +28,10 @@ instead of being read from storage again, copied into the parameters, and releas
 
 Checked against vLLM's source (``vllm/model_executor/model_loader/``: ``base_loader.py``,
 ``__init__.py`` ``register_model_loader``, ``sharded_state_loader.py``; ``vllm/plugins/__init__.py``;
-``vllm/config/load.py``), 2025-2026 main branch.
+``vllm/config/load.py``) and run by vLLM 0.32 itself in the test suite's engine tier (``tests/engine``).
+
+Each worker logs one line through vLLM's logger, ``Loading weights took 0.41 seconds (gdsload): rank 0:
+...``, with the backend, I/O mode, bytes and GB/s of the read; gdsload's own warnings go to vLLM's log.
 """
 
 from __future__ import annotations
@@ -289,8 +292,8 @@ def load_into_model(
                           else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled))
     with open_rank(path, plan.file_rank, options=options, device=device, expect_device=True) as weights:
         report = injector.inject(weights.tensors, strict=options.strict)
-    log.info("rank %d: %s (%s, %s layout, from %s)", rank, report.summary(), plan.kind, plan.layout.layout,
-             weights.origin)
+        report.source = weights.describe()
+    log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), plan.kind, plan.layout.layout)
     return report
 
 
@@ -309,6 +312,9 @@ def _model_device(model: nn.Module) -> torch.device:
 def loader_class() -> type:
     """The ``BaseModelLoader`` subclass for load format ``gdsload`` (imports vLLM)."""
     base_loader = import_engine("vllm.model_executor.model_loader.base_loader", "vllm", "the gdsload vLLM loader")
+    from vllm.logger import init_logger
+
+    vllm_log = init_logger("vllm.gdsload")
 
     class GdsloadModelLoader(base_loader.BaseModelLoader):  # type: ignore[name-defined,misc]
         """vLLM load format ``gdsload``: pre-sharded ranks by state-dict name, or HF checkpoints via load_weights."""
@@ -330,11 +336,15 @@ def loader_class() -> type:
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+            start = time.perf_counter()
             self.download_model(model_config)
+            rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             # vLLM checks for unfilled parameters only when the model is not quantized; so do we.
-            load_into_model(model, _weights_path(model_config), rank=get_tensor_model_parallel_rank(),
-                            tp_size=get_tensor_model_parallel_world_size(), options=self.options, engine="vllm",
-                            check_unfilled=getattr(model_config, "quantization", None) is None)
+            report = load_into_model(model, _weights_path(model_config), rank=rank, tp_size=tp, options=self.options,
+                                     engine="vllm", check_unfilled=getattr(model_config, "quantization", None) is None)
+            # One line per worker in vLLM's own log, as vLLM's loaders write it, with what gdsload did.
+            vllm_log.info("Loading weights took %.2f seconds (gdsload, tp rank %d of %d): %s; %s",
+                          time.perf_counter() - start, rank, tp, report.source, report.summary())
 
     GdsloadModelLoader.__module__ = __name__
     GdsloadModelLoader.__qualname__ = "GdsloadModelLoader"  # picklable by name (module __getattr__)
@@ -363,8 +373,30 @@ def register() -> None:
             "it); upgrade vLLM to use --load-format gdsload"
         )
     register_fn(LOAD_FORMAT)(cls)
+    _route_warnings_to_vllm()
     _registered = True
     log.info("registered vLLM load format %r", LOAD_FORMAT)
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands gdsload's records to the handlers vLLM configured on its ``vllm`` logger."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _route_warnings_to_vllm() -> None:
+    """Inside vLLM, gdsload's warnings and errors appear in vLLM's log, formatted as vLLM's own lines.
+
+    Nothing changes when the process configured the ``gdsload`` logger itself (a handler or a level).
+    """
+    lib = logging.getLogger("gdsload")
+    if lib.handlers or lib.level != logging.NOTSET:
+        return
+    lib.addHandler(_ToVllmLog())
+    lib.setLevel(logging.WARNING)
 
 
 def _weights_path(model_config: Any) -> str:

