@@ -72,16 +72,18 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
     for b in OUR_BACKENDS:
         from gdsload.loader.backends import backend_class
 
-        reason = backend_class(b).probe(__import__("torch").device(device))
+        from gdsload.loader.devices import as_device
+
+        reason = backend_class(b).probe(as_device(device))
         if reason:
             skipped[f"gdsload:{b}"] = reason
             continue
         methods.append(f"gdsload:{b}")
         if compressed and b != "fastsafetensors":
             methods.append(f"gdsload:{b}:compressed")
-    from gdsload.loader.bare import bare_unavailable
+    from gdsload.loader.devices import torch_free_unavailable
 
-    reason = bare_unavailable()
+    reason = torch_free_unavailable()
     if reason:
         skipped[BARE] = reason
     else:  # the sidecar workers' path, without torch

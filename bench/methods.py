@@ -1,13 +1,15 @@
 """One load, in a fresh process: ``python -m gdsload.bench.methods METHOD DIR DEVICE``.
 
-Prints one JSON line: the method, seconds from the start of the load until every tensor is on
-the device and the device is synchronized, logical bytes loaded, and what the loader reported
-(backend, I/O modes). Every method's imports (ours include kvikio and nvCOMP) and CUDA
-initialisation happen before the clock starts, and are reported separately
-(``startup_seconds``) so cold-start totals can include them.
+Prints one JSON line: the method, the seconds a user's stopwatch shows, logical bytes loaded, and
+what the loader reported (backend, I/O modes, its own phases). The stopwatch runs from the
+loader's first import to the last tensor on the device, the device synchronized, and the
+loader's set-up and tear-down included (the result is released inside it). Before it starts,
+the process has what an engine process has: torch imported and its CUDA context made (for the
+torch-free method, only the CUDA context, through the driver); that start-up is reported apart
+(``startup_seconds``).
 
-Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``gdsload:bare`` (the
-sidecar workers' path: :func:`gdsload.loader.bare.load_rank_bare`, no torch in the process), ``safetensors``
+Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``gdsload:torch-free`` (the
+sidecar workers' path: ``load_rank`` onto a ``CupyDevice``, no torch in the process), ``safetensors``
 (load on CPU, then ``.to(device)``), ``safetensors-device`` (``device=`` straight to the GPU),
 ``fastsafetensors``, ``instanttensor``, ``runai`` (Run:ai model streamer).
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 PROCESS_START = time.perf_counter()
 
-BARE = "gdsload:bare"
+BARE = "gdsload:torch-free"
 PEERS = ("safetensors", "safetensors-device", "fastsafetensors", "instanttensor", "runai")
 PEER_MODULES = {"safetensors": "safetensors", "safetensors-device": "safetensors",
                 "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor",
@@ -50,11 +52,12 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
     if method == BARE:
         import cupy
 
-        from gdsload.loader.bare import load_rank_bare
+        from gdsload.loader.devices import CupyDevice
+        from gdsload.loader.pipeline import load_rank
 
-        bare = load_rank_bare(model_dir, rank, device_index=_index(device))
+        res = load_rank(model_dir, rank, device=CupyDevice(_index(device)))
         cupy.cuda.runtime.deviceSynchronize()
-        return bare, bare.report.logical_bytes, _report_extras(bare.report)
+        return res, res.report.logical_bytes, _report_extras(res.report)
 
     import torch
 
@@ -126,21 +129,22 @@ def _index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
 
 
+def _driver_context(index: int) -> None:
+    """The GPU's primary CUDA context, made through the driver (what cupy and torch then retain)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), index) or cuda.cuDevicePrimaryCtxRetain(
+            ctypes.byref(ctx), dev):
+        raise SystemExit(f"no CUDA context on device {index}")
+
+
 def prepare(method: str, device: str) -> str:
-    """Import what ``method`` needs and create the CUDA context, before any clock; the device to use."""
-    if method == BARE:  # as a sidecar worker starts: cupy, kvikio and nvCOMP, never torch
-        import cupy
-
-        import gdsload.loader.bare  # noqa: F401
-        import gdsload.loader.decode  # noqa: F401
-
-        for optional in ("kvikio", "nvidia.nvcomp"):
-            try:
-                __import__(optional)
-            except ImportError:
-                pass
-        cupy.cuda.Device(_index(device)).use()
-        cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))  # context creation is not part of the load
+    """Give the process what an engine process has before it loads: torch and its CUDA context (the
+    torch-free method: the context only). Nothing of the loader is imported here."""
+    if method == BARE:
+        _driver_context(_index(device))
         return f"cuda:{_index(device)}"
     import torch
 
@@ -149,20 +153,6 @@ def prepare(method: str, device: str) -> str:
     if device.startswith("cuda"):
         torch.cuda.init()
         torch.empty(1, device=device)  # context creation is not part of the load
-    if method.startswith("gdsload:"):
-        # Import what the backends import lazily (kvikio, nvCOMP) before the clock, as every peer's
-        # own modules are imported before its clock.
-        import gdsload.loader.backends.cufile  # noqa: F401
-        import gdsload.loader.backends.pinned  # noqa: F401
-        import gdsload.loader.decode  # noqa: F401
-
-        for optional in ("kvikio", "nvidia.nvcomp"):
-            try:
-                __import__(optional)
-            except ImportError:
-                pass
-    elif method in PEER_MODULES:
-        __import__(PEER_MODULES[method])
     return device
 
 
@@ -171,6 +161,8 @@ def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
     startup = time.perf_counter() - PROCESS_START
     t = time.perf_counter()
     keep, nbytes, extra = load(method, model_dir, device)
+    # The loader's own tear-down ran inside load(); the tensors stay alive until the stopwatch stops,
+    # as a user keeps them.
     seconds = time.perf_counter() - t
     del keep
     return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup, **extra}

@@ -24,7 +24,7 @@ _LAZY: dict[str, str] = {
     "LayoutError": "adapters",
     "inject_module": "adapters",
     "meta_init": "adapters",
-    "load_rank": "api",
+    "load_rank": "pipeline",
     "CheckpointError": "errors",
     "CheckpointReport": "checkpoint",
     "CheckpointTypeError": "errors",
@@ -86,7 +86,7 @@ _LAZY: dict[str, str] = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from .adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
-    from .api import load_rank
+    from .pipeline import load_rank
     from .checkpoint import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
     from .config import LoadConfig, format_bytes, parse_size
     from .discovery import RankFiles, discover, list_ranks

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends import device_address, is_cupy
 from .compression import CHUNK_ALIGN, CODECS, CompressedEntry
+from .devices import Device, as_device
 from .errors import CodecError
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def encode_tensor(
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
                                 ZSTD_CHUNK, tuple(len(f) for f in frames), crc)
         return entry, blob
-    codecs = GpuCodecs(raw.device.index if raw.device.index is not None else torch.cuda.current_device(), encode=True)
+    codecs = GpuCodecs(as_device(raw.device), encode=True)
     if layout == "native":
         enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
@@ -196,18 +196,20 @@ def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, veri
 
 
 class GpuCodecs:
-    """nvCOMP codecs for one device and stream, created once and reused.
+    """nvCOMP codecs for one GPU and stream, created once and reused.
 
-    ``device_index`` is the CUDA ordinal; ``stream`` the raw ``cudaStream_t`` (torch's
-    ``Stream.cuda_stream``, cupy's ``Stream.ptr``), None for the default stream.
+    ``device`` is where the bytes live (:class:`~gdsload.loader.devices.Device`: torch's or cupy's
+    memory); ``stream`` the raw ``cudaStream_t`` (torch's ``Stream.cuda_stream``, cupy's
+    ``Stream.ptr``), None for the default stream.
     """
 
-    def __init__(self, device_index: int, stream: int | None = None, *, encode: bool = False,
+    def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False,
                  verify: bool = False):
         from nvidia import nvcomp
 
         self.nv = nvcomp
-        self.device_index = device_index
+        self.device = device
+        self.device_index = device.index or 0
         self.stream = stream
         policy = nvcomp.ChecksumPolicy
         # Encoders store checksums in native streams; decoders check them only when asked to.
@@ -217,7 +219,7 @@ class GpuCodecs:
             self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
         self._cache: dict[Any, Any] = {}
         self._ans: Any = None  # nvcomp_c.AnsDecoder, made on the first ANS chunks
-        self._device: _TorchDevice | _CupyDevice | None = None
+        self._bytes: _TorchStreamBytes | _CupyStreamBytes | None = None
 
     def close(self) -> None:
         """Drop every nvCOMP codec made here (call it while the stream they borrow still exists)."""
@@ -273,9 +275,11 @@ class GpuCodecs:
             from .nvcomp_c import AnsChunks, AnsDecoder
 
             if self._ans is None:
-                self._device = _device_for(ans[0][1], self.stream or 0)
-                self._ans = AnsDecoder(self.stream or 0, self._device)
-            self._ans.launch(AnsChunks.build([(e, device_address(s), device_address(d), f"{p!r}: tensor {e.name!r}")
+                self._bytes = (_TorchStreamBytes(self.device, self.stream or 0) if self.device.uses_torch
+                               else _CupyStreamBytes(self.stream or 0))
+                self._ans = AnsDecoder(self.stream or 0, self._bytes)
+            address = self.device.address
+            self._ans.launch(AnsChunks.build([(e, address(s), address(d), f"{p!r}: tensor {e.name!r}")
                                               for e, s, d, p in ans]))
         for entry, src, dst, path in items:
             if not (entry.layout == "chunks" and entry.codec == "ans"):
@@ -283,8 +287,8 @@ class GpuCodecs:
 
     def finish(self) -> None:
         """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed."""
-        if self._ans is not None and self._device is not None:
-            self._device.sync()
+        if self._ans is not None and self._bytes is not None:
+            self._bytes.sync()
             self._ans.check()
 
     def _decode_one(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
@@ -307,19 +311,15 @@ class GpuCodecs:
             raise CodecError(f"{where}: nvCOMP could not decode it ({type(e).__name__}: {e})") from None
 
 
-def _device_for(like: Any, stream: int) -> _TorchDevice | _CupyDevice:
-    return _CupyDevice(stream) if is_cupy(like) else _TorchDevice(like.device, stream)
-
-
-class _TorchDevice:
+class _TorchStreamBytes:
     """Device bytes for :class:`~gdsload.loader.nvcomp_c.AnsDecoder`, as torch tensors on ``stream``."""
 
-    def __init__(self, device: Any, stream: int):
+    def __init__(self, device: Device, stream: int):
         import torch
 
         self.torch = torch
-        self.device = device
-        self.stream = torch.cuda.ExternalStream(stream, device=device)
+        self.device = torch.device("cuda", device.index)
+        self.stream = torch.cuda.ExternalStream(stream, device=self.device)
 
     def empty(self, nbytes: int) -> tuple[Any, int]:
         a = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
@@ -336,7 +336,7 @@ class _TorchDevice:
         self.stream.synchronize()
 
 
-class _CupyDevice:
+class _CupyStreamBytes:
     """Device bytes for :class:`~gdsload.loader.nvcomp_c.AnsDecoder`, as cupy arrays on ``stream`` (a raw handle)."""
 
     def __init__(self, stream: int):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .api import load_rank
+from .pipeline import load_rank
 from .codecs import default_params, encode_tensor, nvcomp_available
 from .compression import CODECS, FORMAT_VERSION, METADATA_KEY, parse_compression
 from .discovery import list_ranks

@@ -4,7 +4,7 @@ Precedence: explicit argument > environment variable > default.
 
 | variable              | accepted values                           | default  |
 |-----------------------|-------------------------------------------|----------|
-| GDSLOAD_BACKEND       | auto, or a backend name (see BACKENDS)    | auto     |
+| GDSLOAD_BACKEND       | auto, or a backend name (backend_names()) | auto     |
 | GDSLOAD_NUM_THREADS   | integer 1..256                            | per backend (cpu 8, pinned and cufile 16 cached / 4 cold) |
 | GDSLOAD_CHUNK_BYTES   | size, 4 KiB multiple <= 1GiB: 16MiB, 1GiB | per backend (cpu 16MiB; pinned, cufile 4MiB cached / 2MiB cold; pinned without kvikio 16MiB) |
 | GDSLOAD_PINNED_BYTES  | size: upper bound on pinned host staging  | 1GiB     |
@@ -63,7 +63,7 @@ class LoadConfig:
     """How ``load_rank`` reads. Build with :meth:`resolve` to apply the environment."""
 
     backend: str = "auto"
-    """Reader backend: ``auto`` (try cufile, pinned, cpu in order; see ``AUTO_ORDER``) or one name."""
+    """Reader backend: ``auto`` (try cufile, pinned, cpu in order; see ``auto_order()``) or one name."""
     num_threads: int | None = None
     """Reader threads per rank; None picks the backend's default."""
     chunk_bytes: int | None = None
@@ -75,10 +75,11 @@ class LoadConfig:
     """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
 
     def __post_init__(self) -> None:
-        from .backends import BACKENDS
+        from .backends import backend_names
 
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *BACKENDS]}")
+        names = backend_names()
+        if self.backend != "auto" and self.backend not in names:
+            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *names]}")
         if self.num_threads is not None and (type(self.num_threads) is not int or not 1 <= self.num_threads <= 256):
             raise ConfigError(f"num_threads={self.num_threads!r} must be an integer in 1..256")
         if self.chunk_bytes is not None and (

@@ -1,19 +1,17 @@
-"""The decode stage: compressed bytes land in staging buffers and decode into their arena slots.
+"""The decode stage: compressed bytes land in staging buffers and decode into their places.
 
 On a GPU, three device staging buffers take turns: while nvCOMP decodes group *i* from one (on
 a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others.
 Each buffer holds a third of ``staging_bytes`` (or one tensor, if a tensor is larger), so GPU
-memory peaks at the arena plus ``staging_bytes`` (or three times the largest compressed tensor).
-With two buffers the reader waited for each group's decode before it could start the group after
-next: ANS loads from tmpfs had median 42.9 and 40.7 GB/s with two, 45.8 and 42.6 with three, in two
-calls taking turns (bench/RESULTS.md, eleventh session). On the CPU, Zstd frames are decoded by
-``zstandard`` in a thread pool straight into the arena, from one buffer.
+memory peaks at the tensors plus ``staging_bytes`` (or three times the largest compressed tensor).
+With two buffers the reader waits for each group's decode before it can start the group after
+next. On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool straight into place,
+from one buffer. A tensor's place is its arena slot, or the caller's own target (``into``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import queue
 import threading
@@ -23,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend, is_cupy
+from .backends import Backend
 from .codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
+from .devices import Device, Stream
 from .errors import CodecError
 from .plan import CompressedTensor, Extent, LoadPlan, align_up
 
@@ -68,39 +67,45 @@ def _groups(tensors: tuple[CompressedTensor, ...], staging: int) -> list[list[tu
 def load_compressed(
     plan: LoadPlan,
     reader: Backend,
-    arena: Any,
+    dsts: list[Any],
     *,
     verify: bool,
     staging_bytes: int = DEFAULT_STAGING,
     progress: Callable[[int], None] | None = None,
     threads: int = 4,
 ) -> DecodeStats:
-    """Read and decode every compressed tensor of ``plan`` into ``arena``.
+    """Read and decode every compressed tensor of ``plan`` into its place in ``dsts``.
 
-    ``arena`` is a 1-D uint8 torch tensor (CPU or CUDA), or a cupy array (the torch-free worker
-    path, :mod:`gdsload.loader.bare`); ``reader.allocate`` gives staging of the same kind.
+    ``dsts`` are the load's buffers on ``reader.device``: the arena first, then the caller's targets
+    (``plan.targets``); staging comes from ``reader.allocate``.
     """
     stats = DecodeStats(stored_bytes=sum(t.entry.stored_bytes for t in plan.compressed))
     if not plan.compressed:
         return stats
+    device = reader.device
     biggest = max(align_up(t.entry.stored_bytes, _ALIGN) for t in plan.compressed)
     staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, biggest)
     groups = _groups(plan.compressed, staging)
     paths = [f.path for f in plan.files]
-    t0 = time.perf_counter()
-    if not is_cupy(arena) and arena.device.type == "cpu":
-        import torch
 
-        buf = torch.empty(staging, dtype=torch.uint8)
+    def place(t: CompressedTensor) -> Any:
+        return dsts[t.buffer][t.offset : t.offset + t.entry.nbytes]
+
+    def staged(group: list[tuple[CompressedTensor, int]]) -> list[Extent]:
+        return [Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group]
+
+    t0 = time.perf_counter()
+    if device.kind == "cpu":
+        buf = reader.allocate(staging)
         stats.staging_bytes = staging
-        view, out = memoryview(buf.numpy()), memoryview(arena.numpy())
+        view = device.host_memoryview(buf)
+        outs = [device.host_memoryview(d) for d in dsts]
         for group in groups:
-            reader.read([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group], buf,
-                        progress)
+            reader.read(staged(group), [buf], progress)
             d = time.perf_counter()
             for t, off in group:
                 cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
-                           out[t.arena_offset : t.arena_offset + t.entry.nbytes], verify=verify,
+                           outs[t.buffer][t.offset : t.offset + t.entry.nbytes], verify=verify,
                            path=paths[t.file_index], threads=threads)
             stats.decode_busy_seconds += time.perf_counter() - d
         # Reads and decodes take turns here: none of the decoding hides behind reads.
@@ -113,7 +118,7 @@ def load_compressed(
         raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
                          f"{reason}")
     if any(t.entry.codec != "ans" or t.entry.layout != "chunks" for t in plan.compressed):
-        _warn_if_other_gpus(arena)  # ANS chunks go through nvCOMP's C API, which leaves GPU 0 alone
+        _warn_if_other_gpus(device)  # ANS chunks go through nvCOMP's C API, which leaves GPU 0 alone
     slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]
@@ -124,8 +129,8 @@ def load_compressed(
 
     def decoder() -> None:
         try:
-            stream, handle, index, on_stream = _stream_for(arena)
-            codecs = GpuCodecs(index, handle, verify=verify)
+            stream = device.stream()
+            codecs = GpuCodecs(device, stream.handle, verify=verify)
         except BaseException as e:  # no decoder: say why, and let the reader stop instead of waiting on slots
             errors.append(e)
             for ev in free:
@@ -134,12 +139,12 @@ def load_compressed(
                 pass
             return
         try:
-            decode_groups(codecs, stream, on_stream)
+            decode_groups(codecs, stream)
         finally:
             stream.synchronize()
             codecs.close()
 
-    def decode_groups(codecs: GpuCodecs, stream: Any, on_stream: Callable[[], Any]) -> None:
+    def decode_groups(codecs: GpuCodecs, stream: Stream) -> None:
         while True:
             item = work.get()
             if item is None:
@@ -148,17 +153,15 @@ def load_compressed(
             d = time.perf_counter()
             try:
                 if not errors:
-                    with on_stream():
-                        codecs.decode_many([(t.entry, slots[k][off : off + t.entry.stored_bytes],
-                                             arena[t.arena_offset : t.arena_offset + t.entry.nbytes],
+                    with stream.activate():
+                        codecs.decode_many([(t.entry, slots[k][off : off + t.entry.stored_bytes], place(t),
                                              paths[t.file_index]) for t, off in group])
                     stream.synchronize()
                     codecs.finish()
                     if verify:
                         for t, _ in group:
                             if t.entry.layout == "chunks" and t.entry.crc32 is not None:
-                                host = _to_host(arena[t.arena_offset : t.arena_offset + t.entry.nbytes])
-                                if zlib.crc32(host) != t.entry.crc32:
+                                if zlib.crc32(device.to_host(place(t))) != t.entry.crc32:
                                     raise CodecError(f"{paths[t.file_index]!r}: tensor {t.entry.name!r} fails the "
                                                      "crc32 check after decoding; the file is corrupt")
             except BaseException as e:
@@ -172,8 +175,7 @@ def load_compressed(
     try:
         _pipeline(
             len(groups), free,
-            lambda i, k: reader.submit([Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off)
-                                        for t, off in groups[i]], slots[k], progress),
+            lambda i, k: reader.submit(staged(groups[i]), [slots[k]], progress),
             lambda i, k: work.put((groups[i], k)),
             errors,
         )
@@ -190,54 +192,18 @@ def load_compressed(
 _WARNED: set[int] = set()
 
 
-def _warn_if_other_gpus(arena: Any) -> None:
+def _warn_if_other_gpus(device: Device) -> None:
     """Say once per device when nvCOMP's Python package will also open a context on GPU 0 (nvCOMP 6.0)."""
-    index = arena.device.id if is_cupy(arena) else arena.device.index
+    index = device.index
     if not index or index in _WARNED:
         return
     visible = cuda_device_count()
     if visible > 1:
         _WARNED.add(index)
         log.warning("decoding compressed tensors on GPU %d in a process that sees %d GPUs: nvCOMP's decode also "
-                    "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes; bench/RESULTS.md). "
-                    "Give each process only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, "
-                    "whose workers see one GPU each", index, visible)
-
-
-_CUPY_STREAMS: dict[int, Any] = {}
-_CUPY_STREAMS_LOCK = threading.Lock()
-
-
-def _stream_for(arena: Any) -> tuple[Any, int, int, Callable[[], Any]]:
-    """A decode stream on the arena's GPU, that GPU made current for this thread.
-
-    Returns the stream (it has ``synchronize()``), its raw ``cudaStream_t``, the device ordinal,
-    and a context manager that makes it torch's current stream (a no-op for cupy arenas).
-
-    nvCOMP codecs borrow the stream without owning it, and may outlive a load (an error's
-    traceback holds them). torch keeps its streams in a pool for the process's life; cupy streams
-    are kept the same way here, one per device, so no codec ever sees its stream destroyed.
-    """
-    if is_cupy(arena):
-        import cupy
-
-        index = arena.device.id
-        cupy.cuda.Device(index).use()
-        with _CUPY_STREAMS_LOCK:
-            if index not in _CUPY_STREAMS:
-                _CUPY_STREAMS[index] = cupy.cuda.Stream(non_blocking=True)
-            s = _CUPY_STREAMS[index]
-        return s, s.ptr, index, contextlib.nullcontext
-    import torch
-
-    torch.cuda.set_device(arena.device)
-    t = torch.cuda.Stream(device=arena.device)
-    return t, t.cuda_stream, arena.device.index, lambda: torch.cuda.stream(t)
-
-
-def _to_host(a: Any) -> Any:
-    """Device bytes as a host numpy array."""
-    return a.get() if is_cupy(a) else a.cpu().numpy()
+                    "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes). Give each process "
+                    "only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, whose workers "
+                    "see one GPU each", index, visible)
 
 
 def _pipeline(

@@ -152,11 +152,11 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
     except Exception:
         r.nvcomp = None
     if r.gpus:
-        from .bare import bare_unavailable
+        from .devices import torch_free_unavailable
 
         from .backends.fst_reader import fst_reader_unavailable
 
-        r.torch_free_workers = bare_unavailable()
+        r.torch_free_workers = torch_free_unavailable()
         r.cold_reader = fst_reader_unavailable()
     model_dir = os.environ.get("GDSLOAD_MODEL_DIR")
     default = [p for p in (model_dir, os.getcwd(), "/dev/shm") if p and os.path.exists(p)]

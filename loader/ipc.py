@@ -5,11 +5,11 @@ JSON-able document: an IPC handle for the arena's memory plus a tensor table (na
 shape, byte offset). The importer (the engine process) maps the arena and rebuilds each tensor
 as a view — no bytes move.
 
-- CUDA arenas use CUDA IPC; the importer must run on the same GPU. A torch arena
-  (:func:`~gdsload.loader.load_rank`) is shared through torch's storage sharing (kind
-  ``cuda``); a bare arena (:func:`~gdsload.loader.bare.load_rank_bare`, the sidecar worker's
-  torch-free path) by its own ``cudaIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer
-  opens with the driver's ``cuIpcOpenMemHandle`` and closes when the last tensor view is gone.
+- CUDA arenas use CUDA IPC; the importer must run on the same GPU. A torch arena is shared
+  through torch's storage sharing (kind ``cuda``); an arena loaded without torch (a
+  :class:`~gdsload.loader.devices.CupyDevice`, the sidecar worker's torch-free path) by its own
+  ``cudaIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer opens with the driver's
+  ``cuIpcOpenMemHandle`` and closes when the last tensor view is gone.
 - CPU arenas are moved once into shared memory (``/dev/shm`` via torch's shm manager), so
   the same hand-off works on CPU-only hosts and in tests.
 
@@ -29,14 +29,12 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from .dtypes import ITEMSIZE, from_torch, to_torch
+from .dtypes import ITEMSIZE, to_torch
 from .errors import GdsloadError
 from .result import LoadResult
 
 if TYPE_CHECKING:
     import torch
-
-    from .bare import BareResult
 
 __all__ = ["IPC_VERSION", "IpcError", "export_rank", "import_rank"]
 
@@ -57,35 +55,30 @@ def _unb64(x: str) -> bytes:
     return base64.b64decode(x.encode("ascii"))
 
 
-def export_rank(result: LoadResult | BareResult, *, rank: int | None = None) -> dict[str, Any]:
+def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any]:
     """Describe ``result``'s arena and tensors so another process can map them."""
-    if not isinstance(result, LoadResult):
-        return _export_bare(result, rank)
-    import torch
-
-    if len(result.arenas) != 1:
-        raise IpcError(f"export needs exactly one arena per rank, the result holds {len(result.arenas)}")
+    if result.arena is None:
+        raise IpcError("the result was closed; there is no arena to export")
+    outside = [s.name for s in result.slots if s.buffer]
+    if outside:
+        raise IpcError(f"{len(outside)} tensor(s) were loaded into the caller's own memory, not the arena "
+                       f"({', '.join(map(repr, outside[:4]))}); only arena tensors can be exported")
+    device = result.device
+    rank = result.report.rank if rank is None else rank
+    if device is not None and not device.uses_torch:
+        return _export_cupy(result, rank)
     (arena,) = result.arenas
     storage = arena.untyped_storage()
-    base = storage.data_ptr()
-    table = []
-    for name, t in result.tensors.items():
-        if t.numel() and t.untyped_storage().data_ptr() != base:
-            raise IpcError(f"tensor {name!r} is not a view of the rank's arena; it cannot be exported")
-        table.append({
-            "name": name,
-            "dtype": from_torch(t.dtype),
-            "shape": list(t.shape),
-            "offset": t.storage_offset() * t.element_size() if t.numel() else 0,
-            "nbytes": t.numel() * t.element_size(),
-        })
-    doc: dict[str, Any] = {"version": IPC_VERSION, "rank": result.report.rank if rank is None else rank,
-                           "nbytes": storage.nbytes(), "tensors": table}
+    table = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
+              "nbytes": s.nbytes} for s in result.slots]
+    doc: dict[str, Any] = {"version": IPC_VERSION, "rank": rank, "nbytes": storage.nbytes(), "tensors": table}
     if arena.device.type == "cuda":
-        (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+        import torch
+
+        (dev, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
         doc["kind"] = "cuda"
         doc["cuda"] = {
-            "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+            "device_uuid": str(torch.cuda.get_device_properties(dev).uuid),
             "handle": _b64(handle), "size": size, "offset": offset,
             "ref_counter_handle": _b64(ref_handle), "ref_counter_offset": ref_offset,
             "event_handle": _b64(event_handle) if event_handle else None, "event_sync_required": event_sync,
@@ -101,22 +94,15 @@ def export_rank(result: LoadResult | BareResult, *, rank: int | None = None) -> 
     return doc
 
 
-def _export_bare(result: BareResult, rank: int | None) -> dict[str, Any]:
-    import cupy
-
-    from .bare import device_facts
-
-    if result.arena is None:
-        raise IpcError("the result was closed; there is no arena to export")
-    with cupy.cuda.Device(result.device_index):
-        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(result.arena.data.ptr))
+def _export_cupy(result: LoadResult, rank: int) -> dict[str, Any]:
+    device, arena = result.device, result.arena
     return {
-        "version": IPC_VERSION, "rank": result.report.rank if rank is None else rank, "nbytes": result.arena.nbytes,
+        "version": IPC_VERSION, "rank": rank, "nbytes": arena.nbytes,
         "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
                      "nbytes": s.nbytes} for s in result.slots],
         "kind": "cuda-ipc",
-        "cuda_ipc": {"device_uuid": device_facts(result.device_index)["uuid"], "handle": _b64(handle),
-                     "size": result.arena.nbytes},
+        "cuda_ipc": {"device_uuid": device.facts()["uuid"], "handle": _b64(device.ipc_handle(arena)),
+                     "size": arena.nbytes},
     }
 
 

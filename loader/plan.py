@@ -3,6 +3,11 @@
 The arena is one flat byte buffer. Each file's data section is mirrored into it at a
 4096-aligned offset, so a backend fills it with large sequential reads (one extent per file)
 and every naturally aligned tensor is a view at ``mirror + tensor.start`` — no per-tensor copy.
+
+A caller may give destinations of its own (``targets``: an engine's parameters, a training
+checkpoint's tensors): those tensors are read, or decoded, straight into them and take no arena
+space; the rest of such a file is read in runs of neighbouring tensors. Extents and placements
+name their buffer: 0 is the arena, ``i`` the ``i``-th target.
 A tensor whose offset is not a multiple of its element size (foreign files) cannot be a view
 of the mirror; it gets its own aligned slot after the mirrors and is copied there after the
 read (``Placement.copy_from``), and the report counts it.
@@ -15,16 +20,17 @@ compressed ones are read into a staging buffer and decoded into their slots
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from .compression import CompressedEntry, parse_compression
 from .discovery import RankFiles
-from .errors import HeaderError
-from .format import DATA_ALIGNMENT, SafetensorsHeader, read_header
+from .errors import GdsloadError, HeaderError
+from .format import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
 from .manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "plan_rank", "align_up", "split_extents", "stream_order", "direct_read_order"]
+__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "PlanError", "plan_rank", "align_up",
+           "split_extents", "stream_order", "direct_read_order"]
 
 _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
@@ -46,7 +52,7 @@ def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bo
         first = chunk_bytes - e.file_offset % chunk_bytes if aligned else chunk_bytes
         cuts = [0, *range(first, e.length, chunk_bytes)] if e.length else []
         per_file.setdefault(e.file_index, []).extend(
-            Extent(e.file_index, e.file_offset + off, min(e.length, nxt) - off, e.arena_offset + off)
+            Extent(e.file_index, e.file_offset + off, min(e.length, nxt) - off, e.offset + off, e.buffer)
             for off, nxt in zip(cuts, [*cuts[1:], e.length])
         )
     queues = list(per_file.values())
@@ -86,37 +92,43 @@ def align_up(n: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class Extent:
-    """A contiguous range of a file that lands contiguously in the arena."""
+    """A contiguous range of a file that lands contiguously in one destination buffer."""
 
     file_index: int
     file_offset: int
     length: int
-    arena_offset: int
+    offset: int
+    """Byte offset in the destination buffer."""
+    buffer: int = 0
+    """Which destination: 0 the arena (or a staging buffer), ``i`` the caller's ``i``-th target (``LoadPlan.targets``)."""
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one tensor lives in the arena."""
+    """Where one tensor ends up: a place in the arena, or the whole of a caller's target."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     file_index: int
-    arena_offset: int
+    offset: int
     nbytes: int
     copy_from: int | None = None
-    """Arena offset of the tensor's raw (misaligned) bytes, copied to ``arena_offset`` after the read."""
+    """Arena offset of the tensor's raw (misaligned) bytes, copied to ``offset`` after the read."""
+    buffer: int = 0
+    """0: the arena; ``i``: the caller's ``i``-th target."""
 
 
 @dataclass(frozen=True)
 class CompressedTensor:
-    """A compressed tensor: its stored bytes go to staging, and decode into ``arena_offset``."""
+    """A compressed tensor: its stored bytes go to staging, and decode into its placement."""
 
     file_index: int
     file_offset: int
     """Absolute file offset of the stored (compressed) bytes."""
-    arena_offset: int
+    offset: int
     entry: CompressedEntry
+    buffer: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,7 @@ class FilePlan:
     path: str
     header: SafetensorsHeader
     mirror_offset: int
-    """Arena offset of the mirrored data section (uncompressed files), else -1."""
+    """Arena offset of the mirrored data section (uncompressed files read whole), else -1."""
     extents: tuple[Extent, ...]
     logical_bytes: int
     copied: int
@@ -146,6 +158,8 @@ class LoadPlan:
     placements: tuple[Placement, ...]
     arena_bytes: int
     compressed: tuple[CompressedTensor, ...] = ()
+    targets: tuple[str, ...] = ()
+    """Tensors read into buffers the caller provides (``into``), in buffer order: ``targets[i - 1]`` is buffer ``i``."""
 
     @property
     def extents(self) -> list[Extent]:
@@ -168,11 +182,23 @@ class LoadPlan:
         return split_extents(self.extents, chunk_bytes)
 
 
-def plan_rank(rank_files: RankFiles) -> LoadPlan:
-    """Read and validate every header of the rank, then lay out the arena.
+class PlanError(GdsloadError, ValueError):
+    """A destination the caller gave does not fit the tensor it is for, or names no tensor of the rank."""
 
-    Raises :class:`HeaderError` for any malformed header, or a tensor name found in two files,
-    before anything is read or allocated.
+
+def plan_rank(
+    rank_files: RankFiles,
+    *,
+    targets: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    only: Collection[str] | None = None,
+) -> LoadPlan:
+    """Read and validate every header of the rank, then lay out the arena and the reads.
+
+    ``targets`` maps tensor names to the ``(dtype, shape)`` of a buffer the caller provides:
+    those tensors are read (or decoded) straight into it and take no arena space. With ``only``,
+    every other tensor is left unread. Raises :class:`HeaderError` for any malformed header, or a
+    tensor name found in two files, and :class:`PlanError` for a target that does not fit, before
+    anything is read or allocated.
     """
     headers = [read_header(p) for p in rank_files.files]
     seen: dict[str, str] = {}
@@ -184,47 +210,115 @@ def plan_rank(rank_files: RankFiles) -> LoadPlan:
                     "a rank's files must not repeat tensor names"
                 )
             seen[t.name] = h.path
-
+    targets = dict(targets or {})
+    wanted = None if only is None else set(only) | set(targets)
+    unknown = sorted(n for n in (wanted or targets) if n not in seen)
+    if unknown:
+        raise PlanError(f"{len(unknown)} requested tensor(s) are not in rank {rank_files.rank} under "
+                        f"{str(rank_files.root)!r}: {', '.join(map(repr, unknown[:8]))}; "
+                        "ask only for names the rank's files hold")
+    order = list(targets)
+    buffer_of = {name: i + 1 for i, name in enumerate(order)}
     entries = [parse_compression(h) for h in headers]
+
+    def check_target(name: str, dtype: str, shape: tuple[int, ...], path: str) -> None:
+        want = targets[name]
+        if (want[0], tuple(want[1])) != (dtype, tuple(shape)):
+            raise PlanError(f"{path!r}: tensor {name!r} is {dtype}{list(shape)} but its destination is "
+                            f"{want[0]}{list(want[1])}; give a destination of the tensor's own dtype and shape "
+                            "(or leave the tensor out of `into` and copy it)")
+
     files: list[FilePlan | None] = [None] * len(headers)
     placements: list[Placement] = []
     compressed: list[CompressedTensor] = []
     cursor = 0
-    # Plain files: mirror the data section, tensors are views of it.
     for i, (h, comp) in enumerate(zip(headers, entries)):
         if comp:
             continue
-        cursor = align_up(cursor, DATA_ALIGNMENT)
-        mirror = cursor
-        cursor += h.data_len
-        extents = (Extent(i, h.data_offset, h.data_len, mirror),) if h.data_len else ()
+        logical = logical_bytes(h)
+        if wanted is None and not any(t.name in buffer_of for t in h.tensors):
+            # The whole data section is mirrored into the arena: one sequential read, tensors are views.
+            cursor = align_up(cursor, DATA_ALIGNMENT)
+            mirror = cursor
+            cursor += h.data_len
+            extents = (Extent(i, h.data_offset, h.data_len, mirror),) if h.data_len else ()
+            copied = 0
+            for t in h.tensors:
+                if t.start % t.itemsize == 0:
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, mirror + t.start, t.nbytes))
+                else:
+                    copied += 1
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, -1, t.nbytes, copy_from=mirror + t.start))
+            files[i] = FilePlan(h.path, h, mirror, extents, logical, copied)
+            continue
+        # Targets read into their own buffers; the tensors left for the arena are read in runs of
+        # neighbours, each run placed at its file offset modulo 4096 (so each tensor stays aligned).
+        extents_t: list[Extent] = []
+        run: list[TensorInfo] = []
         copied = 0
-        for t in h.tensors:
-            if t.start % t.itemsize == 0:
-                placements.append(Placement(t.name, t.dtype, t.shape, i, mirror + t.start, t.nbytes))
-            else:
-                copied += 1
-                placements.append(Placement(t.name, t.dtype, t.shape, i, -1, t.nbytes, copy_from=mirror + t.start))
-        files[i] = FilePlan(h.path, h, mirror, extents, logical_bytes(h), copied)
-    # Compressed files: every tensor gets its own aligned slot of its decoded size.
+        logical = 0
+
+        def flush_run() -> None:
+            nonlocal cursor, copied
+            if not run:
+                return
+            start = run[0].start
+            cursor = align_up(cursor, DATA_ALIGNMENT) + start % DATA_ALIGNMENT
+            base = cursor
+            length = run[-1].start + run[-1].nbytes - start
+            if length:
+                extents_t.append(Extent(i, h.data_offset + start, length, base))
+            for t in run:
+                at = base + t.start - start
+                if t.start % t.itemsize == 0:
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, at, t.nbytes))
+                else:
+                    copied += 1
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, -1, t.nbytes, copy_from=at))
+            cursor = base + length
+            run.clear()
+
+        for t in sorted(h.tensors, key=lambda t: t.start):
+            if wanted is not None and t.name not in wanted:
+                flush_run()
+                continue
+            logical += t.nbytes
+            if t.name in buffer_of:
+                flush_run()
+                check_target(t.name, t.dtype, t.shape, h.path)
+                if t.nbytes:
+                    extents_t.append(Extent(i, h.data_offset + t.start, t.nbytes, 0, buffer_of[t.name]))
+                placements.append(Placement(t.name, t.dtype, t.shape, i, 0, t.nbytes, buffer=buffer_of[t.name]))
+                continue
+            if run and run[-1].start + run[-1].nbytes != t.start:
+                flush_run()
+            run.append(t)
+        flush_run()
+        files[i] = FilePlan(h.path, h, -1, tuple(extents_t), logical, copied)
+    # Compressed files: every tensor gets its own aligned slot of its decoded size (or its target).
     for i, (h, comp) in enumerate(zip(headers, entries)):
         if not comp:
             continue
         extents_c: list[Extent] = []
         logical = 0
         for t in h.tensors:
+            if wanted is not None and t.name not in wanted:
+                continue
             e = comp.get(t.name)
-            cursor = align_up(cursor, _SLOT_ALIGNMENT)
+            dtype, shape, size = (t.dtype, t.shape, t.nbytes) if e is None else (e.dtype, e.shape, e.nbytes)
+            if t.name in buffer_of:
+                check_target(t.name, dtype, shape, h.path)
+                buf, at = buffer_of[t.name], 0
+            else:
+                cursor = align_up(cursor, _SLOT_ALIGNMENT)
+                buf, at = 0, cursor
+                cursor += size
             if e is None:
                 if t.nbytes:
-                    extents_c.append(Extent(i, h.data_offset + t.start, t.nbytes, cursor))
-                placements.append(Placement(t.name, t.dtype, t.shape, i, cursor, t.nbytes))
-                size = t.nbytes
+                    extents_c.append(Extent(i, h.data_offset + t.start, t.nbytes, at, buf))
             else:
-                compressed.append(CompressedTensor(i, h.data_offset + t.start, cursor, e))
-                placements.append(Placement(t.name, e.dtype, e.shape, i, cursor, e.nbytes))
-                size = e.nbytes
-            cursor += size
+                compressed.append(CompressedTensor(i, h.data_offset + t.start, at, e, buf))
+            placements.append(Placement(t.name, dtype, shape, i, at, size, buffer=buf))
             logical += size
         files[i] = FilePlan(h.path, h, -1, tuple(extents_c), logical, 0, compressed=len(comp))
     # Misaligned tensors of foreign files get their own slots, filled by a copy after the read.
@@ -232,9 +326,9 @@ def plan_rank(rank_files: RankFiles) -> LoadPlan:
     for p in placements:
         if p.copy_from is not None:
             cursor = align_up(cursor, _COPY_ALIGNMENT)
-            p = Placement(p.name, p.dtype, p.shape, p.file_index, cursor, p.nbytes, copy_from=p.copy_from)
+            p = replace(p, offset=cursor)
             cursor += p.nbytes
         final.append(p)
     assert all(f is not None for f in files)
-    return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final), arena_bytes=cursor,
-                    compressed=tuple(compressed))
+    return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final),
+                    arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order))

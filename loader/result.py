@@ -1,4 +1,4 @@
-"""What a load hands back: tensors (views into the rank's arena) and a timing report."""
+"""What a load hands back: tensors (views into the rank's arena, or the caller's own) and a timing report."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ from .config import format_bytes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PHASES", "FileReport", "LoadReport", "LoadResult"]
+__all__ = ["PHASES", "FileReport", "LoadReport", "Slot", "LoadResult"]
 
-PHASES = ("discover", "plan", "read", "decode", "verify")
+PHASES = ("plan", "setup", "read", "decode", "place", "verify", "teardown")
+"""The phases of a load, in order; they add up to its wall time from the call to the return.
+
+``plan``: find the files, parse and check every header, lay out the arena; ``setup``: pick the
+reader, allocate the arena, open the files; ``read``: until the last byte is read; ``decode``:
+the decoding left after the last read; ``place``: misaligned tensors moved to aligned places,
+tensors made; ``verify``: digests and checksums (when asked for); ``teardown``: files closed,
+reader buffers released."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class LoadReport:
     """Time spent decoding compressed tensors, most of it hidden behind reads."""
     staging_bytes: int = 0
     """Staging memory used for compressed bytes (on the target device)."""
+    direct_tensors: int = 0
+    """Tensors read (or decoded) straight into the caller's own destinations (``into``)."""
 
     @property
     def logical_bytes(self) -> int:
@@ -57,6 +66,7 @@ class LoadReport:
 
     @property
     def seconds(self) -> float:
+        """Wall time of the whole call (the phases add up to it)."""
         return sum(self.phases.values())
 
     @property
@@ -78,6 +88,8 @@ class LoadReport:
         copied = sum(f.copied_tensors for f in self.files)
         if copied:
             line += f" copied={copied}"
+        if self.direct_tensors:
+            line += f" direct={self.direct_tensors}"
         if self.stored_bytes and self.stored_bytes != self.logical_bytes:
             line += f" ratio={self.logical_bytes / self.stored_bytes:.2f}"
         return line
@@ -96,26 +108,51 @@ class LoadReport:
             "verified": self.verified,
             "decode_busy_seconds": self.decode_busy_seconds,
             "staging_bytes": self.staging_bytes,
+            "direct_tensors": self.direct_tensors,
             "compression_ratio": self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0,
             "files": [asdict(f) for f in self.files],
         }
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor of a result lives: ``offset`` into the arena (``buffer`` 0) or a caller's target."""
+
+    name: str
+    dtype: str
+    """safetensors dtype name (``BF16``, ``F32``, ...)."""
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    buffer: int = 0
 
 
 @dataclass
 class LoadResult:
     """The tensors of one rank and how they got there.
 
-    ``tensors`` are views into ``arenas`` (one per rank): keep the result (or the tensors)
-    alive while they are used; :meth:`close` drops every reference the result holds.
+    ``tensors`` are views into ``arenas`` (one per rank) or the caller's own destinations
+    (``into``); on a device driven without torch there are no tensors, and ``slots`` say where
+    each one lies in the arena. Keep the result (or the tensors) alive while they are used;
+    :meth:`close` drops every reference the result holds.
     """
 
     tensors: dict[str, torch.Tensor]
-    arenas: list[torch.Tensor]
+    arenas: list[Any]
     report: LoadReport
+    slots: list[Slot] = field(default_factory=list)
+    device: Any = None
+    """The :class:`~gdsload.loader.devices.Device` the rank was loaded to."""
+
+    @property
+    def arena(self) -> Any:
+        """The rank's arena buffer (None once closed)."""
+        return self.arenas[0] if self.arenas else None
 
     def close(self) -> None:
         self.tensors = {}
         self.arenas = []
+        self.slots = []
 
     def __enter__(self) -> LoadResult:
         return self

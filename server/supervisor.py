@@ -21,7 +21,6 @@ body prebuilt at every state change.
 from __future__ import annotations
 
 import enum
-import importlib.util
 import json
 import logging
 import os
@@ -119,12 +118,11 @@ _IMPORTED_AT = time.time()
 def worker_imports(config: ServeConfig) -> tuple[bool, bool]:
     """``(gpu, torch)``: whether this host's workers may load on a GPU without torch, and whether some may
     load with torch (a host-memory rank, a backend the torch-free path does not run, or no cupy/kvikio)."""
-    from gdsload.loader.backends import BARE_BACKENDS
+    from gdsload.loader.devices import torch_free_unavailable
 
     dm = parse_device_map(config.device_map)
     gpu = bool(visible_gpus()) and dm != "cpu" and not (isinstance(dm, dict) and all(g is None for g in dm.values()))
-    torch_free = (config.backend in BARE_BACKENDS
-                  and all(importlib.util.find_spec(m) is not None for m in ("cupy", "kvikio")))
+    torch_free = torch_free_unavailable(config.backend, probe=False) is None
     torch = not gpu or not torch_free or (isinstance(dm, dict) and any(g is None for g in dm.values()))
     return gpu, torch
 

@@ -424,16 +424,18 @@ class _Worker:
         # Start-up marks taken here (the server reports them): the worker's entry point ran, its GPU
         # library was imported, then its CUDA context was usable (made on a thread from the entry on).
         marks: dict[str, float] = {"entered_at": self.entered_at}
+        target: Any = device
         if bare:
             import cupy
 
-            from gdsload.loader.bare import device_facts
+            from gdsload.loader.devices import CupyDevice
 
             marks["imported_at"] = time.time()
-            cupy.cuda.Device(0).use()
+            target = CupyDevice(0)
+            target.activate()
             cupy.empty(1, dtype=cupy.uint8)  # the CUDA context now, so the load's timings are the load's
             marks["cuda_ready_at"] = time.time()
-            gpu = device_facts(0)
+            gpu = target.facts()
         elif device.startswith("cuda"):
             import torch
 
@@ -455,30 +457,25 @@ class _Worker:
                 logical_bytes=sum(f.logical_bytes for f in plan.files),
             )
 
-        if bare:
-            from gdsload.loader.bare import load_rank_bare
+        from gdsload.loader.pipeline import load_rank
 
-            return load_rank_bare(self.spec.model_dir, self.spec.rank, device_index=0,
-                                  progress=_Progress(self.channel), on_plan=loading)
-        from gdsload.loader import load_rank
-
-        return load_rank(self.spec.model_dir, self.spec.rank, device=device, backend=self.spec.backend,
+        return load_rank(self.spec.model_dir, self.spec.rank, device=target, backend=self.spec.backend,
                          progress=_Progress(self.channel), on_plan=loading)
 
     def _device(self) -> tuple[str, bool]:
-        """Where this rank loads, and whether it loads without torch (:mod:`gdsload.loader.bare`).
+        """Where this rank loads, and whether it loads without torch (a ``CupyDevice``).
 
         A GPU rank loads without torch when cupy and kvikio can (``import torch`` alone takes
-        seconds, longer than the load); otherwise, and for CPU ranks, with ``load_rank``.
+        seconds, longer than the load); otherwise, and for CPU ranks, with torch.
         """
         if not self.spec.cuda_visible_devices:
             return "cpu", False
-        from gdsload.loader.bare import bare_unavailable
+        from gdsload.loader.devices import torch_free_unavailable
 
-        why = bare_unavailable(self.spec.backend)
+        why = torch_free_unavailable(self.spec.backend)
         if why is None:
             return "cuda:0", True
-        log.info("loading with torch (load_rank): %s", why)
+        log.info("loading with torch: %s", why)
         import torch
 
         if torch.cuda.is_available():

@@ -441,21 +441,7 @@ def test_another_process_maps_injects_and_generates(reference, prepared, tmp_pat
 
 
 def _load_to_cuda(path: Path) -> LoadResult:
-    """load_rank onto the GPU; until a GPU backend lands, read to host memory and move the arena once."""
-    try:
-        return load_rank(path, 0, device="cuda")
-    except BackendUnavailableError:
-        host = load_rank(path, 0)
-        arena = host.arenas[0].to("cuda")
-        base = host.arenas[0].untyped_storage().data_ptr()
-        tensors = {}
-        for name, t in host.tensors.items():
-            if not t.numel():
-                tensors[name] = torch.empty(t.shape, dtype=t.dtype, device="cuda")
-                continue
-            offset = t.data_ptr() - base
-            tensors[name] = arena[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        return LoadResult(tensors=tensors, arenas=[arena], report=host.report)
+    return load_rank(path, 0, device="cuda")
 
 
 @pytest.mark.gpu

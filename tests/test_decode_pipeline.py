@@ -119,7 +119,6 @@ def test_one_group_one_slot():
 
 def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path, monkeypatch):
     """No stream or codecs for the decoder: load_compressed raises that error, with any number of groups."""
-    from types import SimpleNamespace
 
     import torch
 
@@ -135,24 +134,27 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
     plan = plan_rank(discover(tmp_path / "z", 0))
     assert len(plan.compressed) == 5
 
+    class NoStreams:  # a GPU device whose decoder cannot get a stream
+        kind, index, uses_torch = "cuda", 0, True
+
+        def stream(self):
+            raise RuntimeError("no CUDA stream here")
+
     class Reader:  # stands in for a GPU backend: staging is host memory, reads finish at once
+        device = NoStreams()
+
         def allocate(self, n: int) -> bytearray:
             return bytearray(n)
 
-        def submit(self, extents, dst, progress=None):
+        def submit(self, extents, dsts, progress=None):
             return lambda: None
 
-    def no_stream(arena):
-        raise RuntimeError("no CUDA stream here")
-
     monkeypatch.setattr(decode, "nvcomp_available", lambda: None)
-    monkeypatch.setattr(decode, "_stream_for", no_stream)
-    arena = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0))
     outcome: list[BaseException] = []
 
     def run() -> None:
         try:
-            decode.load_compressed(plan, Reader(), arena, verify=False, staging_bytes=4096)
+            decode.load_compressed(plan, Reader(), [bytearray(plan.arena_bytes)], verify=False, staging_bytes=4096)
         except BaseException as e:
             outcome.append(e)
 
@@ -168,7 +170,7 @@ def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
 
     monkeypatch.setattr(decode, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(decode, "_WARNED", set())
-    on = lambda i: SimpleNamespace(device=SimpleNamespace(index=i))  # noqa: E731 - a torch arena's shape
+    on = lambda i: SimpleNamespace(index=i)  # noqa: E731 - a device's shape
     with caplog.at_level("WARNING", logger="gdsload.loader.decode"):
         decode._warn_if_other_gpus(on(0))  # GPU 0 itself: nothing to say
         decode._warn_if_other_gpus(on(1))

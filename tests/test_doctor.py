@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gdsload.loader.backends import select_backend, ReadOptions, AUTO_ORDER
+from gdsload.loader.backends import select_backend, ReadOptions, auto_order
 from gdsload.loader.errors import BackendUnavailableError
 from gdsload.loader.iomode import KvikioState, cufile_config, cufile_io_mode, p2pdma_configured
 
@@ -82,7 +82,7 @@ def test_explicit_gpu_backends_fail_loudly_on_a_cpu_host():
             select_backend(name, torch.device("cuda"), ReadOptions())
     with pytest.raises(BackendUnavailableError, match="no backend can load to 'cuda'.*cufile:.*pinned:.*cpu:"):
         select_backend("auto", torch.device("cuda"), ReadOptions())
-    assert AUTO_ORDER[-1] == "cpu"
+    assert auto_order()[-1] == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------- advice

@@ -91,7 +91,7 @@ def test_the_server_preloads_what_its_workers_import(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(supervisor.importlib.util, "find_spec", lambda name, *a: (
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
         (object() if torch_free else None) if name in ("cupy", "kvikio") else real_find_spec(name, *a)))
     started: list[list[str]] = []
     monkeypatch.setattr(forkserver.multiprocessing.forkserver, "ensure_running", lambda: started.append(

@@ -90,7 +90,8 @@ def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
     pytest.importorskip("fastsafetensors")
     pytest.importorskip("cupy")
     import gdsload.loader.backends.cufile as cufile
-    from gdsload.loader.bare import load_rank_bare
+    from gdsload.loader.devices import CupyDevice
+    from gdsload.loader.pipeline import load_rank
 
     d, ref = _cold_model(tmp_path)
     if codec:
@@ -103,7 +104,7 @@ def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
         if resident_fraction(files) > 0.1:
             pytest.skip("could not evict the files from the page cache here")
     made = _spy(monkeypatch, cufile)
-    res = load_rank_bare(str(d), 0, device_index=0)
+    res = load_rank(str(d), 0, device=CupyDevice(0))
     assert made and made[0][0] is not None, made
     assert all(f.direct_io for f in res.report.files)
     arena = res.arena.get()

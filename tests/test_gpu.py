@@ -13,7 +13,7 @@ import torch
 
 from conftest import mixed_tensors
 from gdsload.loader import CodecError, load_rank, save_file
-from gdsload.loader.backends import AUTO_ORDER, IO_MODES
+from gdsload.loader.backends import IO_MODES, auto_order
 from gdsload.loader.compress import compress_dir, compress_file
 from gdsload.loader.iomode import nvidia_fs_loaded
 from gdsload.loader.pagecache import evict, resident_fraction
@@ -102,7 +102,7 @@ def test_auto_picks_pinned_without_gds_and_says_why(sharded_dir, caplog):
     caplog.set_level(logging.INFO, logger="gdsload.loader.backends")
     res = load_rank(sharded_dir, 0, device="cuda")
     if nvidia_fs_loaded():
-        assert res.report.backend in AUTO_ORDER
+        assert res.report.backend in auto_order()
     else:
         assert res.report.backend == "pinned"
         assert "backend cufile skipped" in caplog.text
@@ -235,13 +235,14 @@ def test_ans_chunk_that_cannot_decode_names_the_tensor_and_status(tmp_path):
     import dataclasses
 
     from gdsload.loader.codecs import GpuCodecs, encode_tensor
+    from gdsload.loader.devices import as_device
 
     t = (0.02 * torch.randn(300_000, device="cuda")).to(torch.bfloat16)
     entry, blob = encode_tensor("w", t, "BF16", "ans")
     assert entry.layout == "chunks" and len(entry.chunks) == 3
     src = torch.from_numpy(blob).cuda()
     out = torch.empty(entry.nbytes, dtype=torch.uint8, device="cuda")
-    codecs = GpuCodecs(0, torch.cuda.current_stream().cuda_stream)
+    codecs = GpuCodecs(as_device("cuda:0"), torch.cuda.current_stream().cuda_stream)
     codecs.decode(entry, src, out, path="f.safetensors")
     assert _bits(out) == _bits(t)
     short = dataclasses.replace(entry, nbytes=entry.nbytes - 2)
@@ -260,7 +261,7 @@ def test_backends_agree_on_compressed_and_plain_rank(tmp_path, sharded_dir):
 
 
 # A compressed load onto GPU 1 in a process that sees every GPU (as an engine's tensor-parallel
-# worker does), then: does GPU 0 hold a context? Through torch (load_rank) and without (load_rank_bare).
+# worker does), then: does GPU 0 hold a context? Through torch and without (a CupyDevice).
 _OTHER_GPU_CHILD = r"""
 import ctypes, sys
 cuda = ctypes.CDLL("libcuda.so.1")
@@ -276,8 +277,9 @@ if sys.argv[2] == "torch":
     torch.cuda.synchronize()
 else:
     import cupy
-    from gdsload.loader.bare import load_rank_bare
-    res = load_rank_bare(sys.argv[1], device_index=1)
+    from gdsload.loader.devices import CupyDevice
+    from gdsload.loader.pipeline import load_rank
+    res = load_rank(sys.argv[1], device=CupyDevice(1))
     cupy.cuda.runtime.deviceSynchronize()  # on GPU 1, which the load left current
 print(active(0), active(1))
 """

@@ -55,13 +55,13 @@ def test_groups_land_byte_exact_at_unaligned_offsets(tmp_path, direct):
             with lock:
                 seen.append(n)
 
-        wait1 = ring.submit(first, dst1, progress)
-        wait2 = ring.submit(second, dst2, progress)  # queued behind the first, no drain in between
+        wait1 = ring.submit(first, [dst1], progress)
+        wait2 = ring.submit(second, [dst2], progress)  # queued behind the first, no drain in between
         wait2()
         wait1()
         for dst, extents in ((dst1, first), (dst2, second)):
             for e in extents:
-                got = bytes(dst[e.arena_offset : e.arena_offset + e.length].numpy())
+                got = bytes(dst[e.offset : e.offset + e.length].numpy())
                 assert got == data[e.file_index][e.file_offset : e.file_offset + e.length]
         assert sum(seen) == sum(e.length for e in first + second)
         assert max(seen) <= 64 << 10
@@ -79,9 +79,9 @@ def test_a_truncated_file_fails_its_group_only(tmp_path):
         os.truncate(files[0].path, 100_000)
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
         with pytest.raises(TruncatedFileError, match=r"f0\.bin.*shrank"):
-            ring.submit([Extent(0, 0, 1 << 20, 0)], dst)()
+            ring.submit([Extent(0, 0, 1 << 20, 0)], [dst])()
         ok = torch.zeros(50_000, dtype=torch.uint8)
-        ring.submit([Extent(0, 10, 50_000, 0)], ok)()  # the ring still serves the next group
+        ring.submit([Extent(0, 10, 50_000, 0)], [ok])()  # the ring still serves the next group
         assert bytes(ok.numpy()) == data[0][10:50_010]
     finally:
         ring.close()
@@ -93,10 +93,10 @@ def test_staging_is_bounded_and_threads_start_with_work(tmp_path):
     ring = StagingRing(torch.device("cpu"), files, threads=8, chunk=PAGE * 4, buffers=2)
     try:
         assert ring.staging_bytes == 8 * 2 * (PAGE * 4 + 2 * PAGE)
-        ring.submit([], torch.zeros(0, dtype=torch.uint8))()  # nothing to do: no thread starts
+        ring.submit([], [torch.zeros(0, dtype=torch.uint8)])()  # nothing to do: no thread starts
         assert ring._workers == []
         dst = torch.zeros(PAGE * 10, dtype=torch.uint8)
-        ring.submit([Extent(0, 0, PAGE * 10, 0)], dst)()  # three chunks: three threads, not eight
+        ring.submit([Extent(0, 0, PAGE * 10, 0)], [dst])()  # three chunks: three threads, not eight
         assert len(ring._workers) == 3 and bytes(dst.numpy()) == data[0]
     finally:
         ring.close()
@@ -125,13 +125,13 @@ def test_stream_order_keeps_that_many_sequential_streams():
 def test_aligned_split_cuts_at_multiples_of_the_chunk():
     from gdsload.loader.plan import Extent, split_extents
 
-    e = Extent(file_index=0, file_offset=100, length=3 * PAGE, arena_offset=7)
+    e = Extent(file_index=0, file_offset=100, length=3 * PAGE, offset=7)
     pieces = split_extents([e], PAGE, interleave=False, aligned=True)
-    assert [(p.file_offset, p.length, p.arena_offset) for p in pieces] == [
+    assert [(p.file_offset, p.length, p.offset) for p in pieces] == [
         (100, PAGE - 100, 7), (PAGE, PAGE, 7 + PAGE - 100), (2 * PAGE, PAGE, 7 + 2 * PAGE - 100),
         (3 * PAGE, 100, 7 + 3 * PAGE - 100)]
     # Aligned already: the same cuts as without ``aligned``; empty extents give no reads.
-    f = Extent(file_index=1, file_offset=2 * PAGE, length=2 * PAGE + 5, arena_offset=0)
+    f = Extent(file_index=1, file_offset=2 * PAGE, length=2 * PAGE + 5, offset=0)
     assert split_extents([f], PAGE, interleave=False, aligned=True) == split_extents([f], PAGE, interleave=False)
     assert split_extents([Extent(0, 100, 0, 0)], PAGE, aligned=True) == []
 
@@ -153,7 +153,7 @@ def test_pinned_ring_reader_count_follows_what_it_serves():
 
 @pytest.mark.parametrize("switch", [True, False])
 def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_can(tmp_path, monkeypatch, switch):
-    from test_bare import _stand_in_kvikio
+    from test_torch_free import _stand_in_kvikio
 
     from gdsload.loader import discover, plan_rank, save_file
     from gdsload.loader.backends import ReadOptions

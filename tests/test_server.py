@@ -626,10 +626,10 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
         assert r0["gpu"]["uuid"] == str(torch.cuda.get_device_properties(0).uuid)  # our cuda:0 is its only GPU
         assert r0["io_mode"] in ("gds", "p2pdma", "compat", "posix")
         doc = srv.http.get("/v1/ipc/0", headers=auth()).json()
-        # A worker that can load without torch does, and exports its own CUDA IPC handle (gdsload.loader.bare).
-        from gdsload.loader.bare import bare_unavailable
+        # A worker that can load without torch does, and exports its own CUDA IPC handle (a CupyDevice load).
+        from gdsload.loader.devices import torch_free_unavailable
 
-        assert doc["kind"] == ("cuda-ipc" if bare_unavailable() is None else "cuda")
+        assert doc["kind"] == ("cuda-ipc" if torch_free_unavailable() is None else "cuda")
         engine = map_in_engine(doc)
         assert engine["device"].startswith("cuda") and engine["tensors"] == oracle_digests(models.a, 0)
         srv.http.post("/v1/ipc/0/release", json={"lease": doc["lease"]}, headers=auth())
@@ -652,12 +652,12 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path,
     """--tp 2: each worker holds a context on its own GPU only; an engine per GPU maps its rank."""
     import torch
     from gdsload.bench.multi_gpu import gpu_processes
-    from gdsload.loader.bare import bare_unavailable
+    from gdsload.loader.devices import torch_free_unavailable
     from gdsload.server.workers import visible_gpus
 
     visible = visible_gpus()
     # auto spawns torch-free GPU workers (their imports hide the CUDA context) and forks torch ones.
-    resolved = worker_start if worker_start != "auto" else "spawn" if bare_unavailable() is None else "forkserver"
+    resolved = worker_start if worker_start != "auto" else "spawn" if torch_free_unavailable() is None else "forkserver"
     srv = Server([str(models.a), "--tp", "2", "--worker-start", worker_start], tmp_path / "serve.log",
                  env={"GDSLOAD_TOKEN": TOKEN})
     try:

@@ -467,7 +467,7 @@ def open_rank(
                            _release=mapped.release)
     if path is None:
         raise ConfigError("no model path and no sidecar_url: nothing to load the weights from")
-    from ..api import load_rank
+    from ..pipeline import load_rank
 
     dev = torch.device(device)
     try:

@@ -1,47 +1,80 @@
-"""Reader backends: one interface, a name table, lazy imports.
+"""Reader backends: one interface, a registry, lazy imports.
 
-A backend moves a rank's file bytes into its arena. ``probe`` says why it cannot run on this
-host (or None when it can); ``select_backend("auto", device)`` tries them in order and logs
-why each one was skipped; a backend named explicitly either runs or raises
-:class:`BackendUnavailableError` naming why and what to use instead.
+A backend moves a rank's file bytes into destination buffers on a :class:`~gdsload.loader.devices.Device`.
+``probe`` says why it cannot run on this host (or None when it can); ``select_backend("auto", device)``
+tries the ``auto`` candidates in order and logs why each one was skipped; a backend named explicitly either
+runs or raises :class:`BackendUnavailableError` naming why and what to use instead.
+
+Adding a backend is one module and one :func:`register_backend` call (or, from another package, an
+entry point in the ``gdsload.backends`` group naming the class: ``name = "package.module:Class"``).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import abc
 import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
 
-
+from ..devices import Device
 from ..errors import BackendUnavailableError, ConfigError, TruncatedFileError
 from ..plan import Extent, LoadPlan
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["Backend", "ReadOptions", "BACKENDS", "AUTO_ORDER", "BARE_BACKENDS", "IO_MODES", "select_backend", "backend_class",
-           "wait_preads", "is_cupy", "device_address", "dst_bytes"]
+__all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_names", "auto_order",
+           "select_backend", "backend_class", "wait_preads", "extent_slice"]
 
 log = logging.getLogger(__name__)
 
-# name -> "module:Class", imported only when asked for.
-BACKENDS: dict[str, str] = {
-    "cufile": "gdsload.loader.backends.cufile:CuFileBackend",
-    "pinned": "gdsload.loader.backends.pinned:PinnedBackend",
-    "fastsafetensors": "gdsload.loader.backends.fastsafetensors:FastSafetensorsBackend",
-    "cpu": "gdsload.loader.backends.cpu:CpuBackend",
-}
-AUTO_ORDER: tuple[str, ...] = ("cufile", "pinned", "cpu")
-"""``auto`` tries these in order. ``cufile`` is first only where it can do better than our own
-pipeline (true GDS or P2PDMA); ``fastsafetensors`` is never picked automatically (it is there for
-comparison and its users)."""
-BARE_BACKENDS: tuple[str, ...] = ("auto", "cufile")
-"""The ``backend`` values the torch-free sidecar path (:mod:`gdsload.loader.bare`) runs; it reads with kvikio."""
+_REGISTRY: dict[str, tuple[str, int | None]] = {}
+"""name -> ("module:Class", place in ``auto``'s order or None), imported only when asked for."""
+_ENTRY_POINTS_LOADED = False
+
+
+def register_backend(name: str, target: str, *, auto: int | None = None) -> None:
+    """Make backend ``name`` known: ``target`` is ``"module:Class"``, imported on first use.
+
+    ``auto`` is its place in ``backend="auto"``'s order (lower first; None: only when named).
+
+    >>> register_backend("mine", "my_package.reader:MyBackend")  # doctest: +SKIP
+    """
+    _REGISTRY[name] = (target, auto)
+
+
+register_backend("cufile", "gdsload.loader.backends.cufile:CuFileBackend", auto=0)
+register_backend("pinned", "gdsload.loader.backends.pinned:PinnedBackend", auto=1)
+register_backend("fastsafetensors", "gdsload.loader.backends.fastsafetensors:FastSafetensorsBackend")
+register_backend("cpu", "gdsload.loader.backends.cpu:CpuBackend", auto=2)
+# ``cufile`` comes first in ``auto`` only where it does better than staging through host memory (true
+# GDS or P2PDMA; its auto_skip says so); ``fastsafetensors`` is never picked automatically (it is there
+# for comparison and its users).
+
+
+def _load_entry_points() -> None:
+    global _ENTRY_POINTS_LOADED
+    if _ENTRY_POINTS_LOADED:
+        return
+    _ENTRY_POINTS_LOADED = True
+    for ep in entry_points(group="gdsload.backends"):
+        if ep.name not in _REGISTRY:
+            _REGISTRY[ep.name] = (ep.value, None)
+
+
+def backend_names() -> list[str]:
+    """Every known backend name (``auto`` not included)."""
+    _load_entry_points()
+    return list(_REGISTRY)
+
+
+def auto_order() -> list[str]:
+    """The backends ``auto`` tries, in order."""
+    _load_entry_points()
+    return [n for n, (_, place) in sorted(_REGISTRY.items(), key=lambda kv: (kv[1][1] is None, kv[1][1] or 0))
+            if place is not None]
+
+
 IO_MODES = ("gds", "p2pdma", "compat", "posix", "cpu")
 """What the report may say ran for a file: true GDS DMA, P2PDMA, cuFile compat (bounce buffers),
 POSIX reads staged through host memory to the GPU, or plain reads into host memory."""
@@ -60,54 +93,56 @@ class ReadOptions:
 
 
 class Backend(abc.ABC):
-    """Moves file bytes into a uint8 buffer on ``device``.
+    """Moves file bytes into 1-D uint8 buffers of one device.
 
     Life cycle: ``open(plan)`` (open files, decide the I/O mode of each), any number of
-    ``read(extents, dst)`` calls (each returns when the bytes are in ``dst``), ``close()``.
-    An extent's ``arena_offset`` is its offset in ``dst``: the arena for direct reads, a
-    staging buffer for compressed bytes.
+    ``read(extents, dsts)`` calls (each returns when the bytes are in place), ``close()``. An
+    extent lands in ``dsts[extent.buffer]`` at ``extent.offset``: the arena and the caller's
+    targets for direct reads, a staging buffer for compressed bytes.
     """
 
     name: ClassVar[str]
+    needs_torch: ClassVar[bool] = True
+    """Whether it runs only on a torch device (:class:`~gdsload.loader.devices.TorchDevice`)."""
 
-    def __init__(self, device: torch.device, options: ReadOptions):
-        self.device = device
+    def __init__(self, device: Device | Any, options: ReadOptions):
+        from ..devices import as_device
+
+        self.device = as_device(device)
         self.options = options
         self.plan: LoadPlan | None = None
 
     @classmethod
     @abc.abstractmethod
-    def probe(cls, device: torch.device) -> str | None:
+    def probe(cls, device: Device) -> str | None:
         """Why this backend cannot load to ``device`` here, or None when it can."""
 
     @classmethod
-    def auto_skip(cls, device: torch.device) -> str | None:
+    def auto_skip(cls, device: Device) -> str | None:
         """Why ``auto`` should prefer a later backend although this one can run (None: take it)."""
         return None
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
+    def allocate(self, nbytes: int) -> Any:
         """A uint8 buffer of ``nbytes`` on the target device (the arena, or staging)."""
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.device.empty(nbytes)
 
     def open(self, plan: LoadPlan) -> None:
         """Prepare to read ``plan``'s files."""
         self.plan = plan
 
     @abc.abstractmethod
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
-        """Copy every extent into ``dst``; return once the bytes are there (device work synchronized)."""
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        """Copy every extent into its buffer; return once the bytes are there (device work synchronized)."""
 
-    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
-        """Start copying ``extents`` into ``dst``; returns the function that waits for them.
+        """Start copying ``extents`` into their buffers; returns the function that waits for them.
 
         Backends that can keep reads in flight across calls (``pinned``, ``cufile``) override
         this, so the compressed pipeline keeps its next staging groups in flight while it waits for
         the oldest; by default the copy happens here and the waiter has nothing left to do.
         """
-        self.read(extents, dst, progress)
+        self.read(extents, dsts, progress)
         return lambda: None
 
     @abc.abstractmethod
@@ -123,20 +158,36 @@ class Backend(abc.ABC):
         """Close files and release buffers the backend holds beyond the arena."""
 
 
+def extent_slice(dsts: Sequence[Any], e: Extent) -> Any:
+    """The part of ``e``'s destination buffer that ``e`` fills."""
+    return dsts[e.buffer][e.offset : e.offset + e.length]
+
+
 def backend_class(name: str) -> type[Backend]:
+    _load_entry_points()
     try:
-        target = BACKENDS[name]
+        target, _ = _REGISTRY[name]
     except KeyError:
-        raise ConfigError(f"backend {name!r} is not known; choose one of {['auto', *BACKENDS]}") from None
+        raise ConfigError(f"backend {name!r} is not known; choose one of {['auto', *_REGISTRY]}") from None
     module, attr = target.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def select_backend(name: str, device: torch.device, options: ReadOptions) -> Backend:
-    """Instantiate the backend ``name`` (or the first one that can run, for ``"auto"``)."""
+def _unavailable(cls: type[Backend], device: Device) -> str | None:
+    if cls.needs_torch and not device.uses_torch:
+        return f"it runs on torch devices, and {device} is driven without torch"
+    return cls.probe(device)
+
+
+def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Backend:
+    """Instantiate the backend ``name`` (or the first one that can run, for ``"auto"``) for ``device``
+    (a :class:`~gdsload.loader.devices.Device`, or a torch device)."""
+    from ..devices import as_device
+
+    device = as_device(device)
     if name != "auto":
         cls = backend_class(name)
-        reason = cls.probe(device)
+        reason = _unavailable(cls, device)
         if reason is not None:
             raise BackendUnavailableError(
                 f"backend {name!r} cannot load to {str(device)!r} here: {reason}; "
@@ -144,10 +195,10 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
             )
         return cls(device, options)
     skipped = []
-    for candidate in AUTO_ORDER:
+    for candidate in auto_order():
         try:
             cls = backend_class(candidate)
-            reason = cls.probe(device) or cls.auto_skip(device)
+            reason = _unavailable(cls, device) or cls.auto_skip(device)
         except ImportError as e:
             reason = f"cannot import it ({e})"
         if reason is None:
@@ -155,21 +206,6 @@ def select_backend(name: str, device: torch.device, options: ReadOptions) -> Bac
         log.info("backend %s skipped: %s", candidate, reason)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")
-
-
-def is_cupy(a: object) -> bool:
-    """Whether ``a`` is a cupy array (the torch-free path's buffers) rather than a torch tensor."""
-    return type(a).__module__.startswith("cupy")
-
-
-def device_address(a: object) -> int:
-    """Address of a 1-D device buffer: a torch tensor or a cupy array."""
-    return a.data.ptr if is_cupy(a) else a.data_ptr()  # type: ignore[attr-defined]
-
-
-def dst_bytes(a: object) -> int:
-    """Size in bytes of a 1-D uint8 buffer: a torch tensor or a cupy array."""
-    return int(a.nbytes)  # type: ignore[attr-defined]
 
 
 def wait_preads(plan: LoadPlan, futures: Sequence[tuple[Extent, object]], progress: Progress | None) -> None:

@@ -10,8 +10,9 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+from typing import Any
 
+from ..devices import Device
 from ..errors import FileUnreadableError, TruncatedFileError
 from ..plan import Extent, LoadPlan, split_extents
 from . import Backend, Progress
@@ -38,9 +39,9 @@ class CpuBackend(Backend):
     DEFAULT_CHUNK = 16 << 20
 
     @classmethod
-    def probe(cls, device: torch.device) -> str | None:
-        if device.type != "cpu":
-            return f"it reads into host memory only, not {device.type!r}"
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cpu":
+            return f"it reads into host memory only, not {str(device)!r}"
         return None
 
     def open(self, plan: LoadPlan) -> None:
@@ -55,19 +56,23 @@ class CpuBackend(Backend):
                     "after planning — restore it and load again"
                 ) from None
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         assert self.plan is not None
-        view = memoryview(dst.numpy()) if dst.numel() else memoryview(bytearray())
+        views = [self.device.host_memoryview(d) for d in dsts]
         paths = [f.path for f in self.plan.files]
 
         def work(c: Extent) -> None:
-            pread_into(self._fds[c.file_index], view[c.arena_offset : c.arena_offset + c.length], c.file_offset,
+            pread_into(self._fds[c.file_index], views[c.buffer][c.offset : c.offset + c.length], c.file_offset,
                        paths[c.file_index])
             if progress is not None:
                 progress(c.length)
 
         chunks = split_extents(extents, self.options.chunk_bytes or self.DEFAULT_CHUNK)
         threads = max(1, min(self.options.num_threads or self.DEFAULT_THREADS, len(chunks)))
+        if threads == 1:
+            for c in chunks:
+                work(c)
+            return
         with ThreadPoolExecutor(threads, thread_name_prefix="gdsload-cpu") as pool:
             list(pool.map(work, chunks))  # re-raises the first reader error here
 

@@ -19,24 +19,22 @@ arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.backends.fst_rea
 load's staging groups stay with kvikio. Taking turns in fresh processes (bench/RESULTS.md,
 session 12), it read a cold 9 GB rank at 1.90 GB/s median against 1.77 for kvikio's shape above.
 
-The arena comes from torch here; :mod:`gdsload.loader.bare` reads the same way into cupy memory
-by overriding the three device hooks (``allocate``, ``_use_device``, ``_synchronize``).
+It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or cupy's for the
+workers that load without torch (the only reader there, so ``auto`` takes it even without GDS).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..devices import Device
 from ..iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
 from ..pagecache import is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
-from . import Backend, Progress, device_address, dst_bytes, wait_preads
+from . import Backend, Progress, extent_slice, wait_preads
 from .fst_reader import make_fst_reader
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
 
@@ -45,6 +43,7 @@ log = logging.getLogger(__name__)
 
 class CuFileBackend(Backend):
     name = "cufile"
+    needs_torch = False
     DEFAULT_THREADS = 16
     DEFAULT_TASK = 4 << 20
     COLD_THREADS = 4
@@ -68,17 +67,19 @@ class CuFileBackend(Backend):
     """Set by :meth:`open`: fastsafetensors' reader for this cold rank's :meth:`read` calls, or None."""
 
     @classmethod
-    def probe(cls, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return f"it loads to CUDA devices, not {device.type!r}"
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cuda":
+            return f"it loads to CUDA devices, not {str(device)!r}"
         state = kvikio_state()
         if not state.importable:
             return f"kvikio is not importable ({state.error}); install gdsload[cu12] or gdsload[cu13]"
         return None
 
     @classmethod
-    def auto_skip(cls, device: torch.device) -> str | None:
+    def auto_skip(cls, device: Device) -> str | None:
         """Why ``auto`` prefers another backend even though this one can run."""
+        if not device.uses_torch:
+            return None  # without torch, kvikio is the only reader (GDS or its compat mode)
         state = kvikio_state()
         if state.compat_preferred or not state.gds_available:
             return ("no GPUDirect Storage here (kvikio compat mode "
@@ -91,7 +92,7 @@ class CuFileBackend(Backend):
         import kvikio.defaults
 
         super().open(plan)
-        self._use_device()
+        self.device.activate()
         self._state: KvikioState = kvikio_state()
         direct_ok = [o_direct_supported(f.path) for f in plan.files]
         self._modes = [cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path))
@@ -114,7 +115,7 @@ class CuFileBackend(Backend):
                         for m, cf in zip(self._modes, self._files)]
         self.cold_reader = None
         if self.cold_direct and self.COLD_READER == "fastsafetensors":
-            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], self._device_index)
+            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0)
             if self.cold_reader is None:
                 log.info("%s: cold reads through kvikio: %s", self.name, why)
 
@@ -125,57 +126,42 @@ class CuFileBackend(Backend):
         cold = self.cold_direct
         threads = self.options.num_threads or (self.COLD_THREADS if cold else self.DEFAULT_THREADS)
         if not cold:
-            return {"num_threads": threads, "task_size": self._task(cold=False), "auto_direct_io_read": False}
+            # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
+            task = self._task(cold=False)
+            return {"num_threads": threads, "task_size": task, "bounce_buffer_size": task,
+                    "auto_direct_io_read": False}
         read = self._task(cold=True)
         piece = max(read, (self.COLD_PIECE or read) // read * read)
         return {"num_threads": threads, "task_size": piece, "bounce_buffer_size": read, "auto_direct_io_read": True}
 
-    def _use_device(self) -> None:
-        """Make the target GPU current on this thread."""
-        import torch
-
-        torch.cuda.set_device(self.device)
-
-    def _synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-
-    def _device_index(self) -> int:
-        import torch
-
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
-
-    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
         assert self.plan is not None
-        self._use_device()
+        self.device.activate()
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
             settings = self._kvikio_settings()
             reads = direct_read_order(extents, settings["task_size"], self.COLD_STREAMS or settings["num_threads"])
         else:
             reads = [e for e in extents if e.length]
-        futures = [
-            (e, self._files[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length], e.length,
-                                                e.file_offset))
-            for e in reads
-        ]
+        futures = [(e, self._files[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
+                   for e in reads]
 
         def wait() -> None:
             assert self.plan is not None
             wait_preads(self.plan, futures, progress)
-            self._synchronize()
+            self.device.synchronize()
 
         return wait
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         if self.cold_reader is not None:
-            # Whole reads only (the arena): a compressed load's staging groups, submitted while the
-            # decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
-            self.cold_reader.submit(extents, device_address(dst), dst_bytes(dst), progress)()
-            self._synchronize()
+            # Whole reads only (the arena and targets): a compressed load's staging groups, submitted while
+            # the decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
+            buffers = [(self.device.address(d), self.device.nbytes(d)) for d in dsts]
+            self.cold_reader.submit(extents, buffers, progress)()
+            self.device.synchronize()
             return
-        self.submit(extents, dst, progress)()
+        self.submit(extents, dsts, progress)()
 
     def io_modes(self) -> list[str]:
         return list(self._modes)

@@ -1,16 +1,16 @@
 """``fastsafetensors``: delegate the reads to fastsafetensors (for comparison, and its users).
 
 fastsafetensors loads whole files into its own device buffers (GDS where present, else its
-bounce-buffer path); we then copy every tensor into our arena on the device (~4 TB/s), so the
-result has the same shape as every other backend's: views into one arena per rank.
+bounce-buffer path); we then copy every tensor into its place on the device (~4 TB/s), so the
+result has the same shape as every other backend's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
+from ..devices import Device
 from ..errors import BackendUnavailableError
 from ..iomode import kvikio_state, nvidia_fs_loaded
 from ..plan import Extent, LoadPlan
@@ -23,9 +23,9 @@ class FastSafetensorsBackend(Backend):
     name = "fastsafetensors"
 
     @classmethod
-    def probe(cls, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return f"this delegate loads to CUDA devices only, not {device.type!r}"
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cuda":
+            return f"this delegate loads to CUDA devices only, not {str(device)!r}"
         try:
             import fastsafetensors  # noqa: F401
         except ImportError as e:
@@ -39,38 +39,42 @@ class FastSafetensorsBackend(Backend):
         state = kvikio_state()
         self._gds = bool(state.gds_available and nvidia_fs_loaded())
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        import torch
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
         assert self.plan is not None
-        torch.cuda.set_device(self.device)
-        wanted = {e.file_index for e in extents}
-        files = [f for i, f in enumerate(self.plan.files) if i in wanted]
+        self.device.activate()
+        by_file: dict[int, list[Extent]] = {}
+        for e in extents:
+            by_file.setdefault(e.file_index, []).append(e)
+        files = [self.plan.files[i] for i in sorted(by_file)]
+        for f in files:
+            if f.compressed:
+                raise BackendUnavailableError(
+                    f"{f.path!r}: the fastsafetensors delegate reads uncompressed files only; "
+                    "use backend='pinned' or 'cufile' for compressed files"
+                )
         loader = SafeTensorsFileLoader(SingleGroup(), str(self.device), nogds=not self._gds)
         try:
             loader.add_filenames({0: [f.path for f in files]})
             fb = loader.copy_files_to_device()
             try:
-                # Each direct extent mirrors a whole data section: copy tensor by tensor into it.
-                by_file = {e.file_index: e for e in extents}
-                for i, f in enumerate(self.plan.files):
-                    e = by_file.get(i)
-                    if e is None:
-                        continue
-                    if (e.file_offset, e.length) != (f.header.data_offset, f.header.data_len):
-                        raise BackendUnavailableError(
-                            f"{f.path!r}: the fastsafetensors delegate reads whole uncompressed files only; "
-                            "use backend='pinned' or 'cufile' for compressed files"
-                        )
-                    base = e.arena_offset
-                    for t in f.header.tensors:
+                for i, es in by_file.items():
+                    header = self.plan.files[i].header
+                    for t in header.tensors:
                         if not t.nbytes:
                             continue
-                        src = fb.get_tensor(t.name).reshape(-1).view(torch.uint8)
-                        dst[base + t.start : base + t.end].copy_(src)
+                        at = header.data_offset + t.start
+                        for e in es:  # the extent that holds this tensor's bytes
+                            if e.file_offset <= at and at + t.nbytes <= e.file_offset + e.length:
+                                src = fb.get_tensor(t.name).reshape(-1).view(torch.uint8)
+                                start = e.offset + at - e.file_offset
+                                dsts[e.buffer][start : start + t.nbytes].copy_(src)
+                                break
                     if progress is not None:
-                        progress(e.length)
-                torch.cuda.synchronize(self.device)
+                        progress(sum(e.length for e in es))
+                self.device.synchronize()
             finally:
                 fb.close()
         finally:

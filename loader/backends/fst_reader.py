@@ -49,15 +49,15 @@ def fst_reader_unavailable() -> str | None:
 
 
 def file_runs(extents: Sequence[Extent]) -> list[Extent]:
-    """Neighbouring extents merged: the same file, contiguous in the file and in the destination."""
+    """Neighbouring extents merged: the same file and buffer, contiguous in the file and in the buffer."""
     runs: list[Extent] = []
     for e in extents:
         if not e.length:
             continue
         last = runs[-1] if runs else None
-        if (last is not None and last.file_index == e.file_index and last.file_offset + last.length == e.file_offset
-                and last.arena_offset + last.length == e.arena_offset):
-            runs[-1] = Extent(e.file_index, last.file_offset, last.length + e.length, last.arena_offset)
+        if (last is not None and last.file_index == e.file_index and last.buffer == e.buffer
+                and last.file_offset + last.length == e.file_offset and last.offset + last.length == e.offset):
+            runs[-1] = Extent(e.file_index, last.file_offset, last.length + e.length, last.offset, e.buffer)
         else:
             runs.append(e)
     return runs
@@ -84,19 +84,24 @@ class FstReader:
             self.close()
             raise
 
-    def submit(self, extents: Sequence[Extent], address: int, nbytes: int, progress: Progress | None
+    def submit(self, extents: Sequence[Extent], buffers: Sequence[tuple[int, int]], progress: Progress | None
                ) -> Callable[[], None]:
-        """Start reading ``extents`` into the ``nbytes`` of device memory at ``address``; returns the waiter.
+        """Start reading ``extents`` into device memory; returns the waiter.
 
-        Each submission synchronizes the device first (fastsafetensors fences framework
-        allocations that way), so neighbouring extents go as one request.
+        ``buffers[i]`` is ``(address, nbytes)`` of the extents' buffer ``i``. Each submission
+        synchronizes the device first (fastsafetensors fences framework allocations that way), so
+        neighbouring extents go as one request.
         """
-        dst = self._cpp.gds_device_buffer(address, nbytes, True)
+        dsts: dict[int, Any] = {}
         runs = file_runs(extents)
-        requests = [(e, self._reader.submit_read(self._fds[e.file_index], dst, e.file_offset, e.length,
-                                                 e.arena_offset)) for e in runs]
+        requests = []
+        for e in runs:
+            if e.buffer not in dsts:
+                dsts[e.buffer] = self._cpp.gds_device_buffer(*buffers[e.buffer], True)
+            requests.append((e, self._reader.submit_read(self._fds[e.file_index], dsts[e.buffer], e.file_offset,
+                                                         e.length, e.offset)))
 
-        def wait(_dst: Any = dst) -> None:  # holds the buffer object until its reads are over
+        def wait(_dsts: Any = dsts) -> None:  # holds the buffer objects until their reads are over
             failed = []
             for e, r in requests:
                 if self._reader.wait_read(r) == 0:

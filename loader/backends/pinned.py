@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
+from ..devices import Device
 from ..pagecache import COLD_RESIDENCY, is_cold
 from ..plan import Extent, LoadPlan, direct_read_order
-from . import Backend, Progress, wait_preads
+from . import Backend, Progress, extent_slice, wait_preads
 from .cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from .fst_reader import make_fst_reader
 from .ring import PAGE, RingFile, StagingRing
@@ -79,9 +80,9 @@ class PinnedBackend(Backend):
     BUFFERS_PER_THREAD = 2
 
     @classmethod
-    def probe(cls, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return f"it loads to CUDA devices, not {device.type!r}"
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cuda":
+            return f"it loads to CUDA devices, not {str(device)!r}"
         if not torch.cuda.is_available():
             return "torch sees no CUDA device (CPU build of torch, or no driver)"
         return None
@@ -106,9 +107,7 @@ class PinnedBackend(Backend):
                         for d in self._direct]
         self._fst = None
         if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
-            self._fst, why = make_fst_reader(
-                [f.path for f in plan.files],
-                lambda: self.device.index if self.device.index is not None else torch.cuda.current_device())
+            self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0)
             if self._fst is None:
                 log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", why)
         self._cufiles: dict[int, Any] = {}
@@ -131,7 +130,7 @@ class PinnedBackend(Backend):
         if ring_threads < threads:
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
                      ring_threads, threads, self.options.pinned_bytes)
-        self._ring = StagingRing(self.device, [RingFile(fd, d, f.path) for fd, d, f in
+        self._ring = StagingRing(self.device.device, [RingFile(fd, d, f.path) for fd, d, f in
                                                zip(self._fds, self._fd_direct, plan.files)],
                                  threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
                                  streams=self.RING_STREAMS)
@@ -168,16 +167,16 @@ class PinnedBackend(Backend):
             settings["auto_direct_io_read"] = self.kvikio_direct
         return kv.defaults.set(settings)
 
-    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
         assert self.plan is not None
-        torch.cuda.set_device(self.device)
+        self.device.activate()
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
             kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
-        ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dst, progress)
-        futures = [(e, self._cufiles[e.file_index].pread(dst[e.arena_offset : e.arena_offset + e.length],
-                                                         e.length, e.file_offset)) for e in kv_extents]
+        ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dsts, progress)
+        futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
+                   for e in kv_extents]
 
         def wait() -> None:
             assert self.plan is not None
@@ -188,12 +187,12 @@ class PinnedBackend(Backend):
 
         return wait
 
-    def read(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None) -> None:
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         if self._fst is not None:  # whole reads of the cold rank; staging groups stay with submit (see cufile)
-            self._fst.submit(extents, dst.data_ptr(), dst.nbytes, progress)()
-            torch.cuda.synchronize(self.device)
+            self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)()
+            self.device.synchronize()
             return
-        self.submit(extents, dst, progress)()
+        self.submit(extents, dsts, progress)()
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None

@@ -95,17 +95,17 @@ class StagingRing:
         """Host staging the ring holds once all its threads run."""
         return self.threads * self.buffers * (self.chunk + 2 * PAGE)
 
-    def submit(self, extents: Sequence[Extent], dst: torch.Tensor, progress: Progress | None = None
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[torch.Tensor], progress: Progress | None = None
                ) -> Callable[[], None]:
-        """Queue ``extents`` for copying into ``dst``; returns the function that waits for them
-        (and raises the first error of this group)."""
+        """Queue ``extents`` for copying into their buffers of ``dsts``; returns the function that waits for
+        them (and raises the first error of this group)."""
         chunks = stream_order(split_extents([e for e in extents if e.length], self.chunk, interleave=False),
                               self.streams)
         group = _Group(len(chunks))
         if chunks:
             self._start(len(chunks))
             for c in chunks:
-                self._queue.put((c, dst, group, progress))
+                self._queue.put((c, dsts, group, progress))
         return group.wait
 
     def close(self) -> None:
@@ -153,7 +153,7 @@ class StagingRing:
                 item = self._queue.get()
                 if item is None:
                     return
-                c, dst, group, progress = item
+                c, dsts, group, progress = item
                 if group.error is not None:  # the group failed: drain its chunks without reading
                     group.finish()
                     continue
@@ -165,7 +165,7 @@ class StagingRing:
                     buf, view, _ = bufs[k]
                     lead = self._pread(c, view)
                     src = buf[lead : lead + c.length]
-                    out = dst[c.arena_offset : c.arena_offset + c.length]
+                    out = dsts[c.buffer][c.offset : c.offset + c.length]
                     ev = None
                     if stream is not None:
                         with torch.cuda.stream(stream):

@@ -1,7 +1,8 @@
-"""The torch-free load path of sidecar workers (:mod:`gdsload.loader.bare`).
+"""The torch-free load path of sidecar workers: ``load_rank`` onto a ``CupyDevice``, read by ``cufile``.
 
-GPU tests run the bare load in a child process (so "no torch" can be checked) and compare every
-tensor with the safetensors library; the hand-off is mapped back as torch tensors here.
+CPU tests drive the ``cufile`` backend's kvikio logic against a stand-in kvikio and host memory.
+GPU tests run the torch-free load in a child process (so "no torch" can be checked) and compare
+every tensor with the safetensors library; the hand-off is mapped back as torch tensors here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import safetensors.torch
 import torch
 
 from gdsload.loader import save_file
-from gdsload.loader.bare import bare_unavailable
+from gdsload.loader.devices import TorchDevice, torch_free_unavailable
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.ipc import IpcError, import_rank
 
@@ -28,12 +29,13 @@ from gdsload.loader.ipc import IpcError, import_rank
 CHILD = r"""
 import gc, hashlib, json, sys
 import cupy
-from gdsload.loader.bare import load_rank_bare
+from gdsload.loader.devices import CupyDevice
 from gdsload.loader.ipc import export_rank
+from gdsload.loader.pipeline import load_rank
 path, rank, verify, export = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 cupy.cuda.Device(0).use()
 free0 = cupy.cuda.runtime.memGetInfo()[0]
-res = load_rank_bare(path, rank, verify=verify)
+res = load_rank(path, rank, device=CupyDevice(0), verify=verify)
 loaded = cupy.cuda.runtime.memGetInfo()[0]
 host = res.arena.get()
 out = {"digests": {s.name: [s.dtype, list(s.shape), hashlib.sha256(host[s.offset:s.offset + s.nbytes].tobytes()).hexdigest()]
@@ -70,7 +72,7 @@ def _run(path: Path, rank: int = 0, *, verify: bool = False) -> tuple[dict, dict
 
 
 def _needs_bare() -> None:
-    why = bare_unavailable()
+    why = torch_free_unavailable()
     if why:
         pytest.skip(f"the torch-free path cannot run here: {why}")
 
@@ -79,8 +81,8 @@ def _needs_bare() -> None:
 
 
 def test_bare_path_is_only_for_kvikio_backends():
-    assert "load_rank" in bare_unavailable("pinned")
-    assert "load_rank" in bare_unavailable("fastsafetensors")
+    assert "runs with torch" in torch_free_unavailable("pinned")
+    assert "runs with torch" in torch_free_unavailable("fastsafetensors")
 
 
 def test_bare_path_names_what_is_missing():
@@ -88,7 +90,7 @@ def test_bare_path_names_what_is_missing():
 
     for module in ("cupy", "kvikio"):
         if importlib.util.find_spec(module) is None:
-            why = bare_unavailable("auto")
+            why = torch_free_unavailable("auto")
             assert module in why and "gdsload[cu12]" in why
             return
     pytest.skip("cupy and kvikio are both installed here")
@@ -159,22 +161,28 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: boo
     return seen
 
 
+class _HostAsCuda(TorchDevice):
+    """Host memory that the cufile backend takes for a GPU: records when it is made current and synchronized."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.kind = "cuda"  # type: ignore[misc]
+        self.index = 0
+        self.hooks: list[str] = []
+
+    def activate(self) -> None:
+        self.hooks.append("use")
+
+    def synchronize(self) -> None:
+        self.hooks.append("sync")
+
+
 def _host_reader(chunk: int = 1 << 20):
     from gdsload.loader.backends import ReadOptions
     from gdsload.loader.backends.cufile import CuFileBackend
 
-    class HostReader(CuFileBackend):  # the cufile read logic with host memory for the device
-        def allocate(self, nbytes):
-            return torch.empty(nbytes, dtype=torch.uint8)
-
-        def _use_device(self):
-            self.hooks.append("use")
-
-        def _synchronize(self):
-            self.hooks.append("sync")
-
-    r = HostReader(torch.device("cpu"), ReadOptions(num_threads=3, chunk_bytes=chunk))
-    r.hooks = []
+    r = CuFileBackend(_HostAsCuda(), ReadOptions(num_threads=3, chunk_bytes=chunk))
+    r.hooks = r.device.hooks
     return r
 
 
@@ -186,8 +194,9 @@ def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(shard
     reader = _host_reader()
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
-    reader.read(plan.extents, arena)
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 1 << 20}] and seen["restored"] == 0
+    reader.read(plan.extents, [arena])
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 1 << 20, "bounce_buffer_size": 1 << 20}]
+    assert seen["restored"] == 0
     assert reader.hooks == ["use", "use", "sync"]  # open, submit, after the reads
     assert reader.io_modes() == ["posix", "posix"] and reader.direct_io() == [False, False]
     reader.close()
@@ -198,7 +207,7 @@ def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(shard
     for p in plan.placements:
         assert p.copy_from is None
         raw = ref[p.name].contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
+        assert torch.equal(arena[p.offset : p.offset + p.nbytes], raw), p.name
 
 
 def _assert_oracle_bytes(plan, arena) -> None:
@@ -207,7 +216,7 @@ def _assert_oracle_bytes(plan, arena) -> None:
         ref.update(safetensors.torch.load_file(f.path))
     for p in plan.placements:
         raw = ref[p.name].contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(arena[p.arena_offset : p.arena_offset + p.nbytes], raw), p.name
+        assert torch.equal(arena[p.offset : p.offset + p.nbytes], raw), p.name
 
 
 def _cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str]]:
@@ -239,7 +248,7 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     reader = _host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
-    reader.read(plan.extents, arena)
+    reader.read(plan.extents, [arena])
     assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
     assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192,
                                  "auto_direct_io_read": True}]
@@ -254,10 +263,11 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     seen["settings"].clear()
     reader = _host_reader(chunk=8192)
     reader.open(plan)
-    reader.read(plan.extents, reader.allocate(plan.arena_bytes))
+    reader.read(plan.extents, [reader.allocate(plan.arena_bytes)])
     reader.close()
     assert not reader.cold_direct and reader.direct_io() == [False, False]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "auto_direct_io_read": False}]
+    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192,
+                                 "auto_direct_io_read": False}]
 
 
 def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any]:
@@ -266,7 +276,7 @@ def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any
     reader = _host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
-    reader.read(plan.extents, arena)
+    reader.read(plan.extents, [arena])
     reader.close()
     return seen, plan, paths, arena
 
@@ -319,7 +329,7 @@ def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatc
     reader = _host_reader(chunk=1 << 20)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
-    reader.read(plan.extents, arena)
+    reader.read(plan.extents, [arena])
     reader.close()
     assert reader.cold_direct and reader.direct_io() == [True, True]
     assert seen["settings"][0]["auto_direct_io_read"] is True
@@ -338,19 +348,14 @@ def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharde
     assert len(seen["opened"]) == 1 and seen["closed"] == seen["opened"] and seen["restored"] == 1
 
 
-def test_bare_reader_sizes_kvikio_bounce_buffers_to_its_task():
-    from gdsload.loader.backends import ReadOptions
-    from gdsload.loader.bare import _KvikioReader
-
-    reader = _KvikioReader(0, ReadOptions(chunk_bytes=8 << 20))
+def test_kvikio_bounce_buffers_are_sized_to_its_task():
+    reader = _host_reader(chunk=8 << 20)
+    reader.options = type(reader.options)(chunk_bytes=8 << 20)
     assert reader._kvikio_settings() == {"num_threads": 16, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
                                          "auto_direct_io_read": False}
     reader.cold_direct = True  # as open() decides for a cold rank
     assert reader._kvikio_settings() == {"num_threads": 4, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
                                          "auto_direct_io_read": True}
-
-
-# ---------------------------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu

@@ -1,0 +1,291 @@
+"""Devices: everything the load pipeline asks of the memory it loads into, behind one small interface.
+
+The pipeline (:mod:`gdsload.loader.pipeline`) and the readers, codecs and hand-off never test what
+kind of array they hold. They call a :class:`Device`:
+
+- :class:`TorchDevice` — a torch device, ``cpu`` or ``cuda:N``: buffers are 1-D ``uint8`` tensors;
+- :class:`CupyDevice` — a GPU driven without torch (the sidecar's workers: ``import torch`` costs
+  seconds in a fresh process): buffers are 1-D ``uint8`` cupy arrays over their own ``cudaMalloc``,
+  so a buffer is the base of its allocation and its CUDA IPC handle maps exactly that buffer.
+
+A buffer supports slicing (``buf[a:b]`` is a view) on both. Tensors are made from buffers only by
+:meth:`Device.view`, which torch devices support and cupy ones do not (cupy has no bfloat16).
+
+>>> dev = as_device("cpu")
+>>> buf = dev.empty(8)
+>>> dev.view(buf, "F32", (2,)).shape
+torch.Size([2])
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .errors import BackendUnavailableError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "as_device", "device_uuid", "torch_free_unavailable"]
+
+
+class Stream:
+    """A CUDA stream a device made: its raw handle, a wait, and a context that makes it current."""
+
+    def __init__(self, handle: int, synchronize: Callable[[], None],
+                 activate: Callable[[], contextlib.AbstractContextManager[Any]]):
+        self.handle = handle
+        self.synchronize = synchronize
+        self.activate = activate
+
+
+class Device(abc.ABC):
+    """Memory of one device, as the pipeline uses it."""
+
+    kind: ClassVar[str]
+    """``cpu`` or ``cuda``."""
+    uses_torch: ClassVar[bool]
+    index: int | None
+    """CUDA ordinal (None on the CPU)."""
+
+    def __str__(self) -> str:
+        return "cpu" if self.index is None else f"cuda:{self.index}"
+
+    @abc.abstractmethod
+    def empty(self, nbytes: int) -> Any:
+        """A new 1-D uint8 buffer of ``nbytes`` (not zeroed)."""
+
+    @abc.abstractmethod
+    def address(self, buf: Any) -> int:
+        """The address of a buffer's first byte."""
+
+    def nbytes(self, buf: Any) -> int:
+        return int(buf.nbytes)
+
+    def activate(self) -> None:
+        """Make this device current on the calling thread (GPU devices)."""
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on this device."""
+
+    def stream(self) -> Stream:
+        """A stream of this device for work beside the reads (decoding); GPU devices only."""
+        raise BackendUnavailableError(f"{self} has no CUDA streams")
+
+    @abc.abstractmethod
+    def to_host(self, buf: Any) -> np.ndarray:
+        """A buffer's bytes in host memory (a copy for GPU buffers, a view on the CPU)."""
+
+    @abc.abstractmethod
+    def copy(self, dst: Any, src: Any) -> None:
+        """Copy ``src`` into ``dst``, two buffers of this device of the same size (queued on GPUs)."""
+
+    def view(self, buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+        """``buf`` seen as a tensor of safetensors ``dtype`` and ``shape`` (torch devices)."""
+        raise BackendUnavailableError(f"{self} ({type(self).__name__}) makes no torch tensors")
+
+    def bytes_of(self, tensor: Any) -> Any:
+        """The 1-D uint8 buffer over a contiguous tensor's own bytes (destinations the caller owns)."""
+        raise BackendUnavailableError(f"{self} ({type(self).__name__}) takes no torch tensors as destinations")
+
+    def host_memoryview(self, buf: Any) -> memoryview:
+        """A writable view of a host buffer's bytes (CPU devices)."""
+        raise BackendUnavailableError(f"{self} holds no host buffers")
+
+
+class TorchDevice(Device):
+    """A torch device: ``cpu`` or ``cuda:N``."""
+
+    uses_torch = True
+
+    def __init__(self, device: torch.device):
+        import torch
+
+        self.torch = torch
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(f"no backend can load to {str(device)!r}: gdsload loads to 'cpu' or 'cuda:N'")
+        self.device = device
+        self.index = device.index
+        self.kind = device.type  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        return str(self.device)
+
+    def empty(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+
+    def address(self, buf: Any) -> int:
+        return int(buf.data_ptr())
+
+    def activate(self) -> None:
+        if self.kind == "cuda":
+            self.torch.cuda.set_device(self.device)
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def stream(self) -> Stream:
+        if self.kind != "cuda":
+            return super().stream()
+        torch = self.torch
+        torch.cuda.set_device(self.device)
+        s = torch.cuda.Stream(device=self.device)  # torch keeps its streams for the process's life
+        return Stream(s.cuda_stream, s.synchronize, lambda: torch.cuda.stream(s))
+
+    def to_host(self, buf: Any) -> np.ndarray:
+        return buf.cpu().numpy() if self.kind == "cuda" else buf.numpy()
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def view(self, buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+        from .dtypes import to_torch
+
+        dt = to_torch(dtype)
+        if not buf.numel():
+            return self.torch.empty(shape, dtype=dt, device=self.device)
+        return buf.view(dt).view(shape)
+
+    def bytes_of(self, tensor: Any) -> Any:
+        return tensor.detach().reshape(-1).view(self.torch.uint8)
+
+    def host_memoryview(self, buf: Any) -> memoryview:
+        if self.kind != "cpu":
+            return super().host_memoryview(buf)
+        return memoryview(buf.numpy()) if buf.numel() else memoryview(bytearray())
+
+
+class CupyDevice(Device):
+    """GPU ``index`` driven through cupy, without torch."""
+
+    kind = "cuda"
+    uses_torch = False
+    _streams: ClassVar[dict[int, Any]] = {}
+    _streams_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, index: int = 0):
+        import cupy
+
+        self.cupy = cupy
+        self.index = index
+
+    def empty(self, nbytes: int) -> Any:
+        cupy = self.cupy
+        with cupy.cuda.Device(self.index):
+            mem = cupy.cuda.Memory(max(nbytes, 1))  # its own cudaMalloc, not cupy's pool: IPC maps exactly it
+        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    def address(self, buf: Any) -> int:
+        return int(buf.data.ptr)
+
+    def activate(self) -> None:
+        # .use(), not a `with` block: leaving one makes the previous device current again, and on
+        # CUDA 12+ that opens a context there (GPU 0, in a process that sees several GPUs).
+        self.cupy.cuda.Device(self.index).use()
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.runtime.deviceSynchronize()
+
+    def stream(self) -> Stream:
+        # nvCOMP borrows the stream without owning it and may outlive a load (an error's traceback
+        # holds it): one stream per device is kept for the process's life, as torch keeps its own.
+        self.activate()
+        with self._streams_lock:
+            if self.index not in self._streams:
+                self._streams[self.index] = self.cupy.cuda.Stream(non_blocking=True)
+            s = self._streams[self.index]
+        return Stream(int(s.ptr), s.synchronize, contextlib.nullcontext)
+
+    def to_host(self, buf: Any) -> np.ndarray:
+        return buf.get()
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst[...] = src
+
+    def facts(self) -> dict[str, Any]:
+        """Name, UUID (formatted as torch formats it) and memory of this GPU, without torch."""
+        props = self.cupy.cuda.runtime.getDeviceProperties(self.index)
+        name = props["name"]
+        return {"name": name.decode() if isinstance(name, bytes) else str(name), "uuid": device_uuid(self.index),
+                "total_memory": int(props["totalGlobalMem"])}
+
+    def ipc_handle(self, buf: Any) -> bytes:
+        """The CUDA IPC handle of a buffer this device allocated (the base of its own ``cudaMalloc``)."""
+        with self.cupy.cuda.Device(self.index):
+            return bytes(self.cupy.cuda.runtime.ipcGetMemHandle(self.address(buf)))
+
+
+def device_uuid(index: int = 0) -> str:
+    """The GPU's UUID from the driver (``cuDeviceGetUuid``), as ``str(torch...props.uuid)`` prints it.
+
+    cupy's device properties carry the UUID as a C string, cut at its first zero byte; the
+    driver hands all 16 bytes.
+    """
+    import ctypes
+    import uuid
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    raw = (ctypes.c_ubyte * 16)()
+    get_uuid = getattr(cuda, "cuDeviceGetUuid_v2", None) or cuda.cuDeviceGetUuid
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), index) != 0 or get_uuid(raw, dev) != 0:
+        raise RuntimeError(f"the CUDA driver could not report the UUID of device {index}")
+    return str(uuid.UUID(bytes=bytes(raw)))
+
+
+def as_device(device: str | torch.device | Device) -> Device:
+    """``device`` as a :class:`Device`: torch device names and objects become :class:`TorchDevice`.
+
+    >>> str(as_device("cpu"))
+    'cpu'
+    """
+    if isinstance(device, Device):
+        return device
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a torch device ({e}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    return TorchDevice(dev)
+
+
+def torch_free_unavailable(backend: str = "auto", *, probe: bool = True) -> str | None:
+    """Why a GPU rank cannot load without torch here (None when it can): the one place this is decided.
+
+    The torch-free path reads with kvikio (the ``cufile`` backend) into :class:`CupyDevice` memory;
+    it needs cupy, an importable kvikio and a CUDA device, and runs for ``backend`` ``auto`` or ``cufile``.
+    With ``probe=False`` only the backend and the installed packages are looked at (nothing is imported:
+    what a server decides before its workers start).
+    """
+    import importlib.util
+
+    if backend not in ("auto", "cufile"):
+        return f"backend {backend!r} runs with torch (the torch-free path reads with kvikio, as 'cufile' does)"
+    for module, package in (("cupy", "cupy-cuda12x or cupy-cuda13x"), ("kvikio", "kvikio-cu12 or kvikio-cu13")):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({package}; gdsload[cu12] or gdsload[cu13] bring it)"
+    if not probe:
+        return None
+    from .iomode import kvikio_state
+
+    state = kvikio_state()
+    if not state.importable:
+        return f"kvikio cannot be imported: {state.error}"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CUDA reports no device"
+    except Exception as e:  # no driver, or a broken CUDA install
+        return f"CUDA is not usable through cupy ({type(e).__name__}: {e})"
+    return None
