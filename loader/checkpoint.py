@@ -44,10 +44,11 @@ exception, KeyboardInterrupt) removes it, and a previous checkpoint at ``path`` 
 two saves to one path at once never mix (the last to finish wins). A save killed outright leaves
 its hidden temp file (``.NAME.tmp-*``), which the next save of that name on the host removes.
 
-**Loading** mirrors the pipeline: a reader thread preads each tensor's stored bytes into a
-buffer of its own while the calling thread decodes the previous one (zstandard on the CPU,
-nvCOMP on the GPU) onto its target device. Every returned tensor owns its memory, as with
-``torch.load``: no tensor keeps a whole-checkpoint buffer alive (an optimizer keeps its state
+**Loading** goes through the load pipeline (:func:`~gdsload.loader.pipeline.load_rank`): every
+tensor gets memory of its own on its target device, and the pipeline reads each raw tensor
+straight into it and decodes each compressed one into it (zstandard on the CPU, nvCOMP on the GPU,
+reads of the next staging group overlapping the decode). Every returned tensor owns its memory, as
+with ``torch.load``: no tensor keeps a whole-checkpoint buffer alive (an optimizer keeps its state
 tensors after ``load_state_dict``), and APIs that assume a storage offset of 0 work
 (``torch.set_rng_state`` crashes on a view into a larger buffer). The file is also an ordinary
 input of :func:`.load_rank`, whose arena views suit inference weights better.
@@ -64,7 +65,6 @@ import queue
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,7 +73,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .codecs import CHUNK_BYTES, GpuCodecs, cpu_decode, default_params, encode_tensor, nvcomp_available
+from .codecs import CHUNK_BYTES, default_params, encode_tensor, nvcomp_available
 from .compress import MIN_TENSOR_BYTES
 from .compression import CHUNK_ALIGN, CODECS, FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
 from .config import format_bytes
@@ -86,7 +86,6 @@ from .errors import (
     CodecError,
     ConfigError,
     GdsloadError,
-    TruncatedFileError,
 )
 from .checkpoint_tree import Flattener, Leaf, Rebuilder, state_of
 from .format import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output, read_header, tensor_bytes
@@ -664,110 +663,6 @@ def _saved_device(saved: str, path: str, name: str) -> torch.device:
     return dev
 
 
-def _retype(t: torch.Tensor, spec: Mapping[str, Any], path: str, name: str) -> torch.Tensor:
-    """The loaded tensor as the skeleton describes it (a raw stream entry is 1-D U8 on disk)."""
-    dtype, shape = to_torch(spec["dtype"]), tuple(spec["shape"])
-    if t.dtype == dtype and tuple(t.shape) == shape:
-        return t
-    nbytes = math.prod(shape) * ITEMSIZE[spec["dtype"]]
-    if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != nbytes:
-        raise CheckpointError(
-            f"{path!r}: tensor {name!r} is stored as {t.dtype}{list(t.shape)} but the skeleton says "
-            f"{spec['dtype']}{list(shape)}; the file is corrupt"
-        )
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=t.device)
-    return t.view(dtype).view(shape)  # t owns its storage from offset 0, so any dtype can view it
-
-
-class _Prefetch:
-    """A reader thread: preads each tensor's stored bytes into its own host buffer, a bounded queue ahead."""
-
-    def __init__(self, fd: int, spans: list[tuple[str, int, int]], path: str):
-        self._fd, self._spans, self._path = fd, spans, path
-        self._queue: queue.Queue[tuple[str, np.ndarray] | BaseException | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._stop = threading.Event()
-        self.busy = 0.0
-        self._thread = threading.Thread(target=self._run, name="gdsload-checkpoint-reader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for name, offset, size in self._spans:
-                if self._stop.is_set():
-                    return
-                t = time.perf_counter()
-                buf = np.empty(size, dtype=np.uint8)
-                view, done = memoryview(buf), 0
-                while done < size:
-                    n = os.preadv(self._fd, [view[done:]], offset + done)
-                    if n <= 0:
-                        raise TruncatedFileError(f"{self._path!r}: tensor {name!r}: the file ended {size - done} "
-                                                 "bytes early; it changed while being read (re-copy it)")
-                    done += n
-                self.busy += time.perf_counter() - t
-                self._queue.put((name, buf))
-            self._queue.put(None)
-        except BaseException as e:  # handed to the consumer
-            self._queue.put(e)
-
-    def __iter__(self) -> Any:
-        while (item := self._queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self._thread.join()
-
-
-class _Decoder:
-    """Turns one tensor's stored bytes into a tensor of its own on its target device."""
-
-    def __init__(self, path: str, verify: bool):
-        self.path, self.verify = path, verify
-        self._gpu_ok = nvcomp_available() is None
-        self._codecs: dict[torch.device, GpuCodecs] = {}
-
-    def check(self, codecs: set[str]) -> None:
-        """Raise now (before reading) when a codec cannot be decoded on this host."""
-        gpu_only = sorted(codecs - {"zstd"})
-        if gpu_only and not self._gpu_ok:
-            raise CodecError(
-                f"{self.path!r} holds tensors compressed with {gpu_only}, which only a GPU decodes (nvCOMP), and here "
-                f"{nvcomp_available()}; load it on a CUDA host, or save checkpoints with algorithm='Zstd' for CPU hosts"
-            )
-
-    def __call__(self, buf: np.ndarray, entry: CompressedEntry | None, spec: Mapping[str, Any], name: str,
-                 target: torch.device) -> torch.Tensor:
-        if entry is None:  # raw: the host buffer becomes the tensor
-            out = _retype(torch.from_numpy(buf), spec, self.path, name)
-            return out if target.type == "cpu" else out.to(target)
-        if entry.codec == "zstd" and not (target.type == "cuda" and self._gpu_ok):
-            dst = torch.empty(entry.nbytes, dtype=torch.uint8)
-            cpu_decode(entry, memoryview(buf), memoryview(dst.numpy()), verify=self.verify, path=self.path,
-                       threads=_ZSTD_THREADS)
-        else:
-            dev = target if target.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-            if dev not in self._codecs:
-                index = dev.index if dev.index is not None else torch.cuda.current_device()
-                self._codecs[dev] = GpuCodecs(index, torch.cuda.current_stream(dev).cuda_stream, verify=self.verify)
-            dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=dev)
-            self._codecs[dev].decode(entry, torch.from_numpy(buf).to(dev), dst, path=self.path)
-            if self.verify and entry.layout == "chunks" and entry.crc32 is not None:
-                if zlib.crc32(dst.cpu().numpy()) != entry.crc32:
-                    raise CodecError(f"{self.path!r}: tensor {name!r} fails the crc32 check after decoding; "
-                                     "the file is corrupt")
-        out = _retype(dst, spec, self.path, name)
-        return out if out.device == target else out.to(target)
-
-
 def load_compressed_checkpoint(
     path: str | os.PathLike[str],
     device: str | torch.device | None = None,
@@ -796,6 +691,8 @@ def load_compressed_checkpoint(
 
 def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify: bool, t_start: float
                ) -> dict[str, Any]:
+    from .pipeline import load_rank
+
     header = read_header(path, file=f)
     where = header.path
     doc = _skeleton(header)
@@ -808,17 +705,45 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
     dev = None if device is None else _device_arg(device)
     targets = {name: dev or _saved_device(spec["device"], where, name) for name, spec in table.items()}
     comp = parse_compression(header)
-    decode = _Decoder(where, verify)
-    decode.check({comp[n].codec for n in table if n in comp})
+    gpu_ok = nvcomp_available() is None
+    gpu_only = sorted({comp[n].codec for n in table if n in comp} - {"zstd"})
+    if gpu_only and not gpu_ok:
+        raise CodecError(
+            f"{where!r} holds tensors compressed with {gpu_only}, which only a GPU decodes (nvCOMP), and here "
+            f"{nvcomp_available()}; load it on a CUDA host, or save checkpoints with algorithm='Zstd' for CPU hosts"
+        )
 
-    tensors: dict[str, torch.Tensor] = {}
-    spans = sorted(((n, header.data_offset + stored[n].start, stored[n].nbytes) for n in table), key=lambda s: s[1])
-    reader = _Prefetch(f.fileno(), spans, where)
-    try:
-        for name, buf in reader:
-            tensors[name] = decode(buf, comp.get(name), table[name], name, targets[name])
-    finally:
-        reader.close()
+    # Each tensor gets memory of its own, of its final dtype and shape, and the load pipeline reads (or
+    # decodes) straight into it. A tensor loads on its target device, except that ANS and GDeflate decode
+    # on a GPU (then move to a CPU target) and Zstd decodes on the CPU where nvCOMP is missing.
+    groups: dict[torch.device, dict[str, torch.Tensor]] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for name, spec in table.items():
+        target = targets[name]
+        e = comp.get(name)
+        load_on = target
+        if e is not None and e.codec != "zstd" and target.type == "cpu":
+            load_on = torch.device("cuda", torch.cuda.current_device())
+        elif e is not None and target.type == "cuda" and not gpu_ok:
+            load_on = torch.device("cpu")
+        out = torch.empty(tuple(spec["shape"]), dtype=to_torch(spec["dtype"]), device=load_on)
+        outs[name] = out
+        t = stored[name]
+        want = (e.dtype, tuple(e.shape)) if e is not None else (t.dtype, tuple(t.shape))
+        if want == (spec["dtype"], tuple(spec["shape"])):
+            groups.setdefault(load_on, {})[name] = out
+        elif e is None and t.dtype == "U8" and len(t.shape) == 1 and t.nbytes == out.numel() * out.element_size():
+            groups.setdefault(load_on, {})[name] = out.reshape(-1).view(torch.uint8)  # a raw stream entry
+        else:
+            raise CheckpointError(
+                f"{where!r}: tensor {name!r} is stored as {want[0]}{list(want[1])} but the skeleton says "
+                f"{spec['dtype']}{list(spec['shape'])}; the file is corrupt"
+            )
+    opened = {str(Path(where).resolve()): f.fileno()}  # the data comes from the file whose header was read
+    for load_on, into in groups.items():
+        result = load_rank(where, device=load_on, into=into, only=set(into), verify=verify, opened=opened)
+        result.close()
+    tensors = {name: out if out.device == targets[name] else out.to(targets[name]) for name, out in outs.items()}
     for d in {t.device for t in tensors.values() if t.device.type == "cuda"}:
         torch.cuda.synchronize(d)
     rebuild = Rebuilder(tensors, where)
@@ -830,7 +755,6 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
     }
     seconds = time.perf_counter() - t_start
     logical = sum(math.prod(s["shape"]) * ITEMSIZE[s["dtype"]] for s in table.values())
-    log.info("checkpoint %r: %s loaded in %.3f s (%.2f GB/s), read %.3f s, %d tensors", where,
-             format_bytes(logical), seconds, logical / seconds / 1e9 if seconds > 0 else 0.0, reader.busy,
-             len(tensors))
+    log.info("checkpoint %r: %s loaded in %.3f s (%.2f GB/s), %d tensors", where, format_bytes(logical), seconds,
+             logical / seconds / 1e9 if seconds > 0 else 0.0, len(tensors))
     return out

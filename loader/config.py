@@ -75,11 +75,10 @@ class LoadConfig:
     """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
 
     def __post_init__(self) -> None:
-        from .backends import backend_names
+        from .backends import backend_names, is_backend
 
-        names = backend_names()
-        if self.backend != "auto" and self.backend not in names:
-            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *names]}")
+        if self.backend != "auto" and not is_backend(self.backend):
+            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *backend_names()]}")
         if self.num_threads is not None and (type(self.num_threads) is not int or not 1 <= self.num_threads <= 256):
             raise ConfigError(f"num_threads={self.num_threads!r} must be an integer in 1..256")
         if self.chunk_bytes is not None and (

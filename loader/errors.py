@@ -51,7 +51,7 @@ class NoFilesForRankError(GdsloadError, FileNotFoundError):
 
 
 class FileUnreadableError(GdsloadError, OSError):
-    """A file of the rank was found when planning but cannot be opened now (removed, permissions)."""
+    """A file of the rank cannot be opened or read (removed, permissions, not a regular file)."""
 
 
 class BackendUnavailableError(GdsloadError, RuntimeError):

@@ -31,7 +31,7 @@ from .dtypes import from_torch
 from .errors import ConfigError, IntegrityError
 from .manifest import file_digest
 from .plan import FilePlan, LoadPlan, plan_rank
-from .result import FileReport, LoadReport, LoadResult, Slot
+from .result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +69,7 @@ def load_rank(
     pinned_bytes: int | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     only: Collection[str] | None = None,
+    opened: Mapping[str, int] | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[LoadPlan], None] | None = None,
 ) -> LoadResult:
@@ -83,8 +84,10 @@ def load_rank(
     ``into`` maps tensor names to contiguous tensors of the same dtype and shape on ``device``
     (an engine's parameters): those are read, or decoded, straight into them, and take no arena
     memory; ``result.tensors`` then holds them themselves. ``only`` loads just the named tensors.
-    ``progress`` is called with the byte count of each finished read; ``on_plan`` once with the
-    rank's :class:`~gdsload.loader.plan.LoadPlan`, before any data is read.
+    ``opened`` maps some of the rank's file paths to descriptors the caller holds open (the file
+    whose header it read), used instead of opening those paths again. ``progress`` is called with the
+    byte count of each finished read; ``on_plan`` once with the rank's
+    :class:`~gdsload.loader.plan.LoadPlan`, before any data is read.
 
     >>> result = load_rank("/models/llama-tp2", rank=1, device="cpu")  # doctest: +SKIP
     >>> result.tensors["model.embed_tokens.weight"].shape  # doctest: +SKIP
@@ -95,18 +98,20 @@ def load_rank(
                              pinned_bytes=pinned_bytes)
     dev = as_device(device)
     target_bufs, target_specs = _targets(into, dev)
-    rank_files = discover(path, rank)
-    plan = plan_rank(rank_files, targets=target_specs, only=only)
-    if on_plan is not None:
-        on_plan(plan)
-    clock.lap("plan")
-
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
+    clock.lap("setup")
+    rank_files = discover(path, rank)
+    plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened)
     try:
+        if on_plan is not None:
+            on_plan(plan)
+        clock.lap("plan")
+
         dev.activate()
         arena = reader.allocate(plan.arena_bytes)
         reader.open(plan)
-        dsts = [arena, *(target_bufs[name] for name in plan.targets)]
+        mapped = reader.file_buffers()
+        dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
         clock.lap("setup")
 
         reader.read(plan.extents, dsts, progress)
@@ -123,9 +128,9 @@ def load_rank(
         slots = [Slot(p.name, p.dtype, tuple(p.shape), p.offset, p.nbytes, p.buffer) for p in plan.placements]
         tensors: dict[str, Any] = {}
         if dev.uses_torch:
-            assert into is not None or not plan.targets
-            tensors = {s.name: into[s.name] if s.buffer else dev.view(arena[s.offset : s.offset + s.nbytes],
-                                                                          s.dtype, s.shape)  # type: ignore[index]
+            targets = len(plan.targets)
+            tensors = {s.name: into[s.name] if 0 < s.buffer <= targets  # type: ignore[index]
+                       else dev.view(dsts[s.buffer][s.offset : s.offset + s.nbytes], s.dtype, s.shape)
                        for s in slots}
         clock.lap("place")
 
@@ -133,8 +138,10 @@ def load_rank(
         clock.lap("verify")
     except BaseException:
         reader.close()
+        plan.close()
         raise
     reader.close()
+    plan.close()
     clock.lap("teardown")
 
     report = LoadReport(
@@ -143,14 +150,14 @@ def load_rank(
         backend=reader.name,
         source=rank_files.source,
         files=[file_report(f, mode, d) for f, mode, d in zip(plan.files, io_modes, direct)],
-        phases=clock.phases,
+        phases={k: clock.phases.get(k, 0.0) for k in PHASES},
         verified=verified,
         decode_busy_seconds=stats.decode_busy_seconds,
         staging_bytes=stats.staging_bytes,
         direct_tensors=len(plan.targets),
     )
     log.info("%s%s", report.summary(), "" if dev.uses_torch else " (without torch)")
-    return LoadResult(tensors=tensors, arenas=[arena], report=report, slots=slots, device=dev)
+    return LoadResult(tensors=tensors, arenas=[arena, *mapped], report=report, slots=slots, device=dev)
 
 
 def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
@@ -199,8 +206,11 @@ def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any, device: De
     """
     entries = [rank_files.manifest_entry(f.path) for f in plan.files]
     if not all(e is not None and e.digest for e in entries):
-        log.warning("verify requested but %s has no digests for rank %d; nothing verified",
-                    rank_files.root, rank_files.rank)
+        # The compressed tensors' checksums were checked while decoding; when there are none either, say so.
+        checked = any(t.entry.crc32 is not None or t.entry.layout == "native" for t in plan.compressed)
+        (log.debug if checked else log.warning)(
+            "verify requested but %s has no digests for rank %d; %s", rank_files.root, rank_files.rank,
+            "only the compressed tensors' checksums were checked" if checked else "nothing verified")
         return False
     for f, entry in zip(plan.files, entries):
         assert entry is not None and entry.digest is not None

@@ -20,16 +20,20 @@ compressed ones are read into a staging buffer and decoded into their slots
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .compression import CompressedEntry, parse_compression
 from .discovery import RankFiles
-from .errors import GdsloadError, HeaderError
+from .errors import FileUnreadableError, GdsloadError, HeaderError
 from .format import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
 from .manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "PlanError", "plan_rank", "align_up",
+__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "PlanError", "TensorMeta", "rank_index",
+           "open_file", "fd_path",
+           "plan_rank", "align_up",
            "split_extents", "stream_order", "direct_read_order"]
 
 _COPY_ALIGNMENT = 64
@@ -160,6 +164,35 @@ class LoadPlan:
     compressed: tuple[CompressedTensor, ...] = ()
     targets: tuple[str, ...] = ()
     """Tensors read into buffers the caller provides (``into``), in buffer order: ``targets[i - 1]`` is buffer ``i``."""
+    mapped: tuple[int, ...] = ()
+    """Files whose mapping holds their tensors (a mapping backend), in buffer order after the targets:
+    file ``mapped[k]`` is buffer ``1 + len(targets) + k``."""
+    fds: tuple[int, ...] = ()
+    """A read-only descriptor per file, opened when the headers were read: backends read through these
+    (or :func:`fd_path`), so the data is that of the files the headers described."""
+    owned: tuple[bool, ...] = ()
+    """Which of ``fds`` the plan opened (and :meth:`close` closes); the others are the caller's."""
+
+    @property
+    def open_paths(self) -> list[str]:
+        """A path per file that opens the very file the plan holds (see :func:`fd_path`)."""
+        return [fd_path(fd) for fd in self.fds]
+
+    def close(self) -> None:
+        """Close the descriptors the plan opened (idempotent)."""
+        for fd, mine in zip(self.fds, self.owned):
+            if mine:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        object.__setattr__(self, "owned", tuple(False for _ in self.fds))
+
+    def __enter__(self) -> LoadPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def extents(self) -> list[Extent]:
@@ -186,21 +219,61 @@ class PlanError(GdsloadError, ValueError):
     """A destination the caller gave does not fit the tensor it is for, or names no tensor of the rank."""
 
 
-def plan_rank(
-    rank_files: RankFiles,
-    *,
-    targets: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
-    only: Collection[str] | None = None,
-) -> LoadPlan:
-    """Read and validate every header of the rank, then lay out the arena and the reads.
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a rank's file says of one tensor, before any data is read (its decoded dtype and shape)."""
 
-    ``targets`` maps tensor names to the ``(dtype, shape)`` of a buffer the caller provides:
-    those tensors are read (or decoded) straight into it and take no arena space. With ``only``,
-    every other tensor is left unread. Raises :class:`HeaderError` for any malformed header, or a
-    tensor name found in two files, and :class:`PlanError` for a target that does not fit, before
-    anything is read or allocated.
-    """
-    headers = [read_header(p) for p in rank_files.files]
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    path: str
+    compressed: bool = False
+
+
+def open_file(path: str) -> int:
+    """Open one of a rank's files for reading; :class:`FileUnreadableError` naming it and the fix."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileUnreadableError(f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and "
+                                  "this user may read it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileUnreadableError(f"{path!r} is not a regular file; point the load at safetensors files")
+    return fd
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the very file ``fd`` is open on (for libraries that take a path), even after a rename."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _open_all(rank_files: RankFiles, opened: Mapping[str, int] | None) -> tuple[list[int], list[bool]]:
+    """A descriptor per file (the caller's, where given): ``(fds, owned)``; on failure nothing stays open."""
+    fds: list[int] = []
+    owned: list[bool] = []
+    try:
+        for p in rank_files.files:
+            if opened and p in opened:
+                fds.append(opened[p])
+                owned.append(False)
+            else:
+                fds.append(open_file(p))
+                owned.append(True)
+    except BaseException:
+        for fd, mine in zip(fds, owned):
+            if mine:
+                os.close(fd)
+        raise
+    return fds, owned
+
+
+def _read_headers(rank_files: RankFiles, fds: Sequence[int]) -> list[SafetensorsHeader]:
+    headers = []
+    for p, fd in zip(rank_files.files, fds):
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            headers.append(read_header(p, file=f))
     seen: dict[str, str] = {}
     for h in headers:
         for t in h.tensors:
@@ -210,6 +283,69 @@ def plan_rank(
                     "a rank's files must not repeat tensor names"
                 )
             seen[t.name] = h.path
+    return headers
+
+
+def rank_index(rank_files: RankFiles) -> dict[str, TensorMeta]:
+    """Every tensor of the rank, from its validated headers (compressed tensors as they decode); reads no data.
+
+    >>> rank_index(discover("/models/llama-tp2", 1))["lm_head.weight"].shape  # doctest: +SKIP
+    (64128, 4096)
+    """
+    out: dict[str, TensorMeta] = {}
+    fds, owned = _open_all(rank_files, None)
+    try:
+        headers = _read_headers(rank_files, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for h in headers:
+        comp = parse_compression(h)
+        for t in h.tensors:
+            e = comp.get(t.name)
+            out[t.name] = (TensorMeta(t.name, t.dtype, t.shape, t.nbytes, h.path) if e is None
+                           else TensorMeta(t.name, e.dtype, e.shape, e.nbytes, h.path, True))
+    return out
+
+
+def plan_rank(
+    rank_files: RankFiles,
+    *,
+    targets: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    only: Collection[str] | None = None,
+    map_files: bool = False,
+    opened: Mapping[str, int] | None = None,
+) -> LoadPlan:
+    """Read and validate every header of the rank, then lay out the arena and the reads.
+
+    ``targets`` maps tensor names to the ``(dtype, shape)`` of a buffer the caller provides:
+    those tensors are read (or decoded) straight into it and take no arena space. With ``only``,
+    every other tensor is left unread. With ``map_files`` (a backend that maps files into memory),
+    the tensors of uncompressed files are views of their file's mapping (``LoadPlan.mapped``),
+    except those not aligned for their dtype there, which are read into the arena.
+
+    Every file is opened once, here, and the plan holds the descriptors until :meth:`LoadPlan.close`:
+    the headers and the data come from the same files even when a path is replaced or removed
+    meanwhile. ``opened`` gives descriptors the caller already holds for some of the paths (they
+    stay the caller's to close). Raises :class:`FileUnreadableError` for a file that cannot be opened, :class:`HeaderError` for any malformed header, or a
+    tensor name found in two files, and :class:`PlanError` for a target that does not fit, before
+    anything is read or allocated.
+    """
+    fds, owned = _open_all(rank_files, opened)
+    try:
+        return _plan(rank_files, fds, owned, targets, only, map_files)
+    except BaseException:
+        for fd, mine in zip(fds, owned):
+            if mine:
+                os.close(fd)
+        raise
+
+
+def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
+          targets: Mapping[str, tuple[str, tuple[int, ...]]] | None, only: Collection[str] | None,
+          map_files: bool) -> LoadPlan:
+    headers = _read_headers(rank_files, fds)
+    seen = {t.name for h in headers for t in h.tensors}
     targets = dict(targets or {})
     wanted = None if only is None else set(only) | set(targets)
     unknown = sorted(n for n in (wanted or targets) if n not in seen)
@@ -231,11 +367,37 @@ def plan_rank(
     files: list[FilePlan | None] = [None] * len(headers)
     placements: list[Placement] = []
     compressed: list[CompressedTensor] = []
+    mapped: list[int] = []
     cursor = 0
     for i, (h, comp) in enumerate(zip(headers, entries)):
         if comp:
             continue
         logical = logical_bytes(h)
+        if map_files:
+            buf = 1 + len(order) + len(mapped)
+            mapped.append(i)
+            extents_m: list[Extent] = []
+            logical = 0
+            for t in h.tensors:
+                if wanted is not None and t.name not in wanted:
+                    continue
+                logical += t.nbytes
+                at = h.data_offset + t.start
+                if t.name in buffer_of:
+                    check_target(t.name, t.dtype, t.shape, h.path)
+                    if t.nbytes:
+                        extents_m.append(Extent(i, at, t.nbytes, 0, buffer_of[t.name]))
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, 0, t.nbytes, buffer=buffer_of[t.name]))
+                elif at % t.itemsize == 0:
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, at, t.nbytes, buffer=buf))
+                else:  # not aligned in the mapping: read into an aligned arena slot
+                    cursor = align_up(cursor, _COPY_ALIGNMENT)
+                    if t.nbytes:
+                        extents_m.append(Extent(i, at, t.nbytes, cursor))
+                    placements.append(Placement(t.name, t.dtype, t.shape, i, cursor, t.nbytes))
+                    cursor += t.nbytes
+            files[i] = FilePlan(h.path, h, -1, tuple(extents_m), logical, 0)
+            continue
         if wanted is None and not any(t.name in buffer_of for t in h.tensors):
             # The whole data section is mirrored into the arena: one sequential read, tensors are views.
             cursor = align_up(cursor, DATA_ALIGNMENT)
@@ -331,4 +493,5 @@ def plan_rank(
         final.append(p)
     assert all(f is not None for f in files)
     return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final),
-                    arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order))
+                    arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order), mapped=tuple(mapped),
+                    fds=tuple(fds), owned=tuple(owned))

@@ -222,11 +222,10 @@ class ServeConfig:
                 raise ConfigError(
                     f"device_map={self.device_map!r} does not place ranks {unmapped}; add RANK:GPU (or RANK:cpu) for each"
                 )
-        from gdsload.loader.backends import backend_names
+        from gdsload.loader.backends import backend_names, is_backend
 
-        names = backend_names()
-        if self.backend != "auto" and self.backend not in names:
-            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *names]}")
+        if self.backend != "auto" and not is_backend(self.backend):
+            raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *backend_names()]}")
         if not isinstance(self.host, str) or not _valid_host(self.host):
             raise ConfigError(f"host={self.host!r} is not an IP address or host name; e.g. 127.0.0.1 or ::1")
         if type(self.port) is not int or not 0 <= self.port <= 65535:

@@ -202,11 +202,22 @@ def test_vllm_sharded_state_copies_each_rank_with_the_narrowing_rule(hf, vllm_di
         model = VllmLlama(rank, 2, lora_rows=LORA_EXTRA)
         report = gvllm.load_into_model(model, vllm_dir, rank=rank, tp_size=2)
         assert report.ok and report.narrowed == ["lm_head.weight"]
+        # Every tensor read straight into its parameter (the narrowed one into its leading rows): no copies.
+        assert report.direct == len(report.loaded) and "direct=" in report.source
         want = vllm_rank(hf, rank, 2)
         for name, t in want.items():
             got = model.param(name)
             assert torch.equal(got[: t.shape[0]], t), name
         assert not model.param("lm_head.weight")[-LORA_EXTRA:].any()  # padding left alone
+
+
+def test_vllm_sharded_state_copies_what_cannot_be_read_in_place(hf, vllm_dir):
+    """A parameter of another dtype (vLLM started with another --dtype) is converted, not read in place."""
+    model = VllmLlama(0, 2).to(torch.float32)
+    report = gvllm.load_into_model(model, vllm_dir, rank=0, tp_size=2)
+    assert report.ok and report.direct == 0
+    for name, t in vllm_rank(hf, 0, 2).items():
+        assert torch.equal(model.param(name), t.float()), name
 
 
 def test_vllm_load_weights_path_gives_the_same_parameters(hf, hf_dir):

@@ -168,16 +168,44 @@ def test_load_config_parses_sizes_exactly_and_names_the_variable():
     assert LoadConfig.resolve(env={"GDSLOAD_NUM_THREADS": "0"}, num_threads=4).num_threads == 4  # the flag wins
 
 
-def test_a_file_removed_after_planning_is_typed_and_leaks_nothing(tmp_path, sharded_dir):
+def test_a_file_replaced_or_removed_after_planning_is_still_the_file_loaded(tmp_path, sharded_dir):
+    """The plan holds every file open from its header read on: the data is that file's, whatever the path
+    becomes meanwhile, and no descriptor is left open."""
     d = tmp_path / "m"
     shutil.copytree(sharded_dir, d)
     victim = d / "model-rank-0-part-1.safetensors"
+    want = {k: v.clone() for k, v in safetensors.torch.load_file(str(victim)).items()}
+    other = tmp_path / "other.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in want.items()}, other)
     before = len(os.listdir("/proc/self/fd"))
-    for _ in range(3):
-        with pytest.raises(FileUnreadableError, match="model-rank-0-part-1.safetensors"):
-            load_rank(d, 0, on_plan=lambda plan: victim.rename(victim.with_suffix(".gone")))
-        victim.with_suffix(".gone").rename(victim)
+    for change in ("remove", "replace"):
+        def swap(plan, change=change):
+            if change == "remove":
+                victim.rename(victim.with_suffix(".gone"))
+            else:
+                os.replace(other, victim)
+
+        result = load_rank(d, 0, on_plan=swap)
+        for name, t in want.items():
+            assert _same_bits(result.tensors[name], t), (change, name)
+        result.close()
+        if change == "remove":
+            victim.with_suffix(".gone").rename(victim)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_unreadable_file_is_typed(tmp_path, sharded_dir):
+    d = tmp_path / "m"
+    shutil.copytree(sharded_dir, d)
+    victim = d / "model-rank-0-part-1.safetensors"
+    victim.chmod(0)
+    try:
+        if os.access(victim, os.R_OK):
+            pytest.skip("this user reads files whatever their mode (root without dropped capabilities)")
+        with pytest.raises(FileUnreadableError, match="model-rank-0-part-1.safetensors.*cannot be opened"):
+            load_rank(d, 0)
+    finally:
+        victim.chmod(0o644)
 
 
 def test_bad_arguments_are_config_errors(sharded_dir):
@@ -388,3 +416,82 @@ def test_sampled_residency_weighs_files_by_size(tmp_path):
     sampled = resident_fraction([str(big), str(small)], samples=RESIDENCY_SAMPLES)
     assert abs(sampled - exact) < 0.05, (sampled, exact)
     assert is_cold(str(big), str(small))
+
+
+# ----------------------------------------------------------------------------- destinations the caller owns
+
+
+def _empty_like_all(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, 0) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in ref.items()}
+
+
+def test_into_reads_straight_into_the_callers_tensors(sharded_dir):
+    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith("r0.")}
+    mine = _empty_like_all(ref)
+    half = dict(list(mine.items())[: len(mine) // 2])  # the other half lands in the arena
+    result = load_rank(sharded_dir, 0, into=half)
+    assert set(result.tensors) == set(ref)
+    for name, t in ref.items():
+        assert _same_bits(result.tensors[name], t), name
+    for name, t in half.items():
+        assert result.tensors[name] is t and _same_bits(t, ref[name]), name  # the caller's own tensor, filled
+    assert result.report.direct_tensors == len(half) and f"direct={len(half)}" in result.report.summary()
+    whole = load_rank(sharded_dir, 0, into=_empty_like_all(ref))
+    assert whole.arena.numel() == 0  # nothing left for an arena
+
+
+def test_into_misaligned_and_compressed_tensors(tmp_path):
+    from gdsload.loader.compress import compress_dir
+
+    foreign = tmp_path / "foreign.safetensors"
+    tensors = _misaligned_file(foreign)
+    mine = {k: torch.empty_like(v) for k, v in tensors.items()}
+    result = load_rank(foreign, into=mine)
+    assert all(_same_bits(mine[k], v) for k, v in tensors.items())
+    # every tensor read straight into its own destination: none of them is copied into place afterwards
+    assert result.report.files[0].copied_tensors == 0 and result.report.direct_tensors == len(mine)
+    assert load_rank(foreign).report.files[0].copied_tensors == 3  # without destinations, three are
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    big = {"w": (0.02 * torch.randn(512, 256, generator=g)).to(torch.bfloat16), "n": torch.ones(7)}
+    save_file(big, src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+    mine = {"w": torch.empty_like(big["w"])}
+    result = load_rank(tmp_path / "z", into=mine)
+    assert result.report.files[0].compressed_tensors == 1 and result.tensors["w"] is mine["w"]
+    assert _same_bits(mine["w"], big["w"]) and _same_bits(result.tensors["n"], big["n"])
+
+
+def test_into_and_only_refuse_what_does_not_fit(sharded_dir):
+    from gdsload.loader.plan import PlanError
+
+    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith("r0.")}
+    name = "r0.p0.weight.bf16"
+    with pytest.raises(PlanError, match=r"'r0.p0.weight.bf16' is BF16\[64, 33\] but its destination is F32\[64, 33\]"):
+        load_rank(sharded_dir, 0, into={name: torch.empty(64, 33)})
+    with pytest.raises(PlanError, match=r"not in rank 0 .*'nope'"):
+        load_rank(sharded_dir, 0, into={"nope": torch.empty(1)})
+    with pytest.raises(PlanError, match="'nope'"):
+        load_rank(sharded_dir, 0, only=["nope"])
+    with pytest.raises(ConfigError, match=r"into\['r0.p0.weight.bf16'\] is not contiguous"):
+        load_rank(sharded_dir, 0, into={name: torch.empty(33, 64, dtype=torch.bfloat16).t()})
+    with pytest.raises(ConfigError, match="must be a torch tensor"):
+        load_rank(sharded_dir, 0, into={name: [1, 2]})
+    only = load_rank(sharded_dir, 0, only=[name])
+    assert list(only.tensors) == [name] and _same_bits(only.tensors[name], ref[name])
+    assert only.report.logical_bytes == ref[name].numel() * ref[name].element_size()
+
+
+def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
+    result = load_rank(sharded_dir, 1, backend="mmap")
+    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith("r1.")}
+    assert all(_same_bits(result.tensors[k], v) for k, v in ref.items())
+    assert {f.io_mode for f in result.report.files} == {"mmap"} and result.arena.numel() == 0
+    foreign = tmp_path / "foreign.safetensors"
+    tensors = _misaligned_file(foreign)
+    mapped = load_rank(foreign, backend="mmap")  # the misaligned ones are read into the arena
+    assert all(_same_bits(mapped.tensors[k], v) for k, v in tensors.items())
+    assert mapped.arena.numel() > 0
+    mapped.tensors["b.f32"].add_(1)  # a private mapping: the file stays as it was
+    assert _same_bits(load_rank(foreign).tensors["b.f32"], tensors["b.f32"])

@@ -133,6 +133,8 @@ class InjectReport:
     seconds: float = 0.0
     zero_copy: int = 0
     """Tensors bound to the model without a copy (they are views of the loaded arena)."""
+    direct: int = 0
+    """Tensors read (or decoded) from the files straight into the model's own parameters: no arena, no copy."""
     narrowed: list[str] = field(default_factory=list)
     """Parameters larger than their checkpoint tensor (vLLM's LoRA padding rule): only the leading part was written."""
     source: str = ""
@@ -150,6 +152,8 @@ class InjectReport:
         )
         if self.zero_copy:
             line += f" zero-copy={self.zero_copy}"
+        if self.direct:
+            line += f" direct={self.direct}"
         if self.narrowed:
             line += f" narrowed={len(self.narrowed)}"
         return line + f" missing={len(self.missing)} unexpected={len(self.unexpected)} mismatched={len(self.mismatched)}"
@@ -219,6 +223,7 @@ def compare(
     report = InjectReport(engine=engine, model=model)
     provided = set(tensors)
     for name, tensor in tensors.items():
+        # a tensor, or what a header says of one (gdsload.loader.plan.TensorMeta): a shape and a size
         target = targets.get(name)
         if target is None:
             report.unexpected.append(name)
@@ -232,7 +237,7 @@ def compare(
         else:
             report.mismatched.append(ShapeMismatch(name, got, want))
             continue
-        report.bytes += tensor.numel() * tensor.element_size()
+        report.bytes += tensor.nbytes
     for name, target in targets.items():
         if name not in provided and not any(a in provided for a in target.aliases):
             report.missing.append(name)

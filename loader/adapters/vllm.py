@@ -14,10 +14,12 @@ process and in every worker, which registers :class:`GdsloadModelLoader` as load
 What the loader does, per worker (tensor-parallel rank ``r`` of ``tp``):
 
 - ``vllm`` layout (vLLM's own parameter names and per-rank shapes, what ``save_sharded_state``
-  and ``gdsload shard --layout vllm`` write), sharded for exactly ``tp`` ranks: copy rank ``r``'s
-  tensors into ``model.state_dict()`` by name, with vLLM's sharded_state rules — tensors that
+  and ``gdsload shard --layout vllm`` write), sharded for exactly ``tp`` ranks: rank ``r``'s
+  tensors go into ``model.state_dict()`` by name, with vLLM's sharded_state rules — tensors that
   share memory with another state-dict entry are not targets, and a parameter larger than its
-  checkpoint tensor (LoRA padding) is written only in its leading part;
+  checkpoint tensor (LoRA padding) is written only in its leading part. Names and shapes are
+  checked from the headers before anything is read; then the files are read (and decoded)
+  straight into the parameters' own memory, with no arena and no second copy;
 - ``hf`` layout at TP=1 (an ordinary checkpoint): ``model.load_weights(iterator)`` — vLLM's
   own weight loaders fuse q/k/v and gate/up and slice for each rank, so this also serves tp > 1
   (every worker reads the whole checkpoint, as vLLM's default loader does);
@@ -37,6 +39,7 @@ Each worker logs one line through vLLM's logger, ``Loading weights took 0.41 sec
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -48,7 +51,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..config import LoadConfig
+from ..errors import BackendUnavailableError, ConfigError
 from .base import (
     AdapterOptions,
     CheckpointLayout,
@@ -60,7 +64,9 @@ from .base import (
     StateDictInjector,
     Target,
     Weights,
+    _error_message,
     collect_weights,
+    compare,
     describe_checkpoint,
     import_engine,
     open_rank,
@@ -139,19 +145,67 @@ class ShardedStateInjector(StateDictInjector):
     def targets(self) -> Mapping[str, Target]:
         return {name: Target(tuple(t.shape), t.dtype) for name, t in self._state.items()}
 
+    def _destination(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The part of the state-dict entry ``name`` a checkpoint tensor of ``shape`` fills (its leading part)."""
+        dst = self._state[name]
+        for dim, size in enumerate(shape):
+            if size < dst.shape[dim]:
+                dst = dst.narrow(dim, 0, size)
+        return dst
+
     def apply(self, tensors: Mapping[str, torch.Tensor], report: InjectReport) -> int:
         narrowed = set(report.narrowed)
         with torch.no_grad():
             for name, t in tensors.items():
-                dst = self._state[name]
+                dst = self._destination(name, tuple(t.shape))
                 if name in narrowed:
-                    for dim, size in enumerate(t.shape):
-                        if size < dst.shape[dim]:
-                            dst = dst.narrow(dim, 0, size)
                     log.debug("%r: checkpoint %s into parameter %s (leading part only)",
                               name, list(t.shape), list(self._state[name].shape))
+                if dst.dtype != t.dtype:
+                    log.warning("%r: checkpoint dtype %s into parameter dtype %s (converted)", name, t.dtype,
+                                dst.dtype)
                 dst.copy_(t)
         return 0
+
+    def load(self, path: str | os.PathLike[str], rank: int, *, options: AdapterOptions,
+             device: torch.device) -> tuple[InjectReport, str]:
+        """Read rank ``rank`` of ``path`` straight into the parameters; returns the report and the load's summary.
+
+        Names and shapes are checked from the headers first, so a strict mismatch raises before any
+        byte is read. Every tensor whose destination is the parameter itself (same dtype, and
+        contiguous, as vLLM's own parameters are) is read, or decoded, into it: no arena and no
+        second copy. The rest (a dtype vLLM converts, a LoRA-padded parameter filled in its
+        leading part where that part is not contiguous) loads into a small arena and is copied.
+        """
+        from ..discovery import discover
+        from ..dtypes import from_torch
+        from ..plan import rank_index
+        from ..pipeline import load_rank
+
+        start = time.perf_counter()
+        index = rank_index(discover(path, rank))
+        report = compare(index, self.targets(), engine=self.engine, model=self.model_name, allow_narrow=True)
+        if not report.ok:
+            if options.strict:
+                report.seconds = time.perf_counter() - start
+                raise InjectError(_error_message(report, self.fix), report)
+            log.warning("%s", _error_message(report, self.fix).replace("strict inject", "inject", 1))
+        into: dict[str, torch.Tensor] = {}
+        for name in report.loaded:
+            meta = index[name]
+            dst = self._destination(name, meta.shape)
+            if dst.is_contiguous() and from_torch(dst.dtype) == meta.dtype and dst.device == device:
+                into[name] = dst.detach()
+        result = load_rank(path, rank, device=device, backend=options.backend, into=into, only=report.loaded)
+        try:
+            self.apply({n: result.tensors[n] for n in report.loaded if n not in into}, report)
+        finally:
+            summary = result.report.summary()
+            result.close()
+        report.direct = len(into)
+        report.seconds = time.perf_counter() - start
+        log.info("%s", report.summary())
+        return report, summary
 
 
 class LoadWeightsInjector(Injector):
@@ -288,8 +342,25 @@ def load_into_model(
     options = options or AdapterOptions()
     plan = plan or plan_load(path, rank=rank, tp_size=tp_size, options=options, engine=engine)
     device = _model_device(model)
+    if plan.kind == "sharded_state" and options.sidecar_url is None and path is not None:
+        sharded = ShardedStateInjector(model, engine=engine)
+        try:
+            report, report.source = sharded.load(path, plan.file_rank, options=options, device=device)
+        except BackendUnavailableError as e:
+            if device.type == "cpu" or LoadConfig.resolve(backend=options.backend).backend != "auto":
+                raise
+            log.info("rank %d: no backend reads to %s here (%s); reading to host memory and copying", rank,
+                     device, e)
+        else:
+            log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), plan.kind, plan.layout.layout)
+            return report
     injector: Injector = (ShardedStateInjector(model, engine=engine) if plan.kind == "sharded_state"
                           else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled))
+    if (plan.kind == "load_weights" and device.type == "cpu" and options.sidecar_url is None
+            and LoadConfig.resolve(backend=options.backend).backend == "auto"):
+        # The model's weight loaders copy every tensor into its parameters: hand them views of the files'
+        # own pages (nothing read into an arena first, one copy in all).
+        options = dataclasses.replace(options, backend="mmap")
     with open_rank(path, plan.file_rank, options=options, device=device, expect_device=True) as weights:
         report = injector.inject(weights.tensors, strict=options.strict)
         report.source = weights.describe()

@@ -23,43 +23,56 @@ from ..devices import Device
 from ..errors import BackendUnavailableError, ConfigError, TruncatedFileError
 from ..plan import Extent, LoadPlan
 
-__all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_names", "auto_order",
+__all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_names", "is_backend", "auto_order",
            "select_backend", "backend_class", "wait_preads", "extent_slice"]
 
 log = logging.getLogger(__name__)
 
-_REGISTRY: dict[str, tuple[str, int | None]] = {}
-"""name -> ("module:Class", place in ``auto``'s order or None), imported only when asked for."""
+@dataclass(frozen=True)
+class _Entry:
+    target: str
+    """``"module:Class"``, imported on first use."""
+    auto: int | None
+    """Place in ``auto``'s order (lower first); None: only when named."""
+    kinds: tuple[str, ...]
+    """Device kinds it can load to, known without importing it (so ``auto`` skips it cheaply)."""
+
+
+_REGISTRY: dict[str, _Entry] = {}
 _ENTRY_POINTS_LOADED = False
 
 
-def register_backend(name: str, target: str, *, auto: int | None = None) -> None:
+def register_backend(name: str, target: str, *, auto: int | None = None,
+                     kinds: tuple[str, ...] = ("cpu", "cuda")) -> None:
     """Make backend ``name`` known: ``target`` is ``"module:Class"``, imported on first use.
 
-    ``auto`` is its place in ``backend="auto"``'s order (lower first; None: only when named).
+    ``auto`` is its place in ``backend="auto"``'s order (lower first; None: only when named);
+    ``kinds`` the device kinds (``cpu``, ``cuda``) it can load to.
 
-    >>> register_backend("mine", "my_package.reader:MyBackend")  # doctest: +SKIP
+    >>> register_backend("mine", "my_package.reader:MyBackend", kinds=("cuda",))  # doctest: +SKIP
     """
-    _REGISTRY[name] = (target, auto)
+    _REGISTRY[name] = _Entry(target, auto, tuple(kinds))
 
 
-register_backend("cufile", "gdsload.loader.backends.cufile:CuFileBackend", auto=0)
-register_backend("pinned", "gdsload.loader.backends.pinned:PinnedBackend", auto=1)
-register_backend("fastsafetensors", "gdsload.loader.backends.fastsafetensors:FastSafetensorsBackend")
-register_backend("cpu", "gdsload.loader.backends.cpu:CpuBackend", auto=2)
+register_backend("cufile", "gdsload.loader.backends.cufile:CuFileBackend", auto=0, kinds=("cuda",))
+register_backend("pinned", "gdsload.loader.backends.pinned:PinnedBackend", auto=1, kinds=("cuda",))
+register_backend("fastsafetensors", "gdsload.loader.backends.fastsafetensors:FastSafetensorsBackend", kinds=("cuda",))
+register_backend("cpu", "gdsload.loader.backends.cpu:CpuBackend", auto=2, kinds=("cpu",))
+register_backend("mmap", "gdsload.loader.backends.mmap:MmapBackend", kinds=("cpu",))
 # ``cufile`` comes first in ``auto`` only where it does better than staging through host memory (true
 # GDS or P2PDMA; its auto_skip says so); ``fastsafetensors`` is never picked automatically (it is there
 # for comparison and its users).
 
 
 def _load_entry_points() -> None:
+    """Backends other packages declare (entry point group ``gdsload.backends``), looked up once, when needed."""
     global _ENTRY_POINTS_LOADED
     if _ENTRY_POINTS_LOADED:
         return
     _ENTRY_POINTS_LOADED = True
     for ep in entry_points(group="gdsload.backends"):
         if ep.name not in _REGISTRY:
-            _REGISTRY[ep.name] = (ep.value, None)
+            register_backend(ep.name, ep.value)
 
 
 def backend_names() -> list[str]:
@@ -68,16 +81,23 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def is_backend(name: str) -> bool:
+    """Whether ``name`` is a known backend (entry points are looked up only for names not registered here)."""
+    if name not in _REGISTRY:
+        _load_entry_points()
+    return name in _REGISTRY
+
+
 def auto_order() -> list[str]:
-    """The backends ``auto`` tries, in order."""
-    _load_entry_points()
-    return [n for n, (_, place) in sorted(_REGISTRY.items(), key=lambda kv: (kv[1][1] is None, kv[1][1] or 0))
-            if place is not None]
+    """The backends ``auto`` tries, in order (backends from entry points run only when named)."""
+    ranked = [(e.auto, n) for n, e in _REGISTRY.items() if e.auto is not None]
+    return [n for _, n in sorted(ranked)]
 
 
-IO_MODES = ("gds", "p2pdma", "compat", "posix", "cpu")
+IO_MODES = ("gds", "p2pdma", "compat", "posix", "cpu", "mmap")
 """What the report may say ran for a file: true GDS DMA, P2PDMA, cuFile compat (bounce buffers),
-POSIX reads staged through host memory to the GPU, or plain reads into host memory."""
+POSIX reads staged through host memory to the GPU, plain reads into host memory, or the file's
+own pages mapped (nothing read or copied)."""
 
 Progress = Callable[[int], None]
 
@@ -104,6 +124,8 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     needs_torch: ClassVar[bool] = True
     """Whether it runs only on a torch device (:class:`~gdsload.loader.devices.TorchDevice`)."""
+    maps_files: ClassVar[bool] = False
+    """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
         from ..devices import as_device
@@ -154,6 +176,10 @@ class Backend(abc.ABC):
         assert self.plan is not None
         return [False] * len(self.plan.files)
 
+    def file_buffers(self) -> list[Any]:
+        """For a mapping backend, the buffers of ``plan.mapped``'s files, in that order."""
+        return []
+
     def close(self) -> None:
         """Close files and release buffers the backend holds beyond the arena."""
 
@@ -164,12 +190,9 @@ def extent_slice(dsts: Sequence[Any], e: Extent) -> Any:
 
 
 def backend_class(name: str) -> type[Backend]:
-    _load_entry_points()
-    try:
-        target, _ = _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"backend {name!r} is not known; choose one of {['auto', *_REGISTRY]}") from None
-    module, attr = target.split(":")
+    if not is_backend(name):
+        raise ConfigError(f"backend {name!r} is not known; choose one of {['auto', *_REGISTRY]}")
+    module, attr = _REGISTRY[name].target.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -196,6 +219,11 @@ def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Bac
         return cls(device, options)
     skipped = []
     for candidate in auto_order():
+        if device.kind not in _REGISTRY[candidate].kinds:
+            reason = f"it does not load to {device.kind} devices"
+            log.debug("backend %s skipped: %s", candidate, reason)
+            skipped.append(f"{candidate}: {reason}")
+            continue
         try:
             cls = backend_class(candidate)
             reason = _unavailable(cls, device) or cls.auto_skip(device)

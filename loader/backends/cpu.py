@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..devices import Device
-from ..errors import FileUnreadableError, TruncatedFileError
+from ..errors import TruncatedFileError
+from ..pagecache import is_cold
 from ..plan import Extent, LoadPlan, split_extents
 from . import Backend, Progress
 
@@ -36,6 +37,9 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
 class CpuBackend(Backend):
     name = "cpu"
     DEFAULT_THREADS = 8
+    """Readers for cold files (the disk wants requests in flight)."""
+    CACHED_THREADS = min(8, max(2, os.cpu_count() or 2))
+    """Readers for files in the page cache: copies, so one per core (more only switch between them)."""
     DEFAULT_CHUNK = 16 << 20
 
     @classmethod
@@ -46,15 +50,9 @@ class CpuBackend(Backend):
 
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
-        self._fds: list[int] = []
-        for f in plan.files:  # one by one: close() closes those opened before a failure
-            try:
-                self._fds.append(os.open(f.path, os.O_RDONLY))
-            except OSError as e:
-                raise FileUnreadableError(
-                    f"{f.path!r} cannot be opened ({e.strerror}); it was removed or its permissions changed "
-                    "after planning — restore it and load again"
-                ) from None
+        self._fds = list(plan.fds)  # the plan's descriptors: the files its headers came from
+        self._threads = self.options.num_threads or (
+            self.DEFAULT_THREADS if plan.files and is_cold(*plan.open_paths) else self.CACHED_THREADS)
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         assert self.plan is not None
@@ -68,7 +66,7 @@ class CpuBackend(Backend):
                 progress(c.length)
 
         chunks = split_extents(extents, self.options.chunk_bytes or self.DEFAULT_CHUNK)
-        threads = max(1, min(self.options.num_threads or self.DEFAULT_THREADS, len(chunks)))
+        threads = max(1, min(self._threads, len(chunks)))
         if threads == 1:
             for c in chunks:
                 work(c)
@@ -81,6 +79,4 @@ class CpuBackend(Backend):
         return ["cpu"] * len(self.plan.files)
 
     def close(self) -> None:
-        for fd in getattr(self, "_fds", []):
-            os.close(fd)
-        self._fds = []
+        self._fds = []  # the plan closes its descriptors

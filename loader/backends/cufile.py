@@ -32,7 +32,7 @@ from typing import Any
 from ..devices import Device
 from ..iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
 from ..pagecache import is_cold
-from ..plan import Extent, LoadPlan, direct_read_order
+from ..plan import Extent, LoadPlan, direct_read_order, fd_path
 from . import Backend, Progress, extent_slice, wait_preads
 from .fst_reader import make_fst_reader
 
@@ -101,7 +101,7 @@ class CuFileBackend(Backend):
         # mode) kvikio hands the reads to cuFile.
         has_switch = has_direct_switch(kvikio)
         self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
-            and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*(f.path for f in plan.files))
+            and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*plan.open_paths)
         settings = self._kvikio_settings()
         if not has_switch:
             settings.pop("auto_direct_io_read", None)
@@ -109,13 +109,14 @@ class CuFileBackend(Backend):
         # thread pool for every staging group of a compressed load).
         self._settings = kvikio.defaults.set(settings)
         self._files = []
-        for f in plan.files:  # one by one: close() closes those opened before a failure
-            self._files.append(kvikio.CuFile(f.path, "r"))
+        for fd in plan.fds:  # one by one: close() closes those opened before a failure
+            self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
         self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
                         for m, cf in zip(self._modes, self._files)]
         self.cold_reader = None
         if self.cold_direct and self.COLD_READER == "fastsafetensors":
-            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0)
+            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
+                                                    open_paths=[fd_path(fd) for fd in plan.fds])
             if self.cold_reader is None:
                 log.info("%s: cold reads through kvikio: %s", self.name, why)
 

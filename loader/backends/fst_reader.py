@@ -66,7 +66,7 @@ def file_runs(extents: Sequence[Extent]) -> list[Extent]:
 class FstReader:
     """One fastsafetensors reader for a load: its threads and pinned block, and our files opened O_DIRECT."""
 
-    def __init__(self, paths: Sequence[str], device_index: int):
+    def __init__(self, paths: Sequence[str], device_index: int, open_paths: Sequence[str] | None = None):
         from fastsafetensors import cpp
         from fastsafetensors.common import get_device_numa_node
 
@@ -78,8 +78,8 @@ class FstReader:
                                              -1 if numa is None else numa)
         self._fds: list[int] = []
         try:
-            for p in self.paths:
-                self._fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT))
+            for p in open_paths or self.paths:
+                self._fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
         except BaseException:
             self.close()
             raise
@@ -123,13 +123,15 @@ class FstReader:
         self._reader = None
 
 
-def make_fst_reader(paths: Sequence[str], device_index: Callable[[], int]) -> tuple[Any, str | None]:
+def make_fst_reader(paths: Sequence[str], device_index: Callable[[], int], *,
+                    open_paths: Sequence[str] | None = None) -> tuple[Any, str | None]:
     """An :class:`FstReader` for the GPU ``device_index()`` names (asked only when fastsafetensors is
-    there), or None and why not (fastsafetensors missing, or its set-up failed)."""
+    there), or None and why not (fastsafetensors missing, or its set-up failed). ``open_paths`` are
+    what to open (the plan's files by descriptor); ``paths`` name them in messages."""
     why = fst_reader_unavailable()
     if why is not None:
         return None, why
     try:
-        return FstReader(paths, device_index()), None
+        return FstReader(paths, device_index(), open_paths), None
     except Exception as e:  # its native set-up (CUDA runtime, pinned block, O_DIRECT open) refused
         return None, f"fastsafetensors' reader could not start ({type(e).__name__}: {e})"

@@ -41,7 +41,7 @@ import torch
 
 from ..devices import Device
 from ..pagecache import COLD_RESIDENCY, is_cold
-from ..plan import Extent, LoadPlan, direct_read_order
+from ..plan import Extent, LoadPlan, direct_read_order, fd_path
 from . import Backend, Progress, extent_slice, wait_preads
 from .cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from .fst_reader import make_fst_reader
@@ -93,11 +93,12 @@ class PinnedBackend(Backend):
         self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
         # kvikio's settings are process-wide, so it reads a rank with O_DIRECT as a whole: when the
         # rank is cold (by size: a small file pulled in by the header reads does not count).
-        rank_cold = bool(plan.files) and is_cold(*(f.path for f in plan.files))
+        rank_cold = bool(plan.files) and is_cold(*plan.open_paths)
         self._fds: list[int] = []
         self._direct: list[bool] = []
-        for f in plan.files:
-            fd, direct = self._open(f.path, cold=rank_cold or is_cold(f.path))
+        self._own_fds: list[int] = []
+        for f, fd in zip(plan.files, plan.fds):
+            fd, direct = self._open(f.path, fd, cold=rank_cold or is_cold(fd_path(fd)))
             self._fds.append(fd)
             self._direct.append(direct)
         self._fd_direct = list(self._direct)  # how the ring's descriptors were opened
@@ -107,7 +108,8 @@ class PinnedBackend(Backend):
                         for d in self._direct]
         self._fst = None
         if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
-            self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0)
+            self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
+                                             open_paths=[fd_path(fd) for fd in plan.fds])
             if self._fst is None:
                 log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", why)
         self._cufiles: dict[int, Any] = {}
@@ -119,7 +121,7 @@ class PinnedBackend(Backend):
             self._kv_settings = self._kvikio_settings()
             for i, f in enumerate(plan.files):  # one by one: close() closes those opened before a failure
                 if self._engine[i] == "kvikio":
-                    self._cufiles[i] = self._kv.CuFile(f.path, "r")
+                    self._cufiles[i] = self._kv.CuFile(fd_path(plan.fds[i]), "r")
             if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
                 self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
         chunk = self.options.chunk_bytes or self.RING_CHUNK
@@ -140,13 +142,17 @@ class PinnedBackend(Backend):
         cached_in_ring = any(e == "ring" and not d for e, d in zip(self._engine, self._direct))
         return self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
 
-    def _open(self, path: str, *, cold: bool) -> tuple[int, bool]:
+    def _open(self, path: str, fd: int, *, cold: bool) -> tuple[int, bool]:
+        """The descriptor to read ``path`` through: the plan's, or (cold) the same file reopened with O_DIRECT."""
         if cold:
             try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+                direct = os.open(fd_path(fd), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
                 log.debug("pinned: O_DIRECT refused for %s (%s); reading through the page cache", path, e)
-        return os.open(path, os.O_RDONLY), False
+            else:
+                self._own_fds.append(direct)
+                return direct, True
+        return fd, False
 
     kvikio_direct = False
     """Set by :meth:`open`: kvikio reads this (all cold) rank with O_DIRECT."""
@@ -221,8 +227,9 @@ class PinnedBackend(Backend):
         if getattr(self, "_kv_settings", None) is not None:
             self._kv_settings.__exit__(None, None, None)  # kvikio's settings as they were before open
             self._kv_settings = None
-        for fd in getattr(self, "_fds", []):
+        for fd in getattr(self, "_own_fds", []):  # the O_DIRECT ones; the plan closes its own
             os.close(fd)
+        self._own_fds = []
         self._fds = []
         if torch.cuda.is_available():
             # Give the ring's pinned staging back to the driver, not to torch's host cache.

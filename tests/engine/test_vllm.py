@@ -72,7 +72,7 @@ def assert_logged(log: str, tp: int) -> None:
     lines = load_lines(log)
     assert sorted(r for _, r, _, _ in lines) == list(range(tp)), \
         f"expected one 'Loading weights took' line per rank in vLLM's log, found {lines}"
-    assert all(io in ("cpu", "posix", "compat", "gds", "p2pdma", "ipc") for *_, io in lines), lines
+    assert all(io in ("cpu", "mmap", "posix", "compat", "gds", "p2pdma", "ipc") for *_, io in lines), lines
 
 
 # ----------------------------------------------------------------------------------------- HF directories
