@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gdsload.loader.checkpoint import load_compressed_checkpoint, save_compressed_checkpoint
+from gdsload.loader.checkpoints.container import load_compressed_checkpoint, save_compressed_checkpoint
 
 
 def _same(a: object, b: object, where: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from gdsload.loader import parse_size
-from gdsload.loader.compression import CODECS
+from gdsload.loader.format.compression import CODECS
 from gdsload.server.cli import DEVICE
 
 
@@ -19,7 +19,7 @@ def _given(name: str) -> bool:
 def _check_whole(path: str, what: str) -> None:
     """The bench loads one whole checkpoint on one device: refuse a tensor-parallel split."""
     from gdsload.loader import GdsloadError
-    from gdsload.loader.discovery import list_ranks
+    from gdsload.loader.format.discovery import list_ranks
 
     try:
         _, tp, ranks = list_ranks(path)
@@ -33,7 +33,7 @@ def _check_whole(path: str, what: str) -> None:
 
 def _check_compressed(path: str) -> None:
     from gdsload.loader import discover, read_header
-    from gdsload.loader.compression import parse_compression
+    from gdsload.loader.format.compression import parse_compression
 
     if not any(parse_compression(read_header(f)) for f in discover(path, 0).files):
         raise click.UsageError(f"--compressed {path!r} holds no compressed tensors; make the copy with "
@@ -111,13 +111,13 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {device} but torch sees no CUDA device here; use --device cpu")
     if make_model:
-        from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+        from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
 
         for target in [Path(out)] + ([Path(f"{out.rstrip('/')}-{compress_codec}")] if compress_codec else []):
             if target.exists() and any(target.iterdir()):  # old part files would sit beside the new model
                 raise click.UsageError(f"{str(target)!r} is not empty; --make-model writes into a new directory")
         if compress_codec:
-            from gdsload.loader.compress import compress_device
+            from gdsload.loader.prepare.compress import compress_device
 
             compress_device(compress_codec, None)  # a GPU-only codec without nvCOMP: refused before the model is made
         shape = shape_for_size(parse_size(make_model))
@@ -125,7 +125,7 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         click.echo(f"synthetic Llama: {shape} (values drawn on {gen})")
         make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
         if compress_codec:
-            from gdsload.loader.compress import compress_dir
+            from gdsload.loader.prepare.compress import compress_dir
 
             stats = compress_dir(out, f"{out.rstrip('/')}-{compress_codec}", codec=compress_codec)
             click.echo(f"compressed with {compress_codec}: ratio {stats.ratio:.3f}")

@@ -29,8 +29,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.iomode import mount_of
-from gdsload.loader.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
+from gdsload.loader.io.iomode import mount_of
+from gdsload.loader.io.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
 
 from .limits import decode_gbps, h2d_gbps, raw_read_gbps
 from .methods import BARE, PEER_MODULES, PEERS
@@ -70,7 +70,7 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
         methods = ["gdsload:cpu", "safetensors"] + (["gdsload:cpu:compressed"] if compressed else [])
         return methods, skipped
     for b in OUR_BACKENDS:
-        from gdsload.loader.backends import backend_class
+        from gdsload.loader.io import backend_class
 
         from gdsload.loader.devices import as_device
 
@@ -118,7 +118,7 @@ def machine_facts(device: str) -> dict[str, Any]:
             facts["nvidia_smi"] = q.stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             pass
-        from gdsload.loader.iomode import kvikio_state, nvidia_fs_loaded
+        from gdsload.loader.io.iomode import kvikio_state, nvidia_fs_loaded
 
         facts["nvidia_fs"] = nvidia_fs_loaded()
         facts["kvikio"] = kvikio_state().__dict__
@@ -278,7 +278,7 @@ def _save(doc: dict[str, Any], out: Path) -> None:
 
 
 def _direct_ok(path: str) -> bool:
-    from gdsload.loader.iomode import o_direct_supported
+    from gdsload.loader.io.iomode import o_direct_supported
 
     return o_direct_supported(path)
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from gdsload.loader.pagecache import evict, resident_fraction
+from gdsload.loader.io.pagecache import evict, resident_fraction
 
 METHODS = ("gdsload-cpu", "safetensors")
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from gdsload.loader import parse_size
-    from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+    from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
 
     out = Path(args.out)
     model = Path(args.model) if args.model else out / "model"

@@ -45,9 +45,9 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 def _instrument() -> None:
     import gdsload.loader.api as api
-    import gdsload.loader.backends as backends
-    import gdsload.loader.backends.pinned as pinned
-    import gdsload.loader.decode as decode
+    import gdsload.loader.io as backends
+    import gdsload.loader.io.pinned as pinned
+    import gdsload.loader.pipeline.decode as decode
 
     _wrap(api, "discover", "discover")
     _wrap(api, "plan_rank", "plan_rank")

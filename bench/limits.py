@@ -231,7 +231,7 @@ def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) ->
 
     from gdsload.loader import read_header
     from gdsload.loader.codecs import GpuCodecs
-    from gdsload.loader.compression import parse_compression
+    from gdsload.loader.format.compression import parse_compression
 
     best_entry, best_file = None, None
     for f in sorted(Path(model_dir).glob("*.safetensors")):

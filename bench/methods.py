@@ -53,7 +53,7 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
         import cupy
 
         from gdsload.loader.devices import CupyDevice
-        from gdsload.loader.pipeline import load_rank
+        from gdsload.loader.pipeline.load import load_rank
 
         res = load_rank(model_dir, rank, device=CupyDevice(_index(device)))
         cupy.cuda.runtime.deviceSynchronize()

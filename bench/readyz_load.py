@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from gdsload.loader import parse_size
-    from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+    from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
     from gdsload.server.cmd_demo import serve_command
 
     out = Path(args.out).resolve()

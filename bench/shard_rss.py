@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 _MiB = 1 << 20
-_IMPORTS = "import torch, safetensors, rich, click; import gdsload.loader.shard, gdsload.server.cmd_shard"
+_IMPORTS = "import torch, safetensors, rich, click; import gdsload.loader.prepare.shard, gdsload.server.cmd_shard"
 _SHARD = "from gdsload.server.cmd_shard import shard; shard(prog_name='gdsload shard')"
 
 
@@ -35,8 +35,8 @@ def build_source(path: Path, size: int, max_file_bytes: int = 1 << 30) -> dict[s
     """Write a synthetic HF checkpoint of about ``size`` bytes; returns its facts."""
     import torch
 
-    from gdsload.loader.format import AlignedWriter, TensorSpec
-    from gdsload.loader.synthetic import shape_for_size, tensor_shapes
+    from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
+    from gdsload.loader.prepare.synthetic import shape_for_size, tensor_shapes
 
     shape = shape_for_size(size)
     entries = [(name, s) for name, s, _ in tensor_shapes(shape)]

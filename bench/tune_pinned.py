@@ -17,8 +17,8 @@ import time
 import torch
 
 from gdsload.loader import load_rank, parse_size
-from gdsload.loader.backends.pinned import PinnedBackend
-from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+from gdsload.loader.io.pinned import PinnedBackend
+from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
 
 
 def _load(d: str, **kw) -> float:

@@ -98,7 +98,7 @@ def _cli(*args: str) -> None:
 
 def prepare(work: Path, size: int) -> dict[str, Path]:
     """The HF directory, its vllm-layout shard and the shard's Zstd copy (reused when already there)."""
-    from gdsload.loader.synthetic import make_checkpoint
+    from gdsload.loader.prepare.synthetic import make_checkpoint
 
     dirs = {"hf": work / "hf", "sharded": work / "sharded", "zstd": work / "sharded-zstd"}
     if not (dirs["hf"] / "config.json").exists():

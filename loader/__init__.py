@@ -7,6 +7,22 @@ rank 0: 8.03 GB in 3.912 s (2.05 GB/s) backend=cpu io=cpu files=2
 
 Names are imported on first use (PEP 562), so ``import gdsload.loader.errors`` or a command that
 never loads tensors does not pay for importing torch.
+
+The package is laid out by stage, each depending only on those before it:
+
+- ``errors``, ``config``, ``dtypes``, ``devices``: the ground every stage stands on (the device
+  interface: torch CPU/CUDA, or CUDA without torch);
+- ``format``: safetensors headers and writing, compressed-tensor metadata, the manifest, finding a rank's files;
+- ``plan``: from headers to the arena, the reads and each tensor's place;
+- ``io``: reader backends (a registry; ``cpu``, ``mmap``, ``pinned``, ``cufile``, ``fastsafetensors``),
+  I/O modes, page-cache residency;
+- ``codecs``: compressing and decoding tensors (nvCOMP, zstandard);
+- ``pipeline``: ``load_rank``, the one load pipeline, its decode stage, its result and report;
+- ``handoff``: a loaded rank to another process (CUDA IPC, shared memory) and the sidecar's client;
+- ``adapters``: vLLM, TensorRT-LLM, SGLang, torch modules;
+- ``prepare``: offline preparation (``shard``, ``quantize``, ``compress``, synthetic checkpoints);
+- ``checkpoints``: training checkpoints, compressed drop-ins for ``torch.save``/``torch.load``;
+- ``calc``: the HBM capacity and compression-cost calculators; ``doctor``: what a host offers.
 """
 
 from __future__ import annotations
@@ -24,19 +40,19 @@ _LAZY: dict[str, str] = {
     "LayoutError": "adapters",
     "inject_module": "adapters",
     "meta_init": "adapters",
-    "load_rank": "pipeline",
+    "load_rank": "pipeline.load",
     "CheckpointError": "errors",
-    "CheckpointReport": "checkpoint",
+    "CheckpointReport": "checkpoints.container",
     "CheckpointTypeError": "errors",
     "CheckpointWriteError": "errors",
-    "load_compressed_checkpoint": "checkpoint",
-    "save_compressed_checkpoint": "checkpoint",
-    "LoadConfig": "config",
+    "load_compressed_checkpoint": "checkpoints.container",
+    "save_compressed_checkpoint": "checkpoints.container",
+    "LoadConfig": "pipeline.config",
     "format_bytes": "config",
     "parse_size": "config",
-    "RankFiles": "discovery",
-    "discover": "discovery",
-    "list_ranks": "discovery",
+    "RankFiles": "format.discovery",
+    "discover": "format.discovery",
+    "list_ranks": "format.discovery",
     "BackendUnavailableError": "errors",
     "CodecError": "errors",
     "ConfigError": "errors",
@@ -48,56 +64,57 @@ _LAZY: dict[str, str] = {
     "NoFilesForRankError": "errors",
     "FileUnreadableError": "errors",
     "TruncatedFileError": "errors",
-    "AlignedWriter": "format",
-    "SafetensorsHeader": "format",
-    "TensorInfo": "format",
-    "TensorSpec": "format",
-    "parse_header": "format",
-    "read_header": "format",
-    "save_file": "format",
-    "MANIFEST_NAME": "manifest",
-    "Manifest": "manifest",
-    "ManifestFile": "manifest",
-    "write_manifest": "manifest",
+    "AlignedWriter": "format.safetensors",
+    "SafetensorsHeader": "format.safetensors",
+    "TensorInfo": "format.safetensors",
+    "TensorSpec": "format.safetensors",
+    "parse_header": "format.safetensors",
+    "read_header": "format.safetensors",
+    "save_file": "format.safetensors",
+    "MANIFEST_NAME": "format.manifest",
+    "Manifest": "format.manifest",
+    "ManifestFile": "format.manifest",
+    "write_manifest": "format.manifest",
     "LoadPlan": "plan",
     "plan_rank": "plan",
-    "QuantScheme": "quantize",
-    "FileReport": "result",
-    "LoadReport": "result",
-    "LoadResult": "result",
-    "SourceCheckpointError": "shard",
-    "OutputExistsError": "shard",
-    "ShardConfigError": "shard",
-    "ShardOptions": "shard",
-    "ShardPlan": "shard",
-    "ShardResult": "shard",
-    "ShardWriteError": "shard",
-    "SourceNotFoundError": "shard",
-    "SourceReadError": "shard",
-    "UnsupportedModelError": "shard",
-    "UnsupportedSourceError": "shard",
-    "execute_plan": "shard",
-    "plan_shard": "shard",
-    "shard_checkpoint": "shard",
-    "DEFAULT_SIDECAR_URL": "sidecar_client",
-    "SidecarClient": "sidecar_client",
-    "SidecarError": "sidecar_client",
+    "QuantScheme": "prepare.quantize",
+    "FileReport": "pipeline.result",
+    "LoadReport": "pipeline.result",
+    "LoadResult": "pipeline.result",
+    "SourceCheckpointError": "prepare.shard",
+    "OutputExistsError": "prepare.shard",
+    "ShardConfigError": "prepare.shard",
+    "ShardOptions": "prepare.shard",
+    "ShardPlan": "prepare.shard",
+    "ShardResult": "prepare.shard",
+    "ShardWriteError": "prepare.shard",
+    "SourceNotFoundError": "prepare.shard",
+    "SourceReadError": "prepare.shard",
+    "UnsupportedModelError": "prepare.shard",
+    "UnsupportedSourceError": "prepare.shard",
+    "execute_plan": "prepare.shard",
+    "plan_shard": "prepare.shard",
+    "shard_checkpoint": "prepare.shard",
+    "DEFAULT_SIDECAR_URL": "handoff.sidecar_client",
+    "SidecarClient": "handoff.sidecar_client",
+    "SidecarError": "handoff.sidecar_client",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
-    from .pipeline import load_rank
-    from .checkpoint import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
-    from .config import LoadConfig, format_bytes, parse_size
-    from .discovery import RankFiles, discover, list_ranks
-    from .errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, FileUnreadableError, TruncatedFileError
-    from .format import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
-    from .manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
-    from .plan import LoadPlan, plan_rank
-    from .quantize import QuantScheme
-    from .result import FileReport, LoadReport, LoadResult
-    from .shard import SourceCheckpointError, OutputExistsError, ShardConfigError, ShardOptions, ShardPlan, ShardResult, ShardWriteError, SourceNotFoundError, SourceReadError, UnsupportedModelError, UnsupportedSourceError, execute_plan, plan_shard, shard_checkpoint
-    from .sidecar_client import DEFAULT_SIDECAR_URL, SidecarClient, SidecarError
+    from gdsload.loader.adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
+    from gdsload.loader.pipeline.load import load_rank
+    from gdsload.loader.checkpoints.container import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
+    from gdsload.loader.config import format_bytes, parse_size
+    from gdsload.loader.pipeline.config import LoadConfig
+    from gdsload.loader.format.discovery import RankFiles, discover, list_ranks
+    from gdsload.loader.errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, FileUnreadableError, TruncatedFileError
+    from gdsload.loader.format.safetensors import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
+    from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
+    from gdsload.loader.plan import LoadPlan, plan_rank
+    from gdsload.loader.prepare.quantize import QuantScheme
+    from gdsload.loader.pipeline.result import FileReport, LoadReport, LoadResult
+    from gdsload.loader.prepare.shard import SourceCheckpointError, OutputExistsError, ShardConfigError, ShardOptions, ShardPlan, ShardResult, ShardWriteError, SourceNotFoundError, SourceReadError, UnsupportedModelError, UnsupportedSourceError, execute_plan, plan_shard, shard_checkpoint
+    from gdsload.loader.handoff.sidecar_client import DEFAULT_SIDECAR_URL, SidecarClient, SidecarError
 
 
 def __getattr__(name: str) -> Any:

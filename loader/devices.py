@@ -1,6 +1,6 @@
 """Devices: everything the load pipeline asks of the memory it loads into, behind one small interface.
 
-The pipeline (:mod:`gdsload.loader.pipeline`) and the readers, codecs and hand-off never test what
+The pipeline (:mod:`gdsload.loader.pipeline.load`) and the readers, codecs and hand-off never test what
 kind of array they hold. They call a :class:`Device`:
 
 - :class:`TorchDevice` — a torch device, ``cpu`` or ``cuda:N``: buffers are 1-D ``uint8`` tensors;
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .errors import BackendUnavailableError, ConfigError
+from gdsload.loader.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -148,7 +148,7 @@ class TorchDevice(Device):
         dst.copy_(src)
 
     def view(self, buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-        from .dtypes import to_torch
+        from gdsload.loader.dtypes import to_torch
 
         dt = to_torch(dtype)
         if not buf.numel():
@@ -276,7 +276,7 @@ def torch_free_unavailable(backend: str = "auto", *, probe: bool = True) -> str 
             return f"{module} is not installed ({package}; gdsload[cu12] or gdsload[cu13] bring it)"
     if not probe:
         return None
-    from .iomode import kvikio_state
+    from gdsload.loader.io.iomode import kvikio_state
 
     state = kvikio_state()
     if not state.importable:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .iomode import (
+from gdsload.loader.io.iomode import (
     cufile_config,
     cufile_json_path,
     gds_fs_type,
@@ -152,9 +152,9 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
     except Exception:
         r.nvcomp = None
     if r.gpus:
-        from .devices import torch_free_unavailable
+        from gdsload.loader.devices import torch_free_unavailable
 
-        from .backends.fst_reader import fst_reader_unavailable
+        from gdsload.loader.io.fst_reader import fst_reader_unavailable
 
         r.torch_free_workers = torch_free_unavailable()
         r.cold_reader = fst_reader_unavailable()

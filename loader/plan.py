@@ -25,11 +25,11 @@ import stat
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .compression import CompressedEntry, parse_compression
-from .discovery import RankFiles
-from .errors import FileUnreadableError, GdsloadError, HeaderError
-from .format import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
-from .manifest import logical_bytes
+from gdsload.loader.format.compression import CompressedEntry, parse_compression
+from gdsload.loader.format.discovery import RankFiles
+from gdsload.loader.errors import FileUnreadableError, GdsloadError, HeaderError
+from gdsload.loader.format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
+from gdsload.loader.format.manifest import logical_bytes
 
 __all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "PlanError", "TensorMeta", "rank_index",
            "open_file", "fd_path",

@@ -327,7 +327,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
              summary="IPC document of a rank for a local engine process")
     def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
         """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
-        (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.ipc.import_rank`. The memory stays
+        (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.handoff.ipc.import_rank`. The memory stays
         valid until the returned ``lease`` is released or the model is unloaded."""
         return supervisor.export(rank)
 

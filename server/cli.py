@@ -98,7 +98,7 @@ def cli(verbose: int) -> None:
 def inspect(path: str, tensors: bool, as_json: bool) -> None:
     """Show ranks, files, tensors, dtypes, bytes, alignment and compression of a checkpoint."""
     from gdsload.loader import list_ranks, read_header
-    from gdsload.loader.compression import parse_compression
+    from gdsload.loader.format.compression import parse_compression
 
     source, tp, ranks = list_ranks(path)
     doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": tp, "ranks": {}}

@@ -1,4 +1,4 @@
-"""``gdsload compress SRC OUT``: a thin shell over :func:`gdsload.loader.compress.compress_dir`."""
+"""``gdsload compress SRC OUT``: a thin shell over :func:`gdsload.loader.prepare.compress.compress_dir`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from gdsload.loader import format_bytes
-from gdsload.loader.compress import compress_dir, compress_file
-from gdsload.loader.compression import CODECS
+from gdsload.loader.prepare.compress import compress_dir, compress_file
+from gdsload.loader.format.compression import CODECS
 from gdsload.server.cli import DEVICE
 
 

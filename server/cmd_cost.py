@@ -1,4 +1,4 @@
-"""``gdsload cost``: the thin command around :mod:`gdsload.loader.cost` (parse, call, format)."""
+"""``gdsload cost``: the thin command around :mod:`gdsload.loader.calc.cost` (parse, call, format)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gdsload.loader.cost import COMPRESS_SCOPES, MONTH_SECONDS, REPORT_KEYS, CostInputs, CostResult, checkpoint_cost
-from gdsload.loader.cost import parse_duration, read_report
+from gdsload.loader.calc.cost import COMPRESS_SCOPES, MONTH_SECONDS, REPORT_KEYS, CostInputs, CostResult, checkpoint_cost
+from gdsload.loader.calc.cost import parse_duration, read_report
 
 from .cli import SIZE
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-from gdsload.loader.result import FileReport, LoadReport
+from gdsload.loader.pipeline.result import FileReport, LoadReport
 
 from .cli import SIZE, print_report
 
@@ -49,7 +49,7 @@ def serve_command(*args: str) -> list[str]:
 def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
     """Build a synthetic model as rank shards, serve it with `gdsload serve` (CPU), poll /readyz until 200,
     print the per-rank load reports from /v1/status, then stop the server with SIGTERM."""
-    from gdsload.loader.synthetic import make_checkpoint, shape_for_size
+    from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
 
     with tempfile.TemporaryDirectory(prefix="gdsload-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp) / "model"

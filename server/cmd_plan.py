@@ -1,4 +1,4 @@
-"""``gdsload plan``: the thin command around :mod:`gdsload.loader.capacity` (parse, call, format)."""
+"""``gdsload plan``: the thin command around :mod:`gdsload.loader.calc.capacity` (parse, call, format)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gdsload.loader import capacity
-from gdsload.loader.capacity import (
+from gdsload.loader.calc import capacity
+from gdsload.loader.calc.capacity import (
     ARTICLE_405B,
     GIB,
     KV_BITS,

@@ -1,4 +1,4 @@
-"""``gdsload shard``: the thin command around :mod:`gdsload.loader.shard` (parse, call, show progress)."""
+"""``gdsload shard``: the thin command around :mod:`gdsload.loader.prepare.shard` (parse, call, show progress)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from gdsload.loader.compress import compress_device, compress_dir
-from gdsload.loader.shard import ShardOptions, execute_plan, plan_shard
+from gdsload.loader.prepare.compress import compress_device, compress_dir
+from gdsload.loader.prepare.shard import ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
 

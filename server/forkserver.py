@@ -46,10 +46,10 @@ START_METHODS = ("auto", "forkserver", "spawn")
 """How worker processes start: ``auto`` (see :func:`resolve`), forked from a helper with the libraries
 imported, or a fresh interpreter."""
 
-GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline",
+GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
                "gdsload.server.workers")
 """What a GPU worker on the torch-free path imports (a :class:`~gdsload.loader.devices.CupyDevice` load)."""
-TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline", "gdsload.loader.backends.cpu",
+TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.io.cpu",
                  "gdsload.server.workers")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
 

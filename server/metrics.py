@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gdsload.loader.result import PHASES
+from gdsload.loader.pipeline.result import PHASES
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor

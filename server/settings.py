@@ -222,7 +222,7 @@ class ServeConfig:
                 raise ConfigError(
                     f"device_map={self.device_map!r} does not place ranks {unmapped}; add RANK:GPU (or RANK:cpu) for each"
                 )
-        from gdsload.loader.backends import backend_names, is_backend
+        from gdsload.loader.io import backend_names, is_backend
 
         if self.backend != "auto" and not is_backend(self.backend):
             raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *backend_names()]}")

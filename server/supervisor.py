@@ -320,7 +320,7 @@ class Supervisor:
         return self._call(lambda: self._switch(None, force))
 
     def export(self, rank: int) -> dict[str, Any]:
-        """The IPC document of ``rank`` (see :func:`gdsload.loader.ipc.export_rank`) plus a ``lease`` id.
+        """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
 
         The exported memory stays valid until the lease is released or the model is unloaded.
         """
@@ -454,7 +454,7 @@ class Supervisor:
             raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
 
     def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
-        from gdsload.loader.discovery import discover, list_ranks
+        from gdsload.loader.format.discovery import discover, list_ranks
         from gdsload.loader.plan import plan_rank
 
         source, tp, files = list_ranks(real)

@@ -14,7 +14,7 @@ worker -> parent: ``hello`` (pid, device, start-up marks), ``loading`` (files, b
 (bytes read so far, at most every :data:`PROGRESS_INTERVAL_S`), ``ready`` (the load report),
 ``failed`` (the typed error), ``reply`` (to a command).
 
-parent -> worker: ``export`` (IPC document of the rank, see :mod:`gdsload.loader.ipc`),
+parent -> worker: ``export`` (IPC document of the rank, see :mod:`gdsload.loader.handoff.ipc`),
 ``release`` (an engine is done with an export), ``unload`` (free everything and exit).
 
 A worker whose load fails reports the error and exits with :data:`EXIT_LOAD_FAILED`; a worker
@@ -457,7 +457,7 @@ class _Worker:
                 logical_bytes=sum(f.logical_bytes for f in plan.files),
             )
 
-        from gdsload.loader.pipeline import load_rank
+        from gdsload.loader.pipeline.load import load_rank
 
         return load_rank(self.spec.model_dir, self.spec.rank, device=target, backend=self.spec.backend,
                          progress=_Progress(self.channel), on_plan=loading)
@@ -515,7 +515,7 @@ class _Worker:
                 log.error("unknown command %r from the server; ignored", kind)
 
     def _export(self, request_id: str, lease: str) -> None:
-        from gdsload.loader.ipc import export_rank
+        from gdsload.loader.handoff.ipc import export_rank
 
         with self._lock:
             result = self._result

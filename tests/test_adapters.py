@@ -36,9 +36,9 @@ from gdsload.loader.adapters import (
     meta_init,
     open_rank,
 )
-from gdsload.loader.ipc import export_rank
-from gdsload.loader.result import LoadResult
-from gdsload.loader.sidecar_client import (
+from gdsload.loader.handoff.ipc import export_rank
+from gdsload.loader.pipeline.result import LoadResult
+from gdsload.loader.handoff.sidecar_client import (
     SidecarAuthError,
     SidecarClient,
     SidecarNotReadyError,
@@ -111,7 +111,7 @@ def prepared(reference, tmp_path_factory) -> Path:
     """The checkpoint directory the tests load: the model's HF checkpoint, sharded (tp=1, hf layout),
     then compressed with Zstd (the codec a CPU host decodes) — shard -> compress -> load_rank -> inject."""
     from gdsload.loader import shard_checkpoint
-    from gdsload.loader.compress import compress_dir
+    from gdsload.loader.prepare.compress import compress_dir
 
     root = tmp_path_factory.mktemp("tiny-llama")
     src = _write_checkpoint(reference[0], root / "hf")
@@ -259,7 +259,7 @@ def test_options_name_the_key_and_the_fix(tmp_path):
 
 def test_importing_adapters_imports_no_engine():
     code = ("import sys, gdsload.loader.adapters, gdsload.loader.adapters.vllm, gdsload.loader.adapters.trtllm, "
-            "gdsload.loader.adapters.sglang, gdsload.loader.sidecar_client; "
+            "gdsload.loader.adapters.sglang, gdsload.loader.handoff.sidecar_client; "
             "print([m for m in ('vllm', 'sglang', 'tensorrt_llm', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -396,7 +396,7 @@ def test_sidecar_errors_are_typed_and_name_the_fix(prepared):
 _CHILD = r"""
 import gc, json, sys, torch, transformers
 from gdsload.loader.adapters import inject_module, meta_init
-from gdsload.loader.sidecar_client import SidecarClient
+from gdsload.loader.handoff.sidecar_client import SidecarClient
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 mapped = SidecarClient(a["url"], token=a["token"]).map_rank(a["rank"], device=a["device"])

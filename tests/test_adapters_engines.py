@@ -452,7 +452,7 @@ def test_trtllm_legacy_rank_files_load_with_their_config(tmp_path):
 
 
 def test_trtllm_legacy_checkpoint_compressed_by_gdsload_loads(tmp_path):
-    from gdsload.loader.compress import compress_dir
+    from gdsload.loader.prepare.compress import compress_dir
 
     src = tmp_path / "legacy"
     src.mkdir()

@@ -12,7 +12,7 @@ import pytest
 
 from gdsload.bench.coldstart import format_table
 from gdsload.loader import ConfigError, load_rank
-from gdsload.loader.synthetic import PRESETS, make_checkpoint, shape_for_size, tensor_shapes
+from gdsload.loader.prepare.synthetic import PRESETS, make_checkpoint, shape_for_size, tensor_shapes
 
 GDSLOAD = [sys.executable, "-m", "gdsload.server.cli"]
 
@@ -88,7 +88,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
 
 def test_tmpfs_condition_copies_afresh_and_removes_only_its_copy(tmp_path):
     from gdsload.bench.coldstart import BenchConfig, run_bench
-    from gdsload.loader.synthetic import make_checkpoint
+    from gdsload.loader.prepare.synthetic import make_checkpoint
 
     model = make_checkpoint(tmp_path / "m", "tiny")
     shm = tmp_path / "shm"
@@ -129,7 +129,7 @@ def test_warm_and_cold_are_not_run_on_a_memory_file_system(tmp_path, monkeypatch
 def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
     import tempfile
 
-    from gdsload.loader.iomode import mount_of
+    from gdsload.loader.io.iomode import mount_of
 
     if mount_of("/dev/shm")[1] != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")

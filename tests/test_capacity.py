@@ -1,4 +1,4 @@
-"""``gdsload plan`` and :mod:`gdsload.loader.capacity`: exact arithmetic, the 405B article, errors, the CLI."""
+"""``gdsload plan`` and :mod:`gdsload.loader.calc.capacity`: exact arithmetic, the 405B article, errors, the CLI."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-import gdsload.loader.capacity as capacity
+import gdsload.loader.calc.capacity as capacity
 import gdsload.server.cli as cli_module
 from gdsload.loader import ConfigError, GdsloadError
-from gdsload.loader.capacity import (
+from gdsload.loader.calc.capacity import (
     ARTICLE_405B,
     GIB,
     MIB,

@@ -37,8 +37,8 @@ from gdsload.loader import (
     read_header,
     save_file,
 )
-from gdsload.loader import checkpoint as ckpt_mod
-from gdsload.loader.checkpoint import (
+from gdsload.loader.checkpoints import container as ckpt_mod
+from gdsload.loader.checkpoints.container import (
     CHECKPOINT_KEY,
     CheckpointError,
     CheckpointTypeError,
@@ -46,7 +46,7 @@ from gdsload.loader.checkpoint import (
     load_compressed_checkpoint,
     save_compressed_checkpoint,
 )
-from gdsload.loader.compression import METADATA_KEY, parse_compression
+from gdsload.loader.format.compression import METADATA_KEY, parse_compression
 
 VOCAB, DIM = 256, 128
 
@@ -304,8 +304,8 @@ def test_any_tree_of_supported_values_round_trips(tmp_path, tree):
 
 def test_header_room_for_tensors_of_4_gib_and_more():
     """A 4 GiB tensor (an embedding of a large model) must not overflow the reserve's uint32 chunk sizes."""
-    from gdsload.loader.checkpoint import _reserve
-    from gdsload.loader.checkpoint_tree import Leaf
+    from gdsload.loader.checkpoints.container import _reserve
+    from gdsload.loader.checkpoints.tree import Leaf
 
     huge = Leaf("embed", torch.empty(2**31 + 7, dtype=torch.bfloat16, device="meta"), "BF16", "model['embed']")
     assert huge.nbytes > 0xFFFFFFFF
@@ -666,10 +666,10 @@ def test_concurrent_saves_of_one_path_do_not_mix(tmp_path, monkeypatch):
 def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
     import fcntl
 
-    from gdsload.loader.format import create_locked
+    from gdsload.loader.format.safetensors import create_locked
 
     path = tmp_path / "c.safetensors"
-    code = ("import os, sys, torch; from gdsload.loader import checkpoint as c; "
+    code = ("import os, sys, torch; from gdsload.loader.checkpoints import container as c; "
             "real = c._compress\n"
             "def die(*a):\n    os._exit(9)\n"
             "c._compress = die; "

@@ -14,10 +14,10 @@ import torch
 
 from conftest import random_tensor
 from gdsload.loader import CodecError, ConfigError, load_rank, read_header, save_file
-from gdsload.loader.compress import compress_dir, compress_file
-from gdsload.loader.compression import METADATA_KEY, parse_compression
-from gdsload.loader.manifest import write_manifest
-from gdsload.loader.synthetic import make_checkpoint
+from gdsload.loader.prepare.compress import compress_dir, compress_file
+from gdsload.loader.format.compression import METADATA_KEY, parse_compression
+from gdsload.loader.format.manifest import write_manifest
+from gdsload.loader.prepare.synthetic import make_checkpoint
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -211,8 +211,8 @@ def test_ans_on_a_cpu_host_names_the_fix(tmp_path):
 
 def test_ans_chunk_tables_point_at_every_chunk():
     """What the batched decoder is handed: one row per chunk, at the stored and arena addresses."""
-    from gdsload.loader.compression import CompressedEntry
-    from gdsload.loader.nvcomp_c import AnsChunks
+    from gdsload.loader.format.compression import CompressedEntry
+    from gdsload.loader.codecs.nvcomp_c import AnsChunks
 
     a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), None, 16)
     b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
@@ -241,7 +241,7 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
         compress_dir(src, out, codec="zstd", device="cpu")
 
     # A failure part-way (a full disk, simulated) leaves neither the output nor the partial directory.
-    import gdsload.loader.compress as mod
+    import gdsload.loader.prepare.compress as mod
 
     real = mod.compress_file
     calls = []
@@ -313,7 +313,7 @@ def test_compress_stopped_by_sigterm_leaves_nothing_and_a_killed_runs_leftover_g
 
     src = make_checkpoint(tmp_path / "m", "tiny")
     out = tmp_path / "mz"
-    code = ("import os, signal, time, gdsload.loader.compress as c\n"
+    code = ("import os, signal, time, gdsload.loader.prepare.compress as c\n"
             "def stop(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
             "c.compress_file = stop\n"
             f"from gdsload.server.cli import main; main(['compress', {str(src)!r}, {str(out)!r}, '--codec', 'zstd'])")

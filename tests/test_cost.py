@@ -1,4 +1,4 @@
-"""``gdsload cost`` and :mod:`gdsload.loader.cost`: exact money math, report files, errors, the CLI."""
+"""``gdsload cost`` and :mod:`gdsload.loader.calc.cost`: exact money math, report files, errors, the CLI."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import math
 import pytest
 from click.testing import CliRunner
 
-import gdsload.loader.cost as cost_module
+import gdsload.loader.calc.cost as cost_module
 import gdsload.server.cli as cli_module
 from gdsload.loader import ConfigError, GdsloadError
-from gdsload.loader.cost import GB, CostInputs, checkpoint_cost, parse_duration, read_report
+from gdsload.loader.calc.cost import GB, CostInputs, checkpoint_cost, parse_duration, read_report
 from gdsload.server.cmd_cost import cost as cost_command
 
 # Round numbers: 100 GB, ratio 2, 10 GB/s per GPU × 4 GPUs, 10 GB/s storage, $2/GPU-h, hourly, keep 3, $0.10/GB-month.

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from gdsload.loader import decode
-from gdsload.loader.decode import _pipeline
+from gdsload.loader.pipeline import decode
+from gdsload.loader.pipeline.decode import _pipeline
 
 
 class _Harness:
@@ -122,8 +122,9 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
 
     import torch
 
-    from gdsload.loader import decode, discover, plan_rank, save_file
-    from gdsload.loader.compress import compress_dir
+    from gdsload.loader import discover, plan_rank, save_file
+    from gdsload.loader.pipeline import decode
+    from gdsload.loader.prepare.compress import compress_dir
 
     src = tmp_path / "src"
     src.mkdir()
@@ -171,7 +172,7 @@ def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
     monkeypatch.setattr(decode, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(decode, "_WARNED", set())
     on = lambda i: SimpleNamespace(index=i)  # noqa: E731 - a device's shape
-    with caplog.at_level("WARNING", logger="gdsload.loader.decode"):
+    with caplog.at_level("WARNING", logger="gdsload.loader.pipeline.decode"):
         decode._warn_if_other_gpus(on(0))  # GPU 0 itself: nothing to say
         decode._warn_if_other_gpus(on(1))
         decode._warn_if_other_gpus(on(1))

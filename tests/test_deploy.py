@@ -23,9 +23,9 @@ from typing import Iterator
 
 import pytest
 
-from gdsload.loader.backends.cpu import CpuBackend
-from gdsload.loader.backends.cufile import CuFileBackend
-from gdsload.loader.backends.pinned import PinnedBackend
+from gdsload.loader.io.cpu import CpuBackend
+from gdsload.loader.io.cufile import CuFileBackend
+from gdsload.loader.io.pinned import PinnedBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

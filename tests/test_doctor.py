@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from gdsload.loader.backends import select_backend, ReadOptions, auto_order
+from gdsload.loader.io import select_backend, ReadOptions, auto_order
 from gdsload.loader.errors import BackendUnavailableError
-from gdsload.loader.iomode import KvikioState, cufile_config, cufile_io_mode, p2pdma_configured
+from gdsload.loader.io.iomode import KvikioState, cufile_config, cufile_io_mode, p2pdma_configured
 
 
 def test_doctor_json_on_this_host(tmp_path):
@@ -44,7 +44,7 @@ def test_doctor_json_on_this_host(tmp_path):
     ],
 )
 def test_cufile_io_mode_never_claims_gds_without_the_driver(monkeypatch, state, direct, nvfs, p2p, expected):
-    import gdsload.loader.iomode as iomode
+    import gdsload.loader.io.iomode as iomode
 
     monkeypatch.setattr(iomode, "nvidia_fs_loaded", lambda: nvfs)
     monkeypatch.setattr(iomode, "p2pdma_configured", lambda config=None: p2p)
@@ -161,7 +161,7 @@ def test_without_paths_the_served_model_directory_is_checked(tmp_path, monkeypat
 
 def test_files_on_memory_file_systems_are_never_gds(monkeypatch, tmp_path):
     # tmpfs accepts O_DIRECT since Linux 6.6, yet cuFile cannot DMA from it: the mode is compat, not gds/p2pdma
-    import gdsload.loader.iomode as iomode
+    import gdsload.loader.io.iomode as iomode
 
     monkeypatch.setattr(iomode, "nvidia_fs_loaded", lambda: True)
     state = KvikioState(True, compat_preferred=False, gds_available=True)

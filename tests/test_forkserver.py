@@ -108,7 +108,7 @@ def test_a_failing_fork_server_falls_back_to_spawn(tmp_path, monkeypatch: pytest
     says why in the log and the status, and starts this worker and every later one with spawn."""
     import time
 
-    from gdsload.loader.synthetic import LlamaShape, make_checkpoint
+    from gdsload.loader.prepare.synthetic import LlamaShape, make_checkpoint
     from gdsload.server import supervisor
     from gdsload.server.workers import WorkerHandle
 

@@ -13,7 +13,7 @@ import torch
 from conftest import all_dtypes, mixed_tensors, random_tensor
 from gdsload.loader import AlignedWriter, TensorSpec, load_rank, read_header, save_file
 from gdsload.loader.dtypes import ITEMSIZE, from_torch, to_torch
-from gdsload.loader.format import DATA_ALIGNMENT
+from gdsload.loader.format.safetensors import DATA_ALIGNMENT
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,8 +9,8 @@ import safetensors.torch
 import torch
 
 from gdsload.loader import save_file
-from gdsload.loader.backends.fst_reader import file_runs, fst_reader_unavailable
-from gdsload.loader.pagecache import evict, resident_fraction
+from gdsload.loader.io.fst_reader import file_runs, fst_reader_unavailable
+from gdsload.loader.io.pagecache import evict, resident_fraction
 from gdsload.loader.plan import Extent
 
 
@@ -69,7 +69,7 @@ def _spy(monkeypatch, module) -> list:
 @pytest.mark.gpu
 def test_cold_rank_through_the_pinned_backend(tmp_path, monkeypatch):
     pytest.importorskip("fastsafetensors")
-    import gdsload.loader.backends.pinned as pinned
+    import gdsload.loader.io.pinned as pinned
     from gdsload.loader import load_rank
 
     d, ref = _cold_model(tmp_path)
@@ -89,13 +89,13 @@ def test_cold_rank_through_the_pinned_backend(tmp_path, monkeypatch):
 def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
     pytest.importorskip("fastsafetensors")
     pytest.importorskip("cupy")
-    import gdsload.loader.backends.cufile as cufile
+    import gdsload.loader.io.cufile as cufile
     from gdsload.loader.devices import CupyDevice
-    from gdsload.loader.pipeline import load_rank
+    from gdsload.loader.pipeline.load import load_rank
 
     d, ref = _cold_model(tmp_path)
     if codec:
-        from gdsload.loader.compress import compress_dir
+        from gdsload.loader.prepare.compress import compress_dir
 
         compress_dir(d, tmp_path / codec, codec=codec, device="cuda")
         d = tmp_path / codec
@@ -117,8 +117,8 @@ def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
 @pytest.mark.gpu
 def test_cold_reads_go_back_to_kvikio_when_asked(tmp_path, monkeypatch):
     pytest.importorskip("fastsafetensors")
-    import gdsload.loader.backends.cufile as cufile
-    import gdsload.loader.backends.pinned as pinned
+    import gdsload.loader.io.cufile as cufile
+    import gdsload.loader.io.pinned as pinned
     from gdsload.loader import load_rank
 
     d, ref = _cold_model(tmp_path)

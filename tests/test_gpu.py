@@ -13,10 +13,10 @@ import torch
 
 from conftest import mixed_tensors
 from gdsload.loader import CodecError, load_rank, save_file
-from gdsload.loader.backends import IO_MODES, auto_order
-from gdsload.loader.compress import compress_dir, compress_file
-from gdsload.loader.iomode import nvidia_fs_loaded
-from gdsload.loader.pagecache import evict, resident_fraction
+from gdsload.loader.io import IO_MODES, auto_order
+from gdsload.loader.prepare.compress import compress_dir, compress_file
+from gdsload.loader.io.iomode import nvidia_fs_loaded
+from gdsload.loader.io.pagecache import evict, resident_fraction
 
 pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["pinned", "cufile", "fastsafetensors"]
@@ -42,7 +42,7 @@ def _check(result, ref: dict[str, torch.Tensor]) -> None:
 
 
 def _skip_if_missing(backend: str) -> None:
-    from gdsload.loader.backends import backend_class
+    from gdsload.loader.io import backend_class
 
     reason = backend_class(backend).probe(torch.device("cuda"))
     if reason:
@@ -99,7 +99,7 @@ def test_pinned_reads_cold_files_with_o_direct(tmp_path):
 
 
 def test_auto_picks_pinned_without_gds_and_says_why(sharded_dir, caplog):
-    caplog.set_level(logging.INFO, logger="gdsload.loader.backends")
+    caplog.set_level(logging.INFO, logger="gdsload.loader.io")
     res = load_rank(sharded_dir, 0, device="cuda")
     if nvidia_fs_loaded():
         assert res.report.backend in auto_order()
@@ -159,7 +159,7 @@ def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, 
     """Twelve staging groups through the three buffers: bit-identical, and torch's GPU peak is the arena plus
     the staging the report names (nvCOMP's own scratch is not torch's and is not counted)."""
     _skip_if_missing(backend)
-    from gdsload.loader import decode
+    from gdsload.loader.pipeline import decode
 
     src = tmp_path / "w"
     src.mkdir()
@@ -212,7 +212,7 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
     """ANS now goes to disk as raw nvCOMP chunks, each 16-byte aligned, decoded many tensors per call;
     files written before that (one nvCOMP container per tensor) keep loading, bit-identical."""
     from gdsload.loader import read_header
-    from gdsload.loader.compression import CODECS, parse_compression
+    from gdsload.loader.format.compression import CODECS, parse_compression
 
     src = _bench_like(tmp_path)
     ref = _reference(sorted(src.glob("*.safetensors")))
@@ -278,7 +278,7 @@ if sys.argv[2] == "torch":
 else:
     import cupy
     from gdsload.loader.devices import CupyDevice
-    from gdsload.loader.pipeline import load_rank
+    from gdsload.loader.pipeline.load import load_rank
     res = load_rank(sys.argv[1], device=CupyDevice(1))
     cupy.cuda.runtime.deviceSynchronize()  # on GPU 1, which the load left current
 print(active(0), active(1))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gdsload.loader import FormatError, HeaderError, TruncatedFileError, load_rank, parse_header, read_header
 from gdsload.loader.dtypes import ITEMSIZE
-from gdsload.loader.format import MAX_HEADER_BYTES
+from gdsload.loader.format.safetensors import MAX_HEADER_BYTES
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from gdsload.loader import load_rank
-from gdsload.loader.ipc import IpcError, export_rank, import_rank
+from gdsload.loader.handoff.ipc import IpcError, export_rank, import_rank
 
 _CHILD = r"""
 import json, sys, hashlib
-from gdsload.loader.ipc import import_rank
+from gdsload.loader.handoff.ipc import import_rank
 doc = json.loads(sys.stdin.read())
 tensors = import_rank(doc)
 out = {}

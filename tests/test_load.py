@@ -14,7 +14,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from gdsload.loader.result import PHASES
+from gdsload.loader.pipeline.result import PHASES
 from gdsload.loader import (
     BackendUnavailableError,
     ConfigError,
@@ -153,7 +153,8 @@ def test_vllm_trtllm_and_plain_directories_load_without_manifest(tmp_path, shard
 
 
 def test_load_config_parses_sizes_exactly_and_names_the_variable():
-    from gdsload.loader.config import LoadConfig, parse_size
+    from gdsload.loader.config import parse_size
+    from gdsload.loader.pipeline.config import LoadConfig
 
     assert (parse_size("2.01GB"), parse_size("2.03KB"), parse_size("16MiB"), parse_size(5)) == (
         2_010_000_000, 2030, 16 << 20, 5)
@@ -370,7 +371,7 @@ def test_manifest_round_trip(tmp_path):
 
 def test_sampled_residency_tracks_the_exact_count(tmp_path):
     """The pinned backend's O_DIRECT decision uses a sampled mincore; it must agree with the full scan."""
-    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.io.pagecache import evict, resident_fraction
 
     path = tmp_path / "blob.bin"
     path.write_bytes(os.urandom(1 << 20) * 64)  # 64 MiB: 16384 pages, sampled at 64 windows of 16 pages
@@ -403,7 +404,7 @@ def test_on_plan_is_called_once_with_the_plan_before_any_bytes_are_read(sharded_
 
 def test_sampled_residency_weighs_files_by_size(tmp_path):
     """A small cached file must not make a large cold one look half warm (the sampled estimate)."""
-    from gdsload.loader.pagecache import RESIDENCY_SAMPLES, evict, is_cold, resident_fraction
+    from gdsload.loader.io.pagecache import RESIDENCY_SAMPLES, evict, is_cold, resident_fraction
 
     big, small = tmp_path / "big.bin", tmp_path / "small.bin"
     big.write_bytes(os.urandom(64 << 20))
@@ -441,7 +442,7 @@ def test_into_reads_straight_into_the_callers_tensors(sharded_dir):
 
 
 def test_into_misaligned_and_compressed_tensors(tmp_path):
-    from gdsload.loader.compress import compress_dir
+    from gdsload.loader.prepare.compress import compress_dir
 
     foreign = tmp_path / "foreign.safetensors"
     tensors = _misaligned_file(foreign)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gdsload.loader import pagecache
+from gdsload.loader.io import pagecache
 
 
 def _fs(monkeypatch, kinds: dict[str, str]) -> None:

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdsload.loader import ConfigError, Manifest
-from gdsload.loader.quantize import (
+from gdsload.loader.prepare.quantize import (
     FP8_MAX,
     QuantScheme,
     compute_scale,
@@ -31,7 +31,7 @@ from gdsload.loader.quantize import (
     quantize,
     quantize_into,
 )
-from gdsload.loader.shard import shard_checkpoint
+from gdsload.loader.prepare.shard import shard_checkpoint
 from test_shard import TOKENS, build_model, model_from, read_rank, reassemble, source_tensors
 
 transformers = pytest.importorskip("transformers")

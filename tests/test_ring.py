@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from gdsload.loader.backends.ring import PAGE, RingFile, StagingRing, stream_order
+from gdsload.loader.io.ring import PAGE, RingFile, StagingRing, stream_order
 from gdsload.loader.errors import TruncatedFileError
 from gdsload.loader.plan import Extent, split_extents
 
@@ -137,8 +137,8 @@ def test_aligned_split_cuts_at_multiples_of_the_chunk():
 
 
 def test_pinned_ring_reader_count_follows_what_it_serves():
-    from gdsload.loader.backends import ReadOptions
-    from gdsload.loader.backends.pinned import PinnedBackend
+    from gdsload.loader.io import ReadOptions
+    from gdsload.loader.io.pinned import PinnedBackend
 
     def wanted(engines, direct, threads=None):
         b = PinnedBackend(torch.device("cuda"), ReadOptions(num_threads=threads))
@@ -156,10 +156,10 @@ def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_
     from test_torch_free import _stand_in_kvikio
 
     from gdsload.loader import discover, plan_rank, save_file
-    from gdsload.loader.backends import ReadOptions
-    from gdsload.loader.backends.pinned import PinnedBackend
-    from gdsload.loader.iomode import o_direct_supported
-    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.io import ReadOptions
+    from gdsload.loader.io.pinned import PinnedBackend
+    from gdsload.loader.io.iomode import o_direct_supported
+    from gdsload.loader.io.pagecache import evict, resident_fraction
 
     seen = _stand_in_kvikio(monkeypatch, direct_switch=switch)
     path = tmp_path / "model.safetensors"

@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 from gdsload.loader import read_header
-from gdsload.loader.result import PHASES
-from gdsload.loader.synthetic import LlamaShape, make_checkpoint
+from gdsload.loader.pipeline.result import PHASES
+from gdsload.loader.prepare.synthetic import LlamaShape, make_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 from sidecar_proc import Server
@@ -80,7 +80,7 @@ def oracle_digests(model: Path, rank: int) -> dict[str, list[Any]]:
 ENGINE = r"""
 import hashlib, json, sys
 import torch
-from gdsload.loader.ipc import import_rank
+from gdsload.loader.handoff.ipc import import_rank
 doc = json.loads(sys.stdin.read())
 tensors = import_rank(doc)
 out = {}

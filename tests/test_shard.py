@@ -24,9 +24,9 @@ import safetensors.torch
 import torch
 
 from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover, load_rank, read_header
-from gdsload.loader import format as fmt
+from gdsload.loader.format import safetensors as fmt
 from gdsload.loader.errors import ConfigError
-from gdsload.loader.shard import (
+from gdsload.loader.prepare.shard import (
     PARTIAL_DIR,
     SourceCheckpointError,
     OutputExistsError,
@@ -622,7 +622,7 @@ def test_interrupted_run_resumes_and_matches_a_clean_run(checkpoints, tmp_path):
 
 _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    from gdsload.loader.shard import shard_checkpoint
+    from gdsload.loader.prepare.shard import shard_checkpoint
     seen = 0
     def progress(n):
         global seen
@@ -695,7 +695,7 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
     import torch
 
     from gdsload.loader import load_rank
-    from gdsload.loader.synthetic import PRESETS, make_checkpoint
+    from gdsload.loader.prepare.synthetic import PRESETS, make_checkpoint
 
     src = tmp_path / "hf"
     make_checkpoint(src, PRESETS["tiny"], tp=1)

@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 
 from gdsload.loader import SidecarClient
-from gdsload.loader.synthetic import make_checkpoint
+from gdsload.loader.prepare.synthetic import make_checkpoint
 from test_server import TOKEN, Server
 
 

@@ -24,15 +24,15 @@ import torch
 from gdsload.loader import save_file
 from gdsload.loader.devices import TorchDevice, torch_free_unavailable
 from gdsload.loader.dtypes import from_torch
-from gdsload.loader.ipc import IpcError, import_rank
+from gdsload.loader.handoff.ipc import IpcError, import_rank
 
 # Load one rank without torch; print digests, the report, torch's absence, and GPU memory figures.
 CHILD = r"""
 import gc, hashlib, json, sys
 import cupy
 from gdsload.loader.devices import CupyDevice
-from gdsload.loader.ipc import export_rank
-from gdsload.loader.pipeline import load_rank
+from gdsload.loader.handoff.ipc import export_rank
+from gdsload.loader.pipeline.load import load_rank
 path, rank, verify, export = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 cupy.cuda.Device(0).use()
 free0 = cupy.cuda.runtime.memGetInfo()[0]
@@ -119,8 +119,8 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: boo
     import types
     from types import SimpleNamespace
 
-    from gdsload.loader.backends import cufile
-    from gdsload.loader.iomode import KvikioState
+    from gdsload.loader.io import cufile
+    from gdsload.loader.io.iomode import KvikioState
 
     seen: dict = {"settings": [], "restored": 0, "opened": [], "closed": [], "preads": []}
 
@@ -180,8 +180,8 @@ class _HostAsCuda(TorchDevice):
 
 
 def _host_reader(chunk: int = 1 << 20):
-    from gdsload.loader.backends import ReadOptions
-    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.io import ReadOptions
+    from gdsload.loader.io.cufile import CuFileBackend
 
     r = CuFileBackend(_HostAsCuda(), ReadOptions(num_threads=3, chunk_bytes=chunk))
     r.hooks = r.device.hooks
@@ -224,8 +224,8 @@ def _assert_oracle_bytes(plan, arena) -> None:
 def _cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str]]:
     """kvikio stood in for, rank 1 planned and evicted from the page cache (or the test skipped)."""
     from gdsload.loader import discover, plan_rank
-    from gdsload.loader.iomode import o_direct_supported
-    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.io.iomode import o_direct_supported
+    from gdsload.loader.io.pagecache import evict, resident_fraction
 
     seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
     plan = plan_rank(discover(sharded_dir, 1))
@@ -285,7 +285,7 @@ def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any
 
 def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypatch):
     """``COLD_PIECE``: each kvikio task (one thread) covers a piece of several O_DIRECT reads, in file order."""
-    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.io.cufile import CuFileBackend
     from gdsload.loader.plan import split_extents, stream_order
 
     monkeypatch.setattr(CuFileBackend, "COLD_PIECE", 3 * 8192 + 100)  # rounded down to whole reads
@@ -300,7 +300,7 @@ def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypat
 
 def test_cold_streams_keep_neighbouring_reads_of_a_stream_in_flight(sharded_dir, monkeypatch):
     """``COLD_STREAMS``: fewer streams than threads, so the threads take neighbouring reads of each stream."""
-    from gdsload.loader.backends.cufile import CuFileBackend
+    from gdsload.loader.io.cufile import CuFileBackend
     from gdsload.loader.plan import split_extents, stream_order
 
     monkeypatch.setattr(CuFileBackend, "COLD_STREAMS", 1)
@@ -314,8 +314,8 @@ def test_cold_streams_keep_neighbouring_reads_of_a_stream_in_flight(sharded_dir,
 
 def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatch):
     from gdsload.loader import discover, plan_rank
-    from gdsload.loader.iomode import o_direct_supported
-    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.io.iomode import o_direct_supported
+    from gdsload.loader.io.pagecache import evict, resident_fraction
 
     seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
     big, small = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
@@ -388,8 +388,8 @@ def test_bare_load_of_foreign_misaligned_file(tmp_path):
 @pytest.mark.parametrize("which", ["ours", "foreign-misaligned"])
 def test_bare_load_of_cold_files_reads_them_with_o_direct(tmp_path, which):
     _needs_bare()
-    from gdsload.loader.iomode import o_direct_supported
-    from gdsload.loader.pagecache import evict, resident_fraction
+    from gdsload.loader.io.iomode import o_direct_supported
+    from gdsload.loader.io.pagecache import evict, resident_fraction
 
     if which == "ours":  # big enough that the readahead of its header read leaves it cold
         path, files = tmp_path / "ours.safetensors", [tmp_path / "ours.safetensors"]
@@ -418,7 +418,7 @@ def test_bare_load_of_cold_files_reads_them_with_o_direct(tmp_path, which):
 @pytest.mark.parametrize("codec", ["ans", "zstd"])
 def test_bare_load_decodes_compressed_files(tmp_path, codec):
     _needs_bare()
-    from gdsload.loader.compress import compress_dir
+    from gdsload.loader.prepare.compress import compress_dir
 
     src = tmp_path / "src"
     src.mkdir()

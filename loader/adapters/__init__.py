@@ -22,7 +22,7 @@ inject torch into LlamaForCausalLM: 291 tensors, 16.06 GB in 0.004 s zero-copy=2
 
 from __future__ import annotations
 
-from .base import (
+from gdsload.loader.adapters.base import (
     AdapterOptions,
     CheckpointLayout,
     EngineNotInstalledError,
@@ -40,7 +40,7 @@ from .base import (
     describe_checkpoint,
     open_rank,
 )
-from .torch_module import ModuleInjector, inject_module, meta_init
+from gdsload.loader.adapters.torch_module import ModuleInjector, inject_module, meta_init
 
 __all__ = [
     "AdapterOptions",

@@ -33,11 +33,12 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-from ..config import LoadConfig, format_bytes
-from ..discovery import list_ranks
-from ..errors import BackendUnavailableError, ConfigError, GdsloadError
-from ..manifest import Manifest
-from ..result import LoadReport, LoadResult
+from gdsload.loader.config import format_bytes
+from gdsload.loader.pipeline.config import LoadConfig
+from gdsload.loader.format.discovery import list_ranks
+from gdsload.loader.errors import BackendUnavailableError, ConfigError, GdsloadError
+from gdsload.loader.format.manifest import Manifest
+from gdsload.loader.pipeline.result import LoadReport, LoadResult
 
 __all__ = [
     "Weights",
@@ -463,7 +464,7 @@ def open_rank(
     """
     options = options or AdapterOptions()
     if options.sidecar_url is not None:
-        from ..sidecar_client import SidecarClient
+        from gdsload.loader.handoff.sidecar_client import SidecarClient
 
         start = time.perf_counter()
         client = SidecarClient(options.sidecar_url, token=options.sidecar_token(), timeout=options.timeout)
@@ -472,7 +473,7 @@ def open_rank(
                            _release=mapped.release)
     if path is None:
         raise ConfigError("no model path and no sidecar_url: nothing to load the weights from")
-    from ..pipeline import load_rank
+    from gdsload.loader.pipeline.load import load_rank
 
     dev = torch.device(device)
     try:

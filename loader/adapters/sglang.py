@@ -40,8 +40,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError, GdsloadError
-from .base import (
+from gdsload.loader.errors import ConfigError, GdsloadError
+from gdsload.loader.adapters.base import (
     AdapterOptions,
     EngineNotInstalledError,
     InjectError,
@@ -53,7 +53,7 @@ from .base import (
     compare,
     import_engine,
 )
-from .vllm import load_into_model, plan_load
+from gdsload.loader.adapters.vllm import load_into_model, plan_load
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

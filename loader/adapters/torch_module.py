@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .base import InjectError, InjectReport, StateDictInjector, Target, Weights
+from gdsload.loader.adapters.base import InjectError, InjectReport, StateDictInjector, Target, Weights
 
 __all__ = ["ModuleInjector", "inject_module", "meta_init"]
 

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ..discovery import list_ranks
-from ..errors import ConfigError
-from ..manifest import Manifest
-from .base import AdapterOptions, LayoutError, RankWeights, describe_checkpoint, import_engine, open_rank
+from gdsload.loader.format.discovery import list_ranks
+from gdsload.loader.errors import ConfigError
+from gdsload.loader.format.manifest import Manifest
+from gdsload.loader.adapters.base import AdapterOptions, LayoutError, RankWeights, describe_checkpoint, import_engine, open_rank
 
 __all__ = [
     "CHECKPOINT_FORMAT",

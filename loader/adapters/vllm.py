@@ -51,9 +51,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..config import LoadConfig
-from ..errors import BackendUnavailableError, ConfigError
-from .base import (
+from gdsload.loader.pipeline.config import LoadConfig
+from gdsload.loader.errors import BackendUnavailableError, ConfigError
+from gdsload.loader.adapters.base import (
     AdapterOptions,
     CheckpointLayout,
     EngineNotInstalledError,
@@ -177,10 +177,10 @@ class ShardedStateInjector(StateDictInjector):
         second copy. The rest (a dtype vLLM converts, a LoRA-padded parameter filled in its
         leading part where that part is not contiguous) loads into a small arena and is copied.
         """
-        from ..discovery import discover
-        from ..dtypes import from_torch
-        from ..plan import rank_index
-        from ..pipeline import load_rank
+        from gdsload.loader.format.discovery import discover
+        from gdsload.loader.dtypes import from_torch
+        from gdsload.loader.plan import rank_index
+        from gdsload.loader.pipeline.load import load_rank
 
         start = time.perf_counter()
         index = rank_index(discover(path, rank))

@@ -1,0 +1,361 @@
+"""Codecs: nvCOMP on the GPU (ANS, GDeflate, Zstd), ``zstandard`` on the CPU (Zstd only).
+
+Encoding picks the codec's parameters from the tensor's dtype; decoding writes straight into
+the tensor's slot in the arena. ANS chunks decode through nvCOMP's C API, many tensors per call
+(:mod:`gdsload.loader.codecs.nvcomp_c`); the rest through nvCOMP's Python package. nvCOMP is imported
+only when a GPU codec is used, so the CPU path works on hosts without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gdsload.loader.format.compression import CHUNK_ALIGN, CODECS, CompressedEntry
+from gdsload.loader.devices import Device, as_device
+from gdsload.loader.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ans_data_type",
+    "default_params",
+    "ZSTD_CHUNK",
+    "encode_tensor",
+    "cpu_decode",
+    "GpuCodecs",
+    "nvcomp_available",
+    "cuda_device_count",
+]
+
+ZSTD_CHUNK = 256 << 10
+"""Decoded bytes per Zstd frame (``layout: chunks``)."""
+ANS_CHUNK = 256 << 10
+"""Decoded bytes per ANS chunk. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against 1.46x at
+nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
+CHUNK_BYTES = {"ans": ANS_CHUNK, "zstd": ZSTD_CHUNK}
+"""Decoded bytes per chunk of the codecs that ``gdsload compress`` writes as ``layout: chunks``."""
+GDEFLATE_CHUNK = 64 << 10
+"""GDeflate's largest chunk (nvCOMP aborts the process on a larger one)."""
+
+
+def ans_data_type(dtype: str) -> str:
+    """nvCOMP ANS symbol type for a safetensors dtype: ``<f2`` for 16-bit floats, ``<f4`` for fp32,
+    bytes for the rest (fp8 gains nothing from ``|f1`` over ``|u1``)."""
+    return {"BF16": "<f2", "F16": "<f2", "F32": "<f4"}.get(dtype, "|u1")
+
+
+def default_params(codec: str, dtype: str) -> dict[str, Any]:
+    if codec == "ans":
+        return {"data_type": ans_data_type(dtype)}
+    if codec == "gdeflate":
+        return {"algorithm_type": 1}
+    if codec == "zstd":
+        return {"level": 3}
+    raise CodecError(f"codec {codec!r} is not one of {sorted(CODECS)}")
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process sees, asked of cupy unless torch is already loaded (torch costs seconds)."""
+    if "torch" not in sys.modules:
+        try:
+            import cupy
+
+            return int(cupy.cuda.runtime.getDeviceCount())
+        except Exception:  # no cupy, or no driver: torch gives the answer (and its reason) below
+            pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nvcomp_available() -> str | None:
+    """None when nvCOMP and a CUDA device are usable, else why not."""
+    if not cuda_device_count():
+        return "no CUDA device"
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError as e:
+        return f"nvidia-nvcomp is not installed ({e}); install gdsload[cu12] or gdsload[cu13]"
+    return None
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int) -> list[bytes]:
+    import zstandard
+
+    def one(i: int) -> bytes:
+        # A compressor per call: ZstdCompressor objects are not thread-safe.
+        c = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        return c.compress(data[i : i + ZSTD_CHUNK].tobytes())
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(0, len(data), ZSTD_CHUNK)))
+
+
+def encode_tensor(
+    name: str, tensor: torch.Tensor, dtype: str, codec: str, *, params: dict[str, Any] | None = None,
+    checksum: bool = True, threads: int = 4,
+) -> tuple[CompressedEntry, np.ndarray]:
+    """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array).
+
+    CUDA tensors are compressed on their GPU with nvCOMP; CPU tensors only with Zstd
+    (``zstandard``), which writes the same standard frames nvCOMP decodes.
+    """
+    import torch
+
+    params = dict(default_params(codec, dtype) if params is None else params)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    nbytes = raw.numel()
+    layout = CODECS[codec][0]
+    on_gpu = raw.is_cuda
+    if not on_gpu and codec != "zstd":
+        raise CodecError(
+            f"tensor {name!r}: codec {codec!r} compresses on a GPU only (nvCOMP); run on a CUDA host or use --codec zstd"
+        )
+    crc = None
+    if checksum:
+        crc = zlib.crc32(raw.cpu().numpy()) if on_gpu else zlib.crc32(raw.numpy())
+    if not on_gpu:
+        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads)
+        blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
+                                ZSTD_CHUNK, tuple(len(f) for f in frames), crc)
+        return entry, blob
+    codecs = GpuCodecs(as_device(raw.device), encode=True)
+    if layout == "native":
+        enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
+        # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
+        # the (larger) worst-case capacity.
+        size = enc.buffer_size
+        blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size].cpu().numpy()
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params, crc32=crc)
+        return entry, blob
+    chunk, align = CHUNK_BYTES[codec], CHUNK_ALIGN.get(codec, 1)
+    if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
+        raw = raw.clone()
+    enc = codecs.chunked(codec, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
+    frames = [_host_bytes(a) for a in enc]
+    sizes = tuple(int(f.size) for f in frames)
+    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, 0, params, chunk, sizes, crc,
+                            align)
+    starts, *_ = entry.chunk_table()
+    blob = np.zeros(int(starts[-1]) + sizes[-1] if sizes else 0, dtype=np.uint8)  # zeros fill the gaps
+    for at, f in zip(starts.tolist(), frames):
+        blob[at : at + f.size] = f
+    return dataclasses.replace(entry, stored_bytes=blob.size), blob
+
+
+def _host_bytes(arr: Any) -> np.ndarray:
+    """The compressed bytes of one nvCOMP batch output, copied into host memory we own.
+
+    Batch outputs are copied through nvCOMP's own ``cpu()``, not handed to torch by DLPack: on
+    the H200 machine, taking them by DLPack crashed the process (double free, abort).
+    """
+    size = arr.buffer_size  # waits for the encoder; the array itself may be the worst-case capacity
+    host = np.asarray(arr.cpu()).view(np.uint8).reshape(-1)
+    return np.array(host[:size], copy=True)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, verify: bool, path: str,
+               threads: int = 4) -> None:
+    """Decode ``entry`` from its stored bytes ``src`` into ``dst`` (both host memory)."""
+    where = f"{path!r}: tensor {entry.name!r}"
+    if entry.codec != "zstd":
+        raise CodecError(
+            f"{where} is compressed with {entry.codec!r}, which only a GPU decodes (nvCOMP); load it with "
+            "device='cuda' on a GPU host, or re-compress with `gdsload compress --codec zstd` for CPU hosts"
+        )
+    import zstandard
+
+    def one(span: tuple[int, int, int, int]) -> None:
+        s_off, s_len, d_off, d_len = span
+        try:
+            out = zstandard.ZstdDecompressor().decompress(bytes(src[s_off : s_off + s_len]), max_output_size=d_len)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"{where}: Zstd frame at stored byte {s_off} is corrupt ({e})") from None
+        if len(out) != d_len:
+            raise CodecError(f"{where}: a chunk decoded to {len(out)} bytes, the metadata says {d_len}")
+        dst[d_off : d_off + d_len] = out
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, entry.chunk_spans()))
+    if verify and entry.crc32 is not None and zlib.crc32(dst) != entry.crc32:
+        raise CodecError(f"{where}: decoded bytes fail the crc32 check; the file is corrupt")
+
+
+class GpuCodecs:
+    """nvCOMP codecs for one GPU and stream, created once and reused.
+
+    ``device`` is where the bytes live (:class:`~gdsload.loader.devices.Device`: torch's or cupy's
+    memory); ``stream`` the raw ``cudaStream_t`` (torch's ``Stream.cuda_stream``, cupy's
+    ``Stream.ptr``), None for the default stream.
+    """
+
+    def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False,
+                 verify: bool = False):
+        from nvidia import nvcomp
+
+        self.nv = nvcomp
+        self.device = device
+        self.device_index = device.index or 0
+        self.stream = stream
+        policy = nvcomp.ChecksumPolicy
+        # Encoders store checksums in native streams; decoders check them only when asked to.
+        if encode:
+            self.policy = policy.COMPUTE_AND_NO_VERIFY
+        else:
+            self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
+        self._cache: dict[Any, Any] = {}
+        self._ans: Any = None  # nvcomp_c.AnsDecoder, made on the first ANS chunks
+        self._bytes: _TorchStreamBytes | _CupyStreamBytes | None = None
+
+    def close(self) -> None:
+        """Drop every nvCOMP codec made here (call it while the stream they borrow still exists)."""
+        self._cache.clear()
+        if self._ans is not None:
+            self._ans.close()
+
+    def _kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"device_id": self.device_index}
+        if self.stream is not None:
+            kw["cuda_stream"] = self.stream
+        return kw
+
+    def native(self, codec: str, params: dict[str, Any]) -> Any:
+        key = ("native", codec, tuple(sorted(params.items())))
+        if key not in self._cache:
+            nv = self.nv
+            algo = {"ans": "ANS", "gdeflate": "GDeflate"}[codec]
+            opts = {k: v for k, v in params.items() if k in ("data_type", "algorithm_type")}
+            chunk = ANS_CHUNK if codec == "ans" else GDEFLATE_CHUNK
+            self._cache[key] = nv.Codec(algorithm=algo, uncomp_chunk_size=chunk, checksum_policy=self.policy,
+                                        **opts, **self._kwargs())
+        return self._cache[key]
+
+    def chunked(self, codec: str, params: dict[str, Any] | None = None) -> Any:
+        """nvCOMP's batch codec for raw chunks (``layout: chunks``); ANS takes its ``data_type``."""
+        opts = {"data_type": (params or {})["data_type"]} if codec == "ans" else {}
+        key = ("chunks", codec, tuple(opts.items()))
+        if key not in self._cache:
+            nv = self.nv
+            algo = {"ans": "ANS", "zstd": "Zstd"}[codec]
+            self._cache[key] = nv.Codec(algorithm=algo, bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
+        return self._cache[key]
+
+    def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
+        """Decode ``entry`` from device bytes ``src`` into device bytes ``dst``.
+
+        ``src`` and ``dst`` are 1-D uint8 device arrays: torch tensors or cupy arrays. Returns
+        with the decode queued on the stream, except for ANS chunks, which are checked here
+        (the stream synchronized); :meth:`decode_many` batches them.
+        """
+        self.decode_many([(entry, src, dst, path)])
+        self.finish()
+
+    def decode_many(self, items: list[tuple[CompressedEntry, Any, Any, str]]) -> None:
+        """Queue the decode of every ``(entry, src, dst, path)`` on the stream; then :meth:`finish`.
+
+        ANS chunks of all the items go to nvCOMP in one call, without the GIL; every other
+        tensor is its own call. ``src`` and ``dst`` must stay put until :meth:`finish`.
+        """
+        ans = [it for it in items if it[0].layout == "chunks" and it[0].codec == "ans"]
+        if ans:
+            from gdsload.loader.codecs.nvcomp_c import AnsChunks, AnsDecoder
+
+            if self._ans is None:
+                self._bytes = (_TorchStreamBytes(self.device, self.stream or 0) if self.device.uses_torch
+                               else _CupyStreamBytes(self.stream or 0))
+                self._ans = AnsDecoder(self.stream or 0, self._bytes)
+            address = self.device.address
+            self._ans.launch(AnsChunks.build([(e, address(s), address(d), f"{p!r}: tensor {e.name!r}")
+                                              for e, s, d, p in ans]))
+        for entry, src, dst, path in items:
+            if not (entry.layout == "chunks" and entry.codec == "ans"):
+                self._decode_one(entry, src, dst, path=path)
+
+    def finish(self) -> None:
+        """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed."""
+        if self._ans is not None and self._bytes is not None:
+            self._bytes.sync()
+            self._ans.check()
+
+    def _decode_one(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
+        where = f"{path!r}: tensor {entry.name!r}"
+        nv = self.nv
+        try:
+            if entry.layout == "native":
+                codec = self.native(entry.codec, entry.params)
+                out = codec.decode(nv.as_array(src), out=nv.as_array(dst))
+                if out.buffer_size != entry.nbytes:
+                    raise CodecError(f"{where}: decoded {out.buffer_size} bytes, the metadata says {entry.nbytes}")
+            else:
+                spans = entry.chunk_spans()
+                srcs = nv.as_arrays([src[s : s + n] for s, n, _, _ in spans])
+                dsts = nv.as_arrays([dst[d : d + n] for _, _, d, n in spans])
+                self.chunked(entry.codec).decode(srcs, out=dsts)
+        except CodecError:
+            raise
+        except Exception as e:  # nvCOMP reports corrupt streams and bad checksums as exceptions
+            raise CodecError(f"{where}: nvCOMP could not decode it ({type(e).__name__}: {e})") from None
+
+
+class _TorchStreamBytes:
+    """Device bytes for :class:`~gdsload.loader.codecs.nvcomp_c.AnsDecoder`, as torch tensors on ``stream``."""
+
+    def __init__(self, device: Device, stream: int):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", device.index)
+        self.stream = torch.cuda.ExternalStream(stream, device=self.device)
+
+    def empty(self, nbytes: int) -> tuple[Any, int]:
+        a = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        return a, a.data_ptr()
+
+    def put(self, array: Any, host: np.ndarray) -> None:
+        with self.torch.cuda.stream(self.stream):
+            array[: host.size].copy_(self.torch.from_numpy(host), non_blocking=True)
+
+    def get(self, array: Any, nbytes: int) -> np.ndarray:
+        return array[:nbytes].cpu().numpy()
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+
+class _CupyStreamBytes:
+    """Device bytes for :class:`~gdsload.loader.codecs.nvcomp_c.AnsDecoder`, as cupy arrays on ``stream`` (a raw handle)."""
+
+    def __init__(self, stream: int):
+        import cupy
+
+        self.cupy = cupy
+        self.stream = stream
+
+    def empty(self, nbytes: int) -> tuple[Any, int]:
+        a = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+        return a, a.data.ptr
+
+    def put(self, array: Any, host: np.ndarray) -> None:
+        # From pageable memory: the runtime has taken the bytes when the call returns.
+        self.cupy.cuda.runtime.memcpyAsync(array.data.ptr, host.ctypes.data, host.nbytes,
+                                           self.cupy.cuda.runtime.memcpyHostToDevice, self.stream)
+
+    def get(self, array: Any, nbytes: int) -> np.ndarray:
+        return array[:nbytes].get()
+
+    def sync(self) -> None:
+        self.cupy.cuda.runtime.streamSynchronize(self.stream)

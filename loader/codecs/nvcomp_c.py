@@ -1,0 +1,213 @@
+"""nvCOMP's batched ANS decoder, called through its C API with ctypes.
+
+Why not nvCOMP's Python package, which the encoder uses: its ``Codec.decode`` takes one tensor's
+stream at a time, reads the stream's header back to the host to size the output (a copy that
+waits for every decode queued before it) and holds the GIL while it does. A load's reads are
+kept in flight from Python, so they stalled behind the decoder: some 45 ms of GIL per 9 GB load
+(bench/RESULTS.md, eleventh session). The C API decodes any number of raw chunks, of any number
+of tensors, in one asynchronous call; ctypes releases the GIL for the call, and nothing comes
+back to the host until the batch's statuses are checked, once, after the stream has finished.
+
+The chunks are what ``nvcompBatchedANSCompressAsync`` writes (nvCOMP's Python package with
+``BitstreamKind.RAW``), each 16-byte aligned in device memory (``layout: chunks``,
+:mod:`gdsload.loader.format.compression`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gdsload.loader.errors import CodecError
+
+__all__ = ["AnsChunks", "AnsDecoder", "nvcomp_version"]
+
+_MIN_VERSION = 6000
+"""nvCOMP 6.0: the options struct bound below is its layout."""
+_STATUS = {0: "success", 10: "invalid value", 11: "not supported", 12: "cannot decompress",
+           15: "output buffer too small", 17: "alignment", 18: "chunk size too large",
+           20: "wrong input length", 21: "batch size too large", 1000: "CUDA error", 10000: "internal error"}
+
+
+class _DecompressOpts(ctypes.Structure):
+    # nvcompBatchedANSDecompressOpts_t (nvcomp/ans.h, 6.0). Zeroes but data_type are the defaults;
+    # data_type NVCOMP_TYPE_BITS reads each chunk's type from its bitstream.
+    _fields_ = [("backend", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("states_per_lane", ctypes.c_uint8), ("skip_validate", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 53)]
+
+
+_NVCOMP_TYPE_BITS = 0xFF
+_LIB: tuple[ctypes.CDLL, int] | None = None
+"""The library and its version (major * 1000 + minor * 100 + patch), once loaded."""
+_LIB_LOCK = threading.Lock()
+
+
+def _find_library() -> str:
+    """libnvcomp from the nvidia-libnvcomp wheel (which nvidia-nvcomp depends on), else the system's."""
+    try:
+        from nvidia import libnvcomp
+
+        root = os.path.dirname(libnvcomp.__file__)
+    except ImportError:
+        return "libnvcomp.so"
+    found = sorted(p for d in ("lib64", "lib") for p in glob.glob(os.path.join(root, d, "libnvcomp.so*"))
+                   if "_cpu" not in os.path.basename(p))
+    return found[-1] if found else "libnvcomp.so"
+
+
+def _lib() -> tuple[ctypes.CDLL, int]:
+    global _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            path = _find_library()
+            try:
+                lib = ctypes.CDLL(path, ctypes.RTLD_LOCAL)
+            except OSError as e:
+                raise CodecError(f"cannot load nvCOMP's library {path!r} ({e}); install gdsload[cu12] or "
+                                 "gdsload[cu13]") from None
+            props = (ctypes.c_uint32 * 2)()
+            lib.nvcompGetProperties(props)
+            if props[0] < _MIN_VERSION:
+                raise CodecError(f"nvCOMP {_semver(props[0])} at {path!r} is older than 6.0, whose C API decodes "
+                                 "`layout: chunks` ANS tensors; pip install 'nvidia-nvcomp-cu13>=6' (or -cu12)")
+            size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
+            lib.nvcompBatchedANSDecompressGetTempSize.argtypes = [size_t, size_t, _DecompressOpts,
+                                                                  ctypes.POINTER(size_t), size_t, ptr]
+            lib.nvcompBatchedANSDecompressAsync.argtypes = [ptr, ptr, ptr, ptr, size_t, ptr, size_t, ptr,
+                                                            _DecompressOpts, ptr, ptr]
+            _LIB = lib, props[0]
+        return _LIB
+
+
+def _semver(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+
+
+def nvcomp_version() -> str:
+    """The loaded libnvcomp's version, e.g. ``6.0.0``."""
+    return _semver(_lib()[1])
+
+
+@dataclass
+class AnsChunks:
+    """A batch of chunks to decode: device addresses and sizes, one entry per chunk (uint64 arrays),
+    and for error messages which tensor each chunk belongs to."""
+
+    src: np.ndarray
+    src_bytes: np.ndarray
+    dst: np.ndarray
+    dst_bytes: np.ndarray
+    owner: np.ndarray
+    """Index into ``names`` of each chunk's tensor."""
+    names: Sequence[str]
+    """``path: tensor`` of each tensor, for messages."""
+
+    @classmethod
+    def build(cls, jobs: Sequence[tuple[Any, int, int, str]]) -> AnsChunks:
+        """From ``(entry, src_address, dst_address, where)`` per tensor, ``entry`` a ``layout: chunks``
+        :class:`~gdsload.loader.format.compression.CompressedEntry`."""
+        parts = [], [], [], [], []
+        for i, (entry, src, dst, _) in enumerate(jobs):
+            s_off, s_len, d_off, d_len = entry.chunk_table()
+            for out, a in zip(parts, (s_off + src, s_len, d_off + dst, d_len, np.full(len(s_len), i))):
+                out.append(a)
+        src, src_bytes, dst, dst_bytes, owner = (np.concatenate(p).astype(np.uint64) if p else
+                                                 np.zeros(0, np.uint64) for p in parts)
+        return cls(src, src_bytes, dst, dst_bytes, owner, [w for *_, w in jobs])
+
+
+class AnsDecoder:
+    """Decodes :class:`AnsChunks` on one CUDA stream of one device; one per thread.
+
+    ``device`` makes device arrays of the caller's kind: ``device.empty(nbytes)`` returns
+    ``(array, address)``, ``device.put(array, host)`` copies host bytes in on the stream, and
+    ``device.get(array, nbytes)`` copies bytes out once the stream is synchronized (see
+    :mod:`gdsload.loader.codecs`). The tables and nvCOMP's scratch stay allocated between
+    batches and grow when a batch needs more.
+    """
+
+    def __init__(self, stream: int, device: Any):
+        self._lib = _lib()[0]
+        self.stream = stream
+        self._device = device
+        self._opts = _DecompressOpts(data_type=_NVCOMP_TYPE_BITS)
+        self._tables: tuple[Any, int, int] | None = None  # (array, address, bytes)
+        self._temp: tuple[Any, int, int] | None = None
+        self._pending: AnsChunks | None = None
+
+    def _buffer(self, held: tuple[Any, int, int] | None, nbytes: int) -> tuple[Any, int, int]:
+        if held is not None and held[2] >= nbytes:
+            return held
+        array, address = self._device.empty(max(nbytes, 1))
+        return array, address, max(nbytes, 1)
+
+    def launch(self, chunks: AnsChunks) -> None:
+        """Queue the decode of ``chunks`` on the stream; :meth:`check` after the stream is synchronized.
+
+        Runs without the GIL (ctypes). The source and destination memory must stay put until
+        the stream has finished.
+        """
+        if self._pending is not None:
+            raise RuntimeError("the previous batch has not been checked")
+        n = len(chunks.src)
+        if not n:
+            return
+        # One table: compressed pointers, compressed sizes, output sizes, output pointers, then
+        # room for the actual sizes (uint64) and statuses (int32) nvCOMP writes back.
+        host = np.concatenate([chunks.src, chunks.src_bytes, chunks.dst_bytes, chunks.dst])
+        self._tables = self._buffer(self._tables, 8 * 5 * n + 4 * n)
+        array, base, _ = self._tables
+        self._device.put(array, host.view(np.uint8))
+        size_t = ctypes.c_size_t
+        temp_bytes = size_t(0)
+        status = self._lib.nvcompBatchedANSDecompressGetTempSize(
+            n, int(chunks.dst_bytes.max()), self._opts, ctypes.byref(temp_bytes), int(chunks.dst_bytes.sum()),
+            self.stream)
+        _raise_on(status, "sizing the decoder's scratch", chunks.names[0])
+        self._temp = self._buffer(self._temp, temp_bytes.value)
+        status = self._lib.nvcompBatchedANSDecompressAsync(
+            base, base + 8 * n, base + 16 * n, base + 32 * n, n, self._temp[1], self._temp[2], base + 24 * n,
+            self._opts, base + 40 * n, self.stream)
+        _raise_on(status, f"launching the decode of {n} chunks", chunks.names[0])
+        self._pending = chunks
+
+    def check(self) -> None:
+        """Raise :class:`CodecError` naming the tensor if any chunk of the last batch failed.
+
+        Call once the stream is synchronized.
+        """
+        chunks, self._pending = self._pending, None
+        if chunks is None:
+            return
+        n = len(chunks.src)
+        assert self._tables is not None
+        back = self._device.get(self._tables[0], 8 * 5 * n + 4 * n)
+        actual = back[32 * n : 40 * n].view(np.uint64)
+        statuses = back[40 * n : 44 * n].view(np.int32)
+        bad = np.flatnonzero((statuses != 0) | (actual != chunks.dst_bytes))
+        if len(bad):
+            i = int(bad[0])
+            owner = int(chunks.owner[i])
+            first = int(np.searchsorted(chunks.owner, owner))
+            code = int(statuses[i])
+            why = (f"status {code} ({_STATUS.get(code, 'unknown')})" if code else
+                   f"{int(actual[i])} bytes decoded where {int(chunks.dst_bytes[i])} were expected")
+            raise CodecError(f"{chunks.names[owner]}: chunk {i - first} does not decode ({why}; "
+                             f"{len(bad)} bad chunk(s) in this batch); the file is corrupt")
+
+    def close(self) -> None:
+        """Drop the device buffers (the stream must have finished with them)."""
+        self._tables = self._temp = self._pending = None
+
+
+def _raise_on(status: int, what: str, where: str) -> None:
+    if status:
+        raise CodecError(f"{where}: nvCOMP failed {what}: status {status} ({_STATUS.get(status, 'unknown')})")

@@ -1,0 +1,185 @@
+"""Compressed safetensors: the metadata that describes compressed tensors, and its validation.
+
+A compressed file is still a valid safetensors file. Each compressed tensor is stored as a 1-D
+``U8`` tensor under its own name; ``__metadata__["gdsload.compression"]`` is a JSON document::
+
+    {"version": 1,
+     "tensors": {
+       "model.layers.0.mlp.up_proj.weight": {
+          "dtype": "BF16", "shape": [14336, 4096], "nbytes": 117440512,
+          "codec": "ans", "params": {"data_type": "<f2"},
+          "layout": "chunks", "chunk_bytes": 262144, "chunk_align": 16,
+          "chunks": "<base64 of little-endian uint32 compressed sizes>",
+          "crc32": 1234567890},               # of the decoded bytes
+       "model.norm.weight": {..., "codec": "zstd", "layout": "chunks",
+          "chunk_bytes": 262144, "chunks": "..."}}}
+
+``layout: chunks`` stores one independent compressed chunk per ``chunk_bytes`` of decoded data,
+back to back; each starts at a multiple of ``chunk_align`` (default 1) within the tensor's stored
+bytes, zero bytes filling the gaps. For Zstd the chunks are standard frames, which the CPU
+``zstandard`` package decodes too; for ANS they are nvCOMP's raw batched-API chunks, 16-byte
+aligned as its decoder requires. Either way one batched nvCOMP call decodes any number of
+chunks, of any number of tensors, with no per-tensor header to read back first.
+``layout: native`` (ANS, GDeflate; ANS files written before ANS took ``chunks``) is nvCOMP's
+own container, which carries its chunk table and optional checksums. A reader that ignores the
+metadata sees U8 tensors of the wrong shape and fails loudly rather than reading garbage.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gdsload.loader.dtypes import ITEMSIZE
+from gdsload.loader.errors import CodecError
+from gdsload.loader.format.safetensors import SafetensorsHeader
+
+__all__ = [
+    "METADATA_KEY",
+    "FORMAT_VERSION",
+    "CODECS",
+    "CHUNK_ALIGN",
+    "CompressedEntry",
+    "parse_compression",
+    "encode_chunk_sizes",
+]
+
+METADATA_KEY = "gdsload.compression"
+FORMAT_VERSION = 1
+CODECS: dict[str, tuple[str, ...]] = {"ans": ("chunks", "native"), "gdeflate": ("native",), "zstd": ("chunks",)}
+"""Codec name -> the layouts its streams may use; ``gdsload compress`` writes the first."""
+CHUNK_ALIGN: dict[str, int] = {"ans": 16}
+"""Alignment nvCOMP's batched decoder needs for each chunk of a codec (``layout: chunks``)."""
+
+
+@dataclass(frozen=True)
+class CompressedEntry:
+    """What a compressed tensor decodes to, and how."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    codec: str
+    layout: str
+    stored_bytes: int
+    params: dict[str, Any] = field(default_factory=dict)
+    chunk_bytes: int = 0
+    chunks: tuple[int, ...] = ()
+    """Compressed size of each chunk (``layout == "chunks"``)."""
+    crc32: int | None = None
+    chunk_align: int = 1
+    """Each chunk starts at a multiple of this within the stored bytes (``layout == "chunks"``)."""
+
+    def chunk_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Stored offsets, stored sizes, decoded offsets and decoded sizes of the chunks (int64 arrays)."""
+        sizes = np.asarray(self.chunks, dtype=np.int64)
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        a = self.chunk_align
+        np.cumsum((sizes[:-1] + a - 1) // a * a, out=starts[1:])
+        decoded = np.arange(len(sizes), dtype=np.int64) * self.chunk_bytes
+        return starts, sizes, decoded, np.minimum(self.chunk_bytes, self.nbytes - decoded)
+
+    def chunk_spans(self) -> list[tuple[int, int, int, int]]:
+        """``(stored_offset, stored_len, decoded_offset, decoded_len)`` per chunk."""
+        return list(zip(*(a.tolist() for a in self.chunk_table())))
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
+                               "codec": self.codec, "layout": self.layout, "params": self.params}
+        if self.layout == "chunks":
+            doc["chunk_bytes"] = self.chunk_bytes
+            if self.chunk_align != 1:
+                doc["chunk_align"] = self.chunk_align
+            doc["chunks"] = encode_chunk_sizes(self.chunks)
+        if self.crc32 is not None:
+            doc["crc32"] = self.crc32
+        return doc
+
+
+def encode_chunk_sizes(sizes: tuple[int, ...] | list[int]) -> str:
+    return base64.b64encode(np.asarray(sizes, dtype="<u4").tobytes()).decode("ascii")
+
+
+def _decode_chunk_sizes(text: Any, where: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(str(text).encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        raise CodecError(f"{where}: 'chunks' is not base64") from None
+    if len(raw) % 4:
+        raise CodecError(f"{where}: 'chunks' holds {len(raw)} bytes, not a whole number of uint32 sizes")
+    return np.frombuffer(raw, dtype="<u4").astype(np.int64)
+
+
+def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
+    """The compressed tensors of a file, validated against its header; {} for plain files.
+
+    Raises :class:`CodecError` naming the file, the tensor and the field when the metadata
+    lies (unknown codec, sizes that disagree with the stored bytes, shapes that disagree with
+    ``nbytes``).
+    """
+    raw = header.metadata.get(METADATA_KEY)
+    if raw is None:
+        return {}
+    path = header.path
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CodecError(f"{path!r}: __metadata__[{METADATA_KEY!r}] is not JSON ({e}); the file is corrupt") from None
+    if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("tensors"), dict):
+        raise CodecError(
+            f"{path!r}: compression metadata version {doc.get('version') if isinstance(doc, dict) else doc!r} "
+            f"is not {FORMAT_VERSION}; upgrade gdsload or re-run `gdsload compress`"
+        )
+    stored = {t.name: t for t in header.tensors}
+    out: dict[str, CompressedEntry] = {}
+    for name, e in doc["tensors"].items():
+        where = f"{path!r}: compressed tensor {name!r}"
+        if name not in stored:
+            raise CodecError(f"{where} is described in the metadata but not stored in the file")
+        t = stored[name]
+        if t.dtype != "U8" or len(t.shape) != 1:
+            raise CodecError(f"{where} must be stored as 1-D U8, found {t.dtype}{list(t.shape)}")
+        try:
+            dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
+            # No layout: the codec's oldest one (the last listed).
+            layout, params = e.get("layout", CODECS.get(codec, ("",))[-1]), e.get("params") or {}
+        except (KeyError, TypeError) as err:
+            raise CodecError(f"{where}: metadata entry is missing {err}") from None
+        if type(nbytes) is not int or not isinstance(params, dict):
+            raise CodecError(f"{where}: nbytes {nbytes!r} must be an integer and params {params!r:.100} an object")
+        params = dict(params)
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise CodecError(f"{where}: unknown dtype {dtype!r}")
+        if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
+            raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")
+        if codec not in CODECS or layout not in CODECS[codec]:
+            raise CodecError(f"{where}: codec {codec!r} with layout {layout!r} is not one of {CODECS}")
+        chunk_bytes, chunks, align = 0, (), 1
+        if layout == "chunks":
+            chunk_bytes, align = e.get("chunk_bytes"), e.get("chunk_align", 1)
+            if type(chunk_bytes) is not int or chunk_bytes <= 0:
+                raise CodecError(f"{where}: chunk_bytes {chunk_bytes!r} must be a positive integer")
+            need = CHUNK_ALIGN.get(codec, 1)
+            if type(align) is not int or align <= 0 or align & (align - 1) or align % need:
+                raise CodecError(f"{where}: chunk_align {align!r} must be a power of two and a multiple of {need}")
+            sizes = _decode_chunk_sizes(e.get("chunks", ""), where)
+            if len(sizes) != -(-nbytes // chunk_bytes):
+                raise CodecError(
+                    f"{where}: {len(sizes)} chunks cannot hold {nbytes} bytes in chunks of {chunk_bytes}"
+                )
+            end = int(((sizes[:-1] + align - 1) // align * align).sum() + sizes[-1:].sum())
+            if end != t.nbytes:
+                raise CodecError(f"{where}: chunk sizes add up to {end} but {t.nbytes} bytes are stored")
+            chunks = tuple(sizes.tolist())
+        crc = e.get("crc32")
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
+            raise CodecError(f"{where}: crc32 {crc!r} is not a 32-bit unsigned integer")
+        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes,
+                                    chunks, crc, align)
+    return out

@@ -1,0 +1,204 @@
+"""``gdsload.json``: which files each tensor-parallel rank loads, with sizes and digests.
+
+Example::
+
+    {
+      "format": "gdsload-manifest",
+      "format_version": 1,
+      "tp_size": 2,
+      "layout": "vllm",
+      "created_by": "gdsload 0.1.0",
+      "ranks": {
+        "0": [{"path": "model-rank-0-part-0.safetensors", "bytes": 1052672,
+               "stored_bytes": 1048576, "logical_bytes": 1048576, "digest": "sha256:..."}],
+        "1": [...]
+      },
+      "extra": {}
+    }
+
+``bytes`` is the file size, ``stored_bytes`` its data section, ``logical_bytes`` what the
+tensors occupy once decoded (larger than ``stored_bytes`` for compressed files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gdsload.loader.errors import ManifestError
+from gdsload.loader.format.safetensors import SafetensorsHeader, atomic_output, read_header
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "LAYOUTS",
+    "ManifestFile",
+    "Manifest",
+    "file_digest",
+    "logical_bytes",
+    "describe_file",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "gdsload.json"
+MANIFEST_VERSION = 1
+LAYOUTS = ("vllm", "hf", "trtllm", "plain")
+_DIGEST_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    """One file of one rank, as recorded in the manifest."""
+
+    path: str
+    """Relative to the manifest's directory."""
+    bytes: int
+    stored_bytes: int
+    logical_bytes: int
+    digest: str | None = None
+    """``"sha256:<hex>"`` of the whole file, or None when not recorded."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``gdsload.json`` of a model directory."""
+
+    tp_size: int
+    layout: str
+    ranks: dict[int, tuple[ManifestFile, ...]]
+    created_by: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike[str]) -> Manifest:
+        """Parse and validate ``directory/gdsload.json``; raises :class:`ManifestError`."""
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{str(path)!r} is not valid JSON ({e}); rewrite it with `gdsload shard`") from None
+        return cls.from_dict(doc, where=str(path))
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, where: str = MANIFEST_NAME) -> Manifest:
+        def bad(msg: str) -> ManifestError:
+            return ManifestError(f"{where!r}: {msg}")
+
+        if not isinstance(doc, dict) or doc.get("format") != "gdsload-manifest":
+            raise bad("not a gdsload manifest (missing \"format\": \"gdsload-manifest\")")
+        version = doc.get("format_version")
+        if version != MANIFEST_VERSION:
+            raise bad(f"format_version {version!r} is not supported (this gdsload reads {MANIFEST_VERSION}); upgrade gdsload")
+        tp = doc.get("tp_size")
+        if type(tp) is not int or tp < 1:
+            raise bad(f"tp_size must be a positive integer, got {tp!r}")
+        layout = doc.get("layout")
+        if layout not in LAYOUTS:
+            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+        raw_ranks = doc.get("ranks")
+        if not isinstance(raw_ranks, dict):
+            raise bad("'ranks' must map rank numbers to lists of files")
+        ranks: dict[int, tuple[ManifestFile, ...]] = {}
+        for key, files in raw_ranks.items():
+            if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key)) or int(key) >= tp:
+                raise bad(f"rank key {key!r} is not a rank in 0..{tp - 1} (written without leading zeros)")
+            if not isinstance(files, list) or not files:
+                raise bad(f"rank {key} must list at least one file")
+            entries = []
+            for f in files:
+                try:
+                    entry = ManifestFile(**f)
+                except TypeError as e:
+                    raise bad(f"rank {key}: file entry {f!r:.200} is malformed ({e})") from None
+                if not isinstance(entry.path, str) or os.path.isabs(entry.path) or ".." in Path(entry.path).parts:
+                    raise bad(f"rank {key}: file path {entry.path!r} must be relative and stay inside the directory")
+                entries.append(replace(entry, path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
+            ranks[int(key)] = tuple(entries)
+        missing = sorted(set(range(tp)) - set(ranks))
+        if missing:
+            raise bad(f"tp_size is {tp} but ranks {missing} have no files")
+        extra = doc.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise bad(f"'extra' must be an object, got {extra!r:.200}; fix or remove it")
+        return cls(
+            tp_size=tp,
+            layout=layout,
+            ranks=ranks,
+            created_by=str(doc.get("created_by", "")),
+            extra=dict(extra),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "gdsload-manifest",
+            "format_version": MANIFEST_VERSION,
+            "tp_size": self.tp_size,
+            "layout": self.layout,
+            "created_by": self.created_by,
+            "ranks": {str(r): [asdict(f) for f in files] for r, files in sorted(self.ranks.items())},
+            "extra": self.extra,
+        }
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """``"sha256:<hex>"`` of a whole file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def logical_bytes(header: SafetensorsHeader) -> int:
+    """Bytes the file's tensors occupy once decoded."""
+    from gdsload.loader.format.compression import parse_compression
+
+    compressed = parse_compression(header)
+    return sum(compressed[t.name].nbytes if t.name in compressed else t.nbytes for t in header.tensors)
+
+
+def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool = True) -> ManifestFile:
+    """Build the manifest entry of an existing file (reads its header, and its bytes for the digest)."""
+    full = Path(directory) / relpath
+    header = read_header(full)
+    return ManifestFile(
+        path=relpath,
+        bytes=header.file_size,
+        stored_bytes=header.data_len,
+        logical_bytes=logical_bytes(header),
+        digest=file_digest(full) if digest else None,
+    )
+
+
+def write_manifest(
+    directory: str | os.PathLike[str],
+    ranks: Mapping[int, Iterable[str]],
+    *,
+    tp_size: int,
+    layout: str,
+    extra: Mapping[str, Any] | None = None,
+    digest: bool = True,
+) -> Manifest:
+    """Describe the files of every rank and write ``directory/gdsload.json`` atomically.
+
+    >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP
+    """
+    from gdsload.loader import __version__
+
+    manifest = Manifest(
+        tp_size=tp_size,
+        layout=layout,
+        ranks={r: tuple(describe_file(directory, p, digest=digest) for p in paths) for r, paths in ranks.items()},
+        created_by=f"gdsload {__version__}",
+        extra=dict(extra or {}),
+    )
+    Manifest.from_dict(manifest.to_dict())  # validate what we are about to write
+    with atomic_output(Path(directory) / MANIFEST_NAME) as f:
+        f.write(json.dumps(manifest.to_dict(), indent=2).encode("utf-8") + b"\n")
+    return manifest

@@ -1,0 +1,534 @@
+"""The safetensors format: a strict header parser and an aligned, atomic writer.
+
+File layout (the safetensors specification)::
+
+    [u64 little-endian N][N bytes of JSON header, may end in spaces][data section]
+
+Every tensor's ``data_offsets`` are relative to the data section; the tensors must tile it
+exactly (no holes, no overlap) and the file must end where the last tensor ends.
+
+We parse headers ourselves because planning needs byte ranges and alignment facts before any
+data is read. The writer adds two rules that keep files valid safetensors while making them
+good for O_DIRECT and GPUDirect Storage: the header is padded with spaces so the data section
+starts at a multiple of 4096, and tensors are ordered by element size (largest first) so each
+one is naturally aligned.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import math
+import os
+import secrets
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
+from gdsload.loader.errors import HeaderError, TruncatedFileError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DATA_ALIGNMENT",
+    "MAX_HEADER_BYTES",
+    "TensorInfo",
+    "SafetensorsHeader",
+    "read_header",
+    "parse_header",
+    "TensorSpec",
+    "AlignedWriter",
+    "save_file",
+    "tensor_bytes",
+    "atomic_output",
+    "create_locked",
+    "remove_dead_leftovers",
+]
+
+DATA_ALIGNMENT = 4096
+"""The data section of files gdsload writes starts at a multiple of this many bytes."""
+
+MAX_HEADER_BYTES = 100_000_000
+"""Largest header accepted (the reference implementation's limit)."""
+
+_TENSOR_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header; offsets are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated header: every tensor's byte range is known to lie inside the file."""
+
+    path: str
+    header_len: int
+    file_size: int
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_offset(self) -> int:
+        """Absolute file offset of the data section."""
+        return 8 + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.file_size - self.data_offset
+
+    @property
+    def data_aligned(self) -> bool:
+        """True when the data section starts on a 4096-byte boundary (O_DIRECT/GDS friendly)."""
+        return self.data_offset % DATA_ALIGNMENT == 0
+
+    def misaligned(self) -> list[TensorInfo]:
+        """Tensors whose offset in the data section is not a multiple of their element size.
+
+        gdsload's arena holds the data section from an aligned base, so these are the tensors it
+        moves to an aligned slot after the read (``Placement.copy_from``)."""
+        return [t for t in self.tensors if t.start % t.itemsize]
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file.
+
+    Raises :class:`HeaderError` / :class:`TruncatedFileError` (both ``ValueError``) naming the
+    file, the tensor and the value at fault; nothing is read beyond the header. With ``file`` (an
+    open binary file of ``path``), the header comes from it: a caller that then reads the data
+    through the same file reads the file the header describes, even if ``path`` is replaced
+    meanwhile.
+
+    >>> hdr = read_header("model.safetensors")  # doctest: +SKIP
+    >>> hdr["lm_head.weight"].shape
+    (32000, 4096)
+    """
+    path = os.fspath(path)
+    if file is None:
+        with open(path, "rb") as f:
+            return read_header(path, file=f)
+    file_size = os.fstat(file.fileno()).st_size
+    file.seek(0)
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise TruncatedFileError(
+            f"{path!r}: {file_size} bytes is too short for a safetensors file (needs an 8-byte "
+            "header length first); the file is truncated or not safetensors"
+        )
+    (n,) = struct.unpack("<Q", prefix)
+    _check_header_len(path, n, file_size)
+    raw = file.read(n)
+    return parse_header(prefix + raw, file_size, path=path)
+
+
+def _check_header_len(path: str, n: int, file_size: int) -> None:
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(
+            f"{path!r}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+            "the file is corrupt or not safetensors"
+        )
+    if 8 + n > file_size:
+        raise TruncatedFileError(
+            f"{path!r}: header length {n} runs past the end of the {file_size}-byte file; "
+            "the file is truncated (re-copy or re-download it)"
+        )
+
+
+def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> SafetensorsHeader:
+    """Validate ``buf`` (the 8-byte length plus the header) for a file of ``file_size`` bytes."""
+    if len(buf) < 8:
+        raise TruncatedFileError(f"{path!r}: {len(buf)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", buf[:8])
+    _check_header_len(path, n, file_size)
+    if len(buf) < 8 + n:
+        raise TruncatedFileError(f"{path!r}: header is {len(buf) - 8} bytes, its length field says {n}")
+    raw = buf[8 : 8 + n]
+    if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON whitespace may lead, as safetensors accepts
+        raise HeaderError(f"{path!r}: header must be a JSON object starting with '{{', got {raw[:16]!r}")
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise HeaderError(
+            f"{path!r}: key {e.args[0]!r} appears twice in one object of the header (tensor names, and the keys of "
+            "an entry or of __metadata__, must be unique)"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise HeaderError(f"{path!r}: header is not valid UTF-8 JSON ({e}); the file is corrupt") from None
+    if not isinstance(doc, dict):
+        raise HeaderError(f"{path!r}: header must be a JSON object, got {type(doc).__name__}")
+
+    metadata = _parse_metadata(path, doc.pop("__metadata__", None))
+    data_len = file_size - 8 - n
+    tensors = sorted(
+        (_parse_tensor(path, name, entry) for name, entry in doc.items()),
+        key=lambda t: (t.start, t.end),
+    )
+    cursor = 0
+    for t in tensors:
+        if t.start != cursor:
+            what = "overlaps the previous tensor" if t.start < cursor else "leaves a hole after the previous tensor"
+            raise HeaderError(
+                f"{path!r}: tensor {t.name!r} starts at data offset {t.start}, expected {cursor}: it {what}; "
+                "safetensors requires tensors to tile the data section exactly"
+            )
+        if t.end > data_len:
+            raise TruncatedFileError(
+                f"{path!r}: tensor {t.name!r} ends at data offset {t.end} but the data section holds only "
+                f"{data_len} bytes; the file is truncated"
+            )
+        cursor = t.end
+    if cursor != data_len:
+        raise HeaderError(
+            f"{path!r}: data section is {data_len} bytes but the tensors cover {cursor}; "
+            "the file has trailing bytes or a header that lies"
+        )
+    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {meta!r:.200}")
+    for k, v in meta.items():
+        _check_text(k, f"{path!r}: metadata key {k!r}", HeaderError)
+        _check_text(v, f"{path!r}: metadata value of {k!r}", HeaderError)
+    return meta
+
+
+_SUB_BYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
+"""Dtypes recent safetensors writes for torch's packed FP4/FP6 types; not read here."""
+
+
+def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
+    where = f"{path!r}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got {entry!r:.200}")
+    missing = sorted(_TENSOR_KEYS - set(entry))
+    if missing:  # other keys are ignored, as safetensors ignores them
+        raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
+    _check_text(name, f"{where}: the name", HeaderError)
+    dtype = entry["dtype"]
+    if dtype in _SUB_BYTE_DTYPES:
+        raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
+                          "does not read those yet: store them as U8 blocks (as MXFP4/NVFP4 checkpoints usually do)")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise HeaderError(
+            f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
+        )
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape):
+        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**64), got {shape!r:.200}")
+    offsets = entry["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
+    begin, end = offsets
+    expected = math.prod(shape) * ITEMSIZE[dtype]
+    if end - begin != expected:
+        raise HeaderError(
+            f"{where}: data_offsets {offsets} span {end - begin} bytes but shape {shape} x {dtype} "
+            f"needs {expected}; the header lies about this tensor"
+        )
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), start=begin, end=end)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer needs to lay a tensor out before its bytes exist."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name=name, dtype=from_torch(tensor.dtype), shape=tuple(tensor.shape))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor (copied to CPU and made contiguous if needed)."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+class atomic_output:
+    """Write to a temporary file beside ``path``; fsync and rename on success, delete on failure.
+
+    A killed or failing writer never leaves a partial file under the final name. Each writer has
+    its own temporary file (``.NAME.tmp-RANDOM``, locked while it writes), so two writers of one
+    name never mix their bytes: the last rename wins. A writer killed outright (SIGKILL, SIGTERM
+    without a handler, power loss) leaves its temporary file; the next write of that name removes
+    the ones no writer holds locked any more.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.tmp = Path()
+        """The temporary file, named when the block is entered."""
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> BinaryIO:
+        stem = f".{self.path.name}.tmp-"
+        remove_dead_leftovers(self.path.parent, stem)
+        self.tmp, fd = create_locked(stem, self.path.parent)
+        self.file = os.fdopen(fd, "wb")
+        return self.file
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        assert self.file is not None
+        try:
+            try:
+                if exc_type is None:
+                    self.file.flush()
+                    os.fsync(self.file.fileno())
+            finally:
+                self.file.close()
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        except OSError as e:  # e.g. the disk filled at the last flush: nothing stays behind
+            self.tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"{self.path}: could not finish writing it ({e.strerror}); nothing was written "
+                          "under that name") from e
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+        if exc_type is not None:
+            self.tmp.unlink(missing_ok=True)
+            return
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _check_text(text: str, what: str, error: type[ValueError] = ValueError) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates): safetensors cannot read such a header."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{what} is not valid Unicode (it holds a lone surrogate); safetensors cannot read such a "
+                    "header: rename it") from None
+
+
+LEFTOVER_MIN_AGE_S = 2.0
+"""A leftover younger than this is never removed: its writer may be between creating and locking it."""
+
+
+def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[Path, int]:
+    """Create ``parent/STEM RANDOM`` (a new file, or a directory) and hold an exclusive ``flock`` on it.
+
+    Returns the path and the locked descriptor; closing the descriptor (or the process ending, however it
+    ends) releases the lock, which is how :func:`remove_dead_leftovers` tells a live writer's temporary
+    from a killed one's, across processes, PID namespaces and hosts sharing the file system.
+    """
+    while True:
+        path = parent / f"{stem}{secrets.token_hex(3)}"
+        try:
+            if directory:
+                path.mkdir()
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without flock: the leftover will look live, and stay
+            pass
+        return path, fd
+
+
+def remove_dead_leftovers(parent: Path, stem: str) -> None:
+    """Best effort: delete ``parent``'s entries named ``STEM*`` (made by :func:`create_locked`) that no process
+    holds locked any more (their writer was killed), unless younger than LEFTOVER_MIN_AGE_S."""
+    try:
+        leftovers = list(parent.glob(f"{glob.escape(stem)}*"))
+    except OSError:
+        return
+    for item in leftovers:
+        try:
+            if time.time() - item.lstat().st_mtime < LEFTOVER_MIN_AGE_S or item.is_symlink():
+                continue
+            fd = os.open(item, os.O_RDONLY | (os.O_DIRECTORY if item.is_dir() else 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
+            if item.is_dir():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+        except OSError:  # held, not ours to delete, or gone meanwhile: leave it
+            pass
+        finally:
+            os.close(fd)
+
+
+class AlignedWriter:
+    """Lays out tensors for an aligned safetensors file and streams them in, one at a time.
+
+    Tensors are ordered by element size, largest first (stable for equal sizes), so each is
+    naturally aligned; the header is space-padded so data starts at a multiple of 4096.
+    ``order`` is the sequence in which :meth:`write` expects tensors.
+
+    >>> specs = [TensorSpec("w", "BF16", (4, 4)), TensorSpec("b", "F32", (4,))]
+    >>> with AlignedWriter("out.safetensors", specs) as w:  # doctest: +SKIP
+    ...     for spec in w.order:
+    ...         w.write(spec.name, tensors[spec.name])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Iterable[TensorSpec],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        alignment: int = DATA_ALIGNMENT,
+    ):
+        specs = list(specs)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tensor names must be unique; repeated: {dup}")
+        for s in specs:
+            if s.dtype not in ITEMSIZE:
+                raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+            _check_text(s.name, f"tensor name {s.name!r}")
+            if s.name == "__metadata__":
+                raise ValueError("a tensor cannot be named '__metadata__': safetensors keeps that key for metadata")
+        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("metadata must map str to str (safetensors stores only strings)")
+        for k, v in (metadata or {}).items():
+            _check_text(k, f"metadata key {k!r}")
+            _check_text(v, f"metadata value of {k!r}")
+        self.order: list[TensorSpec] = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for s in self.order:
+            header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            offset += s.nbytes
+        self.data_len = offset
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        padded = -(-(8 + len(raw)) // alignment) * alignment - 8
+        self.header = struct.pack("<Q", padded) + raw + b" " * (padded - len(raw))
+        self._out = atomic_output(path)
+        self._next = 0
+        self._f: BinaryIO | None = None
+
+    def __enter__(self) -> AlignedWriter:
+        self._f = self._out.__enter__()
+        try:
+            self._f.write(self.header)
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self._out.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must be ``order[i].name`` with the declared dtype and shape."""
+        assert self._f is not None, "use AlignedWriter as a context manager"
+        if self._next >= len(self.order):
+            raise ValueError(f"tensor {name!r}: all {len(self.order)} declared tensors are already written")
+        spec = self.order[self._next]
+        if name != spec.name:
+            raise ValueError(f"expected tensor {spec.name!r} next (see AlignedWriter.order), got {name!r}")
+        got = TensorSpec.of(name, tensor)
+        if got != spec:
+            raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
+        try:
+            self._f.write(tensor_bytes(tensor))
+        except OSError as e:  # e.g. a full disk; the file is removed as the with-block ends
+            raise OSError(e.errno, f"{self._out.path}: writing tensor {name!r} failed ({e.strerror})") from e
+        self._next += 1
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None and self._next != len(self.order):
+            missing = [s.name for s in self.order[self._next :]]
+            self._out.__exit__(ValueError, None, None)
+            raise ValueError(f"{self._out.path}: {len(missing)} declared tensors were never written: {missing[:5]}")
+        self._out.__exit__(exc_type, exc, tb)
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``tensors`` as an aligned safetensors file, atomically.
+
+    A drop-in for ``safetensors.torch.save_file`` whose output any safetensors reader opens.
+
+    >>> save_file({"w": torch.ones(2, 2, dtype=torch.bfloat16)}, "w.safetensors")  # doctest: +SKIP
+    """
+    specs = [TensorSpec.of(name, t) for name, t in tensors.items()]
+    with AlignedWriter(path, specs, metadata) as w:
+        for spec in w.order:
+            w.write(spec.name, tensors[spec.name])

@@ -1,0 +1,234 @@
+"""The engine-side half of the sidecar hand-off: fetch a rank's IPC document, map it, release it.
+
+The sidecar (``gdsload serve``) holds each rank's arena and serves, for a local engine process:
+
+- ``GET  /v1/ipc/{rank}``          the document :func:`gdsload.loader.handoff.ipc.export_rank` made for that rank;
+- ``POST /v1/ipc/{rank}/release``  the engine is done with the mapping (the sidecar may unload it).
+
+Both need ``Authorization: Bearer <token>``. The client maps the arena with
+:func:`gdsload.loader.handoff.ipc.import_rank` (CUDA IPC, or shared memory for CPU arenas): every tensor
+is a view of the sidecar's memory, on the GPU whose UUID the document names — no bytes move.
+Only the standard library talks HTTP here, so engines need no extra dependency.
+
+>>> client = SidecarClient("http://127.0.0.1:8471", token=token)   # doctest: +SKIP
+>>> with client.map_rank(0) as mapped:                               # doctest: +SKIP
+...     engine_copy_weights(mapped.tensors)  # then the sidecar is told we're done
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gdsload.loader.errors import GdsloadError
+from gdsload.loader.handoff.ipc import IpcError, import_rank
+
+__all__ = [
+    "DEFAULT_SIDECAR_URL",
+    "SidecarClient",
+    "MappedRank",
+    "SidecarError",
+    "SidecarUnavailableError",
+    "SidecarAuthError",
+    "SidecarNotReadyError",
+    "SidecarProtocolError",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIDECAR_URL = "http://127.0.0.1:8471"
+_BODY_LIMIT = 300
+
+
+class SidecarError(GdsloadError):
+    """Root of the errors talking to the sidecar."""
+
+
+class SidecarUnavailableError(SidecarError, ConnectionError):
+    """Nothing answers at the sidecar URL (not started, wrong port, or timed out)."""
+
+
+class SidecarAuthError(SidecarError, PermissionError):
+    """The sidecar refused the bearer token (HTTP 401/403)."""
+
+
+class SidecarNotReadyError(SidecarError, RuntimeError):
+    """The sidecar has not loaded the rank (yet), or no longer holds it (HTTP 404/409/503)."""
+
+
+class SidecarProtocolError(SidecarError, ValueError):
+    """The sidecar answered something this client does not understand."""
+
+
+@dataclass
+class MappedRank:
+    """A rank's tensors mapped from the sidecar. Call :meth:`release` (or leave the ``with`` block) when done."""
+
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    device: torch.device
+    nbytes: int
+    client: SidecarClient = field(repr=False)
+    released: bool = False
+    lease: str | None = None
+    """The sidecar's lease for this mapping: releasing it leaves other engines' mappings of the rank alone."""
+
+    def release(self) -> None:
+        """Tell the sidecar this process is done with the rank; idempotent. Drops this object's references.
+
+        Tensors the engine bound without copying keep the mapping open in this process; release
+        only once the engine has copied the weights, or when it shuts down.
+        """
+        if self.released:
+            return
+        self.released = True
+        self.tensors = {}
+        self.client.release(self.rank, lease=self.lease)
+
+    def __enter__(self) -> MappedRank:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class SidecarClient:
+    """HTTP client for one sidecar.
+
+    ``base_url`` defaults to ``http://127.0.0.1:8471``; ``token`` is sent as a bearer token.
+
+    >>> SidecarClient().ipc_document(0)["kind"]  # doctest: +SKIP
+    'cuda'
+    """
+
+    def __init__(self, base_url: str = DEFAULT_SIDECAR_URL, *, token: str | None = None, timeout: float = 30.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"sidecar URL {base_url!r} must start with http:// or https://")
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"SidecarClient({self.base_url!r}, token={'<set>' if self._token else None})"
+
+    def ipc_document(self, rank: int) -> dict[str, Any]:
+        """``GET /v1/ipc/{rank}``: the IPC document of a loaded rank."""
+        body = self._request("GET", f"/v1/ipc/{_check_rank(rank)}", rank)
+        try:
+            doc = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SidecarProtocolError(f"{self.base_url}/v1/ipc/{rank} did not return JSON ({e}); "
+                                       "is that URL a gdsload sidecar?") from None
+        if not isinstance(doc, dict) or "kind" not in doc or "tensors" not in doc:
+            raise SidecarProtocolError(f"{self.base_url}/v1/ipc/{rank} returned JSON that is not an IPC document "
+                                       f"(keys {sorted(doc)[:8] if isinstance(doc, dict) else type(doc).__name__}); "
+                                       "upgrade gdsload on the sidecar or the engine side")
+        if doc.get("rank") != rank:
+            raise SidecarProtocolError(f"asked the sidecar for rank {rank} and got the document of rank "
+                                       f"{doc.get('rank')!r}; the sidecar is serving another model or mapping")
+        return doc
+
+    def release(self, rank: int, *, lease: str | None = None) -> None:
+        """``POST /v1/ipc/{rank}/release``: this process no longer needs the mapping.
+
+        With ``lease`` (from the IPC document) only that mapping is released; without, every lease
+        of the rank is.
+        """
+        body = json.dumps({"lease": lease}).encode() if lease else b"{}"
+        self._request("POST", f"/v1/ipc/{_check_rank(rank)}/release", rank, body=body)
+        log.debug("released rank %d at %s", rank, self.base_url)
+
+    def map_rank(self, rank: int, *, device: str | torch.device | None = None) -> MappedRank:
+        """Fetch rank ``rank``'s document and map its arena here; the tensors are views of the sidecar's memory.
+
+        ``device``, when given, is where the engine expects the tensors (e.g. ``"cuda:0"``); a
+        mapping that lands elsewhere is an error rather than a silent cross-device copy. On any
+        failure after the fetch, the sidecar is told the rank is released.
+        """
+        doc = self.ipc_document(rank)
+        try:
+            tensors = import_rank(doc)
+            mapped_device = _device_of(doc, tensors)
+            if device is not None:
+                want = torch.device(device)
+                if want.type != mapped_device.type or (want.index is not None and want.index != mapped_device.index):
+                    raise IpcError(
+                        f"rank {rank} from the sidecar is mapped on {str(mapped_device)!r} but the engine runs on "
+                        f"{str(want)!r}; run the engine on the sidecar's GPU for this rank (same GPU UUID), "
+                        "or load the weights from storage instead of the sidecar"
+                    )
+        except BaseException:
+            try:
+                self.release(rank, lease=doc.get("lease"))
+            except SidecarError as e:
+                log.warning("could not release rank %d after a failed mapping: %s", rank, e)
+            raise
+        nbytes = int(doc.get("nbytes", 0))
+        log.info("rank %d: mapped %d tensors (%d bytes) from %s on %s", rank, len(tensors), nbytes, self.base_url,
+                 mapped_device)
+        return MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
+                          lease=doc.get("lease"))
+
+    def _request(self, method: str, path: str, rank: int, body: bytes | None = None) -> bytes:
+        url = self.base_url + path
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        request = urllib.request.Request(url, data=body, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 (scheme checked)
+                return response.read()
+        except urllib.error.HTTPError as e:
+            detail = _detail(e)
+            if e.code in (401, 403):
+                hint = ("no token was sent; pass the token `gdsload serve` uses (token or token_file)"
+                        if not self._token else "the token was refused; use the token `gdsload serve` was started with")
+                raise SidecarAuthError(f"{method} {url}: HTTP {e.code} {detail}; {hint}") from None
+            if e.code in (404, 409, 503):
+                raise SidecarNotReadyError(
+                    f"{method} {url}: HTTP {e.code} {detail}; the sidecar does not hold rank {rank} right now — "
+                    "wait for GET /readyz to return 200, and check it serves this model with this tensor-parallel size"
+                ) from None
+            raise SidecarProtocolError(f"{method} {url}: unexpected HTTP {e.code} {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            reason = getattr(e, "reason", e)
+            raise SidecarUnavailableError(
+                f"{method} {url}: no answer ({reason}); start `gdsload serve` on this host or fix sidecar_url "
+                f"(default {DEFAULT_SIDECAR_URL})"
+            ) from None
+        except http.client.HTTPException as e:  # something answered, but not in HTTP (another service on the port)
+            raise SidecarProtocolError(
+                f"{method} {url}: the answer is not HTTP ({type(e).__name__}: {str(e)[:100]!r}); is sidecar_url the "
+                "port `gdsload serve` listens on?"
+            ) from None
+
+
+def _check_rank(rank: int) -> int:
+    if type(rank) is not int or rank < 0:
+        raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+    return rank
+
+
+def _detail(e: urllib.error.HTTPError) -> str:
+    try:
+        text = e.read().decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    text = text[:_BODY_LIMIT] + ("..." if len(text) > _BODY_LIMIT else "")
+    return f"({text!r})" if text else f"({e.reason})"
+
+
+def _device_of(doc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.device:
+    for t in tensors.values():
+        if t.numel():
+            return t.device
+    return torch.device("cuda" if doc.get("kind") in ("cuda", "cuda-ipc") else "cpu")

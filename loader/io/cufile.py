@@ -1,0 +1,201 @@
+"""``cufile``: kvikio ``CuFile.pread`` straight into the device arena.
+
+With nvidia-fs (or P2PDMA) this is true GPUDirect Storage: storage DMAs into HBM. Without it,
+kvikio (or cuFile) bounces through host memory; the report then says ``compat`` or ``posix``,
+never ``gds``. Reads are submitted for every file at once and split by kvikio's thread pool
+into ``task_size`` pieces; file offsets of files gdsload writes are 4 KiB aligned.
+
+Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in the page cache
+(weighted by size) and every one accepts O_DIRECT, kvikio reads them with O_DIRECT (its
+``auto_direct_io_read``) into page-aligned bounce buffers: 4 threads, 2 MiB reads cut at
+2 MiB-aligned file offsets, queued as one sequential stream per thread
+(:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit the H200 machines'
+virtio disk best: with 16 MiB reads 11-24 requests waited at the disk, 15-25 ms each, and loads
+took 1.79-2.09 GB/s against 1.88-2.28 with 2 MiB reads, taking turns in fresh processes
+(bench/RESULTS.md, session 8).
+Buffered reads would copy every byte through the page cache once more and read ahead into it.
+When fastsafetensors is installed, its native reader does such a cold rank's whole reads (into the
+arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`); a compressed
+load's staging groups stay with kvikio. Taking turns in fresh processes (bench/RESULTS.md,
+session 12), it read a cold 9 GB rank at 1.90 GB/s median against 1.77 for kvikio's shape above.
+
+It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or cupy's for the
+workers that load without torch (the only reader there, so ``auto`` takes it even without GDS).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gdsload.loader.devices import Device
+from gdsload.loader.io.iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
+from gdsload.loader.io.pagecache import is_cold
+from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
+from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
+from gdsload.loader.io.fst_reader import make_fst_reader
+
+__all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
+
+log = logging.getLogger(__name__)
+
+
+class CuFileBackend(Backend):
+    name = "cufile"
+    needs_torch = False
+    DEFAULT_THREADS = 16
+    DEFAULT_TASK = 4 << 20
+    COLD_THREADS = 4
+    """Threads for cold files read with O_DIRECT (see the module doc)."""
+    COLD_TASK = 2 << 20
+    """Size of one O_DIRECT read of a cold file (kvikio's bounce buffer; see the module doc)."""
+    COLD_PIECE: int | None = None
+    """Bytes one kvikio task (so one thread) reads in order, ``COLD_TASK`` at a time; None: one read per task.
+    fastsafetensors reads that way; measured here with 8-16 threads and 128 MiB-1 GiB pieces, it gained
+    nothing over the default (bench/RESULTS.md, seventh session), so the default stays None."""
+    COLD_STREAMS: int | None = None
+    """Sequential streams the cold reads are queued as; None: one per thread. With more threads than
+    streams, each stream has several neighbouring reads in flight, as fastsafetensors reads. Measured with
+    8-16 threads and 4 streams, it gained nothing over the default (bench/RESULTS.md, ninth session)."""
+    COLD_READER = "fastsafetensors"
+    """Who reads a cold rank with O_DIRECT: ``fastsafetensors`` (its native reader, where installed; else
+    kvikio) or ``kvikio``."""
+    cold_direct = False
+    """Set by :meth:`open`: this load reads cold files with O_DIRECT (kvikio's POSIX path, or ``cold_reader``)."""
+    cold_reader: Any = None
+    """Set by :meth:`open`: fastsafetensors' reader for this cold rank's :meth:`read` calls, or None."""
+
+    @classmethod
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cuda":
+            return f"it loads to CUDA devices, not {str(device)!r}"
+        state = kvikio_state()
+        if not state.importable:
+            return f"kvikio is not importable ({state.error}); install gdsload[cu12] or gdsload[cu13]"
+        return None
+
+    @classmethod
+    def auto_skip(cls, device: Device) -> str | None:
+        """Why ``auto`` prefers another backend even though this one can run."""
+        if not device.uses_torch:
+            return None  # without torch, kvikio is the only reader (GDS or its compat mode)
+        state = kvikio_state()
+        if state.compat_preferred or not state.gds_available:
+            return ("no GPUDirect Storage here (kvikio compat mode "
+                    f"{'on' if state.compat_preferred else 'off'}, cuFile is_gds_available={state.gds_available}); "
+                    "it would bounce through host memory")
+        return None
+
+    def open(self, plan: LoadPlan) -> None:
+        import kvikio
+        import kvikio.defaults
+
+        super().open(plan)
+        self.device.activate()
+        self._state: KvikioState = kvikio_state()
+        direct_ok = [o_direct_supported(f.path) for f in plan.files]
+        self._modes = [cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path))
+                       for ok, f in zip(direct_ok, plan.files)]
+        # Only kvikio's own POSIX path takes this switch; with cuFile (GDS, or cuFile's own compat
+        # mode) kvikio hands the reads to cuFile.
+        has_switch = has_direct_switch(kvikio)
+        self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
+            and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*plan.open_paths)
+        settings = self._kvikio_settings()
+        if not has_switch:
+            settings.pop("auto_direct_io_read", None)
+        # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
+        # thread pool for every staging group of a compressed load).
+        self._settings = kvikio.defaults.set(settings)
+        self._files = []
+        for fd in plan.fds:  # one by one: close() closes those opened before a failure
+            self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
+        self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
+                        for m, cf in zip(self._modes, self._files)]
+        self.cold_reader = None
+        if self.cold_direct and self.COLD_READER == "fastsafetensors":
+            self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
+                                                    open_paths=[fd_path(fd) for fd in plan.fds])
+            if self.cold_reader is None:
+                log.info("%s: cold reads through kvikio: %s", self.name, why)
+
+    def _task(self, *, cold: bool) -> int:
+        return self.options.chunk_bytes or (self.COLD_TASK if cold else self.DEFAULT_TASK)
+
+    def _kvikio_settings(self) -> dict[str, Any]:
+        cold = self.cold_direct
+        threads = self.options.num_threads or (self.COLD_THREADS if cold else self.DEFAULT_THREADS)
+        if not cold:
+            # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
+            task = self._task(cold=False)
+            return {"num_threads": threads, "task_size": task, "bounce_buffer_size": task,
+                    "auto_direct_io_read": False}
+        read = self._task(cold=True)
+        piece = max(read, (self.COLD_PIECE or read) // read * read)
+        return {"num_threads": threads, "task_size": piece, "bounce_buffer_size": read, "auto_direct_io_read": True}
+
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
+               ) -> Callable[[], None]:
+        assert self.plan is not None
+        self.device.activate()
+        if self.cold_direct:  # one task per read, queued as one sequential stream per thread
+            settings = self._kvikio_settings()
+            reads = direct_read_order(extents, settings["task_size"], self.COLD_STREAMS or settings["num_threads"])
+        else:
+            reads = [e for e in extents if e.length]
+        futures = [(e, self._files[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
+                   for e in reads]
+
+        def wait() -> None:
+            assert self.plan is not None
+            wait_preads(self.plan, futures, progress)
+            self.device.synchronize()
+
+        return wait
+
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        if self.cold_reader is not None:
+            # Whole reads only (the arena and targets): a compressed load's staging groups, submitted while
+            # the decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
+            buffers = [(self.device.address(d), self.device.nbytes(d)) for d in dsts]
+            self.cold_reader.submit(extents, buffers, progress)()
+            self.device.synchronize()
+            return
+        self.submit(extents, dsts, progress)()
+
+    def io_modes(self) -> list[str]:
+        return list(self._modes)
+
+    def direct_io(self) -> list[bool]:
+        return list(self._direct)
+
+    def close(self) -> None:
+        if self.cold_reader is not None:
+            self.cold_reader.close()
+            self.cold_reader = None
+        for f in getattr(self, "_files", []):
+            f.close()
+        self._files = []
+        if getattr(self, "_settings", None) is not None:
+            self._settings.__exit__(None, None, None)  # kvikio's settings as they were before open
+            self._settings = None
+
+
+def kvikio_reads_direct(f: Any) -> bool:
+    """Whether kvikio reads this open file with O_DIRECT (``CuFile.is_direct_io_supported``, where it exists)."""
+    check = getattr(f, "is_direct_io_supported", None)
+    return bool(check()) if check is not None else False
+
+
+MIN_DIRECT_TASK = 8192
+"""kvikio reads O_DIRECT only through bounce buffers of at least two pages; smaller tasks stay buffered."""
+
+
+def has_direct_switch(kvikio: Any) -> bool:
+    """Whether this kvikio has the ``auto_direct_io_read`` setting (26.10 has it; older ones may not)."""
+    try:
+        kvikio.defaults.get("auto_direct_io_read")
+    except Exception:  # older kvikio: an unknown setting name
+        return False
+    return True

@@ -1,0 +1,238 @@
+"""``pinned``: the fast path for hosts without GPUDirect Storage.
+
+Files are read into small pinned host buffers and copied to the GPU asynchronously, all of a
+rank's files read by one pool of threads, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
+chosen per file from its page-cache residency (``mincore``):
+
+- **cached files** (page cache or tmpfs) go through kvikio's C++ POSIX engine with
+  compatibility mode forced on: a thread pool ``pread``s into pinned bounce buffers and copies
+  each to the device. Measured on the H200 machine from tmpfs: 43.6 GB/s with 16 threads and
+  4 MiB tasks, against 33 GB/s for the same pipeline in Python threads, whose per-chunk
+  overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
+  small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
+  Without kvikio, the Python ring below serves cached files too.
+- **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
+  ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
+  O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
+  as one sequential stream per thread (16 MiB until session 8; see ``cufile``'s module doc).
+  On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds, fifth
+  session, 16 MiB reads): 1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS
+  copy (bench/RESULTS.md).
+- **cold ranks, when fastsafetensors is installed**: its native reader reads what goes straight
+  into the arena, as in ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`;
+  ``CuFileBackend.COLD_READER``); a compressed load's staging groups stay with the engines below.
+- otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
+  threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
+  double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
+  the next chunk. Four readers beat 32 on that disk: 1.94 GB/s median against 1.75 taking turns in
+  one process; the chunks are queued as one stream per reader.
+
+The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gdsload.loader.devices import Device
+from gdsload.loader.io.pagecache import COLD_RESIDENCY, is_cold
+from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
+from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
+from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
+from gdsload.loader.io.fst_reader import make_fst_reader
+from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
+
+__all__ = ["PinnedBackend", "COLD_RESIDENCY"]
+
+log = logging.getLogger(__name__)
+
+
+
+def _kvikio() -> Any | None:
+    try:
+        import kvikio
+        import kvikio.defaults
+
+        return kvikio
+    except Exception:  # not installed, or its CUDA libraries do not load
+        return None
+
+
+class PinnedBackend(Backend):
+    name = "pinned"
+    KVIKIO_THREADS = 16
+    KVIKIO_TASK = 4 << 20
+    RING_THREADS_COLD = 4
+    """Ring readers when every file the ring serves is read with O_DIRECT (cold)."""
+    RING_THREADS_CACHED = 16
+    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads. The
+    Python ring from tmpfs on the H200 machine: 33.7 GB/s with 16, 23.0 with 8, 28.4 with 32 (RESULTS.md)."""
+    RING_STREAMS: int | None = None
+    """Sequential streams the ring keeps going (None: one per reader; see ``ring.stream_order``)."""
+    RING_CHUNK = 16 << 20
+    KVIKIO_COLD_TASK = CuFileBackend.COLD_TASK
+    """kvikio's O_DIRECT read size for a cold rank: ``cufile``'s (see its module doc)."""
+    BUFFERS_PER_THREAD = 2
+
+    @classmethod
+    def probe(cls, device: Device) -> str | None:
+        if device.kind != "cuda":
+            return f"it loads to CUDA devices, not {str(device)!r}"
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device (CPU build of torch, or no driver)"
+        return None
+
+    def open(self, plan: LoadPlan) -> None:
+        super().open(plan)
+        self._kv = _kvikio()
+        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
+        # kvikio's settings are process-wide, so it reads a rank with O_DIRECT as a whole: when the
+        # rank is cold (by size: a small file pulled in by the header reads does not count).
+        rank_cold = bool(plan.files) and is_cold(*plan.open_paths)
+        self._fds: list[int] = []
+        self._direct: list[bool] = []
+        self._own_fds: list[int] = []
+        for f, fd in zip(plan.files, plan.fds):
+            fd, direct = self._open(f.path, fd, cold=rank_cold or is_cold(fd_path(fd)))
+            self._fds.append(fd)
+            self._direct.append(direct)
+        self._fd_direct = list(self._direct)  # how the ring's descriptors were opened
+        self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
+                              and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
+        self._engine = ["kvikio" if self._kv is not None and (not d or self.kvikio_direct) else "ring"
+                        for d in self._direct]
+        self._fst = None
+        if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
+            self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
+                                             open_paths=[fd_path(fd) for fd in plan.fds])
+            if self._fst is None:
+                log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", why)
+        self._cufiles: dict[int, Any] = {}
+        self._kv_settings: Any = None
+        if "kvikio" in self._engine:
+            # kvikio's settings are process-wide; they hold from open to close. Setting them per
+            # read would rebuild its thread pool and bounce buffers (cudaFreeHost synchronizes
+            # the device) for every staging group of a compressed load.
+            self._kv_settings = self._kvikio_settings()
+            for i, f in enumerate(plan.files):  # one by one: close() closes those opened before a failure
+                if self._engine[i] == "kvikio":
+                    self._cufiles[i] = self._kv.CuFile(fd_path(plan.fds[i]), "r")
+            if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
+                self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
+        chunk = self.options.chunk_bytes or self.RING_CHUNK
+        threads = self.ring_threads()
+        per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
+        budget = self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
+        ring_threads = max(1, min(threads, budget // per_thread))
+        if ring_threads < threads:
+            log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
+                     ring_threads, threads, self.options.pinned_bytes)
+        self._ring = StagingRing(self.device.device, [RingFile(fd, d, f.path) for fd, d, f in
+                                               zip(self._fds, self._fd_direct, plan.files)],
+                                 threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
+                                 streams=self.RING_STREAMS)
+
+    def ring_threads(self) -> int:
+        """Readers the ring wants (before the pinned budget): as asked, else per what it serves."""
+        cached_in_ring = any(e == "ring" and not d for e, d in zip(self._engine, self._direct))
+        return self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
+
+    def _open(self, path: str, fd: int, *, cold: bool) -> tuple[int, bool]:
+        """The descriptor to read ``path`` through: the plan's, or (cold) the same file reopened with O_DIRECT."""
+        if cold:
+            try:
+                direct = os.open(fd_path(fd), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
+                log.debug("pinned: O_DIRECT refused for %s (%s); reading through the page cache", path, e)
+            else:
+                self._own_fds.append(direct)
+                return direct, True
+        return fd, False
+
+    kvikio_direct = False
+    """Set by :meth:`open`: kvikio reads this (all cold) rank with O_DIRECT."""
+
+    def _kvikio_threads(self) -> int:
+        return self.options.num_threads or (self.RING_THREADS_COLD if self.kvikio_direct else self.KVIKIO_THREADS)
+
+    def _kvikio_task(self, direct: bool | None = None) -> int:
+        direct = self.kvikio_direct if direct is None else direct
+        return self.options.chunk_bytes or (self.KVIKIO_COLD_TASK if direct else self.KVIKIO_TASK)
+
+    def _kvikio_settings(self) -> Any:
+        kv = self._kv
+        task = self._kvikio_task()
+        settings = {"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
+                    "task_size": task, "bounce_buffer_size": task}
+        if self._kv_switch:
+            settings["auto_direct_io_read"] = self.kvikio_direct
+        return kv.defaults.set(settings)
+
+    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
+               ) -> Callable[[], None]:
+        assert self.plan is not None
+        self.device.activate()
+        kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
+        if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
+            kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
+        ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dsts, progress)
+        futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
+                   for e in kv_extents]
+
+        def wait() -> None:
+            assert self.plan is not None
+            try:
+                ring_wait()
+            finally:  # kvikio writes into dst until its futures are done, even when the ring failed
+                wait_preads(self.plan, futures, progress)
+
+        return wait
+
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        if self._fst is not None:  # whole reads of the cold rank; staging groups stay with submit (see cufile)
+            self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)()
+            self.device.synchronize()
+            return
+        self.submit(extents, dsts, progress)()
+
+    def io_modes(self) -> list[str]:
+        assert self.plan is not None
+        return ["posix"] * len(self.plan.files)
+
+    def direct_io(self) -> list[bool]:
+        return list(self._direct)
+
+    def engines(self) -> list[str]:
+        """Per file: ``kvikio`` (C++ POSIX engine) or ``ring`` (our threads), for staging groups; whole reads of
+        a cold rank go through fastsafetensors' reader when :meth:`open` made one."""
+        return list(self._engine)
+
+    def close(self) -> None:
+        if getattr(self, "_fst", None) is not None:
+            self._fst.close()
+            self._fst = None
+        if getattr(self, "_ring", None) is not None:
+            self._ring.close()
+            self._ring = None
+        # kvikio keeps its bounce buffers (threads x task size, 64 MiB by default) in a process-wide
+        # pool for the next load; freeing them here could pull them from under another user of kvikio.
+        for f in getattr(self, "_cufiles", {}).values():
+            f.close()
+        self._cufiles = {}
+        if getattr(self, "_kv_settings", None) is not None:
+            self._kv_settings.__exit__(None, None, None)  # kvikio's settings as they were before open
+            self._kv_settings = None
+        for fd in getattr(self, "_own_fds", []):  # the O_DIRECT ones; the plan closes its own
+            os.close(fd)
+        self._own_fds = []
+        self._fds = []
+        if torch.cuda.is_available():
+            # Give the ring's pinned staging back to the driver, not to torch's host cache.
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()

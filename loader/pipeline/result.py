@@ -1,0 +1,161 @@
+"""What a load hands back: tensors (views into the rank's arena, or the caller's own) and a timing report."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gdsload.loader.config import format_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PHASES", "FileReport", "LoadReport", "Slot", "LoadResult"]
+
+PHASES = ("plan", "setup", "read", "decode", "place", "verify", "teardown")
+"""The phases of a load, in order; they add up to its wall time from the call to the return.
+
+``plan``: find the files, parse and check every header, lay out the arena; ``setup``: pick the
+reader, allocate the arena, open the files; ``read``: until the last byte is read; ``decode``:
+the decoding left after the last read; ``place``: misaligned tensors moved to aligned places,
+tensors made; ``verify``: digests and checksums (when asked for); ``teardown``: files closed,
+reader buffers released."""
+
+
+@dataclass(frozen=True)
+class FileReport:
+    path: str
+    io_mode: str
+    """The I/O mode that really ran for this file: gds, p2pdma, compat, posix or cpu."""
+    stored_bytes: int
+    logical_bytes: int
+    tensors: int
+    copied_tensors: int
+    """Misaligned tensors that had to be copied instead of viewed."""
+    data_aligned: bool
+    """Data section starts on a 4096-byte boundary (O_DIRECT/GDS friendly)."""
+    direct_io: bool = False
+    """Read with O_DIRECT (bypassing the page cache)."""
+    compressed_tensors: int = 0
+
+
+@dataclass
+class LoadReport:
+    rank: int
+    device: str
+    backend: str
+    source: str
+    files: list[FileReport]
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    verified: bool = False
+    decode_busy_seconds: float = 0.0
+    """Time spent decoding compressed tensors, most of it hidden behind reads."""
+    staging_bytes: int = 0
+    """Staging memory used for compressed bytes (on the target device)."""
+    direct_tensors: int = 0
+    """Tensors read (or decoded) straight into the caller's own destinations (``into``)."""
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(f.logical_bytes for f in self.files)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.stored_bytes for f in self.files)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the whole call (the phases add up to it)."""
+        return sum(self.phases.values())
+
+    @property
+    def gbps(self) -> float:
+        """Logical GB (1e9 bytes) per second over the whole load."""
+        return self.logical_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def io_modes(self) -> str:
+        counts = Counter(f.io_mode for f in self.files)
+        return ",".join(sorted(counts))
+
+    def summary(self) -> str:
+        """``rank 0: 1.07 GB in 0.512 s (2.09 GB/s) backend=cpu io=cpu files=4``"""
+        line = (
+            f"rank {self.rank}: {format_bytes(self.logical_bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s) "
+            f"backend={self.backend} io={self.io_modes} files={len(self.files)}"
+        )
+        copied = sum(f.copied_tensors for f in self.files)
+        if copied:
+            line += f" copied={copied}"
+        if self.direct_tensors:
+            line += f" direct={self.direct_tensors}"
+        if self.stored_bytes and self.stored_bytes != self.logical_bytes:
+            line += f" ratio={self.logical_bytes / self.stored_bytes:.2f}"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "device": self.device,
+            "backend": self.backend,
+            "source": self.source,
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+            "phases": dict(self.phases),
+            "verified": self.verified,
+            "decode_busy_seconds": self.decode_busy_seconds,
+            "staging_bytes": self.staging_bytes,
+            "direct_tensors": self.direct_tensors,
+            "compression_ratio": self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0,
+            "files": [asdict(f) for f in self.files],
+        }
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor of a result lives: ``offset`` into the arena (``buffer`` 0) or a caller's target."""
+
+    name: str
+    dtype: str
+    """safetensors dtype name (``BF16``, ``F32``, ...)."""
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    buffer: int = 0
+
+
+@dataclass
+class LoadResult:
+    """The tensors of one rank and how they got there.
+
+    ``tensors`` are views into ``arenas`` (one per rank) or the caller's own destinations
+    (``into``); on a device driven without torch there are no tensors, and ``slots`` say where
+    each one lies in the arena. Keep the result (or the tensors) alive while they are used;
+    :meth:`close` drops every reference the result holds.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    arenas: list[Any]
+    report: LoadReport
+    slots: list[Slot] = field(default_factory=list)
+    device: Any = None
+    """The :class:`~gdsload.loader.devices.Device` the rank was loaded to."""
+
+    @property
+    def arena(self) -> Any:
+        """The rank's arena buffer (None once closed)."""
+        return self.arenas[0] if self.arenas else None
+
+    def close(self) -> None:
+        self.tensors = {}
+        self.arenas = []
+        self.slots = []
+
+    def __enter__(self) -> LoadResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

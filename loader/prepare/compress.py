@@ -1,0 +1,205 @@
+"""``compress``: re-pack safetensors files or directories as compressed, aligned safetensors.
+
+Every tensor keeps its name. Tensors smaller than ``min_tensor_bytes``, or that do not shrink
+by at least ``min_gain``, stay raw. Compression runs on the GPU (nvCOMP) when ``device`` is a
+CUDA device; on the CPU only Zstd is available. Output is atomic: a directory is built beside
+the destination and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gdsload.loader.pipeline.load import load_rank
+from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
+from gdsload.loader.format.compression import CODECS, FORMAT_VERSION, METADATA_KEY, parse_compression
+from gdsload.loader.format.discovery import list_ranks
+from gdsload.loader.errors import CodecError, ConfigError
+from gdsload.loader.format.safetensors import (
+    AlignedWriter,
+    TensorSpec,
+    create_locked,
+    read_header,
+    remove_dead_leftovers,
+)
+from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manifest
+
+__all__ = ["CompressStats", "compress_file", "compress_dir", "MIN_TENSOR_BYTES"]
+
+log = logging.getLogger(__name__)
+
+MIN_TENSOR_BYTES = 64 << 10
+"""Tensors smaller than this stay raw: too small to gain, and cheaper to read than to decode."""
+
+
+@dataclass
+class CompressStats:
+    files: int = 0
+    tensors: int = 0
+    compressed: int = 0
+    raw: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    seconds: float = 0.0
+    per_dtype: dict[str, list[int]] = field(default_factory=dict)
+    """dtype -> [logical bytes, stored bytes] of the compressed tensors."""
+
+    @property
+    def ratio(self) -> float:
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def add(self, other: CompressStats) -> None:
+        for k in ("files", "tensors", "compressed", "raw", "logical_bytes", "stored_bytes", "seconds"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for dt, (a, b) in other.per_dtype.items():
+            cur = self.per_dtype.setdefault(dt, [0, 0])
+            cur[0] += a
+            cur[1] += b
+
+
+def compress_device(codec: str, device: str | torch.device | None) -> torch.device:
+    """Where ``codec`` compresses (``device`` None: the GPU when nvCOMP works); CodecError when it cannot here."""
+    if device is None:
+        device = "cuda" if nvcomp_available() is None else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cpu" and codec != "zstd":
+        raise CodecError(
+            f"codec {codec!r} compresses on a GPU only (nvCOMP): {nvcomp_available() or 'device=cpu was asked for'}; "
+            "run on a CUDA host, or use codec 'zstd', which the CPU can write and read"
+        )
+    return dev
+
+
+def compress_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    codec: str = "ans",
+    min_gain: float = 0.02,
+    device: str | torch.device | None = None,
+    checksum: bool = True,
+    min_tensor_bytes: int = MIN_TENSOR_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> CompressStats:
+    """Compress one safetensors file into ``dst`` (written atomically).
+
+    >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
+    """
+    if codec not in CODECS:
+        raise ConfigError(f"codec={codec!r} is not one of {sorted(CODECS)}")
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
+    dev = compress_device(codec, device)
+    t0 = time.perf_counter()
+    header = read_header(src)
+    source_entries = parse_compression(header)  # a compressed source is decoded, then re-compressed
+    loaded = load_rank(src, device=dev)
+    stats = CompressStats(files=1)
+    specs: list[TensorSpec] = []
+    blobs: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    for t in header.tensors:
+        tensor = loaded.tensors[t.name]
+        nbytes = tensor.numel() * tensor.element_size()
+        stats.tensors += 1
+        stats.logical_bytes += nbytes
+        kept = False
+        if nbytes >= min_tensor_bytes:
+            dtype = source_entries[t.name].dtype if t.name in source_entries else t.dtype
+            entry, blob = encode_tensor(t.name, tensor, dtype, codec, params=default_params(codec, dtype),
+                                        checksum=checksum)
+            if blob.size <= (1 - min_gain) * nbytes:
+                kept = True
+                specs.append(TensorSpec(t.name, "U8", (int(blob.size),)))
+                blobs[t.name] = torch.from_numpy(blob)
+                entries[t.name] = entry.to_json()
+                stats.compressed += 1
+                stats.stored_bytes += int(blob.size)
+                cur = stats.per_dtype.setdefault(dtype, [0, 0])
+                cur[0] += nbytes
+                cur[1] += int(blob.size)
+        if not kept:
+            specs.append(TensorSpec.of(t.name, tensor))
+            blobs[t.name] = tensor
+            stats.raw += 1
+            stats.stored_bytes += nbytes
+        if progress is not None:
+            progress(nbytes)
+    metadata = {k: v for k, v in header.metadata.items() if k != METADATA_KEY}
+    if entries:
+        metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
+    with AlignedWriter(dst, specs, metadata) as w:
+        for spec in w.order:
+            w.write(spec.name, blobs[spec.name])
+    shutil.copymode(src, dst)  # private weights stay private (copy2 keeps the other files' modes too)
+    loaded.close()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def compress_dir(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    codec: str = "ans",
+    min_gain: float = 0.02,
+    device: str | torch.device | None = None,
+    min_tensor_bytes: int = MIN_TENSOR_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> CompressStats:
+    """Compress every safetensors file of a model directory into ``out`` with the same names.
+
+    Other files (config, tokenizer, generation config) are copied; ``gdsload.json`` is
+    rewritten for the new files (and written if the source had none). ``out`` must not exist;
+    it appears only once complete.
+
+    >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP
+    """
+    src_p, out_p = Path(src), Path(out)
+    if not src_p.is_dir():
+        raise ConfigError(f"source {str(src)!r} is not a directory; use compress_file for single files")
+    if out_p.exists():
+        raise ConfigError(f"output {str(out)!r} already exists; choose a new directory (nothing was written)")
+    source, tp, ranks = list_ranks(src_p)
+    manifest = Manifest.read(src_p) if source == "manifest" else None
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_leftovers(out_p.parent, f".{out_p.name}.partial-")  # a run killed outright left these
+    staging, lock = create_locked(f".{out_p.name}.partial-", out_p.parent, directory=True)
+    total = CompressStats()
+    try:
+        for item in sorted(src_p.rglob("*")):  # subdirectories too: a manifest may list files in them
+            rel_item = item.relative_to(src_p)
+            if str(rel_item) == MANIFEST_NAME or any(part.startswith(".") for part in rel_item.parts):
+                continue
+            if not item.is_file():
+                continue
+            (staging / rel_item).parent.mkdir(parents=True, exist_ok=True)
+            if item.suffix == ".safetensors":
+                stats = compress_file(item, staging / rel_item, codec=codec, min_gain=min_gain, device=device,
+                                      min_tensor_bytes=min_tensor_bytes, progress=progress)
+                log.info("%s: %d/%d tensors compressed, ratio %.3f", rel_item, stats.compressed, stats.tensors,
+                         stats.ratio)
+                total.add(stats)
+            else:
+                shutil.copy2(item, staging / rel_item)
+        rel = {r: [os.path.relpath(p, src_p) for p in files] for r, files in ranks.items()}
+        layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
+        extra = dict(manifest.extra) if manifest else {}
+        extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
+        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra)
+        os.rename(staging, out_p)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock)
+    return total

@@ -1,0 +1,208 @@
+"""Reproducible synthetic Llama-shaped checkpoints, for demos, tests and benchmarks.
+
+Values are N(0, 0.02) in bf16 (what trained weights look like to a codec), each tensor seeded
+from its name so every rank and every run sees the same numbers. Shapes follow the Llama
+family; the number of layers is chosen to reach the requested size (9.08 GB at Llama-3-8B
+widths with 16 layers).
+
+Rank files split column-parallel weights (q/k/v, gate/up, embedding, lm_head) along dim 0 and
+row-parallel ones (o, down) along dim 1, with norms replicated: a plain ``hf``-layout split, by whole
+heads. With fewer KV heads than ranks, each KV head is replicated on ``tp / kv_heads`` ranks, as
+``gdsload shard`` and vLLM place them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gdsload.loader.calc.capacity import kv_heads_split
+from gdsload.loader.errors import ConfigError
+from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
+from gdsload.loader.format.manifest import write_manifest
+
+__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint"]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    layers: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def config_json(self) -> dict[str, object]:
+        """A transformers ``LlamaConfig`` for these shapes."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "num_hidden_layers": self.layers,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+
+
+PRESETS: dict[str, LlamaShape] = {
+    "tiny": LlamaShape(hidden=256, intermediate=688, heads=8, kv_heads=4, vocab=4096, layers=2),
+    "small": LlamaShape(hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=32000, layers=4),
+    "1b": LlamaShape(hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, layers=8),
+    "8b": LlamaShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, layers=32),
+}
+
+
+def tensor_shapes(s: LlamaShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, split)`` for every tensor; split is ``col``, ``row``, ``kv`` (column-parallel by whole
+    KV heads, replicated when there are fewer than ranks) or ``rep``."""
+    d = s.head_dim
+    yield "model.embed_tokens.weight", (s.vocab, s.hidden), "col"
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        yield p + "self_attn.q_proj.weight", (s.heads * d, s.hidden), "col"
+        yield p + "self_attn.k_proj.weight", (s.kv_heads * d, s.hidden), "kv"
+        yield p + "self_attn.v_proj.weight", (s.kv_heads * d, s.hidden), "kv"
+        yield p + "self_attn.o_proj.weight", (s.hidden, s.heads * d), "row"
+        yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), "col"
+        yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), "col"
+        yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate), "row"
+        yield p + "input_layernorm.weight", (s.hidden,), "rep"
+        yield p + "post_attention_layernorm.weight", (s.hidden,), "rep"
+    yield "model.norm.weight", (s.hidden,), "rep"
+    yield "lm_head.weight", (s.vocab, s.hidden), "col"
+
+
+def _bytes(s: LlamaShape) -> int:
+    return sum(math.prod(shape) for _, shape, _ in tensor_shapes(s)) * 2
+
+
+def shape_for_size(nbytes: int) -> LlamaShape:
+    """The widest preset whose embedding and head stay under a third of ``nbytes``, with as many
+    layers as fit (at least one)."""
+    best = PRESETS["tiny"]
+    for shape in PRESETS.values():
+        fixed = _bytes(LlamaShape(**{**asdict(shape), "layers": 0}))
+        if fixed <= nbytes / 3:
+            best = shape
+    fixed = _bytes(LlamaShape(**{**asdict(best), "layers": 0}))
+    per_layer = _bytes(LlamaShape(**{**asdict(best), "layers": 1})) - fixed
+    layers = max(1, round((nbytes - fixed) / per_layer))
+    return LlamaShape(**{**asdict(best), "layers": layers})
+
+
+def _full_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:
+    """N(0, 0.02) bf16 values seeded by the tensor's name: the same bytes on every run on the same
+    kind of ``device`` (CPU and CUDA generators give different, equally distributed, values)."""
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+    if len(shape) == 1:  # norms: around 1, like trained RMSNorm weights
+        t = 1.0 + 0.02 * torch.randn(shape, generator=g, device=device)
+    else:
+        t = 0.02 * torch.randn(shape, generator=g, device=device)
+    return t.to(torch.bfloat16).cpu()
+
+
+def _rank_rows(s: LlamaShape, split: str, rank: int, tp: int, size: int) -> tuple[int, int]:
+    """``[start, stop)`` of the split dimension (of ``size``) that ``rank`` holds."""
+    if split == "kv" and s.kv_heads < tp:  # one KV head, shared by tp / kv_heads ranks
+        head = rank // (tp // s.kv_heads)
+        return head * s.head_dim, (head + 1) * s.head_dim
+    step = size // tp
+    return rank * step, (rank + 1) * step
+
+
+def _rank_slice(t: torch.Tensor, s: LlamaShape, split: str, rank: int, tp: int) -> torch.Tensor:
+    if split == "rep" or tp == 1:
+        return t
+    dim = 1 if split == "row" else 0
+    start, stop = _rank_rows(s, split, rank, tp, t.shape[dim])
+    return t.narrow(dim, start, stop - start)
+
+
+def _check_tp(s: LlamaShape, tp: int) -> None:
+    if type(tp) is not int or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be a positive integer")
+    if s.heads % tp or not kv_heads_split(s.kv_heads, tp) or s.intermediate % tp or s.vocab % tp:
+        ok = [n for n in range(1, s.heads + 1) if not s.heads % n and not s.intermediate % n and not s.vocab % n
+              and kv_heads_split(s.kv_heads, n)]
+        raise ConfigError(f"tp={tp} does not split this synthetic shape by whole heads (heads={s.heads}, "
+                          f"kv_heads={s.kv_heads}, intermediate={s.intermediate}, vocab={s.vocab}); "
+                          f"tp values that do: {ok}")
+
+
+def make_checkpoint(
+    out: str | os.PathLike[str],
+    shape: LlamaShape | str | int = "tiny",
+    *,
+    tp: int = 1,
+    max_file_bytes: int = 5 << 30,
+    progress: Callable[[int], None] | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Write a synthetic checkpoint as ``model-rank-{r}-part-{p}.safetensors`` + ``gdsload.json``.
+
+    ``shape`` is a :class:`LlamaShape`, a preset name or a target size in bytes; ``progress`` is
+    called with the byte count of each tensor written. ``device="cuda"`` draws the random values
+    on the GPU (tens of times faster for multi-GB models; recorded in the manifest, since the
+    values differ from a CPU-drawn model of the same shape).
+
+    >>> make_checkpoint("/tmp/m", "tiny", tp=2)  # doctest: +SKIP
+    """
+    if isinstance(shape, str):
+        shape = PRESETS[shape]
+    elif isinstance(shape, int):
+        shape = shape_for_size(shape)
+    entries = list(tensor_shapes(shape))
+    _check_tp(shape, tp)  # before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    full_shapes = {name: s for name, s, _ in entries}
+    ranks: dict[int, list[str]] = {}
+    for rank in range(tp):
+        # Group tensors into files of at most max_file_bytes, in model order.
+        files: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+        size = 0
+        for name, full, split in entries:
+            part_shape = list(full)
+            if split != "rep" and tp > 1:
+                dim = 1 if split == "row" else 0
+                start, stop = _rank_rows(shape, split, rank, tp, full[dim])
+                part_shape[dim] = stop - start
+            nbytes = math.prod(part_shape) * 2
+            if files[-1] and size + nbytes > max_file_bytes:
+                files.append([])
+                size = 0
+            files[-1].append((name, tuple(part_shape), split))
+            size += nbytes
+        for part, group in enumerate(files):
+            fname = f"model-rank-{rank}-part-{part}.safetensors"
+            specs = [TensorSpec(name, "BF16", s) for name, s, _ in group]
+            splits = {name: split for name, _, split in group}
+            with AlignedWriter(out / fname, specs, {"format": "pt"}) as w:
+                for spec in w.order:
+                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name], device), shape, splits[spec.name],
+                                    rank, tp)
+                    w.write(spec.name, t.contiguous())
+                    if progress is not None:
+                        progress(spec.nbytes)
+            ranks.setdefault(rank, []).append(fname)
+    (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
+    write_manifest(out, ranks, tp_size=tp, layout="hf", extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
+    return out

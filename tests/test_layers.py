@@ -1,0 +1,86 @@
+"""The package's layers depend one way: each stage imports only the stages before it.
+
+format → plan → io → codecs → pipeline → handoff → adapters → (prepare, checkpoints, calc, doctor) →
+server → bench. Imports are read from the source (top-level and function-level alike), so a lazy
+import that points the wrong way fails here too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# layer of each package or module (lower may not import higher)
+LAYERS = {
+    "gdsload.loader.errors": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0,
+    "gdsload.loader.devices": 1,
+    "gdsload.loader.format": 2,
+    "gdsload.loader.plan": 3,
+    "gdsload.loader.io": 4,
+    "gdsload.loader.codecs": 5,
+    "gdsload.loader.pipeline": 6,
+    "gdsload.loader.handoff": 7,
+    "gdsload.loader.adapters": 8,
+    "gdsload.loader.prepare": 9, "gdsload.loader.checkpoints": 9, "gdsload.loader.calc": 9,
+    "gdsload.loader.doctor": 9,
+    "gdsload.loader": 10,  # the package's lazy public names
+    "gdsload.server": 11,
+    "gdsload.bench": 12,
+}
+# Known, deliberate exceptions: (importer, imported) with the reason.
+ALLOWED = {
+    ("gdsload.loader.devices", "gdsload.loader.io"): "torch_free_unavailable reads kvikio's state (io.iomode)",
+    ("gdsload.loader.format", "gdsload.loader"): "the manifest records __version__, which the package root defines",
+}
+
+
+def _layer(module: str) -> tuple[str, int] | None:
+    best = None
+    for name, layer in LAYERS.items():
+        if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[0])):
+            best = (name, layer)
+    return best
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    parts[0] = {"loader": "gdsload.loader", "server": "gdsload.server", "bench": "gdsload.bench"}[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+    return {m for m in out if m.startswith("gdsload.")}
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for top in ("loader", "server", "bench"):
+        for path in (ROOT / top).rglob("*.py"):
+            module = _module_of(path)
+            mine = _layer(module)
+            assert mine is not None, module
+            for imported in _imports(path, module):
+                theirs = _layer(imported)
+                if theirs is None or theirs[0] == mine[0]:
+                    continue
+                if theirs[1] > mine[1] and (mine[0], theirs[0]) not in ALLOWED:
+                    wrong.append(f"{module} imports {imported} ({mine[0]} is below {theirs[0]})")
+    assert not wrong, "\n".join(sorted(wrong))
