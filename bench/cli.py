@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from gdsload.loader import parse_size
-from gdsload.loader.format.compression import CODECS
+from gdsload.loader.codecs.registry import codec_names
 from gdsload.server.cli import DEVICE
 
 
@@ -69,7 +69,7 @@ def _generator_device(device: str) -> str:
               help="With --make-model: ranks to split it into.")
 @click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
               help="With --make-model: start a new part file before one would exceed this.")
-@click.option("--compress", "compress_codec", type=click.Choice(sorted(CODECS)), default=None,
+@click.option("--compress", "compress_codec", type=click.Choice(codec_names()), default=None,
               help="With --make-model: also write OUT-CODEC compressed.")
 @click.option("--ttr/--no-ttr", default=True, show_default=True,
               help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")

@@ -8,7 +8,7 @@ Compares, on N(0, 0.02) bf16 (and fp8/fp32 variants):
 
     python -m gdsload.bench.codec_paths --out codecs.json
 
-It informs the choice of the compressed format's defaults; results go to bench/RESULTS.md.
+It informs the choice of the compressed format's defaults.
 """
 
 from __future__ import annotations

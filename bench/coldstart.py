@@ -196,8 +196,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
             plain_files = _files(dirs["plain"])
             if condition == "cold":
                 # Several access patterns, each from a cold cache: the limit is the best one; all are kept.
-                # Disks differ: the H200 machines' virtio disk is fastest with few bytes in flight
-                # (one reader per file, 1-2 MiB reads: session 8), others want many large reads.
+                # Disks differ: a virtio disk is fastest with few bytes in flight (one reader per
+                # file, 1-2 MiB reads), others want many large reads.
                 direct = _direct_ok(plain_files[0])
                 shapes = {"32x16MiB-interleaved": dict(threads=32, chunk=16 << 20, interleave=True),
                           "16x16MiB-file-by-file": dict(threads=16, chunk=16 << 20, interleave=False),
@@ -218,8 +218,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                 doc["limits"][f"raw_read_gbps.{condition}"] = max(
                     raw_read_gbps(plain_files, direct=False, threads=t, chunk=c) for t, c in ((16, 4 << 20), (32, 16 << 20)))
             log(f"{condition}: raw read {doc['limits'][f'raw_read_gbps.{condition}']:.2f} GB/s")
-            # Methods take turns within each round: a disk whose speed drifts over minutes (the
-            # H200 machines' virtio disk does) then favours no method by its place in the list.
+            # Methods take turns within each round: a disk whose speed drifts over minutes then
+            # favours no method by its place in the list.
             if condition != "cold":
                 for method in methods:
                     _one(method.removesuffix(":compressed"), _dir_of(method, dirs), cfg.device, cfg.timeout)  # warm-up

@@ -173,8 +173,8 @@ def _summary(status: dict[str, Any], started: float) -> dict[str, Any]:
         "logical_bytes": logical,
         "backends": sorted({d.get("backend") for d in ranks.values() if d.get("backend")}),
         "io_modes": sorted({d.get("io_mode") for d in ranks.values() if d.get("io_mode")}),
-        # Server start -> worker asked for; then asked for -> the worker's load done (taken in the worker; before
-        # session 6, when the server read "ready"), less the load itself: interpreter, imports, CUDA context.
+        # Server start -> worker asked for; then asked for -> the worker's load done (taken in the worker, or
+        # when the server read "ready"), less the load itself: interpreter, imports, CUDA context.
         "spawned_after_s": {r: round(d["started_at"] - started, 3) for r, d in ranks.items() if d.get("started_at")},
         "worker_overhead_s": {r: round((d.get("loaded_at") or d["ready_at"]) - d["started_at"] - d["seconds"], 3)
                               for r, d in ranks.items() if d.get("ready_at") and d.get("started_at") and d.get("seconds")},

@@ -207,8 +207,8 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
         advice.append(f"nvidia-nvcomp {r.nvcomp} is older than 6.0, whose C API decodes the ANS files gdsload "
                       "writes (ANS chunks): pip install 'nvidia-nvcomp-cu12>=6' (or -cu13).")
     if r.cold_reader is not None:
-        advice.append(f"cold ranks will be read by kvikio, not fastsafetensors' native reader (1.77 against 1.90 GB/s "
-                      f"median on the H200 machines' disk; bench/RESULTS.md): {r.cold_reader}.")
+        advice.append(f"cold ranks will be read by kvikio, not fastsafetensors' native reader, which reads cold "
+                      f"files faster (pip install 'gdsload[cu12]' or [cu13]): {r.cold_reader}.")
     if r.torch_free_workers is not None:
         advice.append(f"sidecar GPU workers will import torch before they load (seconds per worker): "
                       f"{r.torch_free_workers}.")

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from gdsload.loader import format_bytes
 from gdsload.loader.prepare.compress import compress_dir, compress_file
-from gdsload.loader.format.compression import CODECS
+from gdsload.loader.codecs.registry import GPU_DEFAULT, codec_names
 from gdsload.server.cli import DEVICE
 
 
@@ -21,7 +21,7 @@ def _total_bytes(src: Path) -> int:
 @click.command()
 @click.argument("src", type=click.Path(exists=True))
 @click.argument("out", type=click.Path())
-@click.option("--codec", type=click.Choice(sorted(CODECS)), default="ans", show_default=True,
+@click.option("--codec", type=click.Choice(codec_names()), default=GPU_DEFAULT, show_default=True,
               help="ans (GPU, best ratio and speed), gdeflate (GPU), zstd (GPU or CPU; CPU hosts can load it).")
 @click.option("--min-gain", type=float, default=0.02, show_default=True,
               help="Keep a tensor raw unless it shrinks by at least this fraction.")

@@ -20,8 +20,8 @@ from gdsload.loader.calc.capacity import (
     PRESETS,
     WEIGHT_FORMATS,
     ArticleRow,
-    Plan,
-    PlanInputs,
+    HbmBudget,
+    BudgetInputs,
 )
 
 from .cli import SIZE
@@ -63,25 +63,25 @@ def _epilog() -> str:
 @click.command("plan", epilog=_epilog())
 @click.argument("model", required=False)
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per model copy).")
-@click.option("--gpu-memory", type=SIZE, default=f"{PlanInputs.gpu_memory // MIB}MiB", show_default=True,
+@click.option("--gpu-memory", type=SIZE, default=f"{BudgetInputs.gpu_memory // MIB}MiB", show_default=True,
               help="Total memory of ONE GPU as nvidia-smi reports it, e.g. 143771MiB (H200), 81559MiB (H100 80GB).")
 @click.option("--weights", default="bf16", show_default=True,
               help=f"Weight format: {', '.join(WEIGHT_FORMATS)}.")
 @click.option("--kv-bits", type=int, default=16, show_default=True,
               help=f"KV-cache bits per element: {', '.join(map(str, KV_BITS))}.")
-@click.option("--gpu-memory-utilization", type=float, default=PlanInputs.gpu_memory_utilization, show_default=True,
+@click.option("--gpu-memory-utilization", type=float, default=BudgetInputs.gpu_memory_utilization, show_default=True,
               help="vLLM's share of GPU memory for weights + activations + KV cache.")
-@click.option("--activation-reserve", type=SIZE, default=f"{PlanInputs.activation_reserve // GIB}GiB",
+@click.option("--activation-reserve", type=SIZE, default=f"{BudgetInputs.activation_reserve // GIB}GiB",
               show_default=True, help="Per GPU: peak activations + non-PyTorch memory (from vLLM's start-up log).")
-@click.option("--cuda-graph-reserve", type=SIZE, default=f"{PlanInputs.cuda_graph_reserve // GIB}GiB",
+@click.option("--cuda-graph-reserve", type=SIZE, default=f"{BudgetInputs.cuda_graph_reserve // GIB}GiB",
               show_default=True, help="Per GPU: memory of captured CUDA graphs (0 with --enforce-eager).")
 @click.option("--context", "--max-seq-len", "context", type=int, default=None,
               help="Tokens per request for the concurrency figure [default: the model's max_position_embeddings].")
-@click.option("--kv-group-size", type=int, default=PlanInputs.kv_group_size, show_default=True,
+@click.option("--kv-group-size", type=int, default=BudgetInputs.kv_group_size, show_default=True,
               help="Quantized KV: elements sharing one scale.")
 @click.option("--kv-scale-bits", type=int, default=None,
               help="Quantized KV: scale (+ zero-point) bits per group [default: 16 for 4/3-bit KV, 0 for 16/8-bit].")
-@click.option("--block-size", type=int, default=PlanInputs.block_size, show_default=True,
+@click.option("--block-size", type=int, default=BudgetInputs.block_size, show_default=True,
               help="KV-cache block (page) size in tokens.")
 @click.option("--kv-heads", "kv_cache_heads", type=int, default=None,
               help="What-if: size the KV cache for this many KV heads (weights unchanged).")
@@ -119,7 +119,7 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
         if model is not None or fixed:
             raise click.UsageError("--explain-article sets the model (llama-3.1-405b), --tp, --weights, --kv-bits "
                                    f"and the KV heads itself; leave out {', '.join(fixed) or 'MODEL'}")
-        base = PlanInputs(PRESETS[ARTICLE_405B["model"]], tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"],
+        base = BudgetInputs(PRESETS[ARTICLE_405B["model"]], tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"],
                           **common)
         rows = capacity.explain_article(base)
         if not rows[0].at_16bit.max_tokens:
@@ -131,7 +131,7 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
     if model is None:
         raise click.UsageError("MODEL is missing: a preset "
                                f"({', '.join(PRESETS)}) or a path to a config.json")
-    result = capacity.plan(PlanInputs(capacity.resolve_model(model), tp=tp, weights=weights, kv_bits=kv_bits,
+    result = capacity.plan(BudgetInputs(capacity.resolve_model(model), tp=tp, weights=weights, kv_bits=kv_bits,
                                       kv_cache_heads=kv_cache_heads, **common))
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -146,7 +146,7 @@ def _console() -> Console:
     return con
 
 
-def _show_plan(p: Plan) -> None:
+def _show_plan(p: HbmBudget) -> None:
     i, m = p.inputs, p.inputs.model
     con = _console()
     con.print(f"[bold]{escape(m.name)}[/]: {m.layers} layers, hidden {m.hidden}, {m.heads} heads / {m.kv_heads} KV heads × "

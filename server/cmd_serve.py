@@ -100,7 +100,8 @@ def run_server(config: ServeConfig) -> None:
     configure_logging(config.log_format, config.log_level)
     sock = _bind(config.host, config.port)
 
-    from .supervisor import Supervisor, start_worker_server
+    from .start import start_worker_server
+    from .supervisor import Supervisor
 
     start_worker_server(config)  # now: the workers' imports overlap the rest of the server's start-up
     if not config.is_loopback and config.token is None:

@@ -18,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from gdsload.loader.codecs.registry import codec_names
 from gdsload.loader.prepare.compress import compress_device, compress_dir
 from gdsload.loader.prepare.shard import ShardOptions, execute_plan, plan_shard
 
@@ -36,7 +37,7 @@ __all__ = ["shard"]
               help="Quantize linear-layer weights to float8_e4m3fn with fp32 scales.")
 @click.option("--max-file-size", "max_file_bytes", type=SIZE, default="5GiB", show_default=True,
               help="Start a new part file before one would exceed this.")
-@click.option("--compress", "codec", type=click.Choice(["ans", "zstd", "gdeflate"]), default=None,
+@click.option("--compress", "codec", type=click.Choice(codec_names()), default=None,
               help="Then compress the shards (ans/gdeflate need a GPU; zstd also loads on CPU hosts).")
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's sha256 in gdsload.json.")

@@ -6,11 +6,11 @@ torch; a fresh interpreter spends 0.6-0.9 s (GPU) or 2-6 s (torch) importing the
 worker is a fork of it: it starts in milliseconds, every rank at the same moment, and again at once
 on reload and restart. With ``spawn`` each worker is a fresh interpreter that imports for itself.
 
-The trade, measured on two H200s (bench/RESULTS.md, seventh session): a forked GPU worker still
-has to make its CUDA context (about 0.5 s), and it can only start after the helper's imports; a
-spawned one makes its context on a thread while it imports, so the import hides it. Torch-free GPU
-workers were ready sooner spawned (1.33-1.47 s against 1.87-2.17 s), while forked ones loaded all
-at once and reloaded sooner (0.93-0.96 s against 1.16-1.24 s). Where workers import torch, the
+The trade: a forked GPU worker still has to make its CUDA context (about 0.5 s), and it can only
+start after the helper's imports; a spawned one makes its context on a thread while it imports, so
+the import hides it. On two H200s, torch-free GPU workers were ready sooner spawned (1.33-1.47 s
+against 1.87-2.17 s), while forked ones loaded all at once and reloaded sooner (0.93-0.96 s against
+1.16-1.24 s). Where workers import torch, the
 import dwarfs the context, and the fork server wins outright. ``auto`` (the default) picks by that:
 :func:`resolve`.
 
@@ -47,10 +47,10 @@ START_METHODS = ("auto", "forkserver", "spawn")
 imported, or a fresh interpreter."""
 
 GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
-               "gdsload.server.workers")
+               "gdsload.server.workers", "gdsload.server.worker_main")
 """What a GPU worker on the torch-free path imports (a :class:`~gdsload.loader.devices.CupyDevice` load)."""
 TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.io.cpu",
-                 "gdsload.server.workers")
+                 "gdsload.server.workers", "gdsload.server.worker_main")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
 
 STATE: dict[str, Any] = {}

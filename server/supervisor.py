@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
-from . import forkserver
-from .settings import ServeConfig, confine_path, parse_device_map
+from .settings import ServeConfig, confine_path
+from .start import start_worker_server, worker_start_method
 from .workers import (
     RankNotReadyError,
     WorkerHandle,
@@ -60,8 +60,6 @@ __all__ = [
     "ModelUnreadableError",
     "RankNotReadyError",
     "process_start_time",
-    "start_worker_server",
-    "worker_start_method",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,33 +113,6 @@ def process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-def worker_imports(config: ServeConfig) -> tuple[bool, bool]:
-    """``(gpu, torch)``: whether this host's workers may load on a GPU without torch, and whether some may
-    load with torch (a host-memory rank, a backend the torch-free path does not run, or no cupy/kvikio)."""
-    from gdsload.loader.devices import torch_free_unavailable
-
-    dm = parse_device_map(config.device_map)
-    gpu = bool(visible_gpus()) and dm != "cpu" and not (isinstance(dm, dict) and all(g is None for g in dm.values()))
-    torch_free = torch_free_unavailable(config.backend, probe=False) is None
-    torch = not gpu or not torch_free or (isinstance(dm, dict) and any(g is None for g in dm.values()))
-    return gpu, torch
-
-
-def worker_start_method(config: ServeConfig) -> str:
-    """``config.worker_start`` with ``auto`` resolved for this host (:func:`gdsload.server.forkserver.resolve`)."""
-    return forkserver.resolve(config.worker_start, torch=worker_imports(config)[1])
-
-
-def start_worker_server(config: ServeConfig) -> None:
-    """Start the worker fork server, if this host's workers start by fork, preloading what they import.
-
-    Called at start-up right after the socket is bound, so those imports overlap the server's own.
-    """
-    gpu, torch = worker_imports(config)
-    if forkserver.resolve(config.worker_start, torch=torch) == "forkserver":
-        forkserver.start("forkserver", gpu=gpu, torch=torch)
-
-
 @dataclass
 class _Rank:
     rank: int
@@ -179,7 +150,7 @@ class _Rank:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Target:
     path: str
     real_path: str
     source: str
@@ -438,7 +409,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ generations
 
-    def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
+    def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
         """What serving ``path`` takes; raises a typed error when it cannot be served.
 
         ``strict`` (a reload): any rank that cannot be served raises, and every served file's header is
@@ -453,7 +424,7 @@ class Supervisor:
         except Exception as e:  # a malformed file the loader's checks did not name
             raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
 
-    def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Plan:
+    def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
         from gdsload.loader.format.discovery import discover, list_ranks
         from gdsload.loader.plan import plan_rank
 
@@ -475,7 +446,7 @@ class Supervisor:
             for r in served:
                 plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
         devices = assign_devices(served, self.config.device_map, visible_gpus())
-        return _Plan(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
+        return _Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
                      errors=errors)
 
     def _initial_load(self, path: str) -> None:
@@ -492,7 +463,7 @@ class Supervisor:
             return
         self._switch(plan, force=True)
 
-    def _switch(self, plan: _Plan | None, force: bool) -> dict[str, Any]:
+    def _switch(self, plan: _Target | None, force: bool) -> dict[str, Any]:
         """Install ``plan`` as the next generation (None: unload); runs on the loop."""
         with self._lock:
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}

@@ -196,7 +196,7 @@ def hf_tp2_dir(hf, tmp_path_factory) -> Path:
 
 def test_vllm_sharded_state_copies_each_rank_with_the_narrowing_rule(hf, vllm_dir):
     for rank in range(2):
-        plan = gvllm.plan_load(vllm_dir, rank=rank, tp_size=2, options=AdapterOptions())
+        plan = gvllm.choose_route(vllm_dir, rank=rank, tp_size=2, options=AdapterOptions())
         assert (plan.kind, plan.file_rank, plan.layout.layout, plan.layout.source) == ("sharded_state", rank,
                                                                                        "vllm", "vllm")
         model = VllmLlama(rank, 2, lora_rows=LORA_EXTRA)
@@ -221,7 +221,7 @@ def test_vllm_sharded_state_copies_what_cannot_be_read_in_place(hf, vllm_dir):
 
 
 def test_vllm_load_weights_path_gives_the_same_parameters(hf, hf_dir):
-    plan = gvllm.plan_load(hf_dir, rank=1, tp_size=2, options=AdapterOptions())
+    plan = gvllm.choose_route(hf_dir, rank=1, tp_size=2, options=AdapterOptions())
     assert (plan.kind, plan.file_rank, plan.layout.layout) == ("load_weights", 0, "hf")
     model = VllmLlama(1, 2)
     report = gvllm.load_into_model(model, hf_dir, rank=1, tp_size=2)
@@ -276,18 +276,18 @@ def test_vllm_filter_shared_tensors_follows_sharded_state():
 
 def test_vllm_plans_refuse_what_the_engine_would_load_wrongly(vllm_dir, hf_tp2_dir, hf_dir, tmp_path):
     with pytest.raises(LayoutError, match=r"sharded for tensor-parallel size 2.*runs tp=4.*--tensor-parallel-size 2"):
-        gvllm.plan_load(vllm_dir, rank=0, tp_size=4, options=AdapterOptions())
+        gvllm.choose_route(vllm_dir, rank=0, tp_size=4, options=AdapterOptions())
     with pytest.raises(LayoutError, match=r"hf-layout shards for tp=2.*unsharded \(TP=1\)"):
-        gvllm.plan_load(hf_tp2_dir, rank=0, tp_size=2, options=AdapterOptions())
+        gvllm.choose_route(hf_tp2_dir, rank=0, tp_size=2, options=AdapterOptions())
     with pytest.raises(LayoutError, match="sidecar.*tp=1 only"):
-        gvllm.plan_load(hf_dir, rank=0, tp_size=2, options=AdapterOptions(sidecar_url="http://127.0.0.1:1"))
+        gvllm.choose_route(hf_dir, rank=0, tp_size=2, options=AdapterOptions(sidecar_url="http://127.0.0.1:1"))
     with pytest.raises(LayoutError, match='"layout": "vllm" or "hf"'):
-        gvllm.plan_load(tmp_path / "not-here", rank=0, tp_size=2, options=AdapterOptions(sidecar_url="http://x:1"))
-    given = gvllm.plan_load(None, rank=1, tp_size=2, options=AdapterOptions(sidecar_url="http://x:1", layout="vllm"))
+        gvllm.choose_route(tmp_path / "not-here", rank=0, tp_size=2, options=AdapterOptions(sidecar_url="http://x:1"))
+    given = gvllm.choose_route(None, rank=1, tp_size=2, options=AdapterOptions(sidecar_url="http://x:1", layout="vllm"))
     assert (given.kind, given.file_rank, given.layout.source) == ("sharded_state", 1, "option")
     save_file({"transformer.vocab_embedding.weight": torch.zeros(2, 2)}, tmp_path / "rank0.safetensors")
     with pytest.raises(LayoutError, match="TensorRT-LLM checkpoint"):
-        gvllm.plan_load(tmp_path, rank=0, tp_size=1, options=AdapterOptions())
+        gvllm.choose_route(tmp_path, rank=0, tp_size=1, options=AdapterOptions())
 
 
 def test_vllm_register_without_vllm_names_the_package():

@@ -20,7 +20,7 @@ from gdsload.loader.calc.capacity import (
     MIB,
     PRESETS,
     ModelSpec,
-    PlanInputs,
+    BudgetInputs,
     count_params,
     explain_article,
     kv_bytes_per_token,
@@ -65,17 +65,17 @@ def test_presets_match_published_parameter_counts(name: str, total: int) -> None
 
 def test_tiny_weights_per_gpu_bf16() -> None:
     # tp=1: every parameter × 2 bytes (vocab 100 -> padded to 128 for the vocab-parallel embedding)
-    p1 = plan(PlanInputs(TINY, tp=1, weights="bf16", **NO_RESERVE))
+    p1 = plan(BudgetInputs(TINY, tp=1, weights="bf16", **NO_RESERVE))
     assert p1.weights_bytes == (TINY_PARAMS + 28 * 64 * 2) * 2
     # tp=2: q 32×64, k/v 16×64 (1 KV head each), o 64×32, gate/up 64×64, down 64×64, norms 128 per layer;
     # embed/lm_head 64 rows each; final norm 64
     per_layer = 2048 + 1024 + 1024 + 2048 + 3 * 4096 + 128
-    assert plan(PlanInputs(TINY, tp=2, weights="bf16")).weights_bytes == (2 * per_layer + 2 * 64 * 64 + 64) * 2
+    assert plan(BudgetInputs(TINY, tp=2, weights="bf16")).weights_bytes == (2 * per_layer + 2 * 64 * 64 + 64) * 2
 
 
 def test_kv_heads_replicated_when_fewer_than_tp() -> None:
     # tp=4 > 2 KV heads: each GPU keeps one KV head (each head on 2 GPUs), K/V weights and cache replicated
-    p = plan(PlanInputs(TINY, tp=4, weights="bf16"))
+    p = plan(BudgetInputs(TINY, tp=4, weights="bf16"))
     per_layer = 1024 + 1024 + 1024 + 1024 + 3 * 2048 + 128   # q 16×64, k 16×64, v 16×64, o 64×16, MLP 32-wide
     assert p.weights_bytes == (2 * per_layer + 2 * 32 * 64 + 64) * 2
     assert p.replicated_bytes == (2 * (1024 + 1024) + 2 * 128 + 64) * 2   # k, v, norms, final norm
@@ -84,7 +84,7 @@ def test_kv_heads_replicated_when_fewer_than_tp() -> None:
     assert p.kv_bytes_per_token_model == 2 * 2 * 2 * 16 * 2               # distinct bytes: both heads once
     assert any("each KV head on 2 GPUs" in a for a in p.assumptions)
     # the same on a real model: Llama 3.1 8B has 8 KV heads; at tp=16 each is on 2 GPUs
-    p8 = plan(PlanInputs(PRESETS["llama-3.1-8b"], tp=16, weights="bf16"))
+    p8 = plan(BudgetInputs(PRESETS["llama-3.1-8b"], tp=16, weights="bf16"))
     assert p8.kv_bytes_per_token_per_gpu == 2 * 32 * 1 * 128 * 2 and p8.kv_replication == 2
     replicated = {p.name for p in weight_parts(PRESETS["llama-3.1-405b"], 16) if p.replicated}
     assert replicated == {"k_proj", "v_proj", "layer norms", "final norm"}
@@ -95,11 +95,11 @@ def test_quantized_weights_by_hand() -> None:
     linear = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128)      # 73,728 linear-layer weights
     rest = TINY_PARAMS - linear                                           # embeddings, norms: stay 16-bit
     pad = 28 * 64 * 2                                                      # vocab padding rows (embed + lm_head)
-    fp8 = plan(PlanInputs(TINY, weights="fp8", **NO_RESERVE))
+    fp8 = plan(BudgetInputs(TINY, weights="fp8", **NO_RESERVE))
     assert fp8.weights_bytes == linear + 7 * 2 * 4 + (rest + pad) * 2    # + one fp32 scale per matrix
     # int4: half a byte per weight + one fp16 scale per 128 inputs per output row
     scales = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64) * 1 * 2
-    assert plan(PlanInputs(TINY, weights="int4")).weights_bytes == linear // 2 + scales + (rest + pad) * 2
+    assert plan(BudgetInputs(TINY, weights="int4")).weights_bytes == linear // 2 + scales + (rest + pad) * 2
     # params × bytes / tp is shown for comparison
     assert fp8.weights_naive_bytes == TINY_PARAMS
 
@@ -111,13 +111,13 @@ def test_kv_bytes_per_token_and_scale_overhead() -> None:
     assert kv_bytes_per_token(TINY, 1, 3, group=16, scale_bits=16) == 2 * 2 * 2 * (6 + 2)
     assert kv_bytes_per_token(TINY, 1, 4, group=8, scale_bits=32) == 2 * 2 * 2 * (8 + 8)
     # defaults: 16 scale bits for 4/3-bit KV, none for 16/8
-    assert plan(PlanInputs(TINY, kv_bits=3)).kv_scale_bits == 16
-    assert plan(PlanInputs(TINY, kv_bits=8)).kv_scale_bits == 0
-    assert plan(PlanInputs(TINY, kv_bits=3, kv_scale_bits=0)).kv_effective_bits == 3.0
+    assert plan(BudgetInputs(TINY, kv_bits=3)).kv_scale_bits == 16
+    assert plan(BudgetInputs(TINY, kv_bits=8)).kv_scale_bits == 0
+    assert plan(BudgetInputs(TINY, kv_bits=3, kv_scale_bits=0)).kv_effective_bits == 3.0
 
 
 def test_tiny_plan_end_to_end_by_hand() -> None:
-    p = plan(PlanInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, weights="bf16", context=100,
+    p = plan(BudgetInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, weights="bf16", context=100,
                         **NO_RESERVE))
     usable = 1_048_576 // 2
     weights = (TINY_PARAMS + 28 * 64 * 2) * 2
@@ -127,13 +127,13 @@ def test_tiny_plan_end_to_end_by_hand() -> None:
     assert p.max_tokens == blocks * 16 == 1328
     assert p.max_context_per_request == 1000                           # capped by max_position_embeddings
     assert p.concurrent_sequences == 1328 // 112 == 11                 # 100 tokens occupy 7 blocks = 112
-    reserves = plan(PlanInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, activation_reserve=65536,
+    reserves = plan(BudgetInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, activation_reserve=65536,
                                cuda_graph_reserve=32768))
     assert reserves.kv_budget_bytes == usable - weights - 65536 - 32768
 
 
 def test_405b_fp8_tp8_by_hand() -> None:
-    p = plan(PlanInputs(PRESETS["llama-3.1-405b"], tp=8, weights="fp8", kv_bits=16))
+    p = plan(BudgetInputs(PRESETS["llama-3.1-405b"], tp=8, weights="fp8", kv_bits=16))
     h, ff, layers = 16384, 53248 // 8, 126
     linear = layers * (h * 2048 + 2 * h * 128 + 2048 * h + 3 * h * ff)   # per rank: 1 of 8 KV heads
     embeddings = 2 * (128256 // 8) * h * 2                              # bf16 embed_tokens + lm_head
@@ -171,7 +171,7 @@ def test_article_405b_ratio_reproduced() -> None:
 
 
 def test_does_not_fit_is_an_answer() -> None:
-    p = plan(PlanInputs(PRESETS["llama-3.1-405b"], tp=1, weights="bf16"))
+    p = plan(BudgetInputs(PRESETS["llama-3.1-405b"], tp=1, weights="bf16"))
     assert not p.fits and p.max_tokens == 0 and p.concurrent_sequences == 0
     assert any(n.startswith("does not fit") for n in p.notes)
 
@@ -204,7 +204,7 @@ def test_hf_config_file(tmp_path) -> None:
 ])
 def test_validation_errors_name_flag_value_and_allowed(kwargs, words) -> None:
     with pytest.raises(ConfigError) as e:
-        PlanInputs(PRESETS["llama-3.1-405b"], **kwargs)
+        BudgetInputs(PRESETS["llama-3.1-405b"], **kwargs)
     assert isinstance(e.value, ValueError) and isinstance(e.value, GdsloadError)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
@@ -249,14 +249,14 @@ def test_config_families_ties_and_wrappers(tmp_path) -> None:
 
 def test_fits_needs_one_request_and_one_block() -> None:
     # Room for some tokens but not one 131,072-token request: vLLM would refuse to start, so it does not fit
-    p = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB))
+    p = plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB))
     assert 0 < p.max_tokens < 131072 and p.concurrent_sequences == 0 and not p.fits
     assert any("does not fit in the cache" in n for n in p.notes)
-    assert plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB, context=4096)).fits
+    assert plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory=24564 * MIB, context=4096)).fits
     # A budget above zero but below one block says why
-    base = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1))
+    base = plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1))
     block = 16 * base.kv_bytes_per_token_per_gpu
-    tight = plan(PlanInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1,
+    tight = plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1,
                             gpu_memory=base.inputs.gpu_memory - base.kv_budget_bytes + block - 1))
     assert 0 < tight.kv_budget_bytes < block and tight.max_tokens == 0 and not tight.fits
     assert any("less than one cache block" in n for n in tight.notes)
@@ -265,9 +265,9 @@ def test_fits_needs_one_request_and_one_block() -> None:
 def test_kv_heads_checked_against_tp_names_kv_heads() -> None:
     qwen7 = ModelSpec("qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
                       vocab=152064)
-    PlanInputs(qwen7, tp=4)  # the model itself splits over 4 GPUs
+    BudgetInputs(qwen7, tp=4)  # the model itself splits over 4 GPUs
     with pytest.raises(ConfigError) as e:
-        PlanInputs(qwen7, tp=4, kv_cache_heads=7)
+        BudgetInputs(qwen7, tp=4, kv_cache_heads=7)
     assert str(e.value).startswith("kv_cache_heads (--kv-heads) = 7 does not split over tp 4")
     assert "allowed values with this tp: [1, 2, 4, 28]" in str(e.value)
 
@@ -279,7 +279,7 @@ def test_cli_json_and_table() -> None:
     r = runner.invoke(plan_command, ["llama-3.1-405b", "--tp", "8", "--weights", "fp8", "--kv-bits", "3", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    expected = plan(PlanInputs(PRESETS["llama-3.1-405b"], tp=8, weights="fp8", kv_bits=3))
+    expected = plan(BudgetInputs(PRESETS["llama-3.1-405b"], tp=8, weights="fp8", kv_bits=3))
     assert doc["max_tokens"] == expected.max_tokens and doc["kv_bytes_per_token_per_gpu"] == 12_600
     assert doc["inputs"]["gpu_memory"] == 143771 * MIB and doc["inputs"]["model"]["kv_heads"] == 8
     assert doc["fits"] is True and len(doc["assumptions"]) >= 8 and doc["formulas"]

@@ -15,7 +15,7 @@ import pytest
 
 from gdsload.server import forkserver
 from gdsload.server.settings import ServeConfig
-from gdsload.server.supervisor import start_worker_server
+from gdsload.server.start import start_worker_server
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_the_server_preloads_what_its_workers_import(monkeypatch: pytest.MonkeyP
                                                      preload: list[str] | None):
     import importlib.util
 
-    from gdsload.server import supervisor
+    from gdsload.server import start
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
     real_find_spec = importlib.util.find_spec
@@ -98,7 +98,7 @@ def test_the_server_preloads_what_its_workers_import(monkeypatch: pytest.MonkeyP
         list(multiprocessing.forkserver._forkserver._preload_modules)))
     monkeypatch.setattr(multiprocessing.forkserver._forkserver, "_preload_modules", [])
     config = ServeConfig(backend=backend, device_map=device_map, worker_start=worker_start)
-    assert supervisor.worker_start_method(config) == method
+    assert start.worker_start_method(config) == method
     start_worker_server(config)
     assert started == ([preload] if preload else [])  # spawn starts no helper
 

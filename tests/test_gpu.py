@@ -288,7 +288,7 @@ print(active(0), active(1))
 _NVCOMP_PY = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="nvCOMP 6.0's Python package opens a context on GPU 0 at its first decode in a process decoding on "
-           "GPU 1 (nvidia-h200-x2, 2026-11-29; bench/RESULTS.md); ANS chunks go through its C API instead")
+           "GPU 1 (seen on two H200s, 2026-11-29); ANS chunks go through its C API instead")
 
 
 @pytest.mark.multi_gpu(2)

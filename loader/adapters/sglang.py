@@ -53,7 +53,7 @@ from gdsload.loader.adapters.base import (
     compare,
     import_engine,
 )
-from gdsload.loader.adapters.vllm import load_into_model, plan_load
+from gdsload.loader.adapters.vllm import load_into_model, choose_route
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -92,11 +92,11 @@ def load_model_weights(
     >>> load_model_weights(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
     options = options or AdapterOptions()
-    plan = plan_load(path, rank=rank, tp_size=tp_size, options=options, engine="SGLang")
-    if plan.kind == "sharded_state":
+    route = choose_route(path, rank=rank, tp_size=tp_size, options=options, engine="SGLang")
+    if route.kind == "sharded_state":
         process_weights(model)
-        return load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", plan=plan)
-    report = load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", plan=plan)
+        return load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", route=route)
+    report = load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", route=route)
     process_weights(model)
     return report
 

@@ -76,8 +76,8 @@ __all__ = [
     "LOAD_FORMAT",
     "ShardedStateInjector",
     "LoadWeightsInjector",
-    "EngineLoadPlan",
-    "plan_load",
+    "LoadRoute",
+    "choose_route",
     "load_into_model",
     "filter_shared_tensors",
     "loader_class",
@@ -260,7 +260,7 @@ class LoadWeightsInjector(Injector):
 
 
 @dataclass(frozen=True)
-class EngineLoadPlan:
+class LoadRoute:
     """How one engine worker loads its rank: which path, and which files' rank."""
 
     kind: str
@@ -270,17 +270,17 @@ class EngineLoadPlan:
     layout: CheckpointLayout
 
 
-def plan_load(
+def choose_route(
     path: str | os.PathLike[str] | None,
     *,
     rank: int,
     tp_size: int,
     options: AdapterOptions,
     engine: str = "vLLM",
-) -> EngineLoadPlan:
+) -> LoadRoute:
     """Decide how tensor-parallel rank ``rank`` of ``tp_size`` loads ``path``; :class:`LayoutError` if it can't.
 
-    >>> plan_load("/models/llama-tp2", rank=1, tp_size=2, options=AdapterOptions()).kind  # doctest: +SKIP
+    >>> choose_route("/models/llama-tp2", rank=1, tp_size=2, options=AdapterOptions()).kind  # doctest: +SKIP
     'sharded_state'
     """
     if options.layout is not None:
@@ -300,7 +300,7 @@ def plan_load(
                 f"engine runs tp={tp_size}; start it with --tensor-parallel-size {layout.tp_size}, or re-shard "
                 f"with `gdsload shard SRC OUT --tp {tp_size} --layout vllm`"
             )
-        return EngineLoadPlan("sharded_state", rank, layout)
+        return LoadRoute("sharded_state", rank, layout)
     if layout.layout == "hf":
         if layout.tp_size != 1:
             raise LayoutError(
@@ -313,7 +313,7 @@ def plan_load(
                 f"{engine}: with a sidecar, an hf-layout checkpoint serves tp=1 only (every rank would map rank 0's "
                 f"arena from one GPU); run tp=1, load from storage, or shard with `--tp {tp_size} --layout vllm`"
             )
-        return EngineLoadPlan("load_weights", 0, layout)
+        return LoadRoute("load_weights", 0, layout)
     raise LayoutError(
         f"{engine}: {where} is a TensorRT-LLM checkpoint (rank{{N}}.safetensors with TensorRT-LLM names); "
         "load it with gdsload.loader.adapters.trtllm, or give this engine an HF or vllm-layout directory"
@@ -328,7 +328,7 @@ def load_into_model(
     tp_size: int,
     options: AdapterOptions | None = None,
     engine: str = "vllm",
-    plan: EngineLoadPlan | None = None,
+    route: LoadRoute | None = None,
     check_unfilled: bool = True,
 ) -> InjectReport:
     """Load tensor-parallel rank ``rank``'s weights from ``path`` (or the sidecar) into an engine's ``model``.
@@ -340,31 +340,31 @@ def load_into_model(
     >>> load_into_model(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
     options = options or AdapterOptions()
-    plan = plan or plan_load(path, rank=rank, tp_size=tp_size, options=options, engine=engine)
+    route = route or choose_route(path, rank=rank, tp_size=tp_size, options=options, engine=engine)
     device = _model_device(model)
-    if plan.kind == "sharded_state" and options.sidecar_url is None and path is not None:
+    if route.kind == "sharded_state" and options.sidecar_url is None and path is not None:
         sharded = ShardedStateInjector(model, engine=engine)
         try:
-            report, report.source = sharded.load(path, plan.file_rank, options=options, device=device)
+            report, report.source = sharded.load(path, route.file_rank, options=options, device=device)
         except BackendUnavailableError as e:
             if device.type == "cpu" or LoadConfig.resolve(backend=options.backend).backend != "auto":
                 raise
             log.info("rank %d: no backend reads to %s here (%s); reading to host memory and copying", rank,
                      device, e)
         else:
-            log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), plan.kind, plan.layout.layout)
+            log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
             return report
-    injector: Injector = (ShardedStateInjector(model, engine=engine) if plan.kind == "sharded_state"
+    injector: Injector = (ShardedStateInjector(model, engine=engine) if route.kind == "sharded_state"
                           else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled))
-    if (plan.kind == "load_weights" and device.type == "cpu" and options.sidecar_url is None
+    if (route.kind == "load_weights" and device.type == "cpu" and options.sidecar_url is None
             and LoadConfig.resolve(backend=options.backend).backend == "auto"):
         # The model's weight loaders copy every tensor into its parameters: hand them views of the files'
         # own pages (nothing read into an arena first, one copy in all).
         options = dataclasses.replace(options, backend="mmap")
-    with open_rank(path, plan.file_rank, options=options, device=device, expect_device=True) as weights:
+    with open_rank(path, route.file_rank, options=options, device=device, expect_device=True) as weights:
         report = injector.inject(weights.tensors, strict=options.strict)
         report.source = weights.describe()
-    log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), plan.kind, plan.layout.layout)
+    log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
     return report
 
 

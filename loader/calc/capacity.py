@@ -9,8 +9,8 @@ Pure arithmetic over a model's published dimensions; no torch, no GPU. The servi
 * the KV cache is paged in blocks of 16 tokens; every GPU caches the same tokens for its own KV heads, so the
   token capacity of the whole TP group is the capacity of one GPU.
 
->>> from gdsload.loader.calc.capacity import PlanInputs, plan, resolve_model
->>> p = plan(PlanInputs(resolve_model("llama-3.1-405b"), tp=8, weights="fp8", kv_bits=16))
+>>> from gdsload.loader.calc.capacity import BudgetInputs, plan, resolve_model
+>>> p = plan(BudgetInputs(resolve_model("llama-3.1-405b"), tp=8, weights="fp8", kv_bits=16))
 >>> p.kv_bytes_per_token_per_gpu       # 2 × 126 layers × 1 KV head × 128 × 2 bytes
 64512
 """
@@ -37,8 +37,8 @@ __all__ = [
     "ModelSpec",
     "WeightFormat",
     "WeightPart",
-    "PlanInputs",
-    "Plan",
+    "BudgetInputs",
+    "HbmBudget",
     "ArticleRow",
     "resolve_model",
     "count_params",
@@ -360,10 +360,10 @@ def kv_bytes_per_token(spec: ModelSpec, tp: int, kv_bits: int, group: int = 128,
 
 
 @dataclass(frozen=True)
-class PlanInputs:
+class BudgetInputs:
     """Everything the plan depends on. Memory sizes are bytes (MiB/GiB = 2^20/2^30, GB = 10^9).
 
-    >>> PlanInputs(PRESETS["llama-3.1-70b"], tp=4, weights="fp8").gpu_memory // MIB
+    >>> BudgetInputs(PRESETS["llama-3.1-70b"], tp=4, weights="fp8").gpu_memory // MIB
     143771
     """
 
@@ -454,10 +454,10 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
-class Plan:
+class HbmBudget:
     """The answer: where each GPU's memory goes and what the KV cache holds. Bytes are per GPU."""
 
-    inputs: PlanInputs
+    inputs: BudgetInputs
     params: int
     """Parameters of the whole (unsharded) model."""
     weights_bytes: int
@@ -514,10 +514,10 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def plan(inputs: PlanInputs) -> Plan:
+def plan(inputs: BudgetInputs) -> HbmBudget:
     """Compute the HBM plan for ``inputs``.
 
-    >>> p = plan(PlanInputs(PRESETS["llama-3.1-8b"], tp=1, weights="bf16", kv_bits=16))
+    >>> p = plan(BudgetInputs(PRESETS["llama-3.1-8b"], tp=1, weights="bf16", kv_bits=16))
     >>> p.kv_bytes_per_token_per_gpu, p.weights_bytes   # 2 × 32 × 8 × 128 × 2; 8.03e9 params × 2 bytes
     (131072, 16060522496)
     """
@@ -611,7 +611,7 @@ def plan(inputs: PlanInputs) -> Plan:
     if 0 < max_tokens < context:
         notes.append(f"a {context:,}-token request does not fit in the cache ({max_tokens:,} tokens): vLLM would "
                      f"refuse to start with max_model_len {context:,}; lower --context")
-    return Plan(
+    return HbmBudget(
         inputs=inputs, params=params, weights_bytes=weights, weights_naive_bytes=naive, replicated_bytes=replicated,
         usable_bytes=usable, kv_budget_bytes=budget, kv_heads_per_gpu=kv_per_gpu, kv_replication=replication,
         kv_scale_bits=scale_bits, kv_bytes_per_token_per_gpu=per_token, kv_bytes_per_token_model=per_token_model,
@@ -643,8 +643,8 @@ class ArticleRow:
     change: str
     cumulative: bool
     """False: a side check, not carried into the next step."""
-    at_16bit: Plan
-    at_3bit: Plan
+    at_16bit: HbmBudget
+    at_3bit: HbmBudget
 
     @property
     def ratio(self) -> float:
@@ -657,7 +657,7 @@ class ArticleRow:
 
     def to_dict(self) -> dict[str, Any]:
         """Step, change, and both plans' key figures."""
-        def brief(p: Plan) -> dict[str, Any]:
+        def brief(p: HbmBudget) -> dict[str, Any]:
             return {k: getattr(p, k) for k in ("weights_bytes", "kv_budget_bytes", "kv_bytes_per_token_per_gpu",
                                                "kv_effective_bits", "max_tokens")}
         return {"step": self.step, "change": self.change, "cumulative": self.cumulative,
@@ -666,10 +666,10 @@ class ArticleRow:
                 "tokens_16bit_vs_article": self.vs_article}
 
 
-def explain_article(base: PlanInputs | None = None) -> list[ArticleRow]:
+def explain_article(base: BudgetInputs | None = None) -> list[ArticleRow]:
     """Walk from gdsload's defaults to the assumptions that reproduce the article's ~82K → >400K tokens.
 
-    ``base`` supplies the starting assumptions (default: 405B, tp 8, fp8, H200 and the PlanInputs defaults);
+    ``base`` supplies the starting assumptions (default: 405B, tp 8, fp8, H200 and the BudgetInputs defaults);
     its model, tp and weights are forced to the article's. Each row is computed at 16-bit and at 3-bit KV. The
     last cumulative row sizes the KV cache on all 128 attention heads (no GQA) — the one assumption that brings
     the 16-bit figure to the article's ~82K; the ratio is ~5× in every row because it depends only on the
@@ -680,7 +680,7 @@ def explain_article(base: PlanInputs | None = None) -> list[ArticleRow]:
     (82288, 438880, 5.33)
     """
     spec = PRESETS[ARTICLE_405B["model"]]
-    start = replace(base or PlanInputs(spec), model=spec, tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"])
+    start = replace(base or BudgetInputs(spec), model=spec, tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"])
     steps: list[tuple[str, str, dict[str, Any], bool]] = [
         ("gdsload defaults", "the assumptions `gdsload plan` prints", {}, True),
         ("no KV scales", "3-bit KV without per-group scales", {"kv_scale_bits": 0}, True),

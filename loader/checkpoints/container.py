@@ -73,9 +73,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from gdsload.loader.codecs import CHUNK_BYTES, default_params, encode_tensor, nvcomp_available
+from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
+from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
-from gdsload.loader.format.compression import CHUNK_ALIGN, CODECS, FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
+from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
 from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE, to_torch
 from gdsload.loader.errors import (
@@ -108,8 +109,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "gdsload.checkpoint"
 """``__metadata__`` key of the skeleton (JSON)."""
 CHECKPOINT_VERSION = 1
-ALGORITHMS: dict[str, str | None] = {"ans": "ans", "zstd": "zstd", "gdeflate": "gdeflate", "none": None}
-"""``algorithm`` (case-insensitive) -> codec; ``auto`` is ANS where nvCOMP runs, else Zstd."""
+ALGORITHMS = ("ANS", "Zstd", "GDeflate", "none", "auto")
+"""What ``algorithm`` may be (any case): a codec's name, ``none``, or ``auto`` (ANS where nvCOMP runs, else Zstd)."""
 WRITERS = ("auto", "kvikio", "posix")
 """``auto``: kvikio when it imports and opens the file, else posix ``pwrite``."""
 
@@ -215,14 +216,15 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
     worst: dict[str, dict[str, Any]] = {}
     for leaf in stream:
         assert codec is not None
-        layout = CODECS[codec][0]
-        chunk = CHUNK_BYTES.get(codec, 0) if layout == "chunks" else 0
+        spec = codec_spec(codec)
+        layout = spec.layouts[0]
+        chunk = spec.chunk_bytes if layout == "chunks" else 0
         # Each chunk's size is a uint32; its base64 length depends only on the count of chunks.
         chunks = (min(leaf.nbytes, 0xFFFFFFFF),) * -(-leaf.nbytes // chunk) if chunk else ()
         worst[leaf.name] = CompressedEntry(
             leaf.name, leaf.dtype, tuple(leaf.tensor.shape), leaf.nbytes, codec, layout, leaf.nbytes,
             default_params(codec, leaf.dtype), chunk, chunks, 0xFFFFFFFF if checksum else None,
-            CHUNK_ALIGN.get(codec, 1) if chunk else 1,
+            spec.chunk_align if chunk else 1,
         ).to_json()
     entries = [*raw, *((leaf.name, "U8", [leaf.nbytes], data_max, data_max) for leaf in stream)]
     bound = len(_header_json(_with_compression(metadata, worst), entries))
@@ -406,21 +408,26 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _codec_of(algorithm: str) -> str | None:
-    if not isinstance(algorithm, str) or algorithm.lower() not in (*ALGORITHMS, "auto"):
+    names = codec_names()
+    if not isinstance(algorithm, str) or algorithm.lower() not in (*names, "none", "auto"):
+        shown = sorted((codec_spec(n).nvcomp_algorithm for n in names), key=lambda n: (n != "ANS", n))
         raise ConfigError(
-            f"algorithm={algorithm!r} is not one of 'ANS', 'Zstd', 'GDeflate', 'none' or 'auto' (case-insensitive)"
+            f"algorithm={algorithm!r} is not one of {', '.join(map(repr, [*shown, 'none', 'auto']))} (case-insensitive)"
         )
     name = algorithm.lower()
+    if name == "none":
+        return None
     if name != "auto":
-        return ALGORITHMS[name]
+        return name
     reason = nvcomp_available()
-    log.info("algorithm auto: %s", "ans (nvCOMP on the GPU)" if reason is None else f"zstd on the CPU ({reason})")
-    return "ans" if reason is None else "zstd"
+    log.info("algorithm auto: %s", f"{GPU_DEFAULT} (nvCOMP on the GPU)" if reason is None
+             else f"{CPU_DEFAULT} on the CPU ({reason})")
+    return GPU_DEFAULT if reason is None else CPU_DEFAULT
 
 
 def _staging_device(codec: str | None, algorithm: str, stream: list[Leaf]) -> torch.device | None:
     """The GPU that compresses CPU tensors for a GPU-only codec (None: none needed); raises if there is none."""
-    if codec not in ("ans", "gdeflate") or not stream:
+    if codec is None or codec_spec(codec).cpu_encode or not stream:
         return None
     reason = nvcomp_available()
     if reason is not None:
@@ -503,8 +510,10 @@ def save_compressed_checkpoint(
     streamed = {id(leaf) for leaf in stream}
     raw_leaves = sorted((leaf for leaf in leaves if id(leaf) not in streamed), key=lambda leaf: -ITEMSIZE[leaf.dtype])
     staging = _staging_device(codec, algorithm, stream)
-    zstd_on_gpu = codec == "zstd" and any(leaf.tensor.is_cuda for leaf in stream) and nvcomp_available() is None
-    checksum = codec == "zstd"  # native nvCOMP streams (ANS, GDeflate) carry their own checksums
+    cpu_codec = codec is not None and codec_spec(codec).cpu_encode
+    zstd_on_gpu = cpu_codec and any(leaf.tensor.is_cuda for leaf in stream) and nvcomp_available() is None
+    # Streams in nvCOMP's own container carry their own checksums; the others get a crc32.
+    checksum = codec is not None and not (codec_spec(codec).layouts[0] == "native" and codec_spec(codec).self_checked)
 
     raw_entries: list[tuple[str, str, list[int], int, int]] = []
     cursor = 0
@@ -581,9 +590,9 @@ def _compress(leaf: Leaf, codec: str | None, staging: torch.device | None, zstd_
     """A stream tensor's stored bytes: compressed when that gains ``min_gain`` (entry into ``comp``), else raw."""
     assert codec is not None
     t = leaf.tensor
-    if codec == "zstd" and t.is_cuda and not zstd_on_gpu:
+    if codec_spec(codec).cpu_encode and t.is_cuda and not zstd_on_gpu:
         t = t.cpu()
-    elif codec != "zstd" and not t.is_cuda:
+    elif not codec_spec(codec).cpu_encode and not t.is_cuda:
         t = t.to(staging)
     entry, blob = encode_tensor(leaf.name, t, leaf.dtype, codec, params=default_params(codec, leaf.dtype),
                                 checksum=checksum, threads=_ZSTD_THREADS)
@@ -706,7 +715,7 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
     targets = {name: dev or _saved_device(spec["device"], where, name) for name, spec in table.items()}
     comp = parse_compression(header)
     gpu_ok = nvcomp_available() is None
-    gpu_only = sorted({comp[n].codec for n in table if n in comp} - {"zstd"})
+    gpu_only = sorted({comp[n].codec for n in table if n in comp and not codec_spec(comp[n].codec).cpu_decode})
     if gpu_only and not gpu_ok:
         raise CodecError(
             f"{where!r} holds tensors compressed with {gpu_only}, which only a GPU decodes (nvCOMP), and here "
@@ -722,7 +731,7 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
         target = targets[name]
         e = comp.get(name)
         load_on = target
-        if e is not None and e.codec != "zstd" and target.type == "cpu":
+        if e is not None and not codec_spec(e.codec).cpu_decode and target.type == "cpu":
             load_on = torch.device("cuda", torch.cuda.current_device())
         elif e is not None and target.type == "cuda" and not gpu_ok:
             load_on = torch.device("cpu")

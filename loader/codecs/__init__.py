@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gdsload.loader.format.compression import CHUNK_ALIGN, CODECS, CompressedEntry
+from gdsload.loader.codecs.registry import codec, codec_names
+from gdsload.loader.format.compression import CompressedEntry
 from gdsload.loader.devices import Device, as_device
 from gdsload.loader.errors import CodecError
 
@@ -24,9 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ans_data_type",
     "default_params",
-    "ZSTD_CHUNK",
     "encode_tensor",
     "cpu_decode",
     "GpuCodecs",
@@ -34,31 +33,9 @@ __all__ = [
     "cuda_device_count",
 ]
 
-ZSTD_CHUNK = 256 << 10
-"""Decoded bytes per Zstd frame (``layout: chunks``)."""
-ANS_CHUNK = 256 << 10
-"""Decoded bytes per ANS chunk. 256 KiB gave ANS 1.50x on N(0, 0.02) bf16 against 1.46x at
-nvCOMP's default 64 KiB, decoding at the same ~1.3 TB/s (bench/RESULTS.md, codecs)."""
-CHUNK_BYTES = {"ans": ANS_CHUNK, "zstd": ZSTD_CHUNK}
-"""Decoded bytes per chunk of the codecs that ``gdsload compress`` writes as ``layout: chunks``."""
-GDEFLATE_CHUNK = 64 << 10
-"""GDeflate's largest chunk (nvCOMP aborts the process on a larger one)."""
-
-
-def ans_data_type(dtype: str) -> str:
-    """nvCOMP ANS symbol type for a safetensors dtype: ``<f2`` for 16-bit floats, ``<f4`` for fp32,
-    bytes for the rest (fp8 gains nothing from ``|f1`` over ``|u1``)."""
-    return {"BF16": "<f2", "F16": "<f2", "F32": "<f4"}.get(dtype, "|u1")
-
-
-def default_params(codec: str, dtype: str) -> dict[str, Any]:
-    if codec == "ans":
-        return {"data_type": ans_data_type(dtype)}
-    if codec == "gdeflate":
-        return {"algorithm_type": 1}
-    if codec == "zstd":
-        return {"level": 3}
-    raise CodecError(f"codec {codec!r} is not one of {sorted(CODECS)}")
+def default_params(codec_name: str, dtype: str) -> dict[str, Any]:
+    """The encoder parameters ``codec_name`` uses for a tensor of safetensors ``dtype``."""
+    return codec(codec_name).params(dtype)
 
 
 def cuda_device_count() -> int:
@@ -89,20 +66,20 @@ def nvcomp_available() -> str | None:
 # --------------------------------------------------------------------------- encoding
 
 
-def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int) -> list[bytes]:
+def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int) -> list[bytes]:
     import zstandard
 
     def one(i: int) -> bytes:
         # A compressor per call: ZstdCompressor objects are not thread-safe.
         c = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-        return c.compress(data[i : i + ZSTD_CHUNK].tobytes())
+        return c.compress(data[i : i + chunk].tobytes())
 
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, range(0, len(data), ZSTD_CHUNK)))
+        return list(pool.map(one, range(0, len(data), chunk)))
 
 
 def encode_tensor(
-    name: str, tensor: torch.Tensor, dtype: str, codec: str, *, params: dict[str, Any] | None = None,
+    name: str, tensor: torch.Tensor, dtype: str, codec_name: str, *, params: dict[str, Any] | None = None,
     checksum: bool = True, threads: int = 4,
 ) -> tuple[CompressedEntry, np.ndarray]:
     """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array).
@@ -112,40 +89,44 @@ def encode_tensor(
     """
     import torch
 
-    params = dict(default_params(codec, dtype) if params is None else params)
+    spec = codec(codec_name)
+    params = dict(spec.params(dtype) if params is None else params)
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     nbytes = raw.numel()
-    layout = CODECS[codec][0]
+    layout = spec.layouts[0]
     on_gpu = raw.is_cuda
-    if not on_gpu and codec != "zstd":
+    if not on_gpu and not spec.cpu_encode:
+        cpu = [c for c in codec_names() if codec(c).cpu_encode]
         raise CodecError(
-            f"tensor {name!r}: codec {codec!r} compresses on a GPU only (nvCOMP); run on a CUDA host or use --codec zstd"
+            f"tensor {name!r}: codec {codec_name!r} compresses on a GPU only (nvCOMP); run on a CUDA host or use "
+            f"a codec the CPU writes ({', '.join(cpu)})"
         )
     crc = None
     if checksum:
         crc = zlib.crc32(raw.cpu().numpy()) if on_gpu else zlib.crc32(raw.numpy())
     if not on_gpu:
-        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads)
+        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads, spec.chunk_bytes)
         blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
-        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params,
-                                ZSTD_CHUNK, tuple(len(f) for f in frames), crc)
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
+                                spec.chunk_bytes, tuple(len(f) for f in frames), crc)
         return entry, blob
     codecs = GpuCodecs(as_device(raw.device), encode=True)
     if layout == "native":
-        enc = codecs.native(codec, params).encode(codecs.nv.as_array(raw))
+        enc = codecs.native(codec_name, params).encode(codecs.nv.as_array(raw))
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
         # the (larger) worst-case capacity.
         size = enc.buffer_size
         blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size].cpu().numpy()
-        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, blob.size, params, crc32=crc)
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
+                                crc32=crc)
         return entry, blob
-    chunk, align = CHUNK_BYTES[codec], CHUNK_ALIGN.get(codec, 1)
+    chunk, align = spec.chunk_bytes, spec.chunk_align
     if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
         raw = raw.clone()
-    enc = codecs.chunked(codec, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
+    enc = codecs.chunked(codec_name, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
     frames = [_host_bytes(a) for a in enc]
     sizes = tuple(int(f.size) for f in frames)
-    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec, layout, 0, params, chunk, sizes, crc,
+    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, sizes, crc,
                             align)
     starts, *_ = entry.chunk_table()
     blob = np.zeros(int(starts[-1]) + sizes[-1] if sizes else 0, dtype=np.uint8)  # zeros fill the gaps
@@ -157,8 +138,8 @@ def encode_tensor(
 def _host_bytes(arr: Any) -> np.ndarray:
     """The compressed bytes of one nvCOMP batch output, copied into host memory we own.
 
-    Batch outputs are copied through nvCOMP's own ``cpu()``, not handed to torch by DLPack: on
-    the H200 machine, taking them by DLPack crashed the process (double free, abort).
+    Batch outputs are copied through nvCOMP's own ``cpu()``, not handed to torch by DLPack: taken by
+    DLPack, they crashed the process (double free, abort) with nvCOMP 6.0.
     """
     size = arr.buffer_size  # waits for the encoder; the array itself may be the worst-case capacity
     host = np.asarray(arr.cpu()).view(np.uint8).reshape(-1)
@@ -172,7 +153,7 @@ def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, veri
                threads: int = 4) -> None:
     """Decode ``entry`` from its stored bytes ``src`` into ``dst`` (both host memory)."""
     where = f"{path!r}: tensor {entry.name!r}"
-    if entry.codec != "zstd":
+    if not codec(entry.codec).cpu_decode:
         raise CodecError(
             f"{where} is compressed with {entry.codec!r}, which only a GPU decodes (nvCOMP); load it with "
             "device='cuda' on a GPU host, or re-compress with `gdsload compress --codec zstd` for CPU hosts"
@@ -233,25 +214,23 @@ class GpuCodecs:
             kw["cuda_stream"] = self.stream
         return kw
 
-    def native(self, codec: str, params: dict[str, Any]) -> Any:
-        key = ("native", codec, tuple(sorted(params.items())))
+    def native(self, codec_name: str, params: dict[str, Any]) -> Any:
+        key = ("native", codec_name, tuple(sorted(params.items())))
         if key not in self._cache:
-            nv = self.nv
-            algo = {"ans": "ANS", "gdeflate": "GDeflate"}[codec]
+            spec = codec(codec_name)
             opts = {k: v for k, v in params.items() if k in ("data_type", "algorithm_type")}
-            chunk = ANS_CHUNK if codec == "ans" else GDEFLATE_CHUNK
-            self._cache[key] = nv.Codec(algorithm=algo, uncomp_chunk_size=chunk, checksum_policy=self.policy,
-                                        **opts, **self._kwargs())
+            self._cache[key] = self.nv.Codec(algorithm=spec.nvcomp_algorithm, uncomp_chunk_size=spec.chunk_bytes,
+                                             checksum_policy=self.policy, **opts, **self._kwargs())
         return self._cache[key]
 
-    def chunked(self, codec: str, params: dict[str, Any] | None = None) -> Any:
-        """nvCOMP's batch codec for raw chunks (``layout: chunks``); ANS takes its ``data_type``."""
-        opts = {"data_type": (params or {})["data_type"]} if codec == "ans" else {}
-        key = ("chunks", codec, tuple(opts.items()))
+    def chunked(self, codec_name: str, params: dict[str, Any] | None = None) -> Any:
+        """nvCOMP's batch codec for raw chunks (``layout: chunks``), with the ``data_type`` the params give."""
+        opts = {"data_type": params["data_type"]} if params and "data_type" in params else {}
+        key = ("chunks", codec_name, tuple(opts.items()))
         if key not in self._cache:
             nv = self.nv
-            algo = {"ans": "ANS", "zstd": "Zstd"}[codec]
-            self._cache[key] = nv.Codec(algorithm=algo, bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
+            self._cache[key] = nv.Codec(algorithm=codec(codec_name).nvcomp_algorithm,
+                                        bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
         return self._cache[key]
 
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
@@ -270,7 +249,8 @@ class GpuCodecs:
         ANS chunks of all the items go to nvCOMP in one call, without the GIL; every other
         tensor is its own call. ``src`` and ``dst`` must stay put until :meth:`finish`.
         """
-        ans = [it for it in items if it[0].layout == "chunks" and it[0].codec == "ans"]
+        batched = [it for it in items if it[0].layout == "chunks" and codec(it[0].codec).batch_decoder]
+        ans = batched
         if ans:
             from gdsload.loader.codecs.nvcomp_c import AnsChunks, AnsDecoder
 
@@ -282,7 +262,7 @@ class GpuCodecs:
             self._ans.launch(AnsChunks.build([(e, address(s), address(d), f"{p!r}: tensor {e.name!r}")
                                               for e, s, d, p in ans]))
         for entry, src, dst, path in items:
-            if not (entry.layout == "chunks" and entry.codec == "ans"):
+            if not (entry.layout == "chunks" and codec(entry.codec).batch_decoder):
                 self._decode_one(entry, src, dst, path=path)
 
     def finish(self) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CODECS",
     "CHUNK_ALIGN",
+    "register_stream_format",
     "CompressedEntry",
     "parse_compression",
     "encode_chunk_sizes",
@@ -52,9 +53,17 @@ __all__ = [
 METADATA_KEY = "gdsload.compression"
 FORMAT_VERSION = 1
 CODECS: dict[str, tuple[str, ...]] = {"ans": ("chunks", "native"), "gdeflate": ("native",), "zstd": ("chunks",)}
-"""Codec name -> the layouts its streams may use; ``gdsload compress`` writes the first."""
+"""Codec name -> the layouts its streams may use; ``gdsload compress`` writes the first. These are format
+version 1's own codecs; a codec another package registers (:mod:`gdsload.loader.codecs.registry`) adds itself."""
 CHUNK_ALIGN: dict[str, int] = {"ans": 16}
-"""Alignment nvCOMP's batched decoder needs for each chunk of a codec (``layout: chunks``)."""
+"""Alignment each chunk of a codec needs (``layout: chunks``), where it is more than one byte."""
+
+
+def register_stream_format(codec: str, layouts: tuple[str, ...], chunk_align: int = 1) -> None:
+    """Let files use ``codec`` with ``layouts`` (what the codec registry calls for each codec it registers)."""
+    CODECS[codec] = tuple(layouts)
+    if chunk_align > 1:
+        CHUNK_ALIGN[codec] = chunk_align
 
 
 @dataclass(frozen=True)

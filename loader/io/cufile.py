@@ -9,15 +9,12 @@ Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in
 (weighted by size) and every one accepts O_DIRECT, kvikio reads them with O_DIRECT (its
 ``auto_direct_io_read``) into page-aligned bounce buffers: 4 threads, 2 MiB reads cut at
 2 MiB-aligned file offsets, queued as one sequential stream per thread
-(:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit the H200 machines'
-virtio disk best: with 16 MiB reads 11-24 requests waited at the disk, 15-25 ms each, and loads
-took 1.79-2.09 GB/s against 1.88-2.28 with 2 MiB reads, taking turns in fresh processes
-(bench/RESULTS.md, session 8).
+(:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit a virtio disk
+best: with 16 MiB reads, 11-24 requests waited at the disk, 15-25 ms each, and loads were slower.
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
 When fastsafetensors is installed, its native reader does such a cold rank's whole reads (into the
 arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`); a compressed
-load's staging groups stay with kvikio. Taking turns in fresh processes (bench/RESULTS.md,
-session 12), it read a cold 9 GB rank at 1.90 GB/s median against 1.77 for kvikio's shape above.
+load's staging groups stay with kvikio. It reads a cold rank faster than kvikio's shape above.
 
 It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or cupy's for the
 workers that load without torch (the only reader there, so ``auto`` takes it even without GDS).
@@ -52,12 +49,12 @@ class CuFileBackend(Backend):
     """Size of one O_DIRECT read of a cold file (kvikio's bounce buffer; see the module doc)."""
     COLD_PIECE: int | None = None
     """Bytes one kvikio task (so one thread) reads in order, ``COLD_TASK`` at a time; None: one read per task.
-    fastsafetensors reads that way; measured here with 8-16 threads and 128 MiB-1 GiB pieces, it gained
-    nothing over the default (bench/RESULTS.md, seventh session), so the default stays None."""
+    fastsafetensors reads that way; with 8-16 threads and 128 MiB-1 GiB pieces it gained nothing over the
+    default, so the default stays None."""
     COLD_STREAMS: int | None = None
     """Sequential streams the cold reads are queued as; None: one per thread. With more threads than
-    streams, each stream has several neighbouring reads in flight, as fastsafetensors reads. Measured with
-    8-16 threads and 4 streams, it gained nothing over the default (bench/RESULTS.md, ninth session)."""
+    streams, each stream has several neighbouring reads in flight, as fastsafetensors reads. With 8-16
+    threads and 4 streams it gained nothing over the default."""
     COLD_READER = "fastsafetensors"
     """Who reads a cold rank with O_DIRECT: ``fastsafetensors`` (its native reader, where installed; else
     kvikio) or ``kvikio``."""

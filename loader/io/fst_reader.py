@@ -3,12 +3,11 @@
 fastsafetensors ships a C++ reader (``fastsafetensors.cpp.nogds_file_reader``): its own threads
 ``pread`` 512 KiB O_DIRECT pieces into one ``cudaHostAlloc`` block placed on the GPU's NUMA node
 and copy each to the GPU asynchronously, waiting for a copy only when its buffer comes round
-again. On the H200 machines' virtio disk it read a cold 9 GB rank faster than every reader we
-drove from Python: kvikio's POSIX path (which waits for each copy before the next read), our own
-ring of pinned buffers, and the same design from Python threads with cupy (bench/RESULTS.md,
-sessions 7-10). Driven from here into one arena (``bench/diag/fst_reader.py``), it loaded as fast
-as fastsafetensors itself, and 1.2 x kvikio's best shape, taking turns in fresh processes
-(session 12). So cold reads use it when fastsafetensors is installed, and kvikio otherwise.
+again. From a cold virtio disk it read a 9 GB rank faster than every reader driven from Python:
+kvikio's POSIX path (which waits for each copy before the next read), a ring of pinned buffers, and
+the same design from Python threads with cupy. Driven into our own buffers, it loads as fast as
+fastsafetensors itself, and about 1.2 x kvikio's best shape. So cold reads use it when
+fastsafetensors is installed, and kvikio otherwise.
 
 The reader is fastsafetensors' own library, not a copy: ``gdsload[cu12]``/``[cu13]`` install it.
 Its Python surface (``fastsafetensors/cpp.pyi``) is typed but not documented as public, so any

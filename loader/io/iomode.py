@@ -51,7 +51,7 @@ class KvikioState:
 def kvikio_state() -> KvikioState:
     """Ask kvikio (if installed) how it would read; asked once per process.
 
-    Asking may open the cuFile driver (8 ms on the H200 machine), and ``auto`` selection asks
+    Asking may open the cuFile driver (about 8 ms), and ``auto`` selection asks
     more than once per load.
     """
     try:

@@ -17,8 +17,8 @@ __all__ = ["evict", "resident_fraction", "is_cold", "COLD_RESIDENCY", "RESIDENCY
 COLD_RESIDENCY = 0.5
 """Files with less than this fraction of their pages cached count as cold: read with O_DIRECT."""
 RESIDENCY_SAMPLES = 256
-"""Windows of pages probed per file to estimate residency (a full ``mincore`` scan cost ~0.1 s
-per 9 GB on the H200 machine's tmpfs, a third of the load)."""
+"""Windows of pages probed per file to estimate residency (a full ``mincore`` scan costs about 0.1 s
+per 9 GB on tmpfs, a third of a load from there)."""
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
@@ -90,8 +90,8 @@ def is_cold(*paths: str) -> bool:
     """Whether too little of these files is cached for page-cache reads to pay (sampled ``mincore``,
     weighted by size: a small file that reading the headers pulled in does not make a rank warm).
 
-    Files on a memory file system are never cold; the probe would cost ~8 ms per 9 GB there, 4 % of
-    a load from tmpfs (bench/RESULTS.md, eleventh session).
+    Files on a memory file system are never cold, and are not probed (about 8 ms per 9 GB, 4 % of a
+    load from tmpfs).
     """
     if paths and all(mount_of(p)[1] in MEMORY_FILESYSTEMS for p in paths):
         return False

@@ -6,26 +6,24 @@ chosen per file from its page-cache residency (``mincore``):
 
 - **cached files** (page cache or tmpfs) go through kvikio's C++ POSIX engine with
   compatibility mode forced on: a thread pool ``pread``s into pinned bounce buffers and copies
-  each to the device. Measured on the H200 machine from tmpfs: 43.6 GB/s with 16 threads and
-  4 MiB tasks, against 33 GB/s for the same pipeline in Python threads, whose per-chunk
+  each to the device. On an H200 from tmpfs: 43.6 GB/s with 16 threads and 4 MiB tasks,
+  against 33 GB/s for the same pipeline in Python threads, whose per-chunk
   overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
   small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
   Without kvikio, the Python ring below serves cached files too.
 - **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
   ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
   O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
-  as one sequential stream per thread (16 MiB until session 8; see ``cufile``'s module doc).
-  On the H200 machines' virtio disk, taking turns with the ring in fresh processes (3 rounds, fifth
-  session, 16 MiB reads): 1.93 GB/s median against 1.76 uncompressed, 2.75 against 2.49 for the ANS
-  copy (bench/RESULTS.md).
+  as one sequential stream per thread (see ``cufile``'s module doc); on a virtio disk this beat the
+  ring below, taking turns in fresh processes.
 - **cold ranks, when fastsafetensors is installed**: its native reader reads what goes straight
   into the arena, as in ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`;
   ``CuFileBackend.COLD_READER``); a compressed load's staging groups stay with the engines below.
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
-  the next chunk. Four readers beat 32 on that disk: 1.94 GB/s median against 1.75 taking turns in
-  one process; the chunks are queued as one stream per reader.
+  the next chunk. Four readers beat 32 on a virtio disk; the chunks are queued as one stream per
+  reader.
 
 The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
 """
@@ -70,8 +68,8 @@ class PinnedBackend(Backend):
     RING_THREADS_COLD = 4
     """Ring readers when every file the ring serves is read with O_DIRECT (cold)."""
     RING_THREADS_CACHED = 16
-    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads. The
-    Python ring from tmpfs on the H200 machine: 33.7 GB/s with 16, 23.0 with 8, 28.4 with 32 (RESULTS.md)."""
+    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads (from
+    tmpfs on an H200: 33.7 GB/s with 16, 23.0 with 8, 28.4 with 32)."""
     RING_STREAMS: int | None = None
     """Sequential streams the ring keeps going (None: one per reader; see ``ring.stream_order``)."""
     RING_CHUNK = 16 << 20

@@ -23,6 +23,7 @@ from typing import Any
 
 from gdsload.loader.io import Backend
 from gdsload.loader.codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
+from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
 from gdsload.loader.errors import CodecError
 from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
@@ -117,8 +118,8 @@ def load_compressed(
     if reason is not None:
         raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
                          f"{reason}")
-    if any(t.entry.codec != "ans" or t.entry.layout != "chunks" for t in plan.compressed):
-        _warn_if_other_gpus(device)  # ANS chunks go through nvCOMP's C API, which leaves GPU 0 alone
+    if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
+        _warn_if_other_gpus(device)  # chunks of a batch decoder go through nvCOMP's C API, which leaves GPU 0 alone
     slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]

@@ -21,7 +21,8 @@ import torch
 
 from gdsload.loader.pipeline.load import load_rank
 from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
-from gdsload.loader.format.compression import CODECS, FORMAT_VERSION, METADATA_KEY, parse_compression
+from gdsload.loader.codecs.registry import GPU_DEFAULT, codec as codec_spec, codec_names
+from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
 from gdsload.loader.format.discovery import list_ranks
 from gdsload.loader.errors import CodecError, ConfigError
 from gdsload.loader.format.safetensors import (
@@ -71,10 +72,11 @@ def compress_device(codec: str, device: str | torch.device | None) -> torch.devi
     if device is None:
         device = "cuda" if nvcomp_available() is None else "cpu"
     dev = torch.device(device)
-    if dev.type == "cpu" and codec != "zstd":
+    if dev.type == "cpu" and not codec_spec(codec).cpu_encode:
+        cpu = [c for c in codec_names() if codec_spec(c).cpu_encode and codec_spec(c).cpu_decode]
         raise CodecError(
             f"codec {codec!r} compresses on a GPU only (nvCOMP): {nvcomp_available() or 'device=cpu was asked for'}; "
-            "run on a CUDA host, or use codec 'zstd', which the CPU can write and read"
+            f"run on a CUDA host, or use {' or '.join(map(repr, cpu))}, which the CPU can write and read"
         )
     return dev
 
@@ -83,7 +85,7 @@ def compress_file(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    codec: str = "ans",
+    codec: str = GPU_DEFAULT,
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     checksum: bool = True,
@@ -94,8 +96,8 @@ def compress_file(
 
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
-    if codec not in CODECS:
-        raise ConfigError(f"codec={codec!r} is not one of {sorted(CODECS)}")
+    if codec not in codec_names():
+        raise ConfigError(f"codec={codec!r} is not one of {codec_names()}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
     dev = compress_device(codec, device)
@@ -150,7 +152,7 @@ def compress_dir(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    codec: str = "ans",
+    codec: str = GPU_DEFAULT,
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,

@@ -1,0 +1,89 @@
+"""The codecs, by name: what each one is, as the rest of the loader needs to know it.
+
+A codec is one module that builds a :class:`CodecSpec` and calls :func:`register_codec` (the
+modules of :data:`BUILTIN` are imported on first use; other packages declare theirs in the entry
+point group ``gdsload.codecs`` as ``name = "package.module"``, imported when the name is first asked
+for). Registering also tells the format layer which stream layouts files may use for the codec.
+
+>>> codec("zstd").cpu_decode
+True
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from gdsload.loader.errors import CodecError
+from gdsload.loader.format.compression import register_stream_format
+
+__all__ = ["CodecSpec", "register_codec", "codec", "codec_names", "GPU_DEFAULT", "CPU_DEFAULT", "BUILTIN"]
+
+BUILTIN = ("gdsload.loader.codecs.ans", "gdsload.loader.codecs.zstd", "gdsload.loader.codecs.gdeflate")
+GPU_DEFAULT = "ans"
+"""What ``auto`` compresses with where nvCOMP runs."""
+CPU_DEFAULT = "zstd"
+"""What ``auto`` compresses with elsewhere (it must encode and decode on the CPU)."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    name: str
+    layouts: tuple[str, ...]
+    """Stream layouts files may use (``chunks``, ``native``); ``gdsload compress`` writes the first."""
+    nvcomp_algorithm: str
+    """nvCOMP's name for it (``ANS``, ``Zstd``, ``GDeflate``)."""
+    params: Callable[[str], dict[str, Any]]
+    """Encoder parameters for a tensor of safetensors dtype ``dtype``."""
+    chunk_bytes: int = 0
+    """Decoded bytes per chunk (``chunks`` layout; for ``native``, nvCOMP's chunk size)."""
+    chunk_align: int = 1
+    """Alignment each chunk needs within a tensor's stored bytes (``chunks`` layout)."""
+    cpu_encode: bool = False
+    cpu_decode: bool = False
+    """Whether the CPU can compress / decode it (``zstandard``): only such codecs load on CPU-only hosts."""
+    batch_decoder: bool = False
+    """Whether its ``chunks`` decode through nvCOMP's C API in one call per staging group (no GIL held,
+    GPU 0 left alone); others go through nvCOMP's Python package, one call per tensor."""
+    self_checked: bool = False
+    """Whether its ``native`` streams carry checksums of their own (no crc32 needed beside them)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_CODECS: dict[str, CodecSpec] = {}
+_LOADED = False
+
+
+def register_codec(spec: CodecSpec) -> None:
+    """Make ``spec`` known by its name; files may then use its layouts."""
+    _CODECS[spec.name] = spec
+    register_stream_format(spec.name, spec.layouts, spec.chunk_align)
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for module in BUILTIN:
+        importlib.import_module(module)
+    for ep in entry_points(group="gdsload.codecs"):
+        if ep.name not in _CODECS:
+            importlib.import_module(ep.value)
+
+
+def codec(name: str) -> CodecSpec:
+    """The codec called ``name``; :class:`CodecError` naming the known ones otherwise."""
+    _load()
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise CodecError(f"codec {name!r} is not known; known codecs: {', '.join(sorted(_CODECS))}") from None
+
+
+def codec_names() -> list[str]:
+    _load()
+    return sorted(_CODECS)
