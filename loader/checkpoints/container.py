@@ -410,7 +410,7 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
 def _codec_of(algorithm: str) -> str | None:
     names = codec_names()
     if not isinstance(algorithm, str) or algorithm.lower() not in (*names, "none", "auto"):
-        shown = sorted((codec_spec(n).nvcomp_algorithm for n in names), key=lambda n: (n != "ANS", n))
+        shown = sorted((codec_spec(n).nvcomp_algorithm for n in names), key=lambda n: (n != "ANS", n != "Zstd", n))
         raise ConfigError(
             f"algorithm={algorithm!r} is not one of {', '.join(map(repr, [*shown, 'none', 'auto']))} (case-insensitive)"
         )
