@@ -50,8 +50,17 @@ class NoFilesForRankError(GdsloadError, FileNotFoundError):
     """Discovery found no files for the requested rank."""
 
 
+class UnfinishedOutputError(GdsloadError, FileNotFoundError):
+    """The directory is the output of a ``gdsload shard`` or ``gdsload compress`` run that has not finished
+    (still running, or killed): nothing in it is loaded until the run completes."""
+
+
 class FileUnreadableError(GdsloadError, OSError):
     """A file of the rank cannot be opened or read (removed, permissions, not a regular file)."""
+
+
+class DeviceMemoryError(GdsloadError, MemoryError):
+    """The memory a load needs (its arena, or staging) cannot be allocated on its device."""
 
 
 class BackendUnavailableError(GdsloadError, RuntimeError):

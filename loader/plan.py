@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.format.discovery import RankFiles
 from gdsload.loader.errors import FileUnreadableError, GdsloadError, HeaderError
+from gdsload.loader.format.confine import open_beneath
 from gdsload.loader.format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
 from gdsload.loader.format.manifest import logical_bytes
 
@@ -231,13 +232,20 @@ class TensorMeta:
     compressed: bool = False
 
 
-def open_file(path: str) -> int:
-    """Open one of a rank's files for reading; :class:`FileUnreadableError` naming it and the fix."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise FileUnreadableError(f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and "
-                                  "this user may read it") from None
+def open_file(path: str, confine: Sequence[str] | None = None) -> int:
+    """Open one of a rank's files for reading; :class:`FileUnreadableError` naming it and the fix.
+
+    With ``confine``, the open itself stays inside those directories
+    (:func:`~gdsload.loader.format.confine.open_beneath`).
+    """
+    if confine:
+        fd = open_beneath(path, confine)
+    else:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FileUnreadableError(f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and "
+                                      "this user may read it") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise FileUnreadableError(f"{path!r} is not a regular file; point the load at safetensors files")
@@ -249,7 +257,8 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def _open_all(rank_files: RankFiles, opened: Mapping[str, int] | None) -> tuple[list[int], list[bool]]:
+def _open_all(rank_files: RankFiles, opened: Mapping[str, int] | None,
+              confine: Sequence[str] | None = None) -> tuple[list[int], list[bool]]:
     """A descriptor per file (the caller's, where given): ``(fds, owned)``; on failure nothing stays open."""
     fds: list[int] = []
     owned: list[bool] = []
@@ -259,7 +268,7 @@ def _open_all(rank_files: RankFiles, opened: Mapping[str, int] | None) -> tuple[
                 fds.append(opened[p])
                 owned.append(False)
             else:
-                fds.append(open_file(p))
+                fds.append(open_file(p, confine))
                 owned.append(True)
     except BaseException:
         for fd, mine in zip(fds, owned):
@@ -315,6 +324,7 @@ def plan_rank(
     only: Collection[str] | None = None,
     map_files: bool = False,
     opened: Mapping[str, int] | None = None,
+    confine: Sequence[str] | None = None,
 ) -> LoadPlan:
     """Read and validate every header of the rank, then lay out the arena and the reads.
 
@@ -327,11 +337,11 @@ def plan_rank(
     Every file is opened once, here, and the plan holds the descriptors until :meth:`LoadPlan.close`:
     the headers and the data come from the same files even when a path is replaced or removed
     meanwhile. ``opened`` gives descriptors the caller already holds for some of the paths (they
-    stay the caller's to close). Raises :class:`FileUnreadableError` for a file that cannot be opened, :class:`HeaderError` for any malformed header, or a
+    stay the caller's to close); with ``confine``, every open stays inside those directories. Raises :class:`FileUnreadableError` for a file that cannot be opened, :class:`HeaderError` for any malformed header, or a
     tensor name found in two files, and :class:`PlanError` for a target that does not fit, before
     anything is read or allocated.
     """
-    fds, owned = _open_all(rank_files, opened)
+    fds, owned = _open_all(rank_files, opened, confine)
     try:
         return _plan(rank_files, fds, owned, targets, only, map_files)
     except BaseException:

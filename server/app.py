@@ -17,13 +17,15 @@ lifespan only starts it (returning at once) and stops it at shutdown. The probes
 model or request (a body that is not JSON too), 401 missing or wrong token, 403 no token
 configured or path outside the allowed roots, 404 unknown rank, lease or path, 405 method, 409
 rank not ready or exports outstanding, 413 body too large, 422 body or path parameter of the
-wrong shape, 500 a fault of the server, 503 worker gone. The token is checked before the body.
+wrong shape, 500 a fault of the server, 503 worker gone; 408 a body not sent in time. The token is
+checked from the headers before any body byte is read (and the ``Host`` before that).
 
 >>> app = create_app(Supervisor(ServeConfig.resolve(model_dir="/models/m")))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -43,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
+from .http_guard import REQUEST_TIMEOUT_S
 from .metrics import make_registry, render
 from .settings import ENV_VARS, TOKEN_ENV
 from .supervisor import ExportsOutstandingError, RankNotReadyError, Supervisor, WorkerError
@@ -73,7 +76,7 @@ def _http_status(exc: GdsloadError) -> int:
         return 401
     if isinstance(exc, PermissionError):
         return 403
-    if isinstance(exc, LookupError):
+    if isinstance(exc, (LookupError, FileNotFoundError)):
         return 404
     if isinstance(exc, (ExportsOutstandingError, RankNotReadyError)):
         return 409
@@ -126,12 +129,23 @@ class ReleaseRequest(BaseModel):
                                           "lease of the rank (one engine per rank).")
 
 
-class _BodyLimit:
-    """ASGI wrapper: refuse request bodies over ``limit`` bytes with 413 (before any parsing)."""
+async def _send_error(send: Callable[[_Message], Awaitable[None]], status: int, kind: str, message: str,
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = JSONResponse({"error": {"type": kind, "message": message}}).body
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, app: _ASGIApp, limit: int):
+
+class _BodyLimit:
+    """ASGI wrapper: the whole request body read here, at most ``limit`` bytes within ``timeout`` seconds
+    (413 beyond the size, before reading, when the length is declared; 408 past the time), then replayed."""
+
+    def __init__(self, app: _ASGIApp, limit: int, timeout: float = REQUEST_TIMEOUT_S):
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
@@ -140,19 +154,25 @@ class _BodyLimit:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                await self._refuse(send)
+                await self._too_large(send)
                 return
-        # Chunked bodies carry no length: read them here (they are small) and replay them to the app.
         buffered: list[_Message] = []
         seen = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            message = await receive()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
+            except asyncio.TimeoutError:
+                await _send_error(send, 408, "RequestTimeout",
+                                  f"the request body did not arrive within {self.timeout:g} s; send it at once")
+                return
             buffered.append(message)
             if message["type"] != "http.request":
                 break
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                await self._refuse(send)
+                await self._too_large(send)
                 return
             if not message.get("more_body", False):
                 break
@@ -162,12 +182,74 @@ class _BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Callable[[_Message], Awaitable[None]]) -> None:
-        body = JSONResponse({"error": {"type": "RequestTooLarge",
-                                       "message": f"request bodies are limited to {self.limit} bytes"}}).body
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    async def _too_large(self, send: Callable[[_Message], Awaitable[None]]) -> None:
+        await _send_error(send, 413, "RequestTooLarge", f"request bodies are limited to {self.limit} bytes")
+
+
+class _HostCheck:
+    """ASGI wrapper: refuse requests whose ``Host`` header names a host not allowed (DNS rebinding), with 400.
+
+    The probes answer whatever the ``Host``: they tell nothing a page could misuse, and kubelets send pod IPs.
+    """
+
+    def __init__(self, app: _ASGIApp, allowed: tuple[str, ...]):
+        self.app = app
+        self.allowed = {h.strip("[]").lower() for h in allowed}
+
+    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                       send: Callable[[_Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or "*" in self.allowed or scope["path"] in ("/healthz", "/readyz"):
+            await self.app(scope, receive, send)
+            return
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
+        if name.strip("[]").lower() not in self.allowed:
+            await _send_error(send, 400, "HostNotAllowed",
+                              f"Host {host!r} is not one this server answers ({', '.join(sorted(self.allowed))}); "
+                              "start it with --allowed-host NAME to add one")
+            return
+        await self.app(scope, receive, send)
+
+
+class _TokenFirst:
+    """ASGI wrapper: for the endpoints that need the token, check it from the headers before a body byte is read."""
+
+    def __init__(self, app: _ASGIApp, protected: list[tuple[set[str], Any]], token: str | None):
+        self.app = app
+        self.protected = protected
+        self.token = token
+
+    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                       send: Callable[[_Message], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and any(scope["method"] in methods and regex.match(scope["path"])
+                                           for methods, regex in self.protected):
+            try:
+                _check_token(self.token, _authorization(scope))
+            except GdsloadError as e:
+                await _send_error(send, _http_status(e), type(e).__name__, str(e),
+                                  [(b"www-authenticate", b'Bearer realm="gdsload"')] if isinstance(e, UnauthorizedError)
+                                  else None)
+                return
+        await self.app(scope, receive, send)
+
+
+def _authorization(scope: _Scope) -> str | None:
+    """The bearer token of a request's ``Authorization`` header, or None."""
+    value = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+    if value is None:
+        return None
+    kind, _, credentials = value.partition(" ")
+    return credentials.strip() if kind.lower() == "bearer" and credentials.strip() else None
+
+
+def _check_token(token: str | None, given: str | None) -> None:
+    if token is None:
+        raise TokenNotConfiguredError(
+            f"this endpoint needs a bearer token and the server has none; restart it with {TOKEN_ENV}=... "
+            f"or --token-file FILE ({ENV_VARS['token_file']}=FILE)"
+        )
+    if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+        raise UnauthorizedError("missing or wrong bearer token; send the header 'Authorization: Bearer TOKEN'")
 
 
 _bearer = HTTPBearer(auto_error=False, description=f"The token from {TOKEN_ENV} or --token-file.")
@@ -175,14 +257,8 @@ _bearer = HTTPBearer(auto_error=False, description=f"The token from {TOKEN_ENV} 
 
 def _require_token(request: Request,
                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    token = request.app.state.supervisor.config.token
-    if token is None:
-        raise TokenNotConfiguredError(
-            f"this endpoint needs a bearer token and the server has none; restart it with {TOKEN_ENV}=... "
-            f"or --token-file FILE ({ENV_VARS['token_file']}=FILE)"
-        )
-    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-        raise UnauthorizedError("missing or wrong bearer token; send the header 'Authorization: Bearer TOKEN'")
+    """The route-level check (it documents the scheme in OpenAPI); ``_TokenFirst`` has already run it."""
+    _check_token(request.app.state.supervisor.config.token, credentials.credentials if credentials else None)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -243,6 +319,8 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         description="Loads a model's tensor-parallel ranks (one worker process per rank) and reports liveness, "
                     "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's pages load their scripts from a CDN: /docs below needs nothing from outside
+        redoc_url=None,
     )
     app.state.supervisor = supervisor
     protected = [Depends(_require_token)]
@@ -280,6 +358,10 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         return JSONResponse({"error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}; "
                                        "see the server's log"}}, status_code=500)
 
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return Response(api_page(app.openapi()), media_type="text/html")
+
     @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["probes"],
                    summary="Liveness: 200 while the process lives and its supervisor runs",
                    responses={503: {"description": "The supervisor loop died: restart the process"}})
@@ -310,18 +392,28 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         body, content_type = render(registry)
         return Response(body, media_type=content_type)
 
+    async def wait_for_leases(wait_s: float) -> None:
+        # On the event loop, not a worker thread: requests that wait hold no thread the release they wait
+        # for would need.
+        deadline = time.monotonic() + wait_s
+        while supervisor.outstanding_leases() and time.monotonic() < deadline and not supervisor.stopping:
+            await asyncio.sleep(0.05)
+
     @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected,
               summary="Serve another model directory (e.g. a new version)")
-    def reload(body: ReloadRequest) -> dict[str, Any]:
+    async def reload(body: ReloadRequest) -> dict[str, Any]:
         """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
         4xx and the current model stays. Then stops the current workers and starts the new ones; poll
         ``/readyz`` for the result."""
-        return supervisor.reload(body.model_dir, body.ranks, wait_s=body.wait_s, force=body.force)
+        target = await run_in_threadpool(supervisor.check_target, body.model_dir, body.ranks)
+        await wait_for_leases(body.wait_s)
+        return await run_in_threadpool(supervisor.switch, target, force=body.force)
 
     @app.post("/v1/unload", tags=["control"], dependencies=protected, summary="Stop the workers and free memory")
-    def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
+    async def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
         body = body or UnloadRequest()
-        return supervisor.unload(wait_s=body.wait_s, force=body.force)
+        await wait_for_leases(body.wait_s)
+        return await run_in_threadpool(supervisor.switch, None, force=body.force)
 
     @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected,
              summary="IPC document of a rank for a local engine process")
@@ -336,6 +428,31 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None) -> dict[str, Any]:
         return supervisor.release(rank, (body or ReleaseRequest()).lease)
 
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    protected_routes = [(set(r.methods or ()), r.path_regex) for r in app.routes
+                        if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))]
+    # Added innermost first: the fast /readyz, then the Host, then the token, then the body (size and time).
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, timeout=supervisor.config.request_timeout)
+    app.add_middleware(_TokenFirst, protected=protected_routes, token=supervisor.config.token)
+    app.add_middleware(_HostCheck, allowed=supervisor.config.http_hosts())
     app.add_middleware(_ReadyzFastPath, supervisor=supervisor)  # added last: runs first
     return app
+
+
+def api_page(spec: dict[str, Any]) -> str:
+    """The API described from its OpenAPI document as one self-contained HTML page (no scripts, no CDN)."""
+    import html
+
+    rows = []
+    for path, item in spec.get("paths", {}).items():
+        for method, op in item.items():
+            token = "yes" if op.get("security") else "no"
+            rows.append(f"<tr><td><code>{html.escape(method.upper())} {html.escape(path)}</code></td>"
+                        f"<td>{token}</td><td>{html.escape(op.get('summary', ''))}"
+                        f"<br><small>{html.escape((op.get('description') or '').strip())}</small></td></tr>")
+    title = html.escape(f"{spec.get('info', {}).get('title', '')} {spec.get('info', {}).get('version', '')}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>body{{font-family:"
+            "sans-serif;margin:2em}td{vertical-align:top;padding:4px 12px;border-top:1px solid #ddd}</style></head>"
+            f"<body><h1>{title}</h1><p>{html.escape(spec.get('info', {}).get('description', ''))}</p>"
+            "<p>Machine-readable: <a href='/openapi.json'>/openapi.json</a>. Token endpoints want "
+            "<code>Authorization: Bearer TOKEN</code>.</p><table><tr><th>endpoint</th><th>token</th><th>what</th></tr>"
+            + "".join(rows) + "</table></body></html>")

@@ -40,6 +40,9 @@ def _env(name: str) -> str:
               help=f"File holding the bearer token for reload/unload/IPC; {_env('token_file')}, or the token in {TOKEN_ENV}.")
 @click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(file_okay=False),
               help=f"Directory model paths must lie in (repeatable); {_env('allow_roots')} (':'-separated).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help=f"A Host header the API answers (repeatable; '*': any); default: the loopback names when bound to "
+                   f"loopback, else any; {_env('allowed_hosts')} (','-separated).")
 @click.option("--log-format", type=click.Choice(LOG_FORMATS, case_sensitive=False), default=None, help=f"text or json; {_env('log_format')}.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help=f"Default info; {_env('log_level')}.")
 @click.option("--restart-backoff", type=float, default=None,
@@ -51,24 +54,28 @@ def _env(name: str) -> str:
               help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
 @click.option("--stop-timeout", type=float, default=None,
               help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.")
+@click.option("--request-timeout", type=float, default=None,
+              help=f"Seconds a client may take to send a request's headers, then its body (default 10); "
+                   f"{_env('request_timeout')}.")
 @click.option("--worker-start", type=click.Choice(START_METHODS, case_sensitive=False), default=None,
               help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
                    f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
                    f"{_env('worker_start')}.")
 def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: str | None, backend: str | None,
           host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
-          log_format: str | None, log_level: str | None, restart_backoff: float | None,
+          allowed_hosts: tuple[str, ...], log_format: str | None, log_level: str | None, restart_backoff: float | None,
           restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None,
-          worker_start: str | None) -> None:
+          request_timeout: float | None, worker_start: str | None) -> None:
     """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
     readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
     GDSLOAD_* variable; flags win."""
     try:
         config = ServeConfig.resolve(
             model_dir=model_dir, ranks=ranks, tp=tp, device_map=device_map, backend=backend, host=host, port=port,
-            token_file=token_file, allow_roots=allow_roots, log_format=log_format, log_level=log_level,
+            token_file=token_file, allow_roots=allow_roots, allowed_hosts=allowed_hosts, log_format=log_format,
+            log_level=log_level,
             restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
-            stop_timeout=stop_timeout, worker_start=worker_start,
+            stop_timeout=stop_timeout, request_timeout=request_timeout, worker_start=worker_start,
         )
     except GdsloadError as e:
         raise click.UsageError(str(e)) from None
@@ -120,8 +127,11 @@ def run_server(config: ServeConfig) -> None:
 
         from .app import create_app
 
+        from .http_guard import guarded_protocol
+
         server = uvicorn.Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
-                                               lifespan="on", timeout_graceful_shutdown=5, server_header=False))
+                                               lifespan="on", timeout_graceful_shutdown=5, server_header=False,
+                                               http=guarded_protocol(config.request_timeout)))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         # Logged at any --log-level: with --port 0 this line is the only place the port is named.

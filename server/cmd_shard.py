@@ -55,10 +55,16 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     """
     options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest)
     if codec is not None:  # what would stop the compression is checked before the sharding work
-        if Path(out).exists():
-            raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
         compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
     plan = plan_shard(src, options)
+    if codec is not None and Path(out).exists():
+        uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
+        if not _is_this_compressed_output(Path(out), plan.fingerprint, codec):
+            raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
+        # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
+        shutil.rmtree(uncompressed, ignore_errors=True)
+        click.echo(f"{out!r} already holds this command's compressed output; nothing to do")
+        return
     console = Console(stderr=True)
     enabled = console.is_terminal if show_progress is None else show_progress
     columns = (TextColumn("[bold]shard[/] tp={task.fields[tp]}"), BarColumn(), DownloadColumn(),
@@ -82,3 +88,16 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
         click.echo(result.summary())
         if codec is not None:
             click.echo(f"compressed with {codec}: {stats.compressed} of {stats.tensors} tensors, ratio {stats.ratio:.3f}")
+
+
+def _is_this_compressed_output(out: Path, fingerprint: str, codec: str) -> bool:
+    """Whether ``out`` is the finished output of this very ``shard --compress`` command."""
+    from gdsload.loader.errors import GdsloadError
+    from gdsload.loader.format.manifest import Manifest
+
+    try:
+        extra = Manifest.read(out).extra
+    except (GdsloadError, OSError):
+        return False
+    return (extra.get("shard", {}).get("fingerprint") == fingerprint
+            and extra.get("compression", {}).get("codec") == codec)

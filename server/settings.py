@@ -14,15 +14,18 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_TOKEN                 | (env only)              | the bearer token                                  | none        |
 | GDSLOAD_TOKEN_FILE            | --token-file            | a file holding the bearer token                   | none        |
 | GDSLOAD_ALLOW_ROOT            | --allow-root (repeat)   | directories, ``:``-separated in the variable      | none        |
+| GDSLOAD_ALLOWED_HOSTS         | --allowed-host (repeat) | host names or IPs, ``,``-separated; ``*``: any    | (2)         |
 | GDSLOAD_LOG_FORMAT            | --log-format            | ``text``, ``json``                                | ``text``    |
 | GDSLOAD_LOG_LEVEL             | --log-level             | ``debug`` .. ``critical``                         | ``info``    |
 | GDSLOAD_RESTART_BACKOFF       | --restart-backoff       | seconds > 0, <= 3600: first restart delay         | 1.0         |
 | GDSLOAD_RESTART_BACKOFF_MAX   | --restart-backoff-max   | seconds >= the first delay, <= 3600               | 30.0 (1)    |
 | GDSLOAD_MAX_RESTARTS          | --max-restarts          | integer 0..1000 consecutive restarts per rank     | 5           |
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |
+| GDSLOAD_REQUEST_TIMEOUT       | --request-timeout       | seconds 0.1..600 to send headers, then body       | 10.0        |
 | GDSLOAD_WORKER_START          | --worker-start          | ``auto``, ``forkserver``, ``spawn``               | ``auto``    |
 
 (1) or the first delay, when only that is given and it is larger.
+(2) the loopback names (``127.0.0.1``, ``localhost``, ``::1``) when the server binds loopback, else any.
 
 The token comes from ``--token-file``, else ``GDSLOAD_TOKEN_FILE``, else ``GDSLOAD_TOKEN``.
 
@@ -75,12 +78,14 @@ ENV_VARS: dict[str, str] = {
     "port": "GDSLOAD_PORT",
     "token_file": "GDSLOAD_TOKEN_FILE",
     "allow_roots": "GDSLOAD_ALLOW_ROOT",
+    "allowed_hosts": "GDSLOAD_ALLOWED_HOSTS",
     "log_format": "GDSLOAD_LOG_FORMAT",
     "log_level": "GDSLOAD_LOG_LEVEL",
     "restart_backoff": "GDSLOAD_RESTART_BACKOFF",
     "restart_backoff_max": "GDSLOAD_RESTART_BACKOFF_MAX",
     "max_restarts": "GDSLOAD_MAX_RESTARTS",
     "stop_timeout": "GDSLOAD_STOP_TIMEOUT",
+    "request_timeout": "GDSLOAD_REQUEST_TIMEOUT",
     "worker_start": "GDSLOAD_WORKER_START",
 }
 LOG_FORMATS = ("text", "json")
@@ -88,6 +93,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MAX_RANK = 4095
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+\Z")
+MIN_TOKEN_LENGTH = 16
+"""Shortest bearer token accepted: guessing one must be out of reach (``openssl rand -hex 32`` gives 64)."""
 
 
 class PathNotAllowedError(GdsloadError, PermissionError):
@@ -190,6 +197,9 @@ class ServeConfig:
     """Where the token came from (``GDSLOAD_TOKEN`` or ``file:PATH``), for the log; never the token itself."""
     allow_roots: tuple[str, ...] = ()
     """Real paths of the directories model paths must lie in; empty: reload accepts no path at all."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Names the HTTP ``Host`` header may carry (``*``: any); empty: the loopback names when the server binds a
+    loopback address (a web page cannot reach it by DNS rebinding), else any."""
     log_format: str = "text"
     """``text`` or ``json`` (one JSON object per line) for the server and its workers."""
     log_level: str = "info"
@@ -202,6 +212,8 @@ class ServeConfig:
     """Consecutive crashes of one rank's worker that are restarted; the next one leaves the rank failed."""
     stop_timeout: float = 10.0
     """Seconds a worker gets to free its memory and exit on unload, reload or SIGTERM before it is killed."""
+    request_timeout: float = 10.0
+    """Seconds a client may take to send a request's headers, and then its body; slower ones are cut off."""
     worker_start: str = "auto"
     """How workers start: ``forkserver`` forks them from a helper that imported their libraries when the server
     started (no CUDA in it; see :mod:`gdsload.server.forkserver`); ``spawn`` starts a fresh interpreter each;
@@ -235,6 +247,14 @@ class ServeConfig:
                 f"the token from {self.token_source or 'the configuration'} is empty or holds spaces or control "
                 "characters; use printable ASCII without spaces (e.g. `openssl rand -hex 32`)"
             )
+        if self.token is not None and len(self.token) < MIN_TOKEN_LENGTH:
+            raise ConfigError(
+                f"the token from {self.token_source or 'the configuration'} has {len(self.token)} characters; use at "
+                f"least {MIN_TOKEN_LENGTH} (e.g. `openssl rand -hex 32`)"
+            )
+        for h in self.allowed_hosts:
+            if not isinstance(h, str) or not h or (h != "*" and not _valid_host(h.strip("[]"))):
+                raise ConfigError(f"allowed host {h!r} is not a host name or IP address (or '*': any host)")
         for root in self.allow_roots:
             if not os.path.isabs(root) or not os.path.isdir(root):
                 raise ConfigError(f"allow_root {root!r} is not an existing directory; create it or fix the path")
@@ -258,6 +278,8 @@ class ServeConfig:
             raise ConfigError(f"max_restarts={self.max_restarts!r} must be an integer in 0..1000 (0: never restart)")
         if not _is_number(self.stop_timeout) or not 0.1 <= self.stop_timeout <= 600:
             raise ConfigError(f"stop_timeout={self.stop_timeout!r} must be a number of seconds in 0.1..600")
+        if not _is_number(self.request_timeout) or not 0.1 <= self.request_timeout <= 600:
+            raise ConfigError(f"request_timeout={self.request_timeout!r} must be a number of seconds in 0.1..600")
         from .forkserver import START_METHODS
 
         if self.worker_start not in START_METHODS:
@@ -273,11 +295,22 @@ class ServeConfig:
         except ValueError:
             return False
 
+    def http_hosts(self) -> tuple[str, ...]:
+        """The ``Host`` header values the API answers (``*``: any); see ``allowed_hosts``."""
+        if self.allowed_hosts:
+            return self.allowed_hosts
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        return ("127.0.0.1", "localhost", "::1") if loopback else ("*",)
+
     def public_dict(self) -> dict[str, Any]:
         """Every setting except the token, for ``/v1/status`` and the start-up log."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token"}
         out["ranks"] = list(self.ranks) if self.ranks is not None else None
         out["allow_roots"] = list(self.allow_roots)
+        out["allowed_hosts"] = list(self.http_hosts())
         out["auth"] = "token" if self.token else "none"
         return out
 
@@ -292,7 +325,8 @@ class ServeConfig:
         unknown = set(flags) - set(ENV_VARS)
         if unknown:
             raise TypeError(f"unknown serve option(s) {sorted(unknown)}; known: {sorted(ENV_VARS)}")
-        given = {k: v for k, v in flags.items() if v is not None and not (k == "allow_roots" and not v)}
+        given = {k: v for k, v in flags.items()
+                 if v is not None and not (k in ("allow_roots", "allowed_hosts") and not v)}
         raw: dict[str, Any] = {k: env[var] for k, var in ENV_VARS.items() if var in env and k not in given}
         if "ranks" in given or "tp" in given:  # one setting: a flag for either hides the environment's
             raw.pop("ranks", None)
@@ -361,11 +395,14 @@ def _convert(key: str, value: Any, origin: str) -> Any:
             if key == "tp" and (type(value) is not int or not 1 <= value <= _MAX_RANK + 1):
                 raise ConfigError(f"{origin}={value!r} must be an integer in 1..{_MAX_RANK + 1}")
             return value
-        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout"):
+        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout"):
             return float(value.strip()) if isinstance(value, str) else value
         if key == "allow_roots":
             parts = value.split(os.pathsep) if isinstance(value, str) else list(value)
             return tuple(p.strip() for p in parts if p.strip())
+        if key == "allowed_hosts":
+            parts = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(dict.fromkeys(p.strip().lower() for p in parts if p.strip()))
         if key in ("log_format", "log_level", "device_map", "backend", "host", "worker_start"):
             return value.strip().lower() if key != "host" else value.strip()
         return value

@@ -280,15 +280,27 @@ class Supervisor:
         >>> sup.reload("/models/llama-v2")  # doctest: +SKIP
         {'generation': 2, 'model': '/models/llama-v2', 'ranks': [0, 1]}
         """
-        real = confine_path(model_dir, self.config.allow_roots)
-        plan = self._plan(model_dir, real, ranks, strict=True)
+        target = self.check_target(model_dir, ranks)
         self._await_leases(wait_s)
-        return self._call(lambda: self._switch(plan, force))
+        return self.switch(target, force=force)
 
     def unload(self, *, wait_s: float = 0.0, force: bool = False) -> dict[str, Any]:
         """Stop every worker and free the model's memory; the same lease rules as :meth:`reload`."""
         self._await_leases(wait_s)
-        return self._call(lambda: self._switch(None, force))
+        return self.switch(None, force=force)
+
+    def check_target(self, model_dir: str, ranks: Sequence[int] | None = None) -> _Target:
+        """The first half of :meth:`reload`: ``model_dir`` checked (confinement, discovery, device placement)."""
+        real = confine_path(model_dir, self.config.allow_roots)
+        return self._plan(model_dir, real, ranks, strict=True)
+
+    def switch(self, target: _Target | None, *, force: bool = False) -> dict[str, Any]:
+        """The second half of :meth:`reload` (``target`` from :meth:`check_target`), or an unload (None)."""
+        return self._call(lambda: self._switch(target, force))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def export(self, rank: int) -> dict[str, Any]:
         """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
@@ -513,6 +525,7 @@ class Supervisor:
         assert self._model is not None
         spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
                           cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
+                          confine=self.config.allow_roots or (self._model["real_path"],),
                           generation=self._generation, log_format=self.config.log_format,
                           log_level=self.config.log_level)
         started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns

@@ -161,7 +161,7 @@ class _Worker:
         from gdsload.loader.pipeline.load import load_rank
 
         return load_rank(self.spec.model_dir, self.spec.rank, device=target, backend=self.spec.backend,
-                         progress=_Progress(self.channel), on_plan=loading)
+                         confine=self.spec.confine or None, progress=_Progress(self.channel), on_plan=loading)
 
     def _device(self) -> tuple[str, bool]:
         """Where this rank loads, and whether it loads without torch (a ``CupyDevice``).

@@ -102,6 +102,9 @@ class WorkerSpec:
     generation: int = 0
     log_format: str = "text"
     log_level: str = "info"
+    confine: tuple[str, ...] = ()
+    """Directories every file the worker opens must stay in, checked at the open (the allowed roots, or the
+    model directory itself)."""
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:

@@ -52,7 +52,7 @@ CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False)
 PROMPT = [[3, 17, 42, 99, 7, 250, 12, 64]]
 NEW_TOKENS = 12
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 
 
 @contextmanager

@@ -678,10 +678,15 @@ def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
     assert p.returncode == 9, p.stderr
     (dead,) = [tmp_path / n for n in _listing(tmp_path) if n.startswith(".c.safetensors.tmp-")]
     live, fd = create_locked(".c.safetensors.tmp-", tmp_path)  # another writer, still running, holds its lock
-    young = tmp_path / ".c.safetensors.tmp-young"  # just created: its writer may not have locked it yet
+    # An entry under its creating name may be a live writer's, between making and locking it: kept while
+    # young; one that old was left by a writer killed in that instant.
+    young = tmp_path / ".c.safetensors.tmp.creating-young"
     young.write_bytes(b"")
-    for old in (dead, live):
-        os.utime(old, (time.time() - 60, time.time() - 60))
+    stale = tmp_path / ".c.safetensors.tmp.creating-stale"
+    stale.write_bytes(b"")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    unlocked = tmp_path / ".c.safetensors.tmp-unlocked"  # under its final name unlocked: dead, whatever its age
+    unlocked.write_bytes(b"")
     try:
         save_compressed_checkpoint({"w": torch.ones(3)}, None, path, "none")
         assert _listing(tmp_path) == sorted([live.name, young.name, "c.safetensors"])

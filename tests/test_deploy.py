@@ -298,7 +298,7 @@ def test_entrypoint_checks_the_token_file(fake_gdsload: Path, tmp_path: Path):
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", f"--token-file={empty}")
     assert out.returncode == EX_CONFIG and argv == [] and "empty" in out.stderr
     token = tmp_path / "token"
-    token.write_text("s3cret")
+    token.write_text("s3cret-token-0123456789")
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", "--token-file", str(token))
     assert out.returncode == 0, out.stderr
 
@@ -312,7 +312,7 @@ def test_entrypoint_refuses_an_open_port_without_a_token(fake_gdsload: Path, arg
 
 
 @pytest.mark.parametrize("env", [{}, {"GDSLOAD_HOST": "127.0.0.1"}, {"GDSLOAD_HOST": "::1"},
-                                 {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": "s3cret"}])
+                                 {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": "s3cret-token-0123456789"}])
 def test_entrypoint_allows_loopback_or_a_token(fake_gdsload: Path, env: dict[str, str]):
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", **env)
     assert out.returncode == 0, out.stderr
@@ -624,7 +624,7 @@ def test_unit_verifies(tmp_path: Path):
 def test_unit_environment_starts_the_entrypoint(fake_gdsload: Path, tmp_path: Path):
     env = dict(line.split("=", 1) for line in UNIT_ENV.read_text().splitlines() if line and not line.startswith("#"))
     token = tmp_path / "token"
-    token.write_text("s3cret")
+    token.write_text("s3cret-token-0123456789")
     out, argv = run_entrypoint(fake_gdsload, "serve", **env, GDSLOAD_TOKEN_FILE=str(token))
     assert out.returncode == 0, out.stderr
     assert argv == ["serve", env["GDSLOAD_MODEL_DIR"], "--ranks", "0-7"]

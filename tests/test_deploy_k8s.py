@@ -822,7 +822,7 @@ def _run_entrypoint(c: Obj, config: dict[str, str], tmp_path: Path, labels: dict
             env[e["name"]] = labels[label]
     # The Secret's mount path does not exist here: the same token file, in a temporary directory.
     token = tmp_path / "token"
-    token.write_text("s3cret")
+    token.write_text("s3cret-token-0123456789")
     env["GDSLOAD_TOKEN_FILE"] = str(token)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -15,8 +15,8 @@ from gdsload.server.supervisor import Supervisor, WorkerError
 
 
 def test_started_without_a_model(tmp_path: Path):
-    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-123456"})
-    with TestClient(create_app(Supervisor(config))) as client:
+    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-1234567890abcdef"})
+    with TestClient(create_app(Supervisor(config)), base_url="http://127.0.0.1") as client:
         assert client.get("/healthz").status_code == 200
         r = client.get("/readyz")
         assert r.status_code == 503
@@ -28,32 +28,32 @@ def test_started_without_a_model(tmp_path: Path):
                    for s in f.samples}
         assert samples["gdsload_ready"] == 0.0 and "gdsload_time_to_ready_seconds" not in samples
         # A token but no --allow-root: reload accepts no path, and says how to allow one.
-        r = client.post("/v1/reload", json={"model_dir": str(tmp_path)}, headers={"Authorization": "Bearer tok-123456"})
+        r = client.post("/v1/reload", json={"model_dir": str(tmp_path)}, headers={"Authorization": "Bearer tok-1234567890abcdef"})
         assert r.status_code == 403 and "--allow-root" in r.json()["error"]["message"]
-        r = client.post("/v1/unload", headers={"Authorization": "Bearer tok-123456"})
+        r = client.post("/v1/unload", headers={"Authorization": "Bearer tok-1234567890abcdef"})
         assert r.status_code == 200 and r.json() == {"unloaded": None, "generation": 1}
-        r = client.get("/v1/ipc/0", headers={"Authorization": "Bearer tok-123456"})
+        r = client.get("/v1/ipc/0", headers={"Authorization": "Bearer tok-1234567890abcdef"})
         assert r.status_code == 404 and r.json()["error"]["type"] == "UnknownRankError"
 
 
 def test_chunked_body_over_the_limit_is_413():
-    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-123456"})
-    with TestClient(create_app(Supervisor(config))) as client:
+    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-1234567890abcdef"})
+    with TestClient(create_app(Supervisor(config)), base_url="http://127.0.0.1") as client:
         def chunks():
             for _ in range(80):
                 yield b"x" * 1024
 
-        r = client.post("/v1/reload", content=chunks(), headers={"Authorization": "Bearer tok-123456",
+        r = client.post("/v1/reload", content=chunks(), headers={"Authorization": "Bearer tok-1234567890abcdef",
                                                                  "Content-Type": "application/json"})
         assert r.status_code == 413
 
 
-AUTH = {"Authorization": "Bearer tok-123456"}
+AUTH = {"Authorization": "Bearer tok-1234567890abcdef"}
 
 
 def test_every_error_has_the_error_shape():
-    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-123456"})
-    with TestClient(create_app(Supervisor(config))) as client:
+    config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-1234567890abcdef"})
+    with TestClient(create_app(Supervisor(config)), base_url="http://127.0.0.1") as client:
         def error(r, code: int, kind: str) -> str:
             assert r.status_code == code, r.text
             assert set(r.json()) == {"error"} and r.json()["error"]["type"] == kind, r.text
@@ -79,7 +79,7 @@ def test_every_error_has_the_error_shape():
 def test_a_fault_of_the_server_answers_500_in_the_error_shape(monkeypatch):
     supervisor = Supervisor(ServeConfig.resolve(env={}))
     monkeypatch.setattr(supervisor, "status", lambda: 1 / 0)
-    with TestClient(create_app(supervisor), raise_server_exceptions=False) as client:
+    with TestClient(create_app(supervisor), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         r = client.get("/v1/status")
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalError"
         assert r.json()["error"]["message"].startswith("ZeroDivisionError: division by zero")
@@ -92,7 +92,7 @@ def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Supervisor, "_initial_load", broken)
     supervisor = Supervisor(ServeConfig.resolve(model_dir=str(tmp_path), env={}))
-    with TestClient(create_app(supervisor)) as client:
+    with TestClient(create_app(supervisor), base_url="http://localhost") as client:
         deadline = time.monotonic() + 10
         while supervisor.loop_error is None and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -37,7 +37,7 @@ def test_defaults():
 
 def test_every_env_var_is_read(tmp_path: Path):
     token_file = tmp_path / "token"
-    token_file.write_text("  s3cret-token \n")
+    token_file.write_text("  s3cret-token-0123456789 \n")
     token_file.chmod(0o600)
     roots = [tmp_path / "r1", tmp_path / "r2"]
     for r in roots:
@@ -48,26 +48,30 @@ def test_every_env_var_is_read(tmp_path: Path):
         "GDSLOAD_ALLOW_ROOT": os.pathsep.join(map(str, roots)), "GDSLOAD_LOG_FORMAT": "json",
         "GDSLOAD_LOG_LEVEL": "DEBUG", "GDSLOAD_RESTART_BACKOFF": "0.5", "GDSLOAD_RESTART_BACKOFF_MAX": "8",
         "GDSLOAD_MAX_RESTARTS": "2", "GDSLOAD_STOP_TIMEOUT": "3", "GDSLOAD_WORKER_START": "Spawn",
+        "GDSLOAD_ALLOWED_HOSTS": "Sidecar.local, 10.0.0.7", "GDSLOAD_REQUEST_TIMEOUT": "2.5",
     }
     assert set(env) | {"GDSLOAD_TP"} == set(ENV_VARS.values())
     c = ServeConfig.resolve(env=env)
     assert c.model_dir == str(roots[0] / "m") and c.ranks == (0, 1, 2, 3, 6) and c.device_map == "cpu"
     assert (c.backend, c.host, c.port, c.is_loopback) == ("cpu", "::1", 9000, True)
-    assert c.token == "s3cret-token" and c.token_source == f"file:{token_file}"
+    assert c.token == "s3cret-token-0123456789" and c.token_source == f"file:{token_file}"
     assert c.allow_roots == tuple(os.path.realpath(r) for r in roots)
     assert (c.log_format, c.log_level, c.restart_backoff, c.restart_backoff_max, c.max_restarts, c.stop_timeout) == \
            ("json", "debug", 0.5, 8.0, 2, 3.0)
     assert c.worker_start == "spawn" and ServeConfig.resolve(env={}).worker_start == "auto"
+    assert c.allowed_hosts == ("sidecar.local", "10.0.0.7") and c.request_timeout == 2.5
+    assert ServeConfig.resolve(env={}).http_hosts() == ("127.0.0.1", "localhost", "::1")  # loopback: loopback names
+    assert ServeConfig.resolve(env={"GDSLOAD_HOST": "0.0.0.0"}).http_hosts() == ("*",)
     assert ServeConfig.resolve(env={"GDSLOAD_TP": "4"}).ranks == (0, 1, 2, 3)
-    assert ServeConfig.resolve(env={"GDSLOAD_TOKEN": "abc123"}).token_source == "GDSLOAD_TOKEN"
+    assert ServeConfig.resolve(env={"GDSLOAD_TOKEN": "abc123abc123abc123"}).token_source == "GDSLOAD_TOKEN"
 
 
 def test_flags_win_over_env(tmp_path: Path):
     token_file = tmp_path / "token"
-    token_file.write_text("from-file")
-    env = {"GDSLOAD_PORT": "9000", "GDSLOAD_TP": "8", "GDSLOAD_TOKEN": "from-env", "GDSLOAD_LOG_LEVEL": "error"}
+    token_file.write_text("from-file-0123456789")
+    env = {"GDSLOAD_PORT": "9000", "GDSLOAD_TP": "8", "GDSLOAD_TOKEN": "from-env-0123456789", "GDSLOAD_LOG_LEVEL": "error"}
     c = ServeConfig.resolve(env=env, port=9100, ranks="2-3", token_file=str(token_file))
-    assert (c.port, c.ranks, c.token, c.log_level) == (9100, (2, 3), "from-file", "error")
+    assert (c.port, c.ranks, c.token, c.log_level) == (9100, (2, 3), "from-file-0123456789", "error")
     c = ServeConfig.resolve(env={"GDSLOAD_RANKS": "0-7"}, tp=2)  # --tp hides GDSLOAD_RANKS: one setting
     assert c.ranks == (0, 1)
     assert ServeConfig.resolve(env=env, port=None).port == 9000  # None means "flag not given"
@@ -99,6 +103,8 @@ def test_flags_win_over_env(tmp_path: Path):
     ({"GDSLOAD_ALLOW_ROOT": "/no/such/root"}, "allow_root '/no/such/root' is not an existing directory"),
     ({"GDSLOAD_TOKEN": "two words"}, "from GDSLOAD_TOKEN is empty or holds spaces"),
     ({"GDSLOAD_TOKEN": " "}, "is empty or holds spaces"),
+    ({"GDSLOAD_TOKEN": "x"}, "from GDSLOAD_TOKEN has 1 characters; use at least 16"),
+    ({"GDSLOAD_ALLOWED_HOSTS": "ok.example,bad host"}, "allowed host 'bad host' is not a host name"),
     ({"GDSLOAD_TOKEN_FILE": "/no/such/token"}, "token file '/no/such/token' does not exist"),
     ({"GDSLOAD_MODEL_DIR": "/srv/elsewhere", "GDSLOAD_ALLOW_ROOT": "/"}, None),
     ({"GDSLOAD_MODEL_DIR": ""}, "GDSLOAD_MODEL_DIR is empty"),  # as templates render an unset value
@@ -136,14 +142,14 @@ def test_empty_token_file_and_loose_permissions(tmp_path: Path, caplog: pytest.L
     f.write_text("\n")
     with pytest.raises(ConfigError, match="is empty"):
         ServeConfig.resolve(env={}, token_file=str(f))
-    f.write_text("tok123")
+    f.write_text("tok123tok123tok123")
     f.chmod(0o440)  # a Kubernetes Secret shared through fsGroup: fine
     with caplog.at_level(logging.WARNING):
-        assert ServeConfig.resolve(env={}, token_file=str(f)).token == "tok123"
+        assert ServeConfig.resolve(env={}, token_file=str(f)).token == "tok123tok123tok123"
     assert caplog.text == ""
     f.chmod(0o644)
     with caplog.at_level(logging.WARNING):
-        assert ServeConfig.resolve(env={}, token_file=str(f)).token == "tok123"
+        assert ServeConfig.resolve(env={}, token_file=str(f)).token == "tok123tok123tok123"
     assert "accessible to every user (mode 644); chmod o-rwx it" in caplog.text
 
 

@@ -23,6 +23,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from gdsload.loader.errors import UnfinishedOutputError
 from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover, load_rank, read_header
 from gdsload.loader.format import safetensors as fmt
 from gdsload.loader.errors import ConfigError
@@ -602,7 +603,7 @@ def test_interrupted_run_resumes_and_matches_a_clean_run(checkpoints, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         shard_checkpoint(src, out, progress=_Interrupt(clean.total_bytes // 2), **kw)
     assert [p.name for p in out.iterdir()] == [PARTIAL_DIR], "no output may appear before the run completes"
-    with pytest.raises(NoFilesForRankError):
+    with pytest.raises(UnfinishedOutputError, match="unfinished|not finished"):
         discover(out, 0)
     kept = [p for p in (out / PARTIAL_DIR).glob("model-rank-*.safetensors")]
     assert kept
@@ -710,8 +711,15 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         assert p.returncode == 0, p.stderr
     assert "compressed with zstd" in p.stdout and f"sharded -> {str(packed)!r}" in p.stdout
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
-    # An existing OUT is refused before any sharding work, leaving nothing behind.
+    # The same command again: its output is there, nothing to do; a run stopped after its compressed output
+    # appeared left the uncompressed shards beside it, and they go.
+    shutil.copytree(plain, tmp_path / ".packed.uncompressed")
     p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(packed), "--tp", "2",
+                        "--no-progress", "--compress", "zstd"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "nothing to do" in p.stdout, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]
+    # Another command into the same OUT is refused before any sharding work, leaving nothing behind.
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(packed), "--tp", "1",
                         "--no-progress", "--compress", "zstd"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "already exists" in p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]
@@ -720,3 +728,71 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         assert b.report.stored_bytes < a.report.stored_bytes
         for k, v in a.tensors.items():
             assert torch.equal(v.reshape(-1).view(torch.uint8), b.tensors[k].reshape(-1).view(torch.uint8)), k
+
+
+# A kill at each commit point (every rename of a shard or compress run), then a load and a rerun.
+_KILL_AT_RENAME = textwrap.dedent("""
+    import os, signal, sys
+    k = int(sys.argv[1])
+    calls = [0]
+    def dying(real):
+        def call(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+        return call
+    os.replace, os.rename = dying(os.replace), dying(os.rename)
+    from gdsload.server.cli import main
+    main(sys.argv[2:])
+""")
+
+
+@pytest.mark.parametrize("command", ["shard", "compress"])
+def test_a_kill_at_any_rename_leaves_nothing_that_loads_and_a_rerun_recovers(checkpoints, tmp_path, command):
+    import time
+
+    from gdsload.loader import load_rank
+    from gdsload.loader.format.safetensors import remove_dead_leftovers
+
+    src, _ = checkpoints["llama-bias-untied"]
+    if command == "shard":
+        argv = lambda out: ["shard", str(src), str(out), "--tp", "2", "--max-file-size", "100KiB", "--no-progress"]  # noqa: E731
+    else:
+        sharded = tmp_path / "sharded"
+        shard_checkpoint(src, sharded, tp=2, max_file_bytes=100_000)
+        argv = lambda out: ["compress", str(sharded), str(out), "--codec", "zstd", "--device", "cpu"]  # noqa: E731
+    clean = tmp_path / "clean"
+    subprocess.run([sys.executable, "-m", "gdsload.server.cli", *argv(clean)], check=True, capture_output=True)
+    want = {r: {k: v.clone() for k, v in load_rank(clean, r).tensors.items()} for r in range(2)}
+    killed = 0
+    for k in range(1, 60):
+        out = tmp_path / f"out{k}"
+        p = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, str(k), *argv(out)], capture_output=True, text=True,
+                           timeout=120)
+        if p.returncode == 0:
+            break  # past the last rename: the run finished
+        assert p.returncode == -signal.SIGKILL, p.stderr
+        killed += 1
+        for r in range(2):  # whatever the kill left either refuses to load or is the whole, finished model
+            try:
+                got = load_rank(out, r).tensors
+            except (UnfinishedOutputError, NoFilesForRankError, FileNotFoundError):
+                continue
+            assert got.keys() == want[r].keys() and all(torch.equal(got[n], want[r][n]) for n in got), (k, r)
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *argv(out)], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, (k, p.stderr)
+        for r in range(2):
+            got = load_rank(out, r).tensors
+            assert all(torch.equal(got[n], want[r][n]) for n in want[r]), (k, r)
+        leftovers = [x for x in tmp_path.iterdir() if x.name.startswith(f".out{k}")]
+        # Killed in the instant between making its staging directory and locking it, a run leaves it under its
+        # creating name: the next run after LEFTOVER_MIN_AGE_S removes it.
+        for x in leftovers:
+            assert ".creating-" in x.name and not any(x.iterdir()), (k, x.name)
+            os.utime(x, (time.time() - 3600, time.time() - 3600))
+        if leftovers:
+            remove_dead_leftovers(tmp_path, f".out{k}.partial-")
+            assert not [x.name for x in tmp_path.iterdir() if x.name.startswith(f".out{k}")], k
+    assert killed >= 5, "the run has fewer commit points than expected"

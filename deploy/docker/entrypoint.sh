@@ -64,9 +64,9 @@ i=0
 while [[ $i -lt ${#args[@]} ]]; do
     arg=${args[i]}
     case $arg in
-        --tp | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | \
+        --tp | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | --allowed-host | \
             --log-format | --log-level | --restart-backoff | --restart-backoff-max | --max-restarts | \
-            --stop-timeout | --worker-start)
+            --stop-timeout | --request-timeout | --worker-start)
             [[ $((i + 1)) -lt ${#args[@]} ]] || die "$EX_USAGE" "option $arg needs a value"
             value=${args[i + 1]}
             case $arg in

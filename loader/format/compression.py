@@ -56,6 +56,9 @@ CODECS: dict[str, tuple[str, ...]] = {"ans": ("chunks", "native"), "gdeflate": (
 """Codec name -> the layouts its streams may use; ``gdsload compress`` writes the first. These are format
 version 1's own codecs; a codec another package registers (:mod:`gdsload.loader.codecs.registry`) adds itself."""
 CHUNK_ALIGN: dict[str, int] = {"ans": 16}
+MAX_CHUNK_BYTES = 1 << 30
+"""Largest decoded chunk a file may declare (nvCOMP's own chunks are at most a few MiB)."""
+MAX_CHUNK_ALIGN = 1 << 16
 """Alignment each chunk of a codec needs (``layout: chunks``), where it is more than one byte."""
 
 
@@ -165,18 +168,20 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         params = dict(params)
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise CodecError(f"{where}: unknown dtype {dtype!r}")
-        if not all(type(d) is int and d >= 0 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
+        if not all(type(d) is int and 0 <= d < 2**63 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
             raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")
         if codec not in CODECS or layout not in CODECS[codec]:
             raise CodecError(f"{where}: codec {codec!r} with layout {layout!r} is not one of {CODECS}")
         chunk_bytes, chunks, align = 0, (), 1
         if layout == "chunks":
             chunk_bytes, align = e.get("chunk_bytes"), e.get("chunk_align", 1)
-            if type(chunk_bytes) is not int or chunk_bytes <= 0:
-                raise CodecError(f"{where}: chunk_bytes {chunk_bytes!r} must be a positive integer")
+            if type(chunk_bytes) is not int or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+                raise CodecError(f"{where}: chunk_bytes {chunk_bytes!r} must be a positive integer up to "
+                                 f"{MAX_CHUNK_BYTES}")
             need = CHUNK_ALIGN.get(codec, 1)
-            if type(align) is not int or align <= 0 or align & (align - 1) or align % need:
-                raise CodecError(f"{where}: chunk_align {align!r} must be a power of two and a multiple of {need}")
+            if type(align) is not int or not 0 < align <= MAX_CHUNK_ALIGN or align & (align - 1) or align % need:
+                raise CodecError(f"{where}: chunk_align {align!r} must be a power of two up to {MAX_CHUNK_ALIGN} "
+                                 f"and a multiple of {need}")
             sizes = _decode_chunk_sizes(e.get("chunks", ""), where)
             if len(sizes) != -(-nbytes // chunk_bytes):
                 raise CodecError(

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gdsload.loader.errors import ConfigError, ManifestError, NoFilesForRankError
+from gdsload.loader.errors import ConfigError, FileUnreadableError, ManifestError, NoFilesForRankError, UnfinishedOutputError
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile
 
 __all__ = ["RankFiles", "discover", "list_ranks", "VLLM_PATTERN", "TRTLLM_PATTERN"]
@@ -57,8 +57,17 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
+UNFINISHED_MARKERS = {".gdsload-shard.partial": "shard", ".gdsload-writing": "compress"}
+"""Entries a gdsload writer keeps in a directory until its output is complete: such a directory never loads."""
+
+
 def _safetensors_in(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file())
+    try:
+        return sorted(p.name for p in root.iterdir()
+                      if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file())
+    except OSError as e:
+        raise FileUnreadableError(f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); check its "
+                                  "permissions") from None
 
 
 def list_ranks(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[str, ...]]]:
@@ -75,16 +84,33 @@ def _scan(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[str, 
         return "plain", 1, {0: (str(root),)}, None
     if not root.is_dir():
         raise NoFilesForRankError(f"model path {str(path)!r} does not exist")
+    for marker, command in UNFINISHED_MARKERS.items():
+        if os.path.lexists(root / marker):
+            raise UnfinishedOutputError(
+                f"{str(path)!r} is the output of a `gdsload {command}` run that has not finished ({marker} is there): "
+                f"it is still running, or it was stopped; rerun the same `gdsload {command}` command to finish it "
+                "(finished files are kept), or delete the directory"
+            )
 
     if (root / MANIFEST_NAME).exists():
         manifest = Manifest.read(root)
         files = {r: tuple(str(root / f.path) for f in entries) for r, entries in manifest.ranks.items()}
-        for r, paths in files.items():
-            for p in paths:
-                if not os.path.isfile(p):
+        for r, entries in manifest.ranks.items():
+            for f in entries:
+                p = root / f.path
+                try:
+                    size = p.stat().st_size if p.is_file() else None
+                except OSError:
+                    size = None
+                if size is None:
                     raise ManifestError(
-                        f"{str(root / MANIFEST_NAME)!r} lists {os.path.relpath(p, root)!r} for rank {r}, "
+                        f"{str(root / MANIFEST_NAME)!r} lists {f.path!r} for rank {r}, "
                         "but the file is missing; the copy is incomplete (re-copy the directory)"
+                    )
+                if size != f.bytes:
+                    raise ManifestError(
+                        f"{str(root / MANIFEST_NAME)!r} records {f.bytes} bytes for {f.path!r} (rank {r}), the file "
+                        f"has {size}; it was cut short or replaced — re-copy the directory"
                     )
         return "manifest", manifest.tp_size, files, manifest
 

@@ -24,8 +24,8 @@ import os
 import secrets
 import shutil
 import struct
-import sys
 import time
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,8 +263,9 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
             f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
         )
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape):
-        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**64), got {shape!r:.200}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+        # 2**63: a dimension must fit the int64 every framework keeps sizes in (even with another dimension 0)
+        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**63), got {shape!r:.200}")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -376,8 +377,13 @@ def _check_text(text: str, what: str, error: type[ValueError] = ValueError) -> N
                     "header: rename it") from None
 
 
-LEFTOVER_MIN_AGE_S = 2.0
-"""A leftover younger than this is never removed: its writer may be between creating and locking it."""
+LEFTOVER_MIN_AGE_S = 10.0
+"""An entry still under its creating name this long was left by a writer killed in the instant between making
+and locking it (a live writer spends microseconds there); it is removed too."""
+
+
+def _creating_stem(stem: str) -> str:
+    return stem.rstrip("-.") + ".creating-"
 
 
 def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[Path, int]:
@@ -385,35 +391,47 @@ def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[
 
     Returns the path and the locked descriptor; closing the descriptor (or the process ending, however it
     ends) releases the lock, which is how :func:`remove_dead_leftovers` tells a live writer's temporary
-    from a killed one's, across processes, PID namespaces and hosts sharing the file system.
+    from a killed one's, across processes and PID namespaces. The entry is made under another name,
+    locked, then renamed: nothing named ``STEM*`` is ever unlocked while its writer lives.
     """
     while True:
-        path = parent / f"{stem}{secrets.token_hex(3)}"
+        token = secrets.token_hex(3)
+        making, path = parent / f"{_creating_stem(stem)}{token}", parent / f"{stem}{token}"
+        if path.exists():
+            continue
         try:
             if directory:
-                path.mkdir()
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                making.mkdir()
+                fd = os.open(making, os.O_RDONLY | os.O_DIRECTORY)
             else:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a file system without flock: the leftover will look live, and stay
             pass
+        try:
+            os.rename(making, path)
+        except BaseException:
+            os.close(fd)
+            (making.rmdir if directory else making.unlink)()
+            raise
         return path, fd
 
 
 def remove_dead_leftovers(parent: Path, stem: str) -> None:
     """Best effort: delete ``parent``'s entries named ``STEM*`` (made by :func:`create_locked`) that no process
-    holds locked any more (their writer was killed), unless younger than LEFTOVER_MIN_AGE_S."""
+    holds locked any more (their writer was killed), and entries left under their creating name."""
     try:
         leftovers = list(parent.glob(f"{glob.escape(stem)}*"))
+        making = list(parent.glob(f"{glob.escape(_creating_stem(stem))}*"))
     except OSError:
         return
-    for item in leftovers:
+    now = time.time()
+    for item in leftovers + [m for m in making if _older(m, now)]:
         try:
-            if time.time() - item.lstat().st_mtime < LEFTOVER_MIN_AGE_S or item.is_symlink():
+            if item.is_symlink():
                 continue
             fd = os.open(item, os.O_RDONLY | (os.O_DIRECTORY if item.is_dir() else 0))
         except OSError:
@@ -428,6 +446,13 @@ def remove_dead_leftovers(parent: Path, stem: str) -> None:
             pass
         finally:
             os.close(fd)
+
+
+def _older(item: Path, now: float) -> bool:
+    try:
+        return now - item.lstat().st_mtime > LEFTOVER_MIN_AGE_S
+    except OSError:
+        return False
 
 
 class AlignedWriter:

@@ -25,7 +25,7 @@ from gdsload.loader.io import Backend
 from gdsload.loader.codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
 from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
-from gdsload.loader.errors import CodecError
+from gdsload.loader.errors import CodecError, DeviceMemoryError
 from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
 
 __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
@@ -120,7 +120,11 @@ def load_compressed(
                          f"{reason}")
     if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
         _warn_if_other_gpus(device)  # chunks of a batch decoder go through nvCOMP's C API, which leaves GPU 0 alone
-    slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
+    try:
+        slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
+    except (MemoryError, RuntimeError) as e:
+        raise DeviceMemoryError(f"{paths[0]!r}: {STAGING_SLOTS} staging buffers of {staging} bytes cannot be allocated on "
+                                f"{device} ({type(e).__name__}: {str(e)[:200]}); free memory on the device") from None
     stats.staging_bytes = staging * len(slots)
     free = [threading.Event() for _ in slots]
     for ev in free:

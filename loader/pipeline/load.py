@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gdsload.loader.io import ReadOptions, select_backend
@@ -28,7 +28,8 @@ from gdsload.loader.pipeline.decode import load_compressed
 from gdsload.loader.devices import Device, as_device
 from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
-from gdsload.loader.errors import ConfigError, IntegrityError
+from gdsload.loader.config import format_bytes
+from gdsload.loader.errors import ConfigError, DeviceMemoryError, IntegrityError
 from gdsload.loader.format.manifest import file_digest
 from gdsload.loader.plan import FilePlan, LoadPlan, plan_rank
 from gdsload.loader.pipeline.result import PHASES, FileReport, LoadReport, LoadResult, Slot
@@ -70,6 +71,7 @@ def load_rank(
     into: Mapping[str, torch.Tensor] | None = None,
     only: Collection[str] | None = None,
     opened: Mapping[str, int] | None = None,
+    confine: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[LoadPlan], None] | None = None,
 ) -> LoadResult:
@@ -86,7 +88,8 @@ def load_rank(
     memory; ``result.tensors`` then holds them themselves. ``only`` loads just the named tensors.
     ``opened`` maps some of the rank's file paths to descriptors the caller holds open (the file
     whose header it read), used instead of opening those paths again. ``progress`` is called with the
-    byte count of each finished read; ``on_plan`` once with the rank's
+    byte count of each finished read; ``confine`` keeps every file open inside those directories (a
+    symlink swapped in after a path was checked is refused at the open); ``on_plan`` once with the rank's
     :class:`~gdsload.loader.plan.LoadPlan`, before any data is read.
 
     >>> result = load_rank("/models/llama-tp2", rank=1, device="cpu")  # doctest: +SKIP
@@ -101,14 +104,15 @@ def load_rank(
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     clock.lap("setup")
     rank_files = discover(path, rank)
-    plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened)
+    plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened,
+                     confine=confine)
     try:
         if on_plan is not None:
             on_plan(plan)
         clock.lap("plan")
 
         dev.activate()
-        arena = reader.allocate(plan.arena_bytes)
+        arena = _allocate(reader, plan, plan.arena_bytes)
         reader.open(plan)
         mapped = reader.file_buffers()
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
@@ -158,6 +162,18 @@ def load_rank(
     )
     log.info("%s%s", report.summary(), "" if dev.uses_torch else " (without torch)")
     return LoadResult(tensors=tensors, arenas=[arena, *mapped], report=report, slots=slots, device=dev)
+
+
+def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:
+    try:
+        return reader.allocate(nbytes)
+    except (MemoryError, RuntimeError) as e:  # torch's and cupy's out-of-memory errors
+        files = ", ".join(repr(f.path) for f in plan.files[:3]) + (", ..." if len(plan.files) > 3 else "")
+        raise DeviceMemoryError(
+            f"rank {plan.rank} needs {format_bytes(nbytes)} on {reader.device} for {files} and that cannot be "
+            f"allocated ({type(e).__name__}: {str(e)[:200]}); free memory on the device, load fewer ranks at once, "
+            "or check the files' sizes (a damaged header can claim far more than the file holds)"
+        ) from None
 
 
 def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:

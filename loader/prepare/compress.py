@@ -36,6 +36,10 @@ from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manife
 
 __all__ = ["CompressStats", "compress_file", "compress_dir", "MIN_TENSOR_BYTES"]
 
+
+WRITING_MARKER = ".gdsload-writing"
+"""Kept in the staging directory until the output is complete (see discovery's ``UNFINISHED_MARKERS``)."""
+
 log = logging.getLogger(__name__)
 
 MIN_TENSOR_BYTES = 64 << 10
@@ -178,6 +182,8 @@ def compress_dir(
     staging, lock = create_locked(f".{out_p.name}.partial-", out_p.parent, directory=True)
     total = CompressStats()
     try:
+        writing = staging / WRITING_MARKER  # the staging directory never loads (discovery refuses it)
+        writing.touch()
         for item in sorted(src_p.rglob("*")):  # subdirectories too: a manifest may list files in them
             rel_item = item.relative_to(src_p)
             if str(rel_item) == MANIFEST_NAME or any(part.startswith(".") for part in rel_item.parts):
@@ -198,7 +204,8 @@ def compress_dir(
         extra = dict(manifest.extra) if manifest else {}
         extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
         write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra)
-        os.rename(staging, out_p)
+        writing.unlink()
+        os.rename(staging, out_p)  # OUT appears complete, in one step
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

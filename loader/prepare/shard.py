@@ -15,7 +15,8 @@ config/tokenizer/generation files (config.json gains a ``quantization_config`` w
 Atomicity and restarts — *resumable*: files are written (temp file, fsync, rename) into
 ``OUT/.gdsload-shard.partial/`` next to a ``state.json`` fingerprint of the command (source
 files, sizes, mtimes, config and options). Only at the end are they moved into ``OUT`` and the
-manifest written. After a kill (SIGKILL, Ctrl-C) rerunning the same command skips every
+manifest written; ``OUT`` loads only once the partial directory is gone (one rename, after the
+manifest), so a run stopped at any point leaves nothing that loads. After a kill (SIGKILL, Ctrl-C) rerunning the same command skips every
 complete file (validated by header and fingerprint) and writes the rest; an error (bad input,
 full disk) removes everything this run created. ``OUT`` must be empty, absent, a partial run of
 the same command, or its finished output (then nothing is done).
@@ -94,7 +95,10 @@ FILE_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 """Output file names: vLLM's ``sharded_state`` pattern, so vLLM finds them too."""
 
 PARTIAL_DIR = ".gdsload-shard.partial"
-"""Where an unfinished run keeps its complete files and its ``state.json`` (inside OUT)."""
+"""Where an unfinished run keeps its complete files and its ``state.json`` (inside OUT). While it is there,
+OUT does not load (:data:`gdsload.loader.format.discovery.UNFINISHED_MARKERS`)."""
+FINISHED_DIR = ".gdsload-shard.finished"
+"""The partial directory after the run: renamed in one step (OUT becomes loadable), then removed."""
 
 _STATE = "state.json"
 _FORMAT_VERSION = 1
@@ -672,7 +676,7 @@ def _prepare_out(out: Path, plan: ShardPlan) -> tuple[bool, bool]:
             f"{str(out)!r} already holds a sharded checkpoint ({MANIFEST_NAME}) that differs from this command: "
             f"{made_by}; choose another OUT or delete it first"
         )
-    ours = {f.relpath for f in plan.files} | set(plan.aux_files()) | {PARTIAL_DIR}
+    ours = {f.relpath for f in plan.files} | set(plan.aux_files()) | {PARTIAL_DIR, FINISHED_DIR}
     partial = out / PARTIAL_DIR
     if PARTIAL_DIR in entries:
         state = _read_state(partial)
@@ -685,12 +689,12 @@ def _prepare_out(out: Path, plan: ShardPlan) -> tuple[bool, bool]:
                 f"Rerun that command to finish it, or delete {str(out)!r} (or its {PARTIAL_DIR}/) to start over"
             )
         # A run killed while it wrote its manifest leaves the manifest's temporary file: ours, remove it.
-        for stale in out.glob(f".{MANIFEST_NAME}.tmp-*"):
+        for stale in [*out.glob(f".{MANIFEST_NAME}.tmp-*"), *out.glob(f".{MANIFEST_NAME}.tmp.creating-*")]:
             stale.unlink(missing_ok=True)
             entries.discard(stale.name)
         stray = sorted(entries - ours)
     else:
-        stray = sorted(entries)
+        stray = sorted(entries - {FINISHED_DIR})
     if stray:
         raise OutputExistsError(
             f"output directory {str(out)!r} is not empty (holds {', '.join(map(repr, stray[:4]))}"
@@ -737,9 +741,10 @@ def _write_error(e: OSError, path: Path, what: str) -> ShardWriteError:
 def _remove_outputs(out: Path, plan: ShardPlan, created: bool) -> None:
     """Undo this run: the partial directory, files moved into OUT, OUT itself if we made it."""
     shutil.rmtree(out / PARTIAL_DIR, ignore_errors=True)
+    shutil.rmtree(out / FINISHED_DIR, ignore_errors=True)
     for name in [f.relpath for f in plan.files] + plan.aux_files() + [MANIFEST_NAME]:
         (out / name).unlink(missing_ok=True)
-    for stale in out.glob(f".{MANIFEST_NAME}.tmp-*"):
+    for stale in [*out.glob(f".{MANIFEST_NAME}.tmp-*"), *out.glob(f".{MANIFEST_NAME}.tmp.creating-*")]:
         stale.unlink(missing_ok=True)
     if created:
         try:
@@ -772,7 +777,9 @@ def execute_plan(
                          files=plan.ranks, total_bytes=plan.total_bytes, written_bytes=0, resumed_files=0,
                          seconds=0.0, already_complete=complete)
     if complete:
-        shutil.rmtree(out / PARTIAL_DIR, ignore_errors=True)
+        if (out / PARTIAL_DIR).exists():  # killed after its manifest, before its last rename
+            _publish(out, out / PARTIAL_DIR)
+        shutil.rmtree(out / FINISHED_DIR, ignore_errors=True)
         log.info("%s", result.summary())
         return result
     partial = out / PARTIAL_DIR
@@ -821,6 +828,8 @@ def _run(
             continue
         _write_file(staged, plan, f, builder, result, progress, writer_factory)
     _stage_aux(plan, partial)
+    # While the partial directory is in OUT, OUT does not load (discovery refuses it): the files move in
+    # one by one and the manifest comes last, then the partial directory goes in one rename.
     for name in [f.relpath for f in plan.files] + plan.aux_files():
         if (partial / name).exists():
             os.replace(partial / name, out / name)
@@ -830,7 +839,16 @@ def _run(
                        extra=plan.manifest_extra(), digest=plan.options.digest)
     except OSError as e:
         raise _write_error(e, out / MANIFEST_NAME, "the manifest") from e
-    shutil.rmtree(partial, ignore_errors=True)
+    _publish(out, partial)
+
+
+def _publish(out: Path, partial: Path) -> None:
+    """The step that makes OUT loadable: the partial directory renamed away, then removed."""
+    done = out / FINISHED_DIR
+    shutil.rmtree(done, ignore_errors=True)
+    os.rename(partial, done)
+    _fsync_dir(out)
+    shutil.rmtree(done, ignore_errors=True)
 
 
 def _write_file(

@@ -1,0 +1,326 @@
+"""The standing reliability suite: hostile input, swapped files, slow and idle clients, corrupt data.
+
+Each test is bounded in count and time; the figures each one measures are printed (``pytest -s``)
+and asserted where they are a property (no untyped error, no hang, a cut-off within its bound).
+Kills at every commit point of shard and compress are in ``test_shard.py``
+(``test_a_kill_at_any_rename_...``), of checkpoint saves in ``test_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import statistics
+import struct
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from gdsload.loader import GdsloadError, load_rank, parse_header, save_file, write_manifest
+from gdsload.loader.format.compression import parse_compression
+from gdsload.loader.prepare.synthetic import LlamaShape, make_checkpoint
+from sidecar_proc import Server
+
+TOKEN = "reliability-token-7d2c9a4e"
+
+
+# ------------------------------------------------------------------------------------------ header fuzz
+
+
+def _seed_files(tmp: Path) -> list[bytes]:
+    from gdsload.loader.prepare.compress import compress_dir
+
+    src = tmp / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"w": (0.02 * torch.randn(256, 300, generator=g)).to(torch.bfloat16), "b": torch.arange(5),
+               "s": torch.tensor(1.5), "e": torch.empty(0, 3)}, src / "model.safetensors")
+    compress_dir(src, tmp / "z", codec="zstd", device="cpu")
+    return [(src / "model.safetensors").read_bytes(), (tmp / "z" / "model.safetensors").read_bytes()]
+
+
+_NUMBER = re.compile(rb"\d+")
+_HOSTILE = [b"0", b"-1", b"9223372036854775807", b"9223372036854775808", b"18446744073709551616",
+            b"1e308", b"NaN", b"2199023255552", b"4096", b"3"]
+
+
+def _mutate(rng: random.Random, buf: bytes) -> bytes:
+    (n,) = struct.unpack("<Q", buf[:8])
+    header, data = bytearray(buf[8 : 8 + n]), buf[8 + n :]
+    kind = rng.randrange(6)
+    if kind == 0:  # flip bytes of the header text
+        for _ in range(rng.randint(1, 4)):
+            header[rng.randrange(len(header))] = rng.randrange(256)
+    elif kind == 1:  # a number of the header (offsets, sizes, shapes, chunk fields) made hostile
+        spans = [m.span() for m in _NUMBER.finditer(bytes(header))]
+        a, b = rng.choice(spans)
+        header[a:b] = rng.choice(_HOSTILE)
+    elif kind == 2:  # the header cut short, or the data cut short
+        if rng.random() < 0.5:
+            header = header[: rng.randrange(len(header))]
+        else:
+            data = data[: rng.randrange(max(1, len(data)))]
+    elif kind == 3:  # a stretch of the header deleted
+        a = rng.randrange(len(header))
+        del header[a : a + rng.randint(1, 40)]
+    elif kind == 4:  # inside the compression metadata (escaped JSON): numbers again
+        text = bytes(header)
+        at = text.find(b"gdsload.compression")
+        spans = [m.span() for m in _NUMBER.finditer(text, at if at >= 0 else 0)]
+        if spans:
+            a, b = rng.choice(spans)
+            header[a:b] = rng.choice(_HOSTILE)
+    else:  # the length prefix itself
+        n = rng.choice([0, 1, len(header) - 1, len(header) + 1, 2**63, len(header) * 3])
+        return struct.pack("<Q", n % 2**64) + bytes(header) + data
+    return struct.pack("<Q", len(header)) + bytes(header) + data
+
+
+def test_header_and_metadata_fuzz_raises_only_typed_errors(tmp_path):
+    """10,000 mutants of real files (plain and Zstd-compressed): each parses, or fails with a GdsloadError."""
+    seeds = _seed_files(tmp_path)
+    rng = random.Random(20261201)
+    counts = {"cases": 0, "accepted": 0, "typed": 0, "untyped": 0, "loads": 0}
+    untyped: list[str] = []
+    start = time.monotonic()
+    for i in range(10_000):
+        buf = _mutate(rng, rng.choice(seeds))
+        counts["cases"] += 1
+        try:
+            header = parse_header(buf, len(buf), path="fuzz.safetensors")
+            parse_compression(header)
+            counts["accepted"] += 1
+            if i % 40 == 0:  # now the whole load, from a file
+                f = tmp_path / "fuzz.safetensors"
+                f.write_bytes(buf)
+                counts["loads"] += 1
+                load_rank(f).close()
+        except GdsloadError:
+            counts["typed"] += 1
+        except Exception as e:  # the defect this suite exists to catch
+            counts["untyped"] += 1
+            untyped.append(f"{type(e).__name__}: {e}"[:200])
+    counts["seconds"] = round(time.monotonic() - start, 1)
+    print("header fuzz:", json.dumps(counts))
+    assert counts["untyped"] == 0, untyped[:5]
+    assert counts["typed"] > 1000 and counts["accepted"] > 100  # the mutants reach both sides
+
+
+# ----------------------------------------------------------------------------- a file swapped after the check
+
+
+def test_a_rank_file_swapped_for_a_link_out_of_the_root_is_refused_at_the_open(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    model = make_checkpoint(root / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                   layers=1), tp=2)
+    outside = tmp_path / "outside.safetensors"
+    victim = model / "model-rank-1-part-0.safetensors"
+    shutil.copy(victim, outside)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--allow-root", str(root), "--token-file", str(token_file), "--device-map", "cpu",
+                  "--restart-backoff", "0.2"], tmp_path / "serve.log")
+    try:
+        srv.poll_ready(timeout=120)
+        victim.unlink()
+        victim.symlink_to(outside)  # after the path check: the next open must refuse it
+        pid = srv.status()["ranks"]["1"]["pid"]
+        os.kill(pid, 9)  # the worker restarts, and opens its files again
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            err = srv.status()["ranks"]["1"]["error"]
+            if err and err.get("type") == "PathEscapesRootError":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"rank 1 did not fail at the open: {srv.status()['ranks']['1']}")
+        assert "leads out of" in err["message"]
+        r = httpx.get(srv.url + "/v1/ipc/1", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code in (404, 409, 503), r.text  # nothing read from outside is handed out
+    finally:
+        srv.close()
+
+
+def test_open_beneath_without_openat2_walks_without_following_links(tmp_path, monkeypatch):
+    from gdsload.loader.format import confine
+
+    monkeypatch.setattr(confine, "_openat2_missing", True)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    (tmp_path / "d" / "link").symlink_to("/etc/hostname")
+    (tmp_path / "dirlink").symlink_to(tmp_path / "d")
+    assert os.read(confine.open_beneath(str(tmp_path / "d" / "f"), [str(tmp_path)]), 1) == b"x"
+    for bad in (tmp_path / "d" / "link", tmp_path / "dirlink" / "f"):
+        with pytest.raises(confine.PathEscapesRootError):
+            confine.open_beneath(str(bad), [str(tmp_path)])
+
+
+# --------------------------------------------------------------------------------------- HTTP floods
+
+
+@pytest.fixture
+def served(tmp_path):
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=1)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1"],
+                 tmp_path / "serve.log")
+    srv.poll_ready(timeout=120)
+    yield srv
+    srv.close()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:
+        return True
+
+
+def test_token_is_checked_before_the_body_and_slow_or_idle_clients_are_cut_off(served):
+    # An unauthenticated POST that declares a body and sends none: answered at once, from its headers.
+    s = _connect(served.url)
+    s.sendall(b"POST /v1/reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 60000\r\n\r\n{")
+    s.settimeout(5)
+    t = time.monotonic()
+    answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:100]
+    first_answer_s = time.monotonic() - t
+    s.close()
+    # 200 half-sent requests and 50 slow bodies, while /readyz is polled.
+    idle = [_connect(served.url) for _ in range(200)]
+    for c in idle:
+        c.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.0")
+    slow = [_connect(served.url) for _ in range(50)]
+    for c in slow:
+        c.sendall(b"POST /v1/unload HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + TOKEN.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    latencies, codes = [], set()
+    with httpx.Client(base_url=served.url, timeout=5) as client:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            t = time.monotonic()
+            r = client.get("/readyz")
+            latencies.append(time.monotonic() - t)
+            codes.add(r.status_code)
+    cut = time.monotonic()
+    closed = sum(_closed_by_server(c, 4.0) for c in idle + slow)
+    cut_s = time.monotonic() - cut
+    latencies.sort()
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"http floods: 401 after {first_answer_s * 1000:.1f} ms; {closed} of {len(idle) + len(slow)} stalled "
+          f"connections cut off (timeout 1 s, all within {cut_s + 2.0:.1f} s of opening); /readyz "
+          f"{len(latencies)} answers, p50 {statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+          f"codes {sorted(codes)}")
+    assert first_answer_s < 2.0
+    assert closed == len(idle) + len(slow)
+    assert codes == {200}
+    for c in idle + slow:
+        c.close()
+
+
+def test_waiting_reloads_do_not_hold_up_the_release_they_wait_for(served):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        doc = client.get("/v1/ipc/0", headers=auth).json()
+        results: list[int] = []
+
+        def wait_then_unload() -> None:
+            with httpx.Client(base_url=served.url, timeout=60) as c:
+                results.append(c.post("/v1/unload", json={"wait_s": 30}, headers=auth).status_code)
+
+        threads = [threading.Thread(target=wait_then_unload) for _ in range(45)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every one of them is waiting for the lease now
+        t = time.monotonic()
+        r = client.post("/v1/ipc/0/release", json={"lease": doc["lease"]}, headers=auth)
+        release_s = time.monotonic() - t
+        assert r.status_code == 200, r.text
+        for th in threads:
+            th.join(60)
+    print(f"starvation: release answered in {release_s * 1000:.0f} ms with 45 unloads waiting; codes {sorted(set(results))}")
+    assert release_s < 5.0 and len(results) == 45 and set(results) == {200}
+
+
+def test_host_header_and_offline_docs(served):
+    with httpx.Client(base_url=served.url, timeout=5) as client:
+        r = client.get("/v1/status", headers={"Host": "attacker.example"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "HostNotAllowed"
+        assert client.get("/readyz", headers={"Host": "attacker.example"}).status_code == 200  # probes answer anyone
+        page = client.get("/docs")
+        assert page.status_code == 200 and "/v1/reload" in page.text
+        assert not re.search(r"(src|href)=['\"]https?://", page.text), "the docs page must load nothing from outside"
+
+
+# --------------------------------------------------------------------------------------- corrupt data
+
+
+def test_corrupt_bytes_are_caught(tmp_path):
+    from gdsload.loader import CodecError, IntegrityError
+    from gdsload.loader.prepare.compress import compress_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    save_file({"w": (0.02 * torch.randn(512, 256, generator=g)).to(torch.bfloat16)}, src / "model.safetensors")
+    write_manifest(src, {0: ["model.safetensors"]}, tp_size=1, layout="plain")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+
+    def flip(path: Path, at_fraction: float) -> None:
+        raw = bytearray(path.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        at = 8 + n + int((len(raw) - 8 - n) * at_fraction)
+        raw[at] ^= 0x40
+        path.write_bytes(bytes(raw))
+
+    flip(src / "model.safetensors", 0.5)
+    with pytest.raises(IntegrityError, match="sha256"):  # raw tensors: the manifest's digests, when asked for
+        load_rank(src, verify=True)
+    flip(tmp_path / "z" / "model.safetensors", 0.5)
+    with pytest.raises(CodecError, match="model.safetensors.*'w'"):  # Zstd: its frames' checksums, always
+        load_rank(tmp_path / "z")
+
+
+def test_a_header_claiming_more_memory_than_there_is_is_a_typed_error(tmp_path):
+    """A compressed tensor that says it decodes to 2 TB: the load fails typed, naming the files, before reading."""
+    import base64
+
+    import numpy as np
+
+    from gdsload.loader import DeviceMemoryError
+
+    chunk, count = 1 << 30, 2048  # 2 TiB in chunks of 1 GiB
+    sizes = np.ones(count, dtype="<u4")
+    meta = {"version": 1, "tensors": {"w": {
+        "dtype": "U8", "shape": [chunk * count], "nbytes": chunk * count, "codec": "zstd", "layout": "chunks",
+        "params": {}, "chunk_bytes": chunk, "chunks": base64.b64encode(sizes.tobytes()).decode()}}}
+    header = {"__metadata__": {"gdsload.compression": json.dumps(meta)},
+              "w": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(count))
+    with pytest.raises(DeviceMemoryError, match=r"big.safetensors.*cannot be\s+allocated"):
+        load_rank(path)
