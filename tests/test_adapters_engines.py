@@ -337,6 +337,24 @@ def test_sglang_post_processes_before_sharded_copy_and_after_load_weights(vllm_d
     assert hook.calls == [True]
 
 
+def test_sglang_sharded_load_runs_the_models_post_load_step(vllm_dir, hf_dir):
+    """A pre-sharded load bypasses ``model.load_weights``, so the model's ``post_load_weights`` runs after the copy
+    (with the weights in place); on the HF route ``load_weights`` is SGLang's and the adapter leaves it be."""
+    seen = []
+
+    class WithPostLoad(VllmLlama):
+        def post_load_weights(self):
+            seen.append(bool(self.param("model.embed_tokens.weight").abs().sum() > 0))
+
+    gsglang.load_model_weights(WithPostLoad(1, 2), vllm_dir, rank=1, tp_size=2)
+    assert seen == [True]
+    gsglang.load_model_weights(WithPostLoad(1, 2), hf_dir, rank=1, tp_size=2)
+    assert seen == [True]
+    calls = []
+    gsglang.load_model_weights(WithPostLoad(1, 2), vllm_dir, rank=1, tp_size=2, post_load=calls.append)
+    assert len(calls) == 1 and seen == [True]
+
+
 class FakeEngine:
     """``sglang.Engine.update_weights_from_tensor`` with ``direct`` semantics on a module, as documented:
     ``params_dict = dict(model.named_parameters())``; ``default_weight_loader`` asserts equal shapes and copies."""

@@ -25,7 +25,10 @@ Checked against SGLang's source (``python/sglang/srt/model_loader/loader.py``: `
 ``get_model_loader``, ``DefaultModelLoader.load_weights_and_postprocess``, ``ShardedStateLoader``;
 ``srt/entrypoints/engine.py`` ``Engine.update_weights_from_tensor``;
 ``srt/model_executor/model_runner.py`` ``update_weights_from_tensor``,
-``_model_load_weights_direct``, ``LocalSerializedTensor``), 0.4-0.5 era main branch.
+``_model_load_weights_direct``, ``LocalSerializedTensor``); re-checked against the main branch at
+commit 005cbe0 (``get_model_loader(load_config, model_config=None)`` instantiates a class given as
+``load_format``; ``load_model(*, model_config, device_config)``; ``_initialize_model`` takes the
+quantization config; loaders that bypass ``model.load_weights`` call ``_post_load_weights``).
 """
 
 from __future__ import annotations
@@ -83,11 +86,15 @@ def load_model_weights(
     tp_size: int,
     options: AdapterOptions | None = None,
     process_weights: Callable[[nn.Module], None] = lambda model: None,
+    post_load: Callable[[nn.Module], None] | None = None,
 ) -> InjectReport:
     """Load rank ``rank``'s weights into an SGLang-built ``model``; ``process_weights`` runs quantization post-processing.
 
     Pre-sharded (``sharded_state``) directories hold post-processed state dicts, so
     ``process_weights`` runs before the copy; HF checkpoints are processed after ``load_weights``.
+    A pre-sharded load bypasses ``model.load_weights``, so it then runs the model's own post-load
+    step, as SGLang's loaders that bypass it do (``post_load``; by default ``model.post_load_weights()``
+    where the model has one).
 
     >>> load_model_weights(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
@@ -95,10 +102,18 @@ def load_model_weights(
     route = choose_route(path, rank=rank, tp_size=tp_size, options=options, engine="SGLang")
     if route.kind == "sharded_state":
         process_weights(model)
-        return load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", route=route)
+        report = load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", route=route)
+        (post_load or _model_post_load)(model)
+        return report
     report = load_into_model(model, path, rank=rank, tp_size=tp_size, options=options, engine="sglang", route=route)
     process_weights(model)
     return report
+
+
+def _model_post_load(model: nn.Module) -> None:
+    hook = getattr(model, "post_load_weights", None)
+    if callable(hook):
+        hook()
 
 
 def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -323,13 +338,18 @@ def loader_class() -> type:
 
             self.download_model(model_config)
             target = torch.device(device_config.device)
+            # SGLang of 2025 and later resolves the quantization config in the loader and passes it in;
+            # earlier releases resolved it inside _initialize_model.
+            quant_config = getattr(loader, "_get_quantization_config", None)
+            extra = () if quant_config is None else (quant_config(model_config, self.load_config),)
             with set_default_torch_dtype(model_config.dtype):
                 with target:
-                    model = loader._initialize_model(model_config, self.load_config)
+                    model = loader._initialize_model(model_config, self.load_config, *extra)
                 load_model_weights(
                     model, model_config.model_path, rank=get_tensor_model_parallel_rank(),
                     tp_size=get_tensor_model_parallel_world_size(), options=self.options,
                     process_weights=functools.partial(_process_quantized, loader, target=target),
+                    post_load=getattr(loader, "_post_load_weights", None),
                 )
             return model.eval()
 
