@@ -100,11 +100,16 @@ class Device(abc.ABC):
 
 
 class TorchDevice(Device):
-    """A torch device: ``cpu`` or ``cuda:N``."""
+    """A torch device: ``cpu`` or ``cuda:N``.
+
+    ``shared=True`` (CPU only) allocates host memory as shared memory (``/dev/shm``, named the way
+    torch's multiprocessing shares storage), so a loaded rank can be handed to another process
+    without moving it first: what the sidecar's CPU workers load into.
+    """
 
     uses_torch = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, shared: bool = False):
         import torch
 
         self.torch = torch
@@ -112,15 +117,22 @@ class TorchDevice(Device):
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
             raise BackendUnavailableError(f"no backend can load to {str(device)!r}: gdsload loads to 'cpu' or 'cuda:N'")
+        if shared and device.type != "cpu":
+            raise ConfigError(f"shared=True is for host memory; {str(device)!r} is not the CPU")
         self.device = device
         self.index = device.index
         self.kind = device.type  # type: ignore[misc]
+        self.shared = shared
 
     def __str__(self) -> str:
         return str(self.device)
 
     def empty(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        if not self.shared:
+            return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        _check_shm_room(nbytes)
+        storage = self.torch.UntypedStorage._new_using_filename_cpu(nbytes)
+        return self.torch.empty(0, dtype=self.torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     def address(self, buf: Any) -> int:
         return int(buf.data_ptr())
@@ -240,6 +252,23 @@ def device_uuid(index: int = 0) -> str:
     if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), index) != 0 or get_uuid(raw, dev) != 0:
         raise RuntimeError(f"the CUDA driver could not report the UUID of device {index}")
     return str(uuid.UUID(bytes=bytes(raw)))
+
+
+def _check_shm_room(nbytes: int, shm: str = "/dev/shm") -> None:
+    """Refuse a shared allocation that ``/dev/shm`` has no room for: its pages are only claimed when
+    first written, and a write past the file system's size kills the process (SIGBUS)."""
+    import os
+
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return  # no /dev/shm to measure; torch's allocation reports its own error
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        from gdsload.loader.errors import DeviceMemoryError
+
+        raise DeviceMemoryError(f"{nbytes} bytes of shared memory are needed and {shm} has {free} free; "
+                                f"give it more room (a container's --shm-size, or a larger tmpfs on {shm})")
 
 
 def as_device(device: str | torch.device | Device) -> Device:

@@ -146,6 +146,11 @@ class _Worker:
             marks["cuda_ready_at"] = time.time()
             gpu = _torch_gpu_facts()
         else:
+            import torch
+
+            from gdsload.loader.devices import TorchDevice
+
+            target = TorchDevice(torch.device("cpu"), shared=True)  # handed over without a move (export_rank)
             gpu = None
         self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu, fork_server=forkserver.STATE or None,
                           **marks)

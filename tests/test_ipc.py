@@ -51,6 +51,29 @@ def test_cpu_arena_maps_in_another_process(sharded_dir):
     assert _map_in_child(doc) == before
 
 
+def test_shared_cpu_device_loads_into_shared_memory_and_exports_without_a_move(sharded_dir):
+    """What the sidecar's CPU workers load into: the arena is shared memory from the start, so the first
+    hand-off moves nothing (the tensors' addresses stay put) and another process sees the same bytes."""
+    from gdsload.loader.devices import TorchDevice
+
+    result = load_rank(sharded_dir, 1, device=TorchDevice(torch.device("cpu"), shared=True))
+    (arena,) = result.arenas
+    assert arena.untyped_storage().is_shared()
+    addresses = {n: t.data_ptr() for n, t in result.tensors.items()}
+    before = _digests(result.tensors)
+    doc = export_rank(result)
+    assert {n: t.data_ptr() for n, t in result.tensors.items()} == addresses
+    assert _map_in_child(json.loads(json.dumps(doc))) == before == _digests(load_rank(sharded_dir, 1).tensors)
+
+
+def test_shared_memory_is_for_the_cpu_only():
+    from gdsload.loader.devices import TorchDevice
+    from gdsload.loader.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shared=True is for host memory"):
+        TorchDevice(torch.device("cuda", 0), shared=True)
+
+
 def test_import_in_same_process_gives_views_of_one_mapping(sharded_dir):
     result = load_rank(sharded_dir, 0)
     tensors = import_rank(export_rank(result))
@@ -85,3 +108,21 @@ def test_cuda_arena_maps_in_another_process(sharded_dir):
     doc = json.loads(json.dumps(export_rank(result)))
     assert doc["kind"] == "cuda"
     assert _map_in_child(doc) == _digests(result.tensors)
+
+
+def test_shared_allocation_beyond_dev_shm_is_refused_before_any_write(sharded_dir, monkeypatch):
+    """tmpfs claims pages when written: an arena larger than /dev/shm's room would die by SIGBUS mid-read,
+    so it is refused up front, naming the bytes, the room and the fix."""
+    import os
+
+    from gdsload.loader import devices
+    from gdsload.loader.errors import DeviceMemoryError
+
+    real = os.statvfs("/dev/shm")
+
+    class Tiny:
+        f_bavail, f_frsize = 1, real.f_frsize
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Tiny())
+    with pytest.raises(DeviceMemoryError, match=r"rank 0 needs .* /dev/shm has \d+ free; .*--shm-size"):
+        load_rank(sharded_dir, 0, device=devices.TorchDevice(torch.device("cpu"), shared=True))
