@@ -10,7 +10,7 @@ from the loader's first import until every parameter holds its bytes, the device
 - ``gdsload:direct``: ``load_rank(..., into=parameters)``, what the vLLM adapter does for a
   pre-sharded directory: every tensor read (or decoded) straight into its parameter;
 - ``gdsload:arena+copy``: ``load_rank`` into an arena, then ``parameter.copy_`` per tensor (what the
-  adapter did before reading in place), the arena freed afterwards;
+  direct path avoids), the arena freed afterwards;
 - ``vllm-default``: safetensors' ``safe_open(..., device="cpu")`` per file, each tensor copied into
   its parameter (vLLM's default loader, and its ``sharded_state`` loader, read this way);
 - ``fastsafetensors``: fastsafetensors' loader onto the GPU, each tensor copied into its parameter

@@ -272,16 +272,28 @@ def test_time_to_ready_stops_when_the_server_fails_before_any_rank(tmp_path):
     assert r["error"].startswith("the server failed before loading") and "does not exist" in r["error"], r
 
 
-def test_cpu_load_times_the_load_not_torchs_import(tmp_path):
+def test_cpu_load_times_the_whole_call_in_fresh_processes(tmp_path):
+    """Every method in its own process, its loader's import inside the clock, the process timed too."""
     model = make_checkpoint(tmp_path / "m", "tiny")
-    code = ("import sys, gdsload.loader as L\n"
-            "real = L.load_rank\n"
-            "def probe(*a, **k):\n    print('torch imported before the clock:', 'torch' in sys.modules)\n"
-            "    return real(*a, **k)\n"
-            "L.load_rank = probe\n"
-            f"from gdsload.bench.cpu_load import _worker; _worker('gdsload-cpu', {str(model)!r}, 2)")
+    code = ("import sys, time\n"
+            "from gdsload.bench.cpu_load import _worker\n"
+            "print('torch imported before the call:', 'torch' in sys.modules)\n"
+            f"_worker('gdsload-cpu', {str(model)!r}, 2)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "torch imported before the clock: True" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "torch imported before the call: False" in p.stdout, p.stdout + p.stderr
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.cpu_load", "--model", str(model), "--repeat", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((out / "results.json").read_text())
+    runs = data["runs"]
+    assert {(r["method"], r["condition"]) for r in runs} == {
+        (m, c) for m in ("gdsload-cpu", "gdsload-mmap", "safetensors") for c in ("cold", "warm")}
+    assert len({r["bytes"] for r in runs}) == 1
+    assert all(0 < r["seconds"] < r["process_s"] for r in runs)
+    # taking turns: the second round starts with another method than the first
+    warm = [r["method"] for r in runs if r["condition"] == "warm"]
+    assert warm[0] != warm[3]
 
 
 def test_multi_gpu_bench_rows_on_cpu(tmp_path):
