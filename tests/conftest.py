@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from gdsload.loader import save_file, write_manifest
+from tensor_cases import mixed_tensors
 
 
 def _cuda_count() -> int:
@@ -28,37 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0] if mark.args else 2} CUDA devices, found {n}"))
         if "gds" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs real GPUDirect Storage (nvidia-fs or P2PDMA)"))
-
-
-def all_dtypes() -> list[torch.dtype]:
-    """Every torch dtype safetensors can store, in this torch build."""
-    names = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "uint16", "float16", "bfloat16",
-             "int32", "uint32", "float32", "int64", "uint64", "float64"]
-    return [getattr(torch, n) for n in names if hasattr(torch, n)]
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Deterministic values that use the dtype's whole bit pattern space."""
-    g = torch.Generator().manual_seed(seed)
-    n = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        return (raw % 2).bool().reshape(shape)
-    return raw.view(dtype).reshape(shape)
-
-
-def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """One tensor per dtype in odd shapes, plus 0-d and empty tensors."""
-    out: dict[str, torch.Tensor] = {}
-    for i, dt in enumerate(all_dtypes()):
-        name = str(dt).removeprefix("torch.")
-        out[f"{name}.odd"] = random_tensor((3, 5, 7), dt, seed + i)
-        out[f"{name}.scalar"] = random_tensor((), dt, seed + 100 + i)
-    out["empty.f32"] = torch.empty((0, 4), dtype=torch.float32)
-    out["empty.bf16"] = torch.empty((5, 0), dtype=torch.bfloat16)
-    out["weight.bf16"] = random_tensor((64, 33), torch.bfloat16, seed + 7)
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import all_dtypes, random_tensor
+from tensor_cases import all_dtypes, random_tensor
 from gdsload.loader import (
     BackendUnavailableError,
     CodecError,

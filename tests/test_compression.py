@@ -12,7 +12,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from conftest import random_tensor
+from tensor_cases import random_tensor
 from gdsload.loader import CodecError, ConfigError, load_rank, read_header, save_file
 from gdsload.loader.prepare.compress import compress_dir, compress_file
 from gdsload.loader.format.compression import METADATA_KEY, parse_compression

@@ -10,7 +10,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from conftest import all_dtypes, mixed_tensors, random_tensor
+from tensor_cases import all_dtypes, mixed_tensors, random_tensor
 from gdsload.loader import AlignedWriter, TensorSpec, load_rank, read_header, save_file
 from gdsload.loader.dtypes import ITEMSIZE, from_torch, to_torch
 from gdsload.loader.format.safetensors import DATA_ALIGNMENT

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from conftest import mixed_tensors
+from tensor_cases import mixed_tensors
 from gdsload.loader import CodecError, load_rank, save_file
 from gdsload.loader.io import IO_MODES, auto_order
 from gdsload.loader.prepare.compress import compress_dir, compress_file

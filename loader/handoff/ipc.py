@@ -10,8 +10,10 @@ as a view — no bytes move.
   :class:`~gdsload.loader.devices.CupyDevice`, the sidecar worker's torch-free path) by its own
   ``cudaIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer opens with the driver's
   ``cuIpcOpenMemHandle`` and closes when the last tensor view is gone.
-- CPU arenas are moved once into shared memory (``/dev/shm`` via torch's shm manager), so
-  the same hand-off works on CPU-only hosts and in tests.
+- CPU arenas are shared through ``/dev/shm`` (named as torch's shm manager names them): the
+  sidecar's CPU workers load into shared memory from the start (``TorchDevice(cpu, shared=True)``),
+  another CPU arena is moved there on its first export. So the same hand-off works on CPU-only
+  hosts and in tests.
 
 The exporter must keep the result alive until every importer is done (the sidecar holds it
 until the engine releases it, or the model is unloaded).
