@@ -44,17 +44,17 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 
 def _instrument() -> None:
-    import gdsload.loader.api as api
     import gdsload.loader.io as backends
     import gdsload.loader.io.pinned as pinned
     import gdsload.loader.pipeline.decode as decode
+    import gdsload.loader.pipeline.load as load
 
-    _wrap(api, "discover", "discover")
-    _wrap(api, "plan_rank", "plan_rank")
-    _wrap(api, "select_backend", "select_backend")
-    _wrap(api, "load_compressed", "load_compressed")
+    _wrap(load, "discover", "discover")
+    _wrap(load, "plan_rank", "plan_rank")
+    _wrap(load, "select_backend", "select_backend")
+    _wrap(load, "load_compressed", "load_compressed")
     _wrap(backends.Backend, "allocate", "allocate")
-    _wrap(pinned, "resident_fraction", "pinned.resident_fraction")
+    _wrap(pinned, "is_cold", "pinned.is_cold")
     for m in ("open", "read", "submit", "close"):
         _wrap(pinned.PinnedBackend, m, f"pinned.{m}")
     _wrap(decode, "GpuCodecs", "decode.GpuCodecs()")

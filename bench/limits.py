@@ -232,6 +232,7 @@ def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) ->
     from gdsload.loader import read_header
     from gdsload.loader.codecs import GpuCodecs
     from gdsload.loader.format.compression import parse_compression
+    from gdsload.loader.devices import as_device
 
     best_entry, best_file = None, None
     for f in sorted(Path(model_dir).glob("*.safetensors")):
@@ -246,8 +247,7 @@ def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) ->
         fh.seek(h.data_offset + t.start)
         blob = torch.frombuffer(bytearray(fh.read(t.nbytes)), dtype=torch.uint8).to(device)
     out = torch.empty(best_entry.nbytes, dtype=torch.uint8, device=device)
-    dev = torch.device(device)
-    codecs = GpuCodecs(dev.index if dev.index is not None else torch.cuda.current_device())
+    codecs = GpuCodecs(as_device(device))
     best = float("inf")
     for _ in range(repeat + 1):
         torch.cuda.synchronize()

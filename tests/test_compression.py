@@ -222,6 +222,21 @@ def test_ans_chunk_tables_point_at_every_chunk():
     assert c.dst.tolist() == [1 << 30, (1 << 30) + 262144, (1 << 30) + 524288, 7 << 30]
     assert c.dst_bytes.tolist() == [262144, 262144, 600_000 - 524288, 20]
     assert c.owner.tolist() == [0, 0, 0, 1] and c.names == ["f: a", "f: b"]
+    assert c.crc_dst.size == 0  # neither records a crc32: nothing to check on the device
+
+
+def test_ans_chunk_tables_name_each_tensor_checked_by_crc32():
+    """Tensors that record a crc32 are checked on the device after decoding: one message per
+    tensor, over its whole decoded bytes, against the recorded value."""
+    from gdsload.loader.codecs.nvcomp_c import AnsChunks
+    from gdsload.loader.format.compression import CompressedEntry
+
+    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
+    e = CompressedEntry("e", "BF16", (0,), 0, "ans", "chunks", 0, {}, 262144, (), 0, 16)
+    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a"), (b, 5 << 20, 7 << 30, "f: b"), (e, 9 << 20, 9 << 30, "f: e")])
+    assert c.crc_dst.tolist() == [1 << 30] and c.crc_bytes.tolist() == [600_000]
+    assert c.crc_expected.tolist() == [0xDEADBEEF] and c.crc_owner.tolist() == [0]
 
 
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):

@@ -42,9 +42,10 @@ def _check(result, ref: dict[str, torch.Tensor]) -> None:
 
 
 def _skip_if_missing(backend: str) -> None:
+    from gdsload.loader.devices import as_device
     from gdsload.loader.io import backend_class
 
-    reason = backend_class(backend).probe(torch.device("cuda"))
+    reason = backend_class(backend).probe(as_device("cuda"))
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
@@ -208,16 +209,51 @@ def test_corrupt_ans_stream_is_caught_with_verify(tmp_path):
         load_rank(dst, device="cuda", verify=True)
 
 
+@pytest.mark.parametrize("where", ["torch", "cupy"])
+def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
+    """ANS bitstreams carry no checksum of their own: a flipped byte decodes, into wrong values.
+    The decoded tensors' CRC-32 is checked on the device on every load, verify or not."""
+    from gdsload.loader import read_header
+
+    src = tmp_path / "s.safetensors"
+    g = torch.Generator().manual_seed(3)
+    save_file({"a": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+               "b": (0.02 * torch.randn(1024, 1024, generator=g)).to(torch.bfloat16)}, src)
+    good = tmp_path / "good.safetensors"
+    compress_file(src, good, codec="ans", device="cuda")
+    if where == "cupy":
+        pytest.importorskip("cupy")
+        from gdsload.loader.devices import CupyDevice
+
+        device = CupyDevice(0)
+    else:
+        device = "cuda"
+    assert load_rank(good, device=device, verify=False).report.logical_bytes == 3 * 2 * 1024 * 1024
+    h = read_header(good)
+    for frac in (0.1, 0.5, 0.9):
+        bad = tmp_path / f"bad-{frac}.safetensors"
+        raw = bytearray(good.read_bytes())
+        pos = h.data_offset + h["b"].start + int(h["b"].nbytes * frac)
+        raw[pos] ^= 0x5A
+        bad.write_bytes(bytes(raw))
+        with pytest.raises(CodecError, match=r"tensor 'b'.*(CRC-32|does not decode)"):
+            load_rank(bad, device=device, verify=False)
+
+
 def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_path, monkeypatch):
     """ANS now goes to disk as raw nvCOMP chunks, each 16-byte aligned, decoded many tensors per call;
     files written before that (one nvCOMP container per tensor) keep loading, bit-identical."""
     from gdsload.loader import read_header
-    from gdsload.loader.format.compression import CODECS, parse_compression
+    import dataclasses
+
+    from gdsload.loader.codecs import registry
+    from gdsload.loader.format.compression import parse_compression
 
     src = _bench_like(tmp_path)
     ref = _reference(sorted(src.glob("*.safetensors")))
     compress_dir(src, tmp_path / "chunks", codec="ans", device="cuda")
-    monkeypatch.setitem(CODECS, "ans", ("native", "chunks"))  # what compress wrote before
+    # What compress wrote before: the first layout is the one written.
+    monkeypatch.setitem(registry._CODECS, "ans", dataclasses.replace(registry.codec("ans"), layouts=("native", "chunks")))
     compress_dir(src, tmp_path / "native", codec="ans", device="cuda")
     for name, layout in (("chunks", "chunks"), ("native", "native")):
         files = sorted((tmp_path / name).glob("*.safetensors"))

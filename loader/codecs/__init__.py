@@ -265,8 +265,15 @@ class GpuCodecs:
             if not (entry.layout == "chunks" and codec(entry.codec).batch_decoder):
                 self._decode_one(entry, src, dst, path=path)
 
+    def checked_on_device(self, entry: CompressedEntry) -> bool:
+        """Whether :meth:`finish` has checked ``entry``'s decoded bytes against its ``crc32`` (ANS
+        chunks, on the device, whatever ``verify`` says); others need ``verify`` for that."""
+        return (entry.crc32 is not None and entry.layout == "chunks" and codec(entry.codec).batch_decoder
+                and self._ans is not None and self._ans.checks_crc32)
+
     def finish(self) -> None:
-        """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed."""
+        """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed to
+        decode or does not match the CRC-32 its file records."""
         if self._ans is not None and self._bytes is not None:
             self._bytes.sync()
             self._ans.check()

@@ -11,6 +11,12 @@ back to the host until the batch's statuses are checked, once, after the stream 
 The chunks are what ``nvcompBatchedANSCompressAsync`` writes (nvCOMP's Python package with
 ``BitstreamKind.RAW``), each 16-byte aligned in device memory (``layout: chunks``,
 :mod:`gdsload.loader.format.compression`).
+
+ANS bitstreams carry no checksum, and a flipped byte usually decodes without an error into wrong
+values. So every batch is checked on the device as well: right after the decode, on the same
+stream, ``nvcompBatchedCRC32Async`` computes the CRC-32 of each decoded tensor, and :meth:`AnsDecoder.check`
+compares them with the ``crc32`` the file records (4 bytes per tensor come back to the host).
+It runs on every load, not only with ``verify``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import glob
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,26 @@ class _DecompressOpts(ctypes.Structure):
                 ("reserved", ctypes.c_char * 53)]
 
 
+class _CRC32Spec(ctypes.Structure):
+    # nvcompCRC32Spec_t (nvcomp/crc32.h, 6.0)
+    _fields_ = [("poly", ctypes.c_uint32), ("init", ctypes.c_uint32), ("ref_in", ctypes.c_bool),
+                ("ref_out", ctypes.c_bool), ("xorout", ctypes.c_uint32), ("reserved", ctypes.c_char * 16)]
+
+
+class _CRC32KernelConf(ctypes.Structure):
+    # nvcompCRC32KernelConf_t
+    _fields_ = [("kernel_kind", ctypes.c_int), ("bytes_per_read", ctypes.c_int32),
+                ("blocks_per_msg", ctypes.c_int32), ("reserved", ctypes.c_char * 20)]
+
+
+class _CRC32Opts(ctypes.Structure):
+    # nvcompBatchedCRC32Opts_t
+    _fields_ = [("spec", _CRC32Spec), ("kernel_conf", _CRC32KernelConf), ("reserved", ctypes.c_char * 64)]
+
+
+_CRC32_PKZIP = dict(poly=0x04C11DB7, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
+"""nvcompCRC32: the CRC-32 of zlib (``zlib.crc32``), which the encoder records."""
+_CRC32_ONLY_SEGMENT = 0
 _NVCOMP_TYPE_BITS = 0xFF
 _LIB: tuple[ctypes.CDLL, int] | None = None
 """The library and its version (major * 1000 + minor * 100 + patch), once loaded."""
@@ -83,6 +109,10 @@ def _lib() -> tuple[ctypes.CDLL, int]:
                                                                   ctypes.POINTER(size_t), size_t, ptr]
             lib.nvcompBatchedANSDecompressAsync.argtypes = [ptr, ptr, ptr, ptr, size_t, ptr, size_t, ptr,
                                                             _DecompressOpts, ptr, ptr]
+            if hasattr(lib, "nvcompBatchedCRC32Async"):
+                lib.nvcompBatchedCRC32Async.argtypes = [ptr, ptr, size_t, ptr, _CRC32Opts, ctypes.c_int, ptr, ptr]
+                lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [ptr, size_t, ctypes.POINTER(_CRC32KernelConf),
+                                                                   size_t, ptr]
             _LIB = lib, props[0]
         return _LIB
 
@@ -109,6 +139,12 @@ class AnsChunks:
     """Index into ``names`` of each chunk's tensor."""
     names: Sequence[str]
     """``path: tensor`` of each tensor, for messages."""
+    crc_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    crc_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    crc_expected: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    crc_owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Per tensor that records a ``crc32``: its decoded bytes (address, length), the CRC-32 the file
+    records, and its index into ``names``."""
 
     @classmethod
     def build(cls, jobs: Sequence[tuple[Any, int, int, str]]) -> AnsChunks:
@@ -121,7 +157,13 @@ class AnsChunks:
                 out.append(a)
         src, src_bytes, dst, dst_bytes, owner = (np.concatenate(p).astype(np.uint64) if p else
                                                  np.zeros(0, np.uint64) for p in parts)
-        return cls(src, src_bytes, dst, dst_bytes, owner, [w for *_, w in jobs])
+        checked = [(i, dst, entry.nbytes, entry.crc32) for i, (entry, _, dst, _) in enumerate(jobs)
+                   if entry.crc32 is not None and entry.nbytes]
+        return cls(src, src_bytes, dst, dst_bytes, owner, [w for *_, w in jobs],
+                   crc_dst=np.array([c[1] for c in checked], np.uint64),
+                   crc_bytes=np.array([c[2] for c in checked], np.uint64),
+                   crc_expected=np.array([c[3] for c in checked], np.uint32),
+                   crc_owner=np.array([c[0] for c in checked], np.int64))
 
 
 class AnsDecoder:
@@ -139,9 +181,12 @@ class AnsDecoder:
         self.stream = stream
         self._device = device
         self._opts = _DecompressOpts(data_type=_NVCOMP_TYPE_BITS)
+        self.checks_crc32 = hasattr(self._lib, "nvcompBatchedCRC32Async")
+        """Whether decoded tensors are checked against their ``crc32`` on the device (nvCOMP has the call)."""
         self._tables: tuple[Any, int, int] | None = None  # (array, address, bytes)
         self._temp: tuple[Any, int, int] | None = None
         self._pending: AnsChunks | None = None
+        self._pending_crc: tuple[int, int] = (0, 0)
 
     def _buffer(self, held: tuple[Any, int, int] | None, nbytes: int) -> tuple[Any, int, int]:
         if held is not None and held[2] >= nbytes:
@@ -161,11 +206,17 @@ class AnsDecoder:
         if not n:
             return
         # One table: compressed pointers, compressed sizes, output sizes, output pointers, then
-        # room for the actual sizes (uint64) and statuses (int32) nvCOMP writes back.
-        host = np.concatenate([chunks.src, chunks.src_bytes, chunks.dst_bytes, chunks.dst])
-        self._tables = self._buffer(self._tables, 8 * 5 * n + 4 * n)
+        # room for the actual sizes (uint64) and statuses (int32) nvCOMP writes back; then, for
+        # the CRC-32 check, each checked tensor's address and size, and room for its CRC-32.
+        m = len(chunks.crc_dst) if self.checks_crc32 else 0
+        crc_at = 8 * 5 * n + 4 * n + (4 * n) % 8
+        host = np.concatenate([chunks.src, chunks.src_bytes, chunks.dst_bytes, chunks.dst]).view(np.uint8)
+        if m:
+            host = np.concatenate([host, np.zeros(crc_at - host.size, np.uint8),
+                                   np.concatenate([chunks.crc_dst, chunks.crc_bytes]).view(np.uint8)])
+        self._tables = self._buffer(self._tables, crc_at + 16 * m + 4 * m)
         array, base, _ = self._tables
-        self._device.put(array, host.view(np.uint8))
+        self._device.put(array, host)
         size_t = ctypes.c_size_t
         temp_bytes = size_t(0)
         status = self._lib.nvcompBatchedANSDecompressGetTempSize(
@@ -177,7 +228,19 @@ class AnsDecoder:
             base, base + 8 * n, base + 16 * n, base + 32 * n, n, self._temp[1], self._temp[2], base + 24 * n,
             self._opts, base + 40 * n, self.stream)
         _raise_on(status, f"launching the decode of {n} chunks", chunks.names[0])
+        if m:
+            conf = _CRC32KernelConf()
+            # Given the largest message, the heuristic needs no device data and does not synchronize.
+            status = self._lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf),
+                                                                   int(chunks.crc_bytes.max()), self.stream)
+            _raise_on(status, "choosing the CRC-32 kernel", chunks.names[0])
+            opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
+            status = self._lib.nvcompBatchedCRC32Async(base + crc_at, base + crc_at + 8 * m, m,
+                                                       base + crc_at + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
+                                                       self.stream)
+            _raise_on(status, f"launching the CRC-32 of {m} decoded tensors", chunks.names[0])
         self._pending = chunks
+        self._pending_crc = (crc_at, m)
 
     def check(self) -> None:
         """Raise :class:`CodecError` naming the tensor if any chunk of the last batch failed.
@@ -188,8 +251,9 @@ class AnsDecoder:
         if chunks is None:
             return
         n = len(chunks.src)
+        crc_at, m = self._pending_crc
         assert self._tables is not None
-        back = self._device.get(self._tables[0], 8 * 5 * n + 4 * n)
+        back = self._device.get(self._tables[0], crc_at + 20 * m if m else 8 * 5 * n + 4 * n)
         actual = back[32 * n : 40 * n].view(np.uint64)
         statuses = back[40 * n : 44 * n].view(np.int32)
         bad = np.flatnonzero((statuses != 0) | (actual != chunks.dst_bytes))
@@ -202,6 +266,14 @@ class AnsDecoder:
                    f"{int(actual[i])} bytes decoded where {int(chunks.dst_bytes[i])} were expected")
             raise CodecError(f"{chunks.names[owner]}: chunk {i - first} does not decode ({why}; "
                              f"{len(bad)} bad chunk(s) in this batch); the file is corrupt")
+        if m:
+            got = back[crc_at + 16 * m : crc_at + 20 * m].view(np.uint32)
+            wrong = np.flatnonzero(got != chunks.crc_expected)
+            if len(wrong):
+                i = int(wrong[0])
+                raise CodecError(f"{chunks.names[int(chunks.crc_owner[i])]}: decoded bytes have CRC-32 {int(got[i]):#010x} "
+                                 f"where the file records {int(chunks.crc_expected[i]):#010x} ({len(wrong)} tensor(s) "
+                                 "of this batch); the file is corrupt")
 
     def close(self) -> None:
         """Drop the device buffers (the stream must have finished with them)."""
