@@ -139,6 +139,15 @@ def test_chunk_sizes_that_lie_about_stored_bytes(zfile):
         load_rank(dst)
 
 
+def test_recorded_crc32_is_checked_with_verify(zfile):
+    """Zstd frames check themselves; the crc32 beside them is checked as well when verify is on."""
+    dst, _ = zfile
+    _rewrite_metadata(dst, lambda t: t["w.bf16"].update(crc32=(t["w.bf16"]["crc32"] + 1) % 2**32))
+    assert "w.bf16" in load_rank(dst, verify=False).tensors
+    with pytest.raises(CodecError, match=r"tensor 'w.bf16'.*CRC-32 0x[0-9a-f]{8} where the file records"):
+        load_rank(dst, verify=True)
+
+
 def test_corrupted_chunk_is_a_codec_error(zfile):
     dst, _ = zfile
     h = read_header(dst)

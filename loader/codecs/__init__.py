@@ -28,6 +28,7 @@ __all__ = [
     "default_params",
     "encode_tensor",
     "cpu_decode",
+    "check_crc32",
     "GpuCodecs",
     "nvcomp_available",
     "cuda_device_count",
@@ -172,8 +173,18 @@ def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, veri
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, entry.chunk_spans()))
-    if verify and entry.crc32 is not None and zlib.crc32(dst) != entry.crc32:
-        raise CodecError(f"{where}: decoded bytes fail the crc32 check; the file is corrupt")
+    if verify:
+        check_crc32(entry, dst, where)
+
+
+def check_crc32(entry: CompressedEntry, decoded: Any, where: str) -> None:
+    """Raise :class:`CodecError` unless the host bytes ``decoded`` match ``entry``'s recorded crc32 (if any).
+    (ANS chunks decoded on a GPU are checked there instead: :mod:`gdsload.loader.codecs.nvcomp_c`.)"""
+    if entry.crc32 is not None:
+        got = zlib.crc32(decoded)
+        if got != entry.crc32:
+            raise CodecError(f"{where}: decoded bytes have CRC-32 {got:#010x} where the file records "
+                             f"{entry.crc32:#010x}; the file is corrupt")
 
 
 class GpuCodecs:

@@ -16,13 +16,12 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gdsload.loader.io import Backend
-from gdsload.loader.codecs import GpuCodecs, cpu_decode, cuda_device_count, nvcomp_available
+from gdsload.loader.codecs import GpuCodecs, check_crc32, cpu_decode, cuda_device_count, nvcomp_available
 from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
 from gdsload.loader.errors import CodecError, DeviceMemoryError
@@ -165,11 +164,9 @@ def load_compressed(
                     codecs.finish()
                     if verify:
                         for t, _ in group:
-                            if (t.entry.layout == "chunks" and t.entry.crc32 is not None
-                                    and not codecs.checked_on_device(t.entry)):
-                                if zlib.crc32(device.to_host(place(t))) != t.entry.crc32:
-                                    raise CodecError(f"{paths[t.file_index]!r}: tensor {t.entry.name!r} fails the "
-                                                     "crc32 check after decoding; the file is corrupt")
+                            if t.entry.layout == "chunks" and not codecs.checked_on_device(t.entry):
+                                check_crc32(t.entry, device.to_host(place(t)),
+                                            f"{paths[t.file_index]!r}: tensor {t.entry.name!r}")
             except BaseException as e:
                 errors.append(e)
             finally:
