@@ -18,7 +18,8 @@ Methods (each in a fresh process, the methods taking turns round after round):
   where vLLM's fastsafetensors loader runs: it needs a GPU);
 - ``gdsload:sharded`` (the vllm-layout copy, read straight into the parameters), ``gdsload:hf``
   (the HF directory, through vLLM's ``load_weights``), ``gdsload:zstd`` (the compressed copy),
-  ``gdsload:sidecar`` (the vllm-layout copy held by a running ``gdsload serve`` on loopback).
+  ``gdsload:sidecar`` (the vllm-layout copy held by a running ``gdsload serve`` on loopback, the
+  parameters adopting its memory), ``gdsload:sidecar-copy`` (the same, copied: ``{"adopt": false}``).
 
 The engine runs on vLLM's CPU build here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine, and
 so the loader, in the process that times it). Page cache: warm (a method's files are read again
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("vllm:auto", "vllm:sharded_state", "vllm:fastsafetensors", "gdsload:sharded", "gdsload:hf",
-           "gdsload:zstd", "gdsload:sidecar")
+           "gdsload:zstd", "gdsload:sidecar", "gdsload:sidecar-copy")
 TOKEN = "vllm-load-bench-token-3e7a"
 
 
@@ -131,9 +132,10 @@ def _spec(method: str, dirs: dict[str, Path], sidecar: dict[str, str] | None) ->
         fmt = method.split(":", 1)[1]
         return {"model": str(dirs["sharded" if fmt == "sharded_state" else "hf"]), "load_format": fmt}
     which = method.split(":", 1)[1]
-    spec: dict[str, Any] = {"model": str(dirs["sharded" if which == "sidecar" else which]), "load_format": "gdsload"}
-    if which == "sidecar":
-        spec["extra"] = sidecar
+    from_sidecar = which.startswith("sidecar")
+    spec: dict[str, Any] = {"model": str(dirs["sharded" if from_sidecar else which]), "load_format": "gdsload"}
+    if from_sidecar:
+        spec["extra"] = {**(sidecar or {}), **({"adopt": False} if which == "sidecar-copy" else {})}
     return spec
 
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     dirs = prepare(work, parse_size(args.size))
     model_bytes = sum(f.stat().st_size for f in dirs["sharded"].glob("*.safetensors"))
     sidecar_proc, sidecar = (None, None)
-    if "gdsload:sidecar" in methods:
+    if any(m.startswith("gdsload:sidecar") for m in methods):
         sidecar_proc, sidecar = _start_sidecar(dirs["sharded"], work)
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     try:

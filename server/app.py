@@ -10,6 +10,7 @@
 | ``POST /v1/unload``             | yes   | 200: stop the workers, free the memory                          |
 | ``GET /v1/ipc/{rank}``          | yes   | the rank's IPC document (handle + tensor table) and a lease id  |
 | ``POST /v1/ipc/{rank}/release`` | yes   | the engine is done with a lease                                 |
+| ``GET /v1/ipc/{rank}/hold``     | yes   | streams while an engine holds a lease; released when it closes  |
 
 The server answers from its first second: the supervisor loads in the background, and the
 lifespan only starts it (returning at once) and stops it at shutdown. The probes also answer
@@ -34,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -83,6 +84,50 @@ def _http_status(exc: GdsloadError) -> int:
     if isinstance(exc, WorkerError):
         return 503
     return 400
+
+
+HOLD_POLL_S = 0.25
+"""How often a hold stream checks that its lease is still outstanding (a forced reload voids it)."""
+
+
+class _HoldResponse(Response):
+    """The answer of ``GET /v1/ipc/{rank}/hold``: ``held`` at once, then nothing while the lease holds;
+    ``released`` and the end when the sidecar voids it. When the engine's connection closes (the
+    engine exited, however it exited), the lease is released."""
+
+    def __init__(self, supervisor: Supervisor, rank: int, lease: str):
+        super().__init__(media_type="text/plain")
+        self.supervisor, self.rank, self.lease = supervisor, rank, lease
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gone = asyncio.Event()
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        listener = asyncio.ensure_future(listen())
+        sup = self.supervisor
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
+            await send({"type": "http.response.body", "body": b"held\n", "more_body": True})
+            while not gone.is_set() and sup.holds(self.rank, self.lease) and not sup.stopping:
+                try:
+                    await asyncio.wait_for(gone.wait(), timeout=HOLD_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"released\n", "more_body": False})
+        finally:
+            listener.cancel()
+            if sup.holds(self.rank, self.lease) and not sup.stopping:
+                try:
+                    await run_in_threadpool(sup.release, self.rank, self.lease)
+                    log.info("rank %d: lease %s released: its engine's connection closed", self.rank, self.lease)
+                except GdsloadError as e:  # voided meanwhile, or the sidecar is stopping
+                    log.debug("rank %d: lease %s not released on disconnect: %s", self.rank, self.lease, e)
 
 
 class ReloadRequest(BaseModel):
@@ -427,6 +472,21 @@ def create_app(supervisor: Supervisor) -> FastAPI:
               summary="The engine is done with an exported rank")
     def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None) -> dict[str, Any]:
         return supervisor.release(rank, (body or ReleaseRequest()).lease)
+
+    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=Response,
+             summary="Hold an exported rank for as long as the engine process lives")
+    def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
+                 lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
+                 pid: Annotated[int | None, Query(ge=1, le=2**22,
+                                                  description="The engine's process id, for /v1/status.")] = None
+                 ) -> Response:
+        """For an engine whose parameters adopted the exported memory: the answer is ``held``, then the
+        connection stays open; the lease is released when it closes (the engine exited), and a reload or
+        unload is refused meanwhile unless forced. ``released`` ends the answer if the sidecar voids the
+        lease first. ``/v1/status`` lists holders per rank (``held_by``: lease, pid, peer, since)."""
+        client = request.scope.get("client")
+        supervisor.hold(rank, lease, pid=pid, peer=f"{client[0]}:{client[1]}" if client else None)
+        return _HoldResponse(supervisor, rank, lease)
 
     protected_routes = [(set(r.methods or ()), r.path_regex) for r in app.routes
                         if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))]

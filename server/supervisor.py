@@ -146,6 +146,9 @@ class _Rank:
     cuda_ready_at: float | None = None
     """When the worker's CUDA context was usable, taken in the worker (None for host-memory ranks)."""
     leases: set[str] = field(default_factory=set)
+    holders: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Leases an engine holds for as long as it lives (its tensors adopted the mapping): lease ->
+    ``{"pid", "peer", "since"}``, what the engine said about itself and where it connected from."""
     pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
 
 
@@ -321,6 +324,26 @@ class Supervisor:
     def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
         """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank."""
         return self._call(lambda: self._release(rank, lease))
+
+    def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
+        """Record that an engine holds ``lease`` of ``rank`` for as long as it lives (``GET
+        /v1/ipc/{rank}/hold``, whose connection stays open: the lease is released when it closes)."""
+        with self._lock:
+            x = self._ranks.get(rank)
+            if x is None:
+                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
+            if lease not in x.leases:
+                raise UnknownLeaseError(f"lease {lease!r} is not outstanding on rank {rank}; it was released "
+                                        "already, or a worker restart or reload voided it")
+            x.holders[lease] = {"lease": lease, "pid": pid, "peer": peer, "since": time.time()}
+            self._publish()
+        log.info("rank %d: lease %s held by engine pid %s (%s) until its connection closes", rank, lease, pid, peer)
+
+    def holds(self, rank: int, lease: str) -> bool:
+        """Whether ``lease`` of ``rank`` is still outstanding (a reload, unload or worker crash voids it)."""
+        with self._lock:
+            x = self._ranks.get(rank)
+            return x is not None and lease in x.leases
 
     # ------------------------------------------------------------------ the loop
 
@@ -656,6 +679,7 @@ class Supervisor:
     def _crashed(self, x: _Rank, what: str) -> None:
         """Mark ``x`` failed after an unplanned exit and schedule its restart; call with the lock held."""
         x.leases.clear()
+        x.holders.clear()
         x.state = RankState.FAILED
         self._failures[x.rank] += 1
         x.consecutive_crashes += 1
@@ -722,6 +746,8 @@ class Supervisor:
                 )
             released = [lease] if lease is not None else sorted(x.leases)
             x.leases.difference_update(released)
+            for one in released:
+                x.holders.pop(one, None)
             left, handle = len(x.leases), x.handle
             self._publish()
         if handle is not None:
@@ -804,6 +830,7 @@ class Supervisor:
             "cuda_ready_at": x.cuda_ready_at,
             "loaded_at": x.loaded_at,
             "leases": len(x.leases),
+            "held_by": sorted(x.holders.values(), key=lambda h: h["since"]),
             "report": x.report,
         }
 

@@ -134,6 +134,10 @@ class InjectReport:
     seconds: float = 0.0
     zero_copy: int = 0
     """Tensors bound to the model without a copy (they are views of the loaded arena)."""
+    adopted: int = 0
+    """Parameters whose storage became the sidecar's mapped memory (no copy; see ``AdapterOptions.adopt``)."""
+    copied: int = 0
+    """Tensors of a sidecar mapping copied into the parameters (shape, dtype or device differ, or adoption is off)."""
     direct: int = 0
     """Tensors read (or decoded) from the files straight into the model's own parameters: no arena, no copy."""
     narrowed: list[str] = field(default_factory=list)
@@ -155,6 +159,8 @@ class InjectReport:
             line += f" zero-copy={self.zero_copy}"
         if self.direct:
             line += f" direct={self.direct}"
+        if self.adopted or self.copied:
+            line += f" adopted={self.adopted} copied={self.copied}"
         if self.narrowed:
             line += f" narrowed={len(self.narrowed)}"
         return line + f" missing={len(self.missing)} unexpected={len(self.unexpected)} mismatched={len(self.mismatched)}"
@@ -327,6 +333,10 @@ class AdapterOptions:
     """Raise unless every name and shape matches; False loads what matches and logs the rest."""
     timeout: float = 30.0
     """Seconds to wait for each sidecar HTTP request."""
+    adopt: bool = True
+    """With a sidecar: parameters whose shape, dtype and device match the mapped tensor take the sidecar's
+    memory as their storage (copy-on-write on CPU) instead of a copy of it, and the engine holds the
+    rank's lease until it exits. False: copy every tensor and release the lease after the load."""
 
     def __post_init__(self) -> None:
         if self.backend is not None:
@@ -344,8 +354,9 @@ class AdapterOptions:
                 raise ConfigError(f"{name} must be a non-empty string, got {type(value).__name__}")
         if self.layout is not None and self.layout not in ("vllm", "hf"):
             raise ConfigError(f"layout={self.layout!r} is not one of ('vllm', 'hf')")
-        if type(self.strict) is not bool:
-            raise ConfigError(f"strict={self.strict!r} must be true or false")
+        for name in ("strict", "adopt"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds")
 
@@ -422,6 +433,8 @@ class RankWeights:
     seconds: float = 0.0
     """Time to read (or map) the tensors."""
     _release: Any = None
+    mapped: Any = None
+    """The sidecar mapping (:class:`~gdsload.loader.handoff.sidecar_client.MappedRank`) when ``origin`` is ``sidecar``."""
 
     def describe(self) -> str:
         """One line: the load report's summary, or what was mapped from the sidecar (``backend=sidecar io=ipc``)."""
@@ -432,10 +445,19 @@ class RankWeights:
                 f"backend=sidecar io=ipc tensors={len(self.tensors)}")
 
     def close(self) -> None:
+        """Drop the tensors and release them (a sidecar mapping that :meth:`hold` kept stays)."""
         self.tensors = {}
         release, self._release = self._release, None
         if release is not None:
             release()
+
+    def hold(self, on_lost: Any = None) -> None:
+        """Keep a sidecar mapping, and its lease, for the rest of this process (the engine adopted it):
+        :meth:`close` then leaves it alone. See :meth:`MappedRank.hold`."""
+        if self.mapped is None:
+            raise ValueError(f"rank {self.rank} was read from storage: there is no sidecar mapping to hold")
+        self.mapped.hold(on_lost=on_lost)
+        self._release = None
 
     def __enter__(self) -> RankWeights:
         return self
@@ -451,13 +473,15 @@ def open_rank(
     options: AdapterOptions | None = None,
     device: str | torch.device = "cpu",
     expect_device: bool = False,
+    private: bool = False,
 ) -> RankWeights:
     """Rank ``rank``'s tensors: mapped from the sidecar when ``options.sidecar_url`` is set, else read from ``path``.
 
     Reading to a CUDA ``device`` falls back to host memory (the adapters then copy into the
     engine's parameters) when the backend is ``auto`` and no backend can read to the GPU here;
     a backend named explicitly fails instead. With ``expect_device``, a sidecar mapping that lands on
-    another device than ``device`` is an error (the engine should run on the sidecar's GPU).
+    another device than ``device`` is an error (the engine should run on the sidecar's GPU). ``private``
+    maps a CPU sidecar's memory copy-on-write (what an engine that adopts the tensors wants).
 
     >>> with open_rank("/models/llama-tp2", 1, device="cuda:1") as w:  # doctest: +SKIP
     ...     report = inject_module(model, w.tensors)
@@ -468,9 +492,9 @@ def open_rank(
 
         start = time.perf_counter()
         client = SidecarClient(options.sidecar_url, token=options.sidecar_token(), timeout=options.timeout)
-        mapped = client.map_rank(rank, device=device if expect_device else None)
+        mapped = client.map_rank(rank, device=device if expect_device else None, private=private)
         return RankWeights(rank=rank, tensors=mapped.tensors, origin="sidecar", seconds=time.perf_counter() - start,
-                           _release=mapped.release)
+                           _release=mapped.release, mapped=mapped)
     if path is None:
         raise ConfigError("no model path and no sidecar_url: nothing to load the weights from")
     from gdsload.loader.pipeline.load import load_rank

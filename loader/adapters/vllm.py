@@ -25,8 +25,18 @@ What the loader does, per worker (tensor-parallel rank ``r`` of ``tp``):
   (every worker reads the whole checkpoint, as vLLM's default loader does);
 - anything else (``hf`` shards, another tp, TensorRT-LLM files) is a :class:`LayoutError` naming the fix.
 
-With ``sidecar_url``, the rank's tensors are mapped from the sidecar's GPU memory over CUDA IPC
-instead of being read from storage again, copied into the parameters, and released.
+With ``sidecar_url``, the rank's tensors are mapped from the sidecar (CUDA IPC on a GPU, shared
+memory on CPU) instead of being read from storage again. A pre-sharded rank is **adopted**: each
+parameter that matches its mapped tensor exactly takes the mapped memory as its storage (no
+copy, one copy of the model per device), the rest are copied, and the report counts both
+(``adopted=``, ``copied=``). The worker then holds the rank's lease for as long as it lives
+(``GET /v1/ipc/{rank}/hold``): the sidecar keeps the memory, refuses a reload or unload unless
+forced, and releases the lease when the engine exits. On CPU the mapping is copy-on-write, so
+vLLM's own post-processing of weights never reaches the sidecar's copy, and the weights stay
+valid if the sidecar goes away. On a GPU the memory is the sidecar's: a quantized model is copied
+instead, and a worker whose lease the sidecar drops stops itself (SIGTERM) rather than compute
+from memory that may be freed. ``{"adopt": false}`` copies everything and releases the lease after
+the load, as an HF-layout directory always does (its weights go through ``model.load_weights``).
 
 Checked against vLLM's source (``vllm/model_executor/model_loader/``: ``base_loader.py``,
 ``__init__.py`` ``register_model_loader``, ``sharded_state_loader.py``; ``vllm/plugins/__init__.py``;
@@ -43,6 +53,7 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -133,6 +144,11 @@ class ShardedStateInjector(StateDictInjector):
     fix = ("the directory must hold this model's per-rank state dict for this tensor-parallel size "
            "(vLLM's save_sharded_state, or `gdsload shard --layout vllm`), or pass strict=False")
 
+    adopt: bool | None = None
+    """For tensors mapped from a sidecar (set by :func:`load_into_model`): True lets each parameter whose
+    shape, dtype and device match take the mapped memory as its storage (``report.adopted``), the rest
+    copied (``report.copied``); False copies all (counted); None (not a sidecar mapping) copies."""
+
     def __init__(self, model: nn.Module, *, engine: str = "vllm"):
         self.model = model
         self.engine = engine  # type: ignore[misc]
@@ -155,9 +171,15 @@ class ShardedStateInjector(StateDictInjector):
 
     def apply(self, tensors: Mapping[str, torch.Tensor], report: InjectReport) -> int:
         narrowed = set(report.narrowed)
+        owners = self._owners() if self.adopt else {}
         with torch.no_grad():
             for name, t in tensors.items():
                 dst = self._destination(name, tuple(t.shape))
+                if self.adopt and name not in narrowed and self._adopt(t, dst, owners):
+                    report.adopted += 1
+                    continue
+                if self.adopt is not None:
+                    report.copied += 1
                 if name in narrowed:
                     log.debug("%r: checkpoint %s into parameter %s (leading part only)",
                               name, list(t.shape), list(self._state[name].shape))
@@ -166,6 +188,43 @@ class ShardedStateInjector(StateDictInjector):
                                 dst.dtype)
                 dst.copy_(t)
         return 0
+
+    def _owners(self) -> dict[int, list[tuple[nn.Module, str, torch.Tensor, bool]]]:
+        """Every parameter and buffer by the address of its storage: ``(module, attribute, tensor, is_parameter)``."""
+        out: dict[int, list[tuple[nn.Module, str, torch.Tensor, bool]]] = collections.defaultdict(list)
+        for module in self.model.modules():
+            for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                for attr, t in table.items():
+                    if t is not None and t.numel():
+                        out[t.untyped_storage().data_ptr()].append((module, attr, t, is_param))
+        return out
+
+    @staticmethod
+    def _adopt(t: torch.Tensor, dst: torch.Tensor,
+               owners: Mapping[int, list[tuple[nn.Module, str, torch.Tensor, bool]]]) -> bool:
+        """Make the parameter (or buffer) behind ``dst`` use ``t``'s memory; False where only a copy is right.
+
+        Adopted only when ``t`` is exactly what the parameter is (shape, dtype, device, contiguous) and
+        the parameter owns its storage alone: a storage shared with other tensors (fused or tied
+        views of one allocation under different objects) keeps its memory and is copied into. One
+        Parameter object under several names (tied weights) is adopted once, for all of them. The
+        Parameter objects stay (``param.data`` is swapped), with the attributes vLLM set on them.
+        """
+        if t.dtype != dst.dtype or t.shape != dst.shape or t.device != dst.device or not t.is_contiguous():
+            return False
+        storage = dst.untyped_storage()
+        if dst.data_ptr() != storage.data_ptr() or storage.nbytes() != dst.numel() * dst.element_size():
+            return False
+        group = owners.get(storage.data_ptr(), [])
+        if not group or len({id(o[2]) for o in group}) != 1:
+            return False
+        module, attr, obj, is_param = group[0]
+        if is_param:
+            obj.data = t
+        else:
+            for m, a, _, _ in group:
+                m._buffers[a] = t
+        return True
 
     def load(self, path: str | os.PathLike[str], rank: int, *, options: AdapterOptions,
              device: torch.device) -> tuple[InjectReport, str]:
@@ -330,12 +389,20 @@ def load_into_model(
     engine: str = "vllm",
     route: LoadRoute | None = None,
     check_unfilled: bool = True,
+    adopt_cuda: bool = True,
 ) -> InjectReport:
     """Load tensor-parallel rank ``rank``'s weights from ``path`` (or the sidecar) into an engine's ``model``.
 
     This is what the registered loader runs in each worker; it needs no engine import, so it
     also serves engine-shaped plain torch modules. ``check_unfilled=False`` skips the
     unfilled-parameter check of the ``load_weights`` path (quantized models).
+
+    From a sidecar, a pre-sharded rank is adopted (``options.adopt``): parameters take the
+    mapped memory as their storage where they match it exactly, and this process holds the
+    rank's lease until it exits (:meth:`MappedRank.hold`). On CPU the mapping is copy-on-write,
+    so whatever the engine does to its weights stays its own. CUDA IPC memory is the sidecar's
+    own: ``adopt_cuda=False`` (an engine that rewrites weights in place, e.g. repacking for a
+    quantization) copies instead.
 
     >>> load_into_model(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
@@ -361,11 +428,31 @@ def load_into_model(
         # The model's weight loaders copy every tensor into its parameters: hand them views of the files'
         # own pages (nothing read into an arena first, one copy in all).
         options = dataclasses.replace(options, backend="mmap")
-    with open_rank(path, route.file_rank, options=options, device=device, expect_device=True) as weights:
+    adopting = (options.sidecar_url is not None and route.kind == "sharded_state" and options.adopt
+                and (device.type == "cpu" or adopt_cuda))
+    if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
+        injector.adopt = adopting
+    with open_rank(path, route.file_rank, options=options, device=device, expect_device=True,
+                   private=adopting and device.type == "cpu") as weights:
         report = injector.inject(weights.tensors, strict=options.strict)
         report.source = weights.describe()
+        if report.adopted:
+            weights.hold(on_lost=_lost_cpu if device.type == "cpu" else _lost_cuda)
     log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
     return report
+
+
+def _lost_cpu(mapped: Any, why: str) -> None:
+    log.warning("rank %d: the sidecar dropped this engine's lease (%s); the adopted weights stay valid here "
+                "(a private copy-on-write mapping)", mapped.rank, why)
+
+
+def _lost_cuda(mapped: Any, why: str) -> None:
+    # The adopted parameters are the sidecar's CUDA memory, which it may free now: stop rather than
+    # compute with memory that may be reused. An orchestrator restarts the engine, which adopts again.
+    log.critical("rank %d: the sidecar dropped this engine's lease (%s); its adopted parameters are the "
+                 "sidecar's GPU memory, which it may free: stopping this engine (SIGTERM)", mapped.rank, why)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -410,9 +497,12 @@ def loader_class() -> type:
             start = time.perf_counter()
             self.download_model(model_config)
             rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            # vLLM checks for unfilled parameters only when the model is not quantized; so do we.
+            # vLLM checks for unfilled parameters only when the model is not quantized; so do we. A
+            # quantized model's weights may be rewritten in place after loading: on a GPU, those are
+            # copied from a sidecar rather than adopted (its memory is shared).
+            unquantized = getattr(model_config, "quantization", None) is None
             report = load_into_model(model, _weights_path(model_config), rank=rank, tp_size=tp, options=self.options,
-                                     engine="vllm", check_unfilled=getattr(model_config, "quantization", None) is None)
+                                     engine="vllm", check_unfilled=unquantized, adopt_cuda=unquantized)
             # One line per worker in vLLM's own log, as vLLM's loaders write it, with what gdsload did.
             vllm_log.info("Loading weights took %.2f seconds (gdsload, tp rank %d of %d): %s; %s",
                           time.perf_counter() - start, rank, tp, report.source, report.summary())

@@ -150,10 +150,14 @@ class _IpcMapping:
         self.ptr = 0
 
 
-def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
+def import_rank(doc: dict[str, Any], *, private: bool = False) -> dict[str, torch.Tensor]:
     """Map an exported arena in this process and rebuild its tensors as views.
 
     For CUDA, the current process must see the exporter's GPU; the device is found by UUID.
+    ``private`` (CPU arenas): map the shared memory copy-on-write, so that what this process
+    writes into the tensors stays its own and the exporter's bytes never change; pages it only
+    reads stay shared. An engine that adopts the tensors as its parameters wants this. CUDA IPC
+    memory has no such mapping: there, writes reach the exporter's memory.
     """
     if not isinstance(doc, dict) or doc.get("version") != IPC_VERSION:
         version = doc.get("version") if isinstance(doc, dict) else doc
@@ -162,7 +166,7 @@ def import_rank(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise IpcError(f"IPC document kind {doc.get('kind')!r} is not 'cuda', 'cuda-ipc' or 'cpu'")
     _check_table(doc)  # before anything is mapped
     try:
-        return _import_checked(doc)
+        return _import_checked(doc, private=private)
     except (KeyError, TypeError, ValueError) as e:
         raise IpcError(f"the IPC document is damaged ({type(e).__name__}: {e}); ask the sidecar for a new one") from None
 
@@ -183,7 +187,7 @@ def _check_table(doc: dict[str, Any]) -> None:
                            "size, dtype and shape must agree); the document is damaged: ask the sidecar for a new one")
 
 
-def _import_checked(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _import_checked(doc: dict[str, Any], *, private: bool = False) -> dict[str, torch.Tensor]:
     import torch
 
     kind = doc.get("kind")
@@ -209,6 +213,10 @@ def _import_checked(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
             torch.empty(0, device=dev)  # the device's primary context, current on this thread
             arena = torch.as_tensor(_IpcMapping(handle, c["size"], device), device=dev)
         storage = None
+    elif private:  # "cpu", copy-on-write
+        c = doc["cpu"]
+        arena, storage = _map_private(_unb64(c["handle"]), c["size"]), None
+        dev = torch.device("cpu")
     else:  # "cpu" (import_rank checked the kind)
         c = doc["cpu"]
         storage = torch.UntypedStorage._new_shared_filename_cpu(_unb64(c["manager"]), _unb64(c["handle"]), c["size"])
@@ -225,6 +233,41 @@ def _import_checked(doc: dict[str, Any]) -> dict[str, torch.Tensor]:
         else:
             out[t["name"]] = arena[t["offset"] : t["offset"] + t["nbytes"]].view(dtype).view(t["shape"])
     return out
+
+
+_SHM_DIR = "/dev/shm"
+
+
+def _map_private(handle: bytes, size: int) -> torch.Tensor:
+    """The shared-memory object ``handle`` (a POSIX shm name, as torch's shm manager makes them) mapped
+    copy-on-write, as a uint8 tensor that keeps the mapping alive."""
+    import mmap
+
+    import torch
+
+    name = handle.decode("ascii", "replace")
+    if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):
+        raise IpcError(f"the shared-memory name {name!r} is not a plain POSIX shm name; the document is damaged")
+    path = _SHM_DIR + name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise IpcError(f"cannot open the exporter's shared memory {path!r} ({e.strerror}); the sidecar no longer "
+                       "holds it, or this process cannot see its /dev/shm: ask the sidecar for a new document") from None
+    try:
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        # torch's refcounted shared memory keeps a small header (the reference count) in front of the
+        # bytes: the data is the file's last ``size`` bytes.
+        have = os.fstat(fd).st_size
+        lead = have - size
+        if not 0 <= lead <= mmap.PAGESIZE:
+            raise IpcError(f"the exporter's shared memory {path!r} has {have} bytes, the document says {size}; "
+                           "ask the sidecar for a new document")
+        mm = mmap.mmap(fd, have, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=lead, count=size)  # holds ``mm`` until the last view goes
 
 
 def _device_by_uuid(uuid: str) -> int:

@@ -3,7 +3,10 @@
 The sidecar (``gdsload serve``) holds each rank's arena and serves, for a local engine process:
 
 - ``GET  /v1/ipc/{rank}``          the document :func:`gdsload.loader.handoff.ipc.export_rank` made for that rank;
-- ``POST /v1/ipc/{rank}/release``  the engine is done with the mapping (the sidecar may unload it).
+- ``POST /v1/ipc/{rank}/release``  the engine is done with the mapping (the sidecar may unload it);
+- ``GET  /v1/ipc/{rank}/hold``     the engine keeps the mapping for as long as it lives (its parameters
+  adopted the memory): the answer streams while the lease holds, and the sidecar releases the lease
+  when the connection closes — when the engine process exits, however it exits.
 
 Both need ``Authorization: Bearer <token>``. The client maps the arena with
 :func:`gdsload.loader.handoff.ipc.import_rank` (CUDA IPC, or shared memory for CPU arenas): every tensor
@@ -13,6 +16,12 @@ Only the standard library talks HTTP here, so engines need no extra dependency.
 >>> client = SidecarClient("http://127.0.0.1:8471", token=token)   # doctest: +SKIP
 >>> with client.map_rank(0) as mapped:                               # doctest: +SKIP
 ...     engine_copy_weights(mapped.tensors)  # then the sidecar is told we're done
+
+An engine that keeps the mapped memory as its weights (``inject_module(model, mapped.tensors)``
+binds them without a copy) holds the lease instead, for as long as it runs:
+
+>>> mapped = client.map_rank(0, private=True)                        # doctest: +SKIP
+>>> inject_module(model, mapped.tensors); mapped.hold()              # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,8 +29,12 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,15 +101,68 @@ class MappedRank:
         """
         if self.released:
             return
-        self.released = True
+        self.released, self.held = True, False
         self.tensors = {}
         self.client.release(self.rank, lease=self.lease)
+
+    held: bool = False
+
+    def hold(self, on_lost: Callable[[MappedRank, str], None] | None = None) -> None:
+        """Keep this mapping, and the sidecar's lease on it, for the rest of this process.
+
+        For an engine whose parameters adopted the mapped memory: the sidecar keeps the rank (a
+        reload or unload is refused while the lease is out, unless forced) until this process
+        exits, when the kernel closes the connection opened here and the sidecar releases the
+        lease. If the sidecar drops the lease first (a forced reload or unload, a worker crash, the
+        sidecar stopping), ``on_lost(mapped, why)`` runs on a background thread; by default a
+        warning is logged. A CPU mapping made ``private`` stays valid after that (the pages stay
+        with this process); CUDA IPC memory may not, and an engine should stop using it.
+        """
+        if self.released or self.held or self.lease is None:
+            raise SidecarProtocolError(f"rank {self.rank}: the mapping is released or has no lease; it cannot be held")
+        conn, response = self.client._open_hold(self.rank, self.lease)
+        self.held = True
+        _HELD.append(self)  # the mapping lives as long as the process: nothing may collect it
+        lost = on_lost or _warn_lost
+
+        def watch() -> None:
+            why = "the sidecar closed the connection (it stopped, or restarted)"
+            try:
+                while True:
+                    line = response.readline()
+                    if not line:
+                        break
+                    if line.strip() == b"released":
+                        why = "the sidecar voided the lease (a forced reload or unload, or its worker restarted)"
+                        break
+            except OSError as e:
+                why = f"the connection to the sidecar failed ({e})"
+            finally:
+                conn.close()
+            if self.held:
+                lost(self, why)
+
+        threading.Thread(target=watch, name=f"gdsload-hold-rank{self.rank}", daemon=True).start()
+        log.info("rank %d: holding lease %s of %s for the life of this process", self.rank, self.lease,
+                 self.client.base_url)
 
     def __enter__(self) -> MappedRank:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        if not self.held:
+            self.release()
+
+
+_HELD: list[MappedRank] = []
+"""Mappings held for the life of the process (:meth:`MappedRank.hold`)."""
+
+
+def _warn_lost(mapped: MappedRank, why: str) -> None:
+    log.warning("rank %d: the sidecar no longer holds this engine's lease %s: %s. Its memory is "
+                "%s", mapped.rank, mapped.lease, why,
+                "still mapped here, copy-on-write (the weights stay valid)" if mapped.device.type == "cpu"
+                else "CUDA IPC memory the sidecar may free: restart this engine")
 
 
 class SidecarClient:
@@ -145,16 +211,17 @@ class SidecarClient:
         self._request("POST", f"/v1/ipc/{_check_rank(rank)}/release", rank, body=body)
         log.debug("released rank %d at %s", rank, self.base_url)
 
-    def map_rank(self, rank: int, *, device: str | torch.device | None = None) -> MappedRank:
+    def map_rank(self, rank: int, *, device: str | torch.device | None = None, private: bool = False) -> MappedRank:
         """Fetch rank ``rank``'s document and map its arena here; the tensors are views of the sidecar's memory.
 
         ``device``, when given, is where the engine expects the tensors (e.g. ``"cuda:0"``); a
-        mapping that lands elsewhere is an error rather than a silent cross-device copy. On any
-        failure after the fetch, the sidecar is told the rank is released.
+        mapping that lands elsewhere is an error rather than a silent cross-device copy.
+        ``private`` maps a CPU arena copy-on-write (see :func:`~gdsload.loader.handoff.ipc.import_rank`).
+        On any failure after the fetch, the sidecar is told the rank is released.
         """
         doc = self.ipc_document(rank)
         try:
-            tensors = import_rank(doc)
+            tensors = import_rank(doc, private=private)
             mapped_device = _device_of(doc, tensors)
             if device is not None:
                 want = torch.device(device)
@@ -175,6 +242,33 @@ class SidecarClient:
                  mapped_device)
         return MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
                           lease=doc.get("lease"))
+
+    def _open_hold(self, rank: int, lease: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """``GET /v1/ipc/{rank}/hold``: the open connection and its response, past the first line."""
+        url = urllib.parse.urlsplit(self.base_url)
+        cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        conn = cls(url.hostname or "127.0.0.1", url.port, timeout=self.timeout)
+        query = urllib.parse.urlencode({"lease": lease, "pid": os.getpid()})
+        path = f"{url.path.rstrip('/')}/v1/ipc/{_check_rank(rank)}/hold?{query}"
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        try:
+            conn.request("GET", path, headers=headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                detail = response.read(_BODY_LIMIT).decode("utf-8", "replace").strip()
+                raise SidecarNotReadyError(f"GET {self.base_url}{path}: HTTP {response.status} ({detail!r}); the "
+                                           f"sidecar does not hold lease {lease} of rank {rank} any more")
+            if response.readline().strip() != b"held":
+                raise SidecarProtocolError(f"GET {self.base_url}{path} did not answer 'held'; upgrade the sidecar")
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise SidecarUnavailableError(f"GET {self.base_url}{path}: {type(e).__name__}: {e}") from None
+        except SidecarError:
+            conn.close()
+            raise
+        if conn.sock is not None:
+            conn.sock.settimeout(None)  # it stays open, silent, for the life of the process
+        return conn, response
 
     def _request(self, method: str, path: str, rank: int, body: bytes | None = None) -> bytes:
         url = self.base_url + path

@@ -154,8 +154,24 @@ def test_fp8_files_hold_exactly_vllms_state_dict(engine: Engine, made, quant: st
 # ----------------------------------------------------------------------------------- the sidecar hand-off
 
 
+_ADOPTED = re.compile(r"inject vllm into \S+: (\d+) tensors.*? adopted=(\d+) copied=(\d+)")
+
+
+def _released_after_exit(srv: Server, timeout: float = 10.0) -> dict[str, Any]:
+    """The ranks' leases once the engine process is gone (its held connections close with it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leases = {r: v.get("leases") for r, v in srv.status()["ranks"].items()}
+        if not any(leases.values()) or time.monotonic() > deadline:
+            return leases
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize(("tp", "token_kind"), [(1, "token"), (2, "token_file")])
 def test_sidecar_hand_off(engine: Engine, tiny, made, tmp_path: Path, tp: int, token_kind: str):
+    """vLLM adopts the sidecar's memory as its parameters (every tensor, none copied), generates what
+    its own loader gives, holds the lease while it runs and gives it back when it exits; a second
+    engine adopts the same memory again, nothing reloaded."""
     out = made("llama", "--tp", str(tp))
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -164,12 +180,21 @@ def test_sidecar_hand_off(engine: Engine, tiny, made, tmp_path: Path, tp: int, t
                  tmp_path / "serve.log")
     try:
         srv.poll_ready(timeout=120)
+        generation = srv.status()["generation"]
         extra = {"sidecar_url": srv.url, token_kind: TOKEN if token_kind == "token" else str(token_file)}
-        got, log = engine.generate(out, "gdsload", tp, extra)
-        assert_same(got, engine.reference(tiny["llama"], tp), f"sidecar hand-off, tp={tp}")
-        assert {(backend, io) for *_, backend, io in load_lines(log)} == {("sidecar", "ipc")}, load_lines(log)
-        leases = {r: v.get("leases") for r, v in srv.status()["ranks"].items()}
-        assert all(not v for v in leases.values()), f"the engine left leases behind: {leases}"
+        for start in ("first", "second")[: 3 - tp]:  # tp=1 starts the engine twice
+            got, log = engine.generate(out, "gdsload", tp, extra)
+            assert_same(got, engine.reference(tiny["llama"], tp), f"sidecar hand-off, tp={tp}, {start} start")
+            assert {(backend, io) for *_, backend, io in load_lines(log)} == {("sidecar", "ipc")}, load_lines(log)
+            adopted = [tuple(map(int, m.groups())) for m in _ADOPTED.finditer(log)]
+            assert len(adopted) == tp and all(n == a and c == 0 for n, a, c in adopted), adopted
+            leases = _released_after_exit(srv)
+            assert not any(leases.values()), f"the engine's leases outlived it: {leases}"
+            assert srv.status()["generation"] == generation
+        got, log = engine.generate(out, "gdsload", tp, {**extra, "adopt": False})
+        assert_same(got, engine.reference(tiny["llama"], tp), f"sidecar hand-off, tp={tp}, copied")
+        copied = [tuple(map(int, m.groups())) for m in _ADOPTED.finditer(log)]
+        assert len(copied) == tp and all(a == 0 and c == n for n, a, c in copied), copied
     finally:
         srv.close()
 

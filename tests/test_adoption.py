@@ -1,0 +1,232 @@
+"""Adoption: an engine's parameters take the sidecar's memory as their storage, and the engine holds
+the rank's lease for as long as it lives.
+
+The real sidecar (``gdsload serve`` on loopback, CPU ranks in shared memory), engine processes
+started as children and killed like crashed engines, and the engine adapter's own code path
+(``load_into_model`` with ``sidecar_url``); the engine tier runs the same against vLLM itself.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from gdsload.loader import load_rank, save_file
+from gdsload.loader.adapters.base import InjectReport
+from gdsload.loader.adapters.vllm import ShardedStateInjector
+from gdsload.loader.handoff.ipc import IpcError, export_rank, import_rank
+from gdsload.loader.prepare.synthetic import make_checkpoint
+from sidecar_proc import Server
+from test_server import TOKEN
+
+
+def test_a_private_cpu_mapping_is_copy_on_write(tmp_path: Path):
+    """What the engine writes into adopted tensors stays its own: the exporter and other importers keep
+    the loaded bytes. A shared mapping (the copy hand-off) sees the exporter's memory itself."""
+    save_file({"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)},
+              tmp_path / "m.safetensors")
+    exported = load_rank(tmp_path, 0, device="cpu")
+    doc = export_rank(exported)
+    private, shared = import_rank(doc, private=True), import_rank(doc)
+    for name, t in exported.tensors.items():
+        assert torch.equal(private[name], t) and torch.equal(shared[name], t)
+    private["a"].mul_(-1)
+    assert exported.tensors["a"][1].item() == 1.0 and shared["a"][1].item() == 1.0
+    assert private["a"][1].item() == -1.0
+    shared["b"].zero_()  # a shared mapping is the exporter's memory
+    assert exported.tensors["b"].sum().item() == 0 and private["b"].sum().item() == 15
+
+
+def test_a_private_mapping_refuses_a_damaged_name(tmp_path: Path):
+    save_file({"a": torch.ones(8)}, tmp_path / "m.safetensors")
+    exported = load_rank(tmp_path, 0, device="cpu")
+    doc = export_rank(exported)
+    import base64
+
+    for name in (b"/../etc/passwd", b"torch_1", b"/a/b"):
+        bad = {**doc, "cpu": {**doc["cpu"], "handle": base64.b64encode(name).decode()}}
+        with pytest.raises(IpcError, match="not a plain POSIX shm name"):
+            import_rank(bad, private=True)
+    gone = {**doc, "cpu": {**doc["cpu"], "handle": base64.b64encode(b"/gdsload-test-no-such-segment").decode()}}
+    with pytest.raises(IpcError, match="cannot open the exporter's shared memory"):
+        import_rank(gone, private=True)
+
+
+class _Engine(nn.Module):
+    """Parameters laid out as an engine lays them out: one of its own, a tied pair (one Parameter under
+    two names), and a fused allocation whose parts are views (vLLM's sharded_state skips those)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own = nn.Linear(8, 4, bias=False)
+        self.embed = nn.Embedding(16, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.head.weight = self.embed.weight
+        fused = torch.zeros(2, 6)
+        self.left = nn.Parameter(fused[0], requires_grad=False)
+        self.right = nn.Parameter(fused[1], requires_grad=False)
+        self.scale = nn.Parameter(torch.zeros(3, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("table", torch.zeros(5))
+
+
+def test_the_injector_adopts_what_matches_exactly_and_copies_the_rest():
+    model = _Engine()
+    marker = model.embed.weight
+    mapped = {
+        "own.weight": torch.randn(4, 8),
+        "embed.weight": torch.randn(16, 4),
+        "left": torch.randn(6),
+        "right": torch.randn(6),
+        "scale": torch.randn(3, dtype=torch.float64),  # another dtype: converted, so copied
+        "table": torch.randn(5),
+    }
+    injector = ShardedStateInjector(model)
+    injector.adopt = True
+    report = InjectReport(engine="vllm", model="_Engine", loaded=list(mapped))
+    injector.apply(mapped, report)
+    assert report.adopted == 3 and report.copied == 3, report
+    assert model.own.weight.data_ptr() == mapped["own.weight"].data_ptr()
+    assert model.embed.weight is marker and marker.data_ptr() == mapped["embed.weight"].data_ptr()
+    assert model.head.weight.data_ptr() == mapped["embed.weight"].data_ptr()  # the tie holds
+    assert model.table.data_ptr() == mapped["table"].data_ptr()
+    for name in ("left", "right", "scale"):  # views of one allocation, and a converted dtype: copied
+        assert getattr(model, name).data_ptr() != mapped[name].data_ptr()
+    assert model.left.untyped_storage().data_ptr() == model.right.untyped_storage().data_ptr()
+    assert torch.equal(model.left, mapped["left"]) and torch.equal(model.scale, mapped["scale"].float())
+    copying = ShardedStateInjector(_Engine())
+    copying.adopt = False
+    report = InjectReport(engine="vllm", model="_Engine", loaded=list(mapped))
+    copying.apply(mapped, report)
+    assert (report.adopted, report.copied) == (0, 6)
+
+
+_ENGINE = r"""
+import json, os, sys, time, torch
+from safetensors.torch import load_file
+from torch import nn
+from gdsload.loader.adapters.base import AdapterOptions
+from gdsload.loader.adapters.vllm import load_into_model
+
+url, token, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+ref = {k: v for f in files for k, v in load_file(f).items()}
+model = nn.Module()
+for name, t in ref.items():  # an engine-shaped model: the checkpoint's names, empty parameters
+    *path, leaf = name.split(".")
+    m = model
+    for p in path:
+        if not hasattr(m, p):
+            m.add_module(p, nn.Module())
+        m = getattr(m, p)
+    m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
+start = time.perf_counter()
+report = load_into_model(model, None, rank=0, tp_size=1,
+                         options=AdapterOptions(sidecar_url=url, token=token, layout="vllm"))
+seconds = time.perf_counter() - start
+state = model.state_dict()
+equal = all(torch.equal(state[k].view(torch.uint8), v.view(torch.uint8)) for k, v in ref.items())
+for p in model.parameters():  # what an engine's post-processing may do: stays in this process
+    p.data.zero_()
+print(json.dumps({"adopted": report.adopted, "copied": report.copied, "tensors": len(ref), "equal": equal,
+                  "seconds": seconds, "pid": os.getpid()}), flush=True)
+sys.stdin.read()  # hold the weights until told to exit (or killed)
+"""
+
+
+def _serve(model: Path, tmp_path: Path) -> Server:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    return Server([str(model), "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(tmp_path)],
+                  tmp_path / "serve.log")
+
+
+def _start_engine(server: Server, files: list[str]) -> tuple[subprocess.Popen[str], dict]:
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE, server.url, TOKEN, *files], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"the engine exited with {proc.wait(30)}"
+    return proc, json.loads(line)
+
+
+def _leases(server: Server) -> tuple[int, list[dict]]:
+    rank = server.status()["ranks"]["0"]
+    return rank["leases"], rank["held_by"]
+
+
+def test_engines_adopt_a_rank_and_hold_it_until_they_exit(tmp_path: Path):
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    files = sorted(str(p) for p in model.glob("*.safetensors"))
+    server = _serve(model, tmp_path)
+    try:
+        server.poll_ready()
+        generation = server.status()["generation"]
+        first, got = _start_engine(server, files)
+        assert got["equal"] and got["adopted"] == got["tensors"] and got["copied"] == 0, got
+        leases, holders = _leases(server)
+        assert leases == 1 and [h["pid"] for h in holders] == [got["pid"]], holders
+        # The engine zeroed its adopted weights: the sidecar's copy is untouched (copy-on-write).
+        second, again = _start_engine(server, files)
+        assert again["equal"] and again["adopted"] == again["tensors"], again
+        assert server.status()["generation"] == generation  # adopted again, nothing reloaded
+        assert _leases(server)[0] == 2
+        # An engine that holds the rank keeps it from being pulled away.
+        r = server.http.post("/v1/unload", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 409, r.text
+        # A crashed engine's lease goes when its process does.
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        deadline, t0 = time.monotonic() + 10, time.monotonic()
+        while _leases(server)[0] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        freed_after = time.monotonic() - t0
+        leases, holders = _leases(server)
+        assert leases == 1 and [h["pid"] for h in holders] == [again["pid"]], holders
+        print(f"lease of a killed engine released {freed_after:.3f} s after its exit")
+        second.stdin.close()  # a clean exit releases too
+        second.wait(10)
+        deadline = time.monotonic() + 10
+        while _leases(server)[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _leases(server) == (0, [])
+        r = server.http.post("/v1/unload", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+    finally:
+        for p in ("first", "second"):
+            proc = locals().get(p)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        server.close()
+
+
+def test_a_forced_unload_tells_the_holding_engine(tmp_path: Path):
+    """The sidecar may still be forced to drop a held rank: the engine hears of it at once, and its
+    copy-on-write weights stay valid on CPU."""
+    from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    server = _serve(model, tmp_path)
+    try:
+        server.poll_ready()
+        mapped = SidecarClient(server.url, token=TOKEN).map_rank(0, private=True)
+        ref = safetensors.torch.load_file(str(next(model.glob("*.safetensors"))))
+        lost: list[str] = []
+        mapped.hold(on_lost=lambda m, why: lost.append(why))
+        r = server.http.post("/v1/unload", json={"force": True}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost and "voided the lease" in lost[0], lost
+        for name, t in ref.items():  # the sidecar freed its arena; this process's mapping is still whole
+            assert torch.equal(mapped.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    finally:
+        server.close()
