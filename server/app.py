@@ -92,8 +92,8 @@ HOLD_POLL_S = 0.25
 
 class _HoldResponse(Response):
     """The answer of ``GET /v1/ipc/{rank}/hold``: ``held`` at once, then nothing while the lease holds;
-    ``released`` and the end when the sidecar voids it. When the engine's connection closes (the
-    engine exited, however it exited), the lease is released."""
+    ``released`` and the end when the sidecar voids it, ``stopping`` when the server shuts down. When
+    the engine's connection closes (the engine exited, however it exited), the lease is released."""
 
     def __init__(self, supervisor: Supervisor, rank: int, lease: str):
         super().__init__(media_type="text/plain")
@@ -113,16 +113,18 @@ class _HoldResponse(Response):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
             await send({"type": "http.response.body", "body": b"held\n", "more_body": True})
-            while not gone.is_set() and sup.holds(self.rank, self.lease) and not sup.stopping:
+            while (not gone.is_set() and sup.holds(self.rank, self.lease) and not sup.stopping
+                   and not sup.draining.is_set()):
                 try:
                     await asyncio.wait_for(gone.wait(), timeout=HOLD_POLL_S)
                 except asyncio.TimeoutError:
                     pass
             if not gone.is_set():
-                await send({"type": "http.response.body", "body": b"released\n", "more_body": False})
+                end = b"stopping\n" if sup.stopping or sup.draining.is_set() else b"released\n"
+                await send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             listener.cancel()
-            if sup.holds(self.rank, self.lease) and not sup.stopping:
+            if sup.holds(self.rank, self.lease) and not (sup.stopping or sup.draining.is_set()):
                 try:
                     await run_in_threadpool(sup.release, self.rank, self.lease)
                     log.info("rank %d: lease %s released: its engine's connection closed", self.rank, self.lease)

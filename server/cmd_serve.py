@@ -9,6 +9,7 @@ import logging
 import signal
 import socket
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -129,7 +130,12 @@ def run_server(config: ServeConfig) -> None:
 
         from .http_guard import guarded_protocol
 
-        server = uvicorn.Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                supervisor.draining.set()  # held leases end now, so the connections drain at once
+                super().handle_exit(sig, frame)
+
+        server = _Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
                                                lifespan="on", timeout_graceful_shutdown=5, server_header=False,
                                                http=guarded_protocol(config.request_timeout)))
         host, port = sock.getsockname()[:2]

@@ -189,6 +189,8 @@ class Supervisor:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
+        self.draining = threading.Event()
+        """Set when the server begins to shut down (before its HTTP connections drain): held leases end."""
         self._thread: threading.Thread | None = None
         self._readyz: tuple[int, bytes] = (503, b"")
         with self._lock:

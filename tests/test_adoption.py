@@ -230,3 +230,26 @@ def test_a_forced_unload_tells_the_holding_engine(tmp_path: Path):
             assert torch.equal(mapped.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
     finally:
         server.close()
+
+
+def test_the_sidecar_stops_at_once_with_held_leases_and_tells_their_engines(tmp_path: Path):
+    from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    server = _serve(model, tmp_path)
+    try:
+        server.poll_ready()
+        mapped = SidecarClient(server.url, token=TOKEN).map_rank(0, private=True)
+        lost: list[str] = []
+        mapped.hold(on_lost=lambda m, why: lost.append(why))
+        t0 = time.monotonic()
+        assert server.terminate(timeout=30) == 0
+        stopped_after = time.monotonic() - t0
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost and "shutting down" in lost[0], lost
+        assert stopped_after < 4, f"the sidecar took {stopped_after:.1f} s to stop with a lease held"
+        print(f"sidecar stopped {stopped_after:.2f} s after SIGTERM with a held lease")
+    finally:
+        server.close()

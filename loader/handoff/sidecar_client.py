@@ -135,6 +135,9 @@ class MappedRank:
                     if line.strip() == b"released":
                         why = "the sidecar voided the lease (a forced reload or unload, or its worker restarted)"
                         break
+                    if line.strip() == b"stopping":
+                        why = "the sidecar is shutting down"
+                        break
             except OSError as e:
                 why = f"the connection to the sidecar failed ({e})"
             finally:
