@@ -436,6 +436,8 @@ def load_into_model(
                    private=adopting and device.type == "cpu") as weights:
         report = injector.inject(weights.tensors, strict=options.strict)
         report.source = weights.describe()
+        if weights.origin == "sidecar" and route.kind == "load_weights":
+            report.copied = len(report.loaded)  # the model's weight loaders copy every tensor
         if report.adopted:
             weights.hold(on_lost=_lost_cpu if device.type == "cpu" else _lost_cuda)
     log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
