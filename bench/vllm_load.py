@@ -7,8 +7,9 @@ Builds one synthetic Llama (``gdsload bench --make-model``'s generator, tp=1, bf
 engine per run in a fresh process (``--python``: an interpreter with vLLM and gdsload; the engine
 test tier builds one in ``.venv-engine``). Every run times, inside the engine, the loader's
 ``load_weights`` call (what vLLM logs as "Loading weights took") and the whole ``load_model``
-(model construction and vLLM's weight post-processing included), and records the host memory
-the load added: the process's resident-set high-water mark right after ``load_weights``, minus
+(model construction and vLLM's weight post-processing included), the time from the engine
+process's start to its first generated token (``first_token_s``: one prompt, one token), and the host
+memory ``load_weights`` added: the process's resident-set high-water mark right after it, minus
 its resident set right before.
 
 Methods (each in a fresh process, the methods taking turns round after round):
@@ -53,6 +54,11 @@ def _rss_kb() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+CHILD_START = time.perf_counter()
+"""When this module was imported: in a child, the engine process's start (its interpreter's start-up
+aside), the origin of ``first_token_s``."""
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine start with ``spec``'s model and load format; the loader's timings from inside vLLM."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -85,8 +91,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
-    LLM(model=spec["model"], load_format=spec["load_format"], dtype="bfloat16", max_model_len=256,
-        enforce_eager=True, gpu_memory_utilization=0.5, skip_tokenizer_init=True, seed=0, **kwargs)
+    llm = LLM(model=spec["model"], load_format=spec["load_format"], dtype="bfloat16", max_model_len=256,
+              enforce_eager=True, gpu_memory_utilization=0.5, skip_tokenizer_init=True, seed=0, **kwargs)
+    from vllm import SamplingParams
+
+    llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+                 use_tqdm=False)
+    timings["first_token_s"] = time.perf_counter() - CHILD_START
     return timings
 
 
@@ -237,21 +248,23 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model_bytes": model_bytes, "size": args.size,
            "rounds": args.rounds, "python": args.python, "cpus": os.cpu_count(),
            "methods": {m: {"load_weights_s": _summary(rs, "load_weights_s"), "load_model_s": _summary(rs, "load_model_s"),
-                           "process_s": _summary(rs, "process_s"),
+                           "process_s": _summary(rs, "process_s"), "first_token_s": _summary(rs, "first_token_s"),
                            "added_memory_bytes": _summary(rs, "added_memory_bytes"),
                            "errors": [r["error"] for r in rs if "error" in r], "runs": rs}
                        for m, rs in results.items()}}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(f"\nmodel {format_bytes(model_bytes)}, {args.rounds} rounds, warm page cache; medians (min-max)")
-    print(f"{'method':24s} {'load_weights s':>22s} {'load_model s':>22s} {'process s':>22s} {'memory added':>14s}")
+    print(f"{'method':24s} {'load_weights s':>22s} {'load_model s':>22s} {'first token s':>22s} {'process s':>22s} "
+          f"{'memory added':>14s}")
     for m, d in doc["methods"].items():
         if d["load_weights_s"] is None:
             print(f"{m:24s} did not run: {d['errors'][0] if d['errors'] else '?'}")
             continue
         lw, lm, ps, mem = d["load_weights_s"], d["load_model_s"], d["process_s"], d["added_memory_bytes"]
+        ft = d["first_token_s"] or {"median": float("nan"), "min": float("nan"), "max": float("nan")}
         print(f"{m:24s} {lw['median']:8.3f} ({lw['min']:.3f}-{lw['max']:.3f}) {lm['median']:8.3f} "
-              f"({lm['min']:.3f}-{lm['max']:.3f}) {ps['median']:8.3f} ({ps['min']:.3f}-{ps['max']:.3f}) "
-              f"{format_bytes(int(mem['median'])):>14s}")
+              f"({lm['min']:.3f}-{lm['max']:.3f}) {ft['median']:8.3f} ({ft['min']:.3f}-{ft['max']:.3f}) "
+              f"{ps['median']:8.3f} ({ps['min']:.3f}-{ps['max']:.3f}) {format_bytes(int(mem['median'])):>14s}")
 
 
 if __name__ == "__main__":
