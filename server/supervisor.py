@@ -324,7 +324,8 @@ class Supervisor:
         return {**doc, "lease": lease, "generation": generation, "model": model}
 
     def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
-        """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank."""
+        """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank
+        that no engine holds (:meth:`hold`)."""
         return self._call(lambda: self._release(rank, lease))
 
     def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
@@ -337,6 +338,9 @@ class Supervisor:
             if lease not in x.leases:
                 raise UnknownLeaseError(f"lease {lease!r} is not outstanding on rank {rank}; it was released "
                                         "already, or a worker restart or reload voided it")
+            if lease in x.holders:
+                raise ExportsOutstandingError(f"lease {lease!r} of rank {rank} is already held (by engine pid "
+                                              f"{x.holders[lease]['pid']}); each engine holds the lease it mapped with")
             x.holders[lease] = {"lease": lease, "pid": pid, "peer": peer, "since": time.time()}
             self._publish()
         log.info("rank %d: lease %s held by engine pid %s (%s) until its connection closes", rank, lease, pid, peer)
@@ -505,9 +509,12 @@ class Supervisor:
         with self._lock:
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
             if leases and not force:
+                held = sorted({h["pid"] for x in self._ranks.values() for h in x.holders.values()}, key=str)
+                who = (f"; engine pid(s) {held} hold theirs while they run (their parameters are this memory): "
+                       "stop those engines" if held else "")
                 raise ExportsOutstandingError(
                     f"IPC exports are still outstanding ({ {r: len(v) for r, v in leases.items()} } by rank; "
-                    f"leases {sum(leases.values(), [])}); the engine must POST /v1/ipc/RANK/release first — "
+                    f"leases {sum(leases.values(), [])}){who}; the engine must POST /v1/ipc/RANK/release first — "
                     "or pass wait_s to wait for it, or force=true to invalidate them"
                 )
             old = [x.handle for x in self._ranks.values() if x.handle is not None]
@@ -746,7 +753,8 @@ class Supervisor:
                     f"lease {lease!r} is not outstanding on rank {rank} ({len(x.leases)} are); it was released "
                     "already, or a worker restart or reload voided it"
                 )
-            released = [lease] if lease is not None else sorted(x.leases)
+            # Without a lease: every lease no running engine holds (a held one goes with its engine).
+            released = [lease] if lease is not None else sorted(x.leases - set(x.holders))
             x.leases.difference_update(released)
             for one in released:
                 x.holders.pop(one, None)

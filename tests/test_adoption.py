@@ -253,3 +253,65 @@ def test_the_sidecar_stops_at_once_with_held_leases_and_tells_their_engines(tmp_
         print(f"sidecar stopped {stopped_after:.2f} s after SIGTERM with a held lease")
     finally:
         server.close()
+
+
+def _engine_shaped(ref: dict[str, torch.Tensor]) -> nn.Module:
+    model = nn.Module()
+    for name, t in ref.items():
+        *path, leaf = name.split(".")
+        m = model
+        for p in path:
+            if not hasattr(m, p):
+                m.add_module(p, nn.Module())
+            m = getattr(m, p)
+        m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
+    return model
+
+
+def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Path):
+    """Against a sidecar without held leases (an older gdsload), the engine copies and releases, as before."""
+    from gdsload.loader.adapters.base import AdapterOptions
+    from gdsload.loader.adapters.vllm import load_into_model
+    from test_adapters import TOKEN as FAKE_TOKEN
+    from test_adapters import _Sidecar
+
+    model_dir = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    exported = load_rank(model_dir, 0)
+    ref = {k: v.clone() for k, v in exported.tensors.items()}
+    with _Sidecar({0: json.loads(json.dumps({**export_rank(exported), "lease": "ab" * 16}))}) as sidecar:
+        model = _engine_shaped(ref)
+        report = load_into_model(model, None, rank=0, tp_size=1,
+                                 options=AdapterOptions(sidecar_url=sidecar.url, token=FAKE_TOKEN, layout="vllm"))
+        assert (report.adopted, report.copied) == (0, len(ref)), report.summary()
+        assert sidecar.released == [0]
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.items())
+
+
+def test_held_leases_survive_a_blanket_release_and_are_held_once(tmp_path: Path):
+    from gdsload.loader.handoff.sidecar_client import SidecarClient, SidecarNotReadyError
+
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    server = _serve(model, tmp_path)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        server.poll_ready()
+        client = SidecarClient(server.url, token=TOKEN)
+        held, loose = client.map_rank(0, private=True), client.map_rank(0)
+        held.hold()
+        r = server.http.post("/v1/ipc/0/release", json={}, headers=auth)  # every lease no engine holds
+        assert r.status_code == 200 and r.json()["released"] == [loose.lease], r.text
+        assert _leases(server)[0] == 1
+        r = server.http.get("/v1/ipc/0/hold", params={"lease": held.lease}, headers=auth)  # a second hold
+        assert r.status_code == 409 and "already held" in r.text, r.text
+        r = server.http.post("/v1/unload", json={}, headers=auth)
+        assert r.status_code == 409 and "hold theirs while they run" in r.text, r.text
+        with pytest.raises(SidecarNotReadyError, match="no longer holds lease"):
+            client._open_hold(0, "cd" * 16)
+        held.release()
+        deadline = time.monotonic() + 10
+        while _leases(server)[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _leases(server) == (0, [])
+    finally:
+        server.close()

@@ -451,12 +451,9 @@ class RankWeights:
         if release is not None:
             release()
 
-    def hold(self, on_lost: Any = None) -> None:
-        """Keep a sidecar mapping, and its lease, for the rest of this process (the engine adopted it):
-        :meth:`close` then leaves it alone. See :meth:`MappedRank.hold`."""
-        if self.mapped is None:
-            raise ValueError(f"rank {self.rank} was read from storage: there is no sidecar mapping to hold")
-        self.mapped.hold(on_lost=on_lost)
+    def keep(self) -> None:
+        """Leave the tensors' memory (and a held sidecar lease) alone at :meth:`close`: the engine adopted
+        them (see :meth:`~gdsload.loader.handoff.sidecar_client.MappedRank.hold`)."""
         self._release = None
 
     def __enter__(self) -> RankWeights:

@@ -204,13 +204,15 @@ class ShardedStateInjector(StateDictInjector):
                owners: Mapping[int, list[tuple[nn.Module, str, torch.Tensor, bool]]]) -> bool:
         """Make the parameter (or buffer) behind ``dst`` use ``t``'s memory; False where only a copy is right.
 
-        Adopted only when ``t`` is exactly what the parameter is (shape, dtype, device, contiguous) and
-        the parameter owns its storage alone: a storage shared with other tensors (fused or tied
+        Adopted only when ``t`` is exactly what the parameter is (shape, dtype, device, strides) and
+        the parameter owns its storage alone (buffers, which engines update in place, only on CPU, where
+        the mapping is private): a storage shared with other tensors (fused or tied
         views of one allocation under different objects) keeps its memory and is copied into. One
         Parameter object under several names (tied weights) is adopted once, for all of them. The
         Parameter objects stay (``param.data`` is swapped), with the attributes vLLM set on them.
         """
-        if t.dtype != dst.dtype or t.shape != dst.shape or t.device != dst.device or not t.is_contiguous():
+        if (t.dtype != dst.dtype or t.shape != dst.shape or t.device != dst.device or not t.is_contiguous()
+                or dst.stride() != t.stride()):
             return False
         storage = dst.untyped_storage()
         if dst.data_ptr() != storage.data_ptr() or storage.nbytes() != dst.numel() * dst.element_size():
@@ -221,9 +223,11 @@ class ShardedStateInjector(StateDictInjector):
         module, attr, obj, is_param = group[0]
         if is_param:
             obj.data = t
-        else:
+        elif t.device.type == "cpu":  # buffers change in place (scales, statistics): only a private mapping may
             for m, a, _, _ in group:
                 m._buffers[a] = t
+        else:
+            return False
         return True
 
     def load(self, path: str | os.PathLike[str], rank: int, *, options: AdapterOptions,
@@ -430,18 +434,38 @@ def load_into_model(
         options = dataclasses.replace(options, backend="mmap")
     adopting = (options.sidecar_url is not None and route.kind == "sharded_state" and options.adopt
                 and (device.type == "cpu" or adopt_cuda))
-    if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
-        injector.adopt = adopting
     with open_rank(path, route.file_rank, options=options, device=device, expect_device=True,
                    private=adopting and device.type == "cpu") as weights:
-        report = injector.inject(weights.tensors, strict=options.strict)
+        held = adopting and _hold(weights, rank, _lost_cpu if device.type == "cpu" else _lost_cuda)
+        if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
+            injector.adopt = held
+        try:
+            report = injector.inject(weights.tensors, strict=options.strict)
+        except BaseException:
+            if held:
+                weights.mapped.release()  # nothing adopted is kept: the lease goes back now
+            raise
         report.source = weights.describe()
         if weights.origin == "sidecar" and route.kind == "load_weights":
             report.copied = len(report.loaded)  # the model's weight loaders copy every tensor
-        if report.adopted:
-            weights.hold(on_lost=_lost_cpu if device.type == "cpu" else _lost_cuda)
+        if held and report.adopted:
+            weights.keep()  # the parameters are the mapping: the lease stays until this process exits
+        elif held:
+            weights.mapped.release()
     log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
     return report
+
+
+def _hold(weights: Any, rank: int, on_lost: Callable[[Any, str], None]) -> bool:
+    """Hold the sidecar lease before anything is adopted; False (copy instead) where the sidecar cannot."""
+    from gdsload.loader.handoff.sidecar_client import SidecarError
+
+    try:
+        weights.mapped.hold(on_lost=on_lost)
+    except SidecarError as e:
+        log.warning("rank %d: copying the sidecar's tensors instead of adopting them: %s", rank, e)
+        return False
+    return True
 
 
 def _lost_cpu(mapped: Any, why: str) -> None:

@@ -101,11 +101,19 @@ class MappedRank:
         """
         if self.released:
             return
-        self.released, self.held = True, False
+        was_held, self.held = self.held, False
+        self.released = True
         self.tensors = {}
-        self.client.release(self.rank, lease=self.lease)
+        try:
+            self.client.release(self.rank, lease=self.lease)
+        except SidecarNotReadyError as e:
+            if not (was_held or self._hold_tried):
+                raise
+            # The hold's connection closing has released it already (or the sidecar voided it).
+            log.debug("rank %d: lease %s was released already: %s", self.rank, self.lease, e)
 
     held: bool = False
+    _hold_tried: bool = field(default=False, repr=False)
 
     def hold(self, on_lost: Callable[[MappedRank, str], None] | None = None) -> None:
         """Keep this mapping, and the sidecar's lease on it, for the rest of this process.
@@ -120,6 +128,7 @@ class MappedRank:
         """
         if self.released or self.held or self.lease is None:
             raise SidecarProtocolError(f"rank {self.rank}: the mapping is released or has no lease; it cannot be held")
+        self._hold_tried = True  # a failed attempt may still have released the lease on the sidecar
         conn, response = self.client._open_hold(self.rank, self.lease)
         self.held = True
         _HELD.append(self)  # the mapping lives as long as the process: nothing may collect it
@@ -159,6 +168,24 @@ class MappedRank:
 
 _HELD: list[MappedRank] = []
 """Mappings held for the life of the process (:meth:`MappedRank.hold`)."""
+_HOLD_SOCKETS: list[Any] = []
+
+
+def _close_in_forked_children(sock: Any) -> None:
+    """A child forked from the engine (a compile or data worker) must not keep the engine's hold
+    connection open after the engine exits: it closes its copy right after the fork."""
+    if not _HOLD_SOCKETS and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_close_hold_sockets)
+    _HOLD_SOCKETS.append(sock)
+
+
+def _close_hold_sockets() -> None:
+    for sock in _HOLD_SOCKETS:
+        try:
+            sock.close()  # the child's descriptor only; the parent's connection stays
+        except OSError:
+            pass
+    _HOLD_SOCKETS.clear()
 
 
 def _warn_lost(mapped: MappedRank, why: str) -> None:
@@ -253,24 +280,35 @@ class SidecarClient:
         conn = cls(url.hostname or "127.0.0.1", url.port, timeout=self.timeout)
         query = urllib.parse.urlencode({"lease": lease, "pid": os.getpid()})
         path = f"{url.path.rstrip('/')}/v1/ipc/{_check_rank(rank)}/hold?{query}"
+        where = f"GET {self.base_url}{path.split('?')[0]}"
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         try:
+            conn.connect()
+            sock = conn.sock  # kept: the response may take it over (Connection: close) and leave conn.sock None
             conn.request("GET", path, headers=headers)
             response = conn.getresponse()
             if response.status != 200:
                 detail = response.read(_BODY_LIMIT).decode("utf-8", "replace").strip()
-                raise SidecarNotReadyError(f"GET {self.base_url}{path}: HTTP {response.status} ({detail!r}); the "
-                                           f"sidecar does not hold lease {lease} of rank {rank} any more")
+                if response.status in (401, 403):
+                    raise SidecarAuthError(f"{where}: HTTP {response.status} ({detail!r}); use the token `gdsload "
+                                           "serve` was started with")
+                if response.status in (404, 405):
+                    raise SidecarNotReadyError(
+                        f"{where}: HTTP {response.status} ({detail!r}): the sidecar no longer holds lease {lease} of "
+                        f"rank {rank}, or is a gdsload without held leases; upgrade it, or pass "
+                        "{\"adopt\": false} to copy the tensors instead")
+                raise SidecarProtocolError(f"{where}: unexpected HTTP {response.status} ({detail!r})")
             if response.readline().strip() != b"held":
-                raise SidecarProtocolError(f"GET {self.base_url}{path} did not answer 'held'; upgrade the sidecar")
+                raise SidecarProtocolError(f"{where} did not answer 'held'; upgrade the sidecar, or pass "
+                                           "{\"adopt\": false}")
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise SidecarUnavailableError(f"GET {self.base_url}{path}: {type(e).__name__}: {e}") from None
+            raise SidecarUnavailableError(f"{where}: {type(e).__name__}: {e}") from None
         except SidecarError:
             conn.close()
             raise
-        if conn.sock is not None:
-            conn.sock.settimeout(None)  # it stays open, silent, for the life of the process
+        sock.settimeout(None)  # it stays open, silent, for the life of the process
+        _close_in_forked_children(sock)
         return conn, response
 
     def _request(self, method: str, path: str, rank: int, body: bytes | None = None) -> bytes:
