@@ -1,4 +1,5 @@
-"""Tensor cases shared by the test modules: every dtype, whole bit patterns, odd and empty shapes.
+"""Tensor cases shared by the test modules: every dtype, whole bit patterns, odd and empty shapes;
+and modules shaped like an engine's for a given state dict.
 
 A plain module rather than conftest helpers: the engine tier has a conftest of its own, and
 ``from conftest import ...`` would find whichever conftest was imported last.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 
 def all_dtypes() -> list[torch.dtype]:
@@ -40,3 +42,18 @@ def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     out["empty.bf16"] = torch.empty((5, 0), dtype=torch.bfloat16)
     out["weight.bf16"] = random_tensor((64, 33), torch.bfloat16, seed + 7)
     return out
+
+
+def engine_shaped(state: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose state dict has ``state``'s names, shapes and dtypes, its parameters empty: what an
+    engine builds before its loader fills it."""
+    model = nn.Module()
+    for name, t in state.items():
+        *path, leaf = name.split(".")
+        m = model
+        for p in path:
+            if not hasattr(m, p):
+                m.add_module(p, nn.Module())
+            m = getattr(m, p)
+        m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
+    return model

@@ -9,6 +9,7 @@ started as children and killed like crashed engines, and the engine adapter's ow
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from gdsload.loader.adapters.vllm import ShardedStateInjector
 from gdsload.loader.handoff.ipc import IpcError, export_rank, import_rank
 from gdsload.loader.prepare.synthetic import make_checkpoint
 from sidecar_proc import Server
+from tensor_cases import engine_shaped
 from test_server import TOKEN
 
 
@@ -115,18 +117,11 @@ from safetensors.torch import load_file
 from torch import nn
 from gdsload.loader.adapters.base import AdapterOptions
 from gdsload.loader.adapters.vllm import load_into_model
+from tensor_cases import engine_shaped
 
 url, token, files = sys.argv[1], sys.argv[2], sys.argv[3:]
 ref = {k: v for f in files for k, v in load_file(f).items()}
-model = nn.Module()
-for name, t in ref.items():  # an engine-shaped model: the checkpoint's names, empty parameters
-    *path, leaf = name.split(".")
-    m = model
-    for p in path:
-        if not hasattr(m, p):
-            m.add_module(p, nn.Module())
-        m = getattr(m, p)
-    m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
+model = engine_shaped(ref)
 start = time.perf_counter()
 report = load_into_model(model, None, rank=0, tp_size=1,
                          options=AdapterOptions(sidecar_url=url, token=token, layout="vllm"))
@@ -150,8 +145,9 @@ def _serve(model: Path, tmp_path: Path) -> Server:
 
 
 def _start_engine(server: Server, files: list[str]) -> tuple[subprocess.Popen[str], dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", _ENGINE, server.url, TOKEN, *files], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline() if proc.stdout else ""
     assert line, f"the engine exited with {proc.wait(30)}"
     return proc, json.loads(line)
@@ -255,19 +251,6 @@ def test_the_sidecar_stops_at_once_with_held_leases_and_tells_their_engines(tmp_
         server.close()
 
 
-def _engine_shaped(ref: dict[str, torch.Tensor]) -> nn.Module:
-    model = nn.Module()
-    for name, t in ref.items():
-        *path, leaf = name.split(".")
-        m = model
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
-    return model
-
-
 def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Path):
     """Against a sidecar without held leases (an older gdsload), the engine copies and releases, as before."""
     from gdsload.loader.adapters.base import AdapterOptions
@@ -279,7 +262,7 @@ def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Pat
     exported = load_rank(model_dir, 0)
     ref = {k: v.clone() for k, v in exported.tensors.items()}
     with _Sidecar({0: json.loads(json.dumps({**export_rank(exported), "lease": "ab" * 16}))}) as sidecar:
-        model = _engine_shaped(ref)
+        model = engine_shaped(ref)
         report = load_into_model(model, None, rank=0, tp_size=1,
                                  options=AdapterOptions(sidecar_url=sidecar.url, token=FAKE_TOKEN, layout="vllm"))
         assert (report.adopted, report.copied) == (0, len(ref)), report.summary()
