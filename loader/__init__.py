@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "InjectError": "adapters",
     "InjectReport": "adapters",
     "LayoutError": "adapters",
+    "inject_from_sidecar": "adapters",
     "inject_module": "adapters",
     "meta_init": "adapters",
     "load_rank": "pipeline.load",
@@ -103,7 +104,7 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gdsload.loader.adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_module, meta_init
+    from gdsload.loader.adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_from_sidecar, inject_module, meta_init
     from gdsload.loader.pipeline.load import load_rank
     from gdsload.loader.checkpoints.container import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
     from gdsload.loader.config import format_bytes, parse_size
@@ -170,6 +171,7 @@ __all__ = [
     "CodecError",
     "IntegrityError",
     "ConfigError",
+    "inject_from_sidecar",
     "inject_module",
     "meta_init",
     "InjectReport",

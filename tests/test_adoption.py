@@ -298,3 +298,82 @@ def test_held_leases_survive_a_blanket_release_and_are_held_once(tmp_path: Path)
         assert _leases(server) == (0, [])
     finally:
         server.close()
+
+
+# ------------------------------------------------- a transformers model in another process (the restart bench's engine)
+
+
+def _restarts(server: Server, model: Path, device: str, methods: tuple[str, ...]) -> tuple[list[dict], list]:
+    """Engines started one after another by the restart bench's own code; the leases seen while each ran."""
+    from gdsload.bench.restart import run_engine
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    seen: list[tuple[int, list[int]]] = []
+
+    def holding(answer: dict) -> None:
+        leases, holders = _leases(server)
+        seen.append((leases, [h["pid"] for h in holders]))
+
+    runs = []
+    for method in methods:
+        r = run_engine(method, model, device, server.url, env, token=TOKEN, while_running=holding)
+        assert "error" not in r, f"{method}: {r.get('error')}"
+        runs.append(r)
+        deadline = time.monotonic() + 10  # the exited engine's lease goes with its connection
+        while _leases(server)[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return runs, seen
+
+
+def _check_restarts(runs: list[dict], seen: list, tensors: int) -> None:
+    first, second, copied, oracle = runs[:4]
+    assert first["adopted"] == first["loaded"] == tensors and first["copied"] == 0, first
+    assert second["adopted"] == second["loaded"] == tensors, second  # a second start adopts again
+    assert (copied["adopted"], copied["copied"]) == (0, tensors), copied
+    # The same logits, bit for bit, as the model given safetensors' own load of the files.
+    assert {r["logits_sha256"] for r in runs} == {oracle["logits_sha256"]}
+    # An adopting engine holds the rank's lease while it runs; a copying one gave it back.
+    assert seen[:3] == [(1, [first["pid"]]), (1, [second["pid"]]), (0, [])], seen
+
+
+def test_a_transformers_model_in_another_process_adopts_the_rank(tmp_path: Path):
+    pytest.importorskip("transformers")
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    tensors = len(safetensors.torch.load_file(str(next(model.glob("*.safetensors")))))
+    server = _serve(model, tmp_path)
+    try:
+        server.poll_ready()
+        generation = server.status()["generation"]
+        runs, seen = _restarts(server, model, "cpu", ("adopted", "adopted", "copied", "safetensors"))
+        _check_restarts(runs, seen, tensors)
+        assert server.status()["generation"] == generation  # nothing was reloaded between the starts
+        assert _leases(server) == (0, [])
+    finally:
+        server.close()
+
+
+@pytest.mark.gpu
+def test_a_transformers_model_adopts_the_sidecars_gpu_memory_over_cuda_ipc(tmp_path: Path):
+    """On a GPU: the parameters are the sidecar's memory (the engine allocates next to nothing), where a
+    fresh read allocates the whole model."""
+    pytest.importorskip("transformers")
+    model = make_checkpoint(tmp_path / "m", "small", tp=1)
+    ref = {k: v for f in model.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in ref.values())
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    server = Server([str(model), "--token-file", str(token_file), "--allow-root", str(tmp_path)], tmp_path / "serve.log")
+    try:
+        server.poll_ready(timeout=120)
+        assert server.status()["ranks"]["0"]["device"].startswith("cuda")
+        runs, seen = _restarts(server, model, "cuda:0", ("adopted", "adopted", "copied", "safetensors", "gdsload"))
+        _check_restarts(runs, seen, len(ref))
+        adopted, fresh = runs[0], runs[4]
+        # The adopting engine allocated what the fresh read did less the whole model: buffers and activations only.
+        assert fresh["allocated_bytes"] >= nbytes, fresh
+        assert fresh["allocated_bytes"] - adopted["allocated_bytes"] >= 0.98 * nbytes, (adopted, fresh)
+        print(f"engine allocations: adopted {adopted['allocated_bytes'] / 1e6:.1f} MB, fresh read "
+              f"{fresh['allocated_bytes'] / 1e6:.1f} MB, model {nbytes / 1e6:.1f} MB")
+    finally:
+        server.close()

@@ -390,3 +390,28 @@ def test_host_read_together_reports_a_worker_that_cannot_read(tmp_path):
         raw_read_together([[str(good)], [str(tmp_path / "missing.bin")]], threads=2)
     r = raw_read_together([[str(good)], [str(good)]], threads=2)
     assert r["bytes"] == 2 << 20 and r["processes"] == 2 and r["aggregate_gbps"] > 0
+
+
+def test_restart_bench_runs_engines_against_a_sidecar_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.restart", str(model), "--device", "cpu", "--rounds", "2",
+                        "--methods", "adopted,safetensors", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["logits_identical"] and result["failed"] == 0
+    runs = result["runs"]
+    assert [r["method"] for r in runs] == ["adopted", "safetensors", "safetensors", "adopted"]  # turns rotate
+    for r in runs:
+        assert r["marks"]["imports"] <= r["marks"]["model_built"] <= r["marks"]["weights"] <= r["start_to_token_s"]
+        assert r["adopted"] == (r["loaded"] if r["method"] == "adopted" else 0)
+    assert "adopted" in p.stdout and "safetensors" in p.stdout
+
+
+def test_restart_bench_refuses_an_unknown_method(tmp_path):
+    model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
+    p = subprocess.run([sys.executable, "-m", "gdsload.bench.restart", str(model), "--methods", "adopted,vllm"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "['vllm'] unknown" in p.stderr, p.stderr

@@ -5,6 +5,7 @@ unexpected, bytes, seconds) out; strict mode raises one :class:`InjectError` lis
 missing/unexpected name and shape mismatch before anything is written.
 
 - :func:`inject_module` / :func:`meta_init` — plain torch and transformers modules (zero-copy assign, or copy);
+- :func:`inject_from_sidecar` — the same from a running ``gdsload serve``: parameters adopt its memory;
 - ``gdsload.loader.adapters.vllm`` — load format ``gdsload`` (plugin entry point ``vllm.general_plugins``);
 - ``gdsload.loader.adapters.trtllm`` — TensorRT-LLM checkpoint loader, legacy ``rank{N}.safetensors``;
 - ``gdsload.loader.adapters.sglang`` — SGLang loader class and live ``update_weights_from_tensor``.
@@ -38,9 +39,10 @@ from gdsload.loader.adapters.base import (
     collect_weights,
     compare,
     describe_checkpoint,
+    hold_for_adoption,
     open_rank,
 )
-from gdsload.loader.adapters.torch_module import ModuleInjector, inject_module, meta_init
+from gdsload.loader.adapters.torch_module import ModuleInjector, inject_from_sidecar, inject_module, meta_init
 
 __all__ = [
     "AdapterOptions",
@@ -59,6 +61,8 @@ __all__ = [
     "collect_weights",
     "compare",
     "describe_checkpoint",
+    "hold_for_adoption",
+    "inject_from_sidecar",
     "inject_module",
     "meta_init",
     "open_rank",

@@ -21,11 +21,13 @@ inject torch into LlamaForCausalLM: 291 tensors, 16.06 GB in 0.004 s zero-copy=2
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 import logging
 import os
+import signal
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
@@ -57,6 +59,7 @@ __all__ = [
     "describe_checkpoint",
     "RankWeights",
     "open_rank",
+    "hold_for_adoption",
     "import_engine",
 ]
 
@@ -509,3 +512,36 @@ def open_rank(
     return RankWeights(rank=rank, tensors=dict(result.tensors), origin="storage", report=result.report,
                        _release=result.close)
 
+
+def hold_for_adoption(weights: RankWeights, *, engine: str = "engine",
+                      on_lost: Callable[[Any, str], None] | None = None) -> bool:
+    """Hold the sidecar lease of ``weights`` before anything is adopted; False (copy instead) where it cannot be held.
+
+    A sidecar that cannot hold leases (an older gdsload) is logged, and the caller copies. If the
+    sidecar drops the lease later, ``on_lost(mapped, why)`` runs; the default logs a warning for a
+    CPU mapping (private, so the adopted weights stay valid) and, for CUDA IPC memory the sidecar
+    may free, logs why and sends this process SIGTERM rather than let it compute with memory that
+    may be reused (an orchestrator restarts the engine, which adopts again).
+    """
+    from gdsload.loader.handoff.sidecar_client import SidecarError
+
+    mapped = weights.mapped
+    if on_lost is None:
+        on_lost = functools.partial(_lost_cpu if mapped.device.type == "cpu" else _lost_cuda, engine=engine)
+    try:
+        mapped.hold(on_lost=on_lost)
+    except SidecarError as e:
+        log.warning("rank %d: copying the sidecar's tensors instead of adopting them: %s", weights.rank, e)
+        return False
+    return True
+
+
+def _lost_cpu(mapped: Any, why: str, *, engine: str) -> None:
+    log.warning("rank %d: the sidecar dropped this %s's lease (%s); the adopted weights stay valid here "
+                "(a private copy-on-write mapping)", mapped.rank, engine, why)
+
+
+def _lost_cuda(mapped: Any, why: str, *, engine: str) -> None:
+    log.critical("rank %d: the sidecar dropped this %s's lease (%s); its adopted parameters are the "
+                 "sidecar's GPU memory, which it may free: stopping this process (SIGTERM)", mapped.rank, engine, why)
+    os.kill(os.getpid(), signal.SIGTERM)

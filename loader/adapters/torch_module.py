@@ -22,15 +22,25 @@ True
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
-from gdsload.loader.adapters.base import InjectError, InjectReport, StateDictInjector, Target, Weights
+from gdsload.loader.adapters.base import (
+    AdapterOptions,
+    InjectError,
+    InjectReport,
+    StateDictInjector,
+    Target,
+    Weights,
+    hold_for_adoption,
+    open_rank,
+)
 
-__all__ = ["ModuleInjector", "inject_module", "meta_init"]
+__all__ = ["ModuleInjector", "inject_from_sidecar", "inject_module", "meta_init"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +88,11 @@ class ModuleInjector(StateDictInjector):
     """
 
     engine = "torch"
+    adopt: bool | None = None
+    """For tensors mapped from a sidecar (set by :func:`inject_from_sidecar`): True binds the parameters to the
+    mapped memory (``report.adopted``) and copies buffers, which a model may update in place, unless the mapping is
+    a private CPU one; False copies every tensor (``report.copied``); None (tensors of a load) binds or copies by
+    ``assign``."""
     fix = ("check that the checkpoint was written for this model class and config (for a sharded checkpoint, "
            "load the TP=1 directory), or pass strict=False to load only what matches")
 
@@ -121,6 +136,9 @@ class ModuleInjector(StateDictInjector):
     def apply(self, tensors: Mapping[str, torch.Tensor], report: InjectReport) -> int:
         if not tensors:
             return 0
+        mapped = tensors
+        if self.adopt is not None:
+            tensors = self._own_copies(tensors, report)
         if not self.assign:
             with torch.no_grad():
                 for name, t in tensors.items():
@@ -149,8 +167,31 @@ class ModuleInjector(StateDictInjector):
         for alias, head in tie.items():
             _set_tensor(self.module, alias, _get_tensor(self.module, head))
         self._follow_device(bound)
-        return sum(1 for name, t in tensors.items()
+        kept = sum(1 for name, t in tensors.items()
                    if name in bound and bound[name] is t and _get_tensor(self.module, name).data_ptr() == t.data_ptr())
+        if self.adopt is None:
+            return kept
+        # A tied name counts with its group's head: its Parameter is the head's, the mapped memory.
+        report.adopted = sum(1 for name in tensors if bound[tie.get(name, name)] is mapped[tie.get(name, name)])
+        return 0
+
+    def _own_copies(self, mapped: Mapping[str, torch.Tensor], report: InjectReport) -> dict[str, torch.Tensor]:
+        """Sidecar tensors as they go in: the mapped tensor itself where it is adopted, a copy (counted) elsewhere."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in mapped.items():
+            if any(a in out for a in self._aliases[name]):
+                out[name] = t  # a tied name: bound to its group's head in apply()
+                continue
+            target = self._state[name]
+            adoptable = (self.adopt and t.dtype == target.dtype and t.is_contiguous()
+                         and (isinstance(target, nn.Parameter) or t.device.type == "cpu"))
+            if adoptable or not self.assign:  # copying into real parameters reads the mapped tensor once
+                out[name] = t
+            else:
+                out[name] = t.to(target.dtype, copy=True)
+            if not adoptable:
+                report.copied += 1
+        return out
 
     def _follow_device(self, bound: Mapping[str, torch.Tensor]) -> None:
         """Move the remaining real buffers to the device the weights landed on (rotary tables etc.)."""
@@ -200,3 +241,60 @@ def inject_module(module: nn.Module, weights: Weights, *, assign: bool = True, s
     inject torch into LlamaForCausalLM: 291 tensors, 16.06 GB in 0.004 s zero-copy=291 missing=0 unexpected=0 mismatched=0
     """
     return ModuleInjector(module, assign=assign).inject(weights, strict=strict)
+
+
+def inject_from_sidecar(
+    module: nn.Module,
+    sidecar_url: str,
+    *,
+    rank: int = 0,
+    token: str | None = None,
+    token_file: str | None = None,
+    adopt: bool = True,
+    strict: bool = True,
+    timeout: float = 30.0,
+    on_lost: Callable[[Any, str], None] | None = None,
+) -> InjectReport:
+    """Give ``module`` rank ``rank``'s weights from a running ``gdsload serve``, reading nothing from storage.
+
+    With ``adopt`` (the default) the parameters *become* the sidecar's memory (CUDA IPC on a GPU,
+    a private copy-on-write mapping of its shared memory on CPU): no copy, and no second copy of
+    the model on the device. This process then holds the rank's lease until it exits, so the
+    sidecar refuses to reload or unload it meanwhile (unless forced). If the sidecar drops the
+    lease anyway, ``on_lost(mapped, why)`` runs; by default a CPU process logs a warning (its
+    mapping stays valid) and a CUDA process is sent SIGTERM, since the memory it computes with
+    may be freed. Buffers on a GPU, which a model may update in place, are copied; so is a
+    tensor whose dtype differs from the module's. ``adopt=False`` copies everything and
+    releases the lease before returning. Build the module under :func:`meta_init` (parameters
+    take no memory until they are adopted); a module with real parameters must be on the
+    sidecar's device.
+
+    >>> with meta_init(dtype=torch.bfloat16):                                       # doctest: +SKIP
+    ...     model = AutoModelForCausalLM.from_config(config)
+    >>> report = inject_from_sidecar(model, "http://127.0.0.1:8471", token_file="/run/gdsload/token")
+    ... # doctest: +SKIP
+    >>> report.adopted == len(report.loaded)  # doctest: +SKIP
+    True
+    """
+    options = AdapterOptions(sidecar_url=sidecar_url, token=token, token_file=token_file, adopt=adopt,
+                             strict=strict, timeout=timeout)
+    device = next((t.device for t in module.state_dict().values() if t.device.type != "meta"), None)
+    on_meta = any(t.device.type == "meta" for t in module.state_dict().values())
+    with open_rank(None, rank, options=options, device=device or "cpu", expect_device=device is not None,
+                   private=adopt) as weights:
+        held = adopt and hold_for_adoption(weights, engine="process", on_lost=on_lost)
+        injector = ModuleInjector(module, assign=held or on_meta)
+        injector.adopt = held
+        try:
+            report = injector.inject(weights.tensors, strict=strict)
+        except BaseException:
+            if held:
+                weights.mapped.release()  # nothing adopted is kept: the lease goes back now
+            raise
+        report.source = weights.describe()
+        if held and report.adopted:
+            weights.keep()  # the parameters are the mapping: the lease stays until this process exits
+        elif held:
+            weights.mapped.release()
+    log.info("rank %d: %s", rank, report.summary())
+    return report

@@ -53,7 +53,6 @@ import dataclasses
 import functools
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ from gdsload.loader.adapters.base import (
     collect_weights,
     compare,
     describe_checkpoint,
+    hold_for_adoption,
     import_engine,
     open_rank,
 )
@@ -436,7 +436,7 @@ def load_into_model(
                 and (device.type == "cpu" or adopt_cuda))
     with open_rank(path, route.file_rank, options=options, device=device, expect_device=True,
                    private=adopting and device.type == "cpu") as weights:
-        held = adopting and _hold(weights, rank, _lost_cpu if device.type == "cpu" else _lost_cuda)
+        held = adopting and hold_for_adoption(weights, engine=f"{engine} engine")
         if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
             injector.adopt = held
         try:
@@ -454,31 +454,6 @@ def load_into_model(
             weights.mapped.release()
     log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
     return report
-
-
-def _hold(weights: Any, rank: int, on_lost: Callable[[Any, str], None]) -> bool:
-    """Hold the sidecar lease before anything is adopted; False (copy instead) where the sidecar cannot."""
-    from gdsload.loader.handoff.sidecar_client import SidecarError
-
-    try:
-        weights.mapped.hold(on_lost=on_lost)
-    except SidecarError as e:
-        log.warning("rank %d: copying the sidecar's tensors instead of adopting them: %s", rank, e)
-        return False
-    return True
-
-
-def _lost_cpu(mapped: Any, why: str) -> None:
-    log.warning("rank %d: the sidecar dropped this engine's lease (%s); the adopted weights stay valid here "
-                "(a private copy-on-write mapping)", mapped.rank, why)
-
-
-def _lost_cuda(mapped: Any, why: str) -> None:
-    # The adopted parameters are the sidecar's CUDA memory, which it may free now: stop rather than
-    # compute with memory that may be reused. An orchestrator restarts the engine, which adopts again.
-    log.critical("rank %d: the sidecar dropped this engine's lease (%s); its adopted parameters are the "
-                 "sidecar's GPU memory, which it may free: stopping this engine (SIGTERM)", mapped.rank, why)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any
 
 from gdsload.loader.errors import CodecError
@@ -55,6 +54,7 @@ class CodecSpec:
 
 _CODECS: dict[str, CodecSpec] = {}
 _LOADED = False
+_ENTRY_POINTS_LOADED = False
 
 
 def register_codec(spec: CodecSpec) -> None:
@@ -63,21 +63,29 @@ def register_codec(spec: CodecSpec) -> None:
     register_stream_format(spec.name, spec.layouts, spec.chunk_align)
 
 
-def _load() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    for module in BUILTIN:
-        importlib.import_module(module)
-    for ep in entry_points(group="gdsload.codecs"):
-        if ep.name not in _CODECS:
-            importlib.import_module(ep.value)
+def _load(*, entry_points: bool = False) -> None:
+    """Register the built-in codecs; with ``entry_points``, also those other packages declare (group
+    ``gdsload.codecs``). Scanning installed packages' metadata costs milliseconds, so a load looks
+    there only for a name the built-ins do not have."""
+    global _LOADED, _ENTRY_POINTS_LOADED
+    if not _LOADED:
+        _LOADED = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+    if entry_points and not _ENTRY_POINTS_LOADED:
+        _ENTRY_POINTS_LOADED = True
+        from importlib.metadata import entry_points as declared
+
+        for ep in declared(group="gdsload.codecs"):
+            if ep.name not in _CODECS:
+                importlib.import_module(ep.value)
 
 
 def codec(name: str) -> CodecSpec:
     """The codec called ``name``; :class:`CodecError` naming the known ones otherwise."""
     _load()
+    if name not in _CODECS:
+        _load(entry_points=True)
     try:
         return _CODECS[name]
     except KeyError:
@@ -85,5 +93,6 @@ def codec(name: str) -> CodecSpec:
 
 
 def codec_names() -> list[str]:
-    _load()
+    """Every known codec, those from entry points included."""
+    _load(entry_points=True)
     return sorted(_CODECS)

@@ -16,7 +16,6 @@ import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from gdsload.loader.devices import Device
@@ -70,6 +69,8 @@ def _load_entry_points() -> None:
     if _ENTRY_POINTS_LOADED:
         return
     _ENTRY_POINTS_LOADED = True
+    from importlib.metadata import entry_points  # here: importing it costs tens of milliseconds
+
     for ep in entry_points(group="gdsload.backends"):
         if ep.name not in _REGISTRY:
             register_backend(ep.name, ep.value)
