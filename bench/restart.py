@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -89,23 +90,33 @@ sys.stdin.read()  # keep the weights (and the lease) until told to exit
 """
 
 
-def gpu_used_bytes(index: int = 0) -> int | None:
-    """Device memory in use on GPU ``index``, every process together (``nvidia-smi``); None without it."""
+def _smi(*args: str) -> str | None:
+    """``nvidia-smi`` with ``args``: its output, or None where it is missing, fails or hangs."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
-    out = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(index)],
-                         capture_output=True, text=True, timeout=30)
-    return int(out.stdout.strip()) << 20 if out.returncode == 0 and out.stdout.strip().isdigit() else None
+    try:
+        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _first_gpu() -> str:
+    """nvidia-smi's name for the GPU this process's ``cuda:0`` is (``CUDA_VISIBLE_DEVICES``' first entry)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
+def gpu_used_bytes() -> int | None:
+    """Device memory in use on the GPU ``cuda:0`` is, every process together (``nvidia-smi``); None without it."""
+    out = _smi("--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", _first_gpu())
+    return int(out.strip()) << 20 if out is not None and out.strip().isdigit() else None
 
 
 def process_gpu_bytes(pid: int) -> int | None:
     """Device memory that process ``pid`` holds (``nvidia-smi --query-compute-apps``); None where not listed."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    out = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
+    out = _smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits") or ""
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
@@ -130,32 +141,41 @@ def run_engine(method: str, model_dir: Path, device: str, url: str, env: dict[st
     """One engine process: its answer, the wall time to it, and device memory during and after.
 
     ``while_running(answer)`` is called while the engine still runs (holding its weights and lease).
+    The engine's log goes to a temporary file (a pipe nobody reads could fill and stall it).
     """
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, method, str(model_dir), device, url, token],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        wall = time.perf_counter() - t0
-        if not line:
-            proc.wait(60)
-            err = proc.stderr.read() if proc.stderr else ""
-            return {"method": method, "error": f"exit {proc.returncode}: {err[-2000:]}"}
-        got = json.loads(line)
-        got["wall_s"] = wall
-        got["gpu_used_during"] = gpu_used_bytes() if device.startswith("cuda") else None
-        got["engine_gpu_bytes"] = process_gpu_bytes(proc.pid) if device.startswith("cuda") else None
-        if while_running is not None:
-            while_running(got)
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(120)
-        got["gpu_used_after"] = _settled_gpu_bytes(got["gpu_used_during"]) if device.startswith("cuda") else None
-        return got
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-c", ENGINE, method, str(model_dir), device, url, token],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        try:
+            return _answer(proc, method, device, t0, log, while_running)
+        except subprocess.TimeoutExpired as e:
+            return {"method": method, "error": f"the engine did not exit within {e.timeout} s"}
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def _answer(proc: subprocess.Popen[str], method: str, device: str, t0: float, log: Any,
+            while_running: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    line = proc.stdout.readline() if proc.stdout else ""
+    wall = time.perf_counter() - t0
+    if not line:
+        proc.wait(60)
+        log.seek(0)
+        return {"method": method, "error": f"exit {proc.returncode}: {log.read()[-2000:]}"}
+    got = json.loads(line)
+    got["wall_s"] = wall
+    got["gpu_used_during"] = gpu_used_bytes() if device.startswith("cuda") else None
+    got["engine_gpu_bytes"] = process_gpu_bytes(proc.pid) if device.startswith("cuda") else None
+    if while_running is not None:
+        while_running(got)
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(120)
+    got["gpu_used_after"] = _settled_gpu_bytes(got["gpu_used_during"]) if device.startswith("cuda") else None
+    return got
 
 
 def _serve(model_dir: Path, device: str, work: Path) -> tuple[subprocess.Popen[bytes], str, float]:
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
+    if not methods:
+        ap.error(f"--methods names none; choose from {','.join(METHODS)}")
     if unknown or a.rounds < 1 or a.device not in ("cuda", "cpu") or not (a.model / "config.json").is_file():
         ap.error(f"methods {unknown} unknown (choose from {METHODS})" if unknown else
                  "--rounds must be at least 1" if a.rounds < 1 else "--device must be cuda or cpu"

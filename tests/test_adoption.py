@@ -111,6 +111,50 @@ def test_the_injector_adopts_what_matches_exactly_and_copies_the_rest():
     assert (report.adopted, report.copied) == (0, 6)
 
 
+class _Module(nn.Module):
+    """A torch module as a user builds one: a tied embedding and head, a norm with running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("built", ["meta", "real"])
+@pytest.mark.parametrize("adopt", [True, False])
+def test_the_module_injector_counts_every_name_once(built: str, adopt: bool):
+    from gdsload.loader.adapters import ModuleInjector, meta_init
+
+    torch.manual_seed(0)
+    mapped = {k: v.clone() for k, v in _Module().state_dict().items()}  # both tied names, as some files hold them
+    mapped["lin.bias"] = mapped["lin.bias"].double()  # another dtype than the module's: converted, so copied
+    if built == "meta":
+        with meta_init():
+            module = _Module()
+    else:
+        module = _Module()
+    injector = ModuleInjector(module, assign=adopt or built == "meta")
+    injector.adopt = adopt
+    report = InjectReport(engine="torch", model="_Module", loaded=list(mapped))
+    injector.apply(mapped, report)
+    assert report.adopted + report.copied == len(mapped), report
+    if adopt:
+        assert (report.adopted, report.copied) == (len(mapped) - 1, 1), report
+        assert module.embed.weight.data_ptr() == mapped["embed.weight"].data_ptr()
+        assert module.head.weight is module.embed.weight  # the tie holds
+        assert module.bn.running_mean.data_ptr() == mapped["bn.running_mean"].data_ptr()
+        assert not module.embed.weight.requires_grad and not module.lin.weight.requires_grad
+    else:
+        assert report.adopted == 0
+        ptrs = {t.data_ptr() for t in mapped.values()}
+        assert not {t.data_ptr() for t in module.state_dict().values()} & ptrs  # nothing points at the mapping
+    for name, t in module.state_dict().items():
+        assert torch.equal(t, mapped[name].to(t.dtype)), name
+
+
 _ENGINE = r"""
 import json, os, sys, time, torch
 from safetensors.torch import load_file

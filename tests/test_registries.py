@@ -55,17 +55,23 @@ def spy(**kw):
     return real(**kw)
 metadata.entry_points = spy
 
-from gdsload.loader import load_rank
-from gdsload.loader.prepare.compress import compress_dir
-
-plain, builtin, out = sys.argv[1:4]
-with_builtin = {k: v.clone() for k, v in load_rank(builtin, 0, device="cpu").tensors.items()}
-scanned_for_builtin = list(scanned)
-compress_dir(plain, out, codec="zstd-1m", device="cpu", min_tensor_bytes=4096)
-result = load_rank(out, 0, device="cpu", backend="thirdparty")
 import torch
-torch.save({"builtin": with_builtin, "thirdparty": dict(result.tensors)}, out + "/tensors.pt")
-print(json.dumps({"scanned_for_builtin": scanned_for_builtin, "scanned": scanned, "backend": result.report.backend}))
+from gdsload.loader import load_rank
+
+mode = sys.argv[1]
+if mode == "compress":  # a process that writes files with the other package's codec
+    from gdsload.loader.prepare.compress import compress_dir
+
+    compress_dir(sys.argv[2], sys.argv[3], codec="zstd-1m", device="cpu", min_tensor_bytes=4096)
+    print(json.dumps({"scanned": scanned}))
+elif mode == "builtin":  # files of a built-in codec: nothing scanned
+    tensors = {k: v.clone() for k, v in load_rank(sys.argv[2], 0, device="cpu").tensors.items()}
+    torch.save(tensors, sys.argv[3])
+    print(json.dumps({"scanned": scanned}))
+else:  # a fresh process loads those files through the other package's backend
+    result = load_rank(sys.argv[2], 0, device="cpu", backend="thirdparty")
+    torch.save(dict(result.tensors), sys.argv[3])
+    print(json.dumps({"scanned": scanned, "backend": result.report.backend}))
 """
 
 
@@ -78,20 +84,26 @@ def test_a_backend_and_a_codec_from_another_package(tmp_path: Path):
     builtin = tmp_path / "zstd"
     compress_dir(plain, builtin, codec="zstd", device="cpu", min_tensor_bytes=4096)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-c", _CHILD, str(plain), str(builtin), str(tmp_path / "third")],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+
+    def child(*args: object) -> dict:
+        p = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        got["ours"] = sorted(g for g in got["scanned"] if g.startswith("gdsload."))
+        return got
+
     # Built-in names never make the loader read every installed package's metadata.
-    ours = [g for g in got["scanned"] if g.startswith("gdsload.")]
-    assert not [g for g in got["scanned_for_builtin"] if g.startswith("gdsload.")], got
-    assert sorted(ours) == ["gdsload.backends", "gdsload.codecs"], got  # each looked up once, when needed
-    assert got["backend"] == "thirdparty", got
-    ref = {k: v for f in plain.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
-    tensors = torch.load(tmp_path / "third" / "tensors.pt")
-    for which in ("builtin", "thirdparty"):
-        assert tensors[which].keys() == ref.keys()
-        for name, t in ref.items():
-            assert torch.equal(tensors[which][name].view(torch.uint8), t.view(torch.uint8)), (which, name)
+    assert child("builtin", builtin, tmp_path / "builtin.pt")["ours"] == []
+    assert "gdsload.codecs" in child("compress", plain, tmp_path / "third")["ours"]
     header = json.loads((tmp_path / "third" / "gdsload.json").read_text())
     assert "zstd-1m" in json.dumps(header), "the manifest records the third-party codec"
+    # A fresh process finds the codec its files name, and the backend asked for, each looked up once.
+    got = child("load", tmp_path / "third", tmp_path / "third.pt")
+    assert got["ours"] == ["gdsload.backends", "gdsload.codecs"] and got["backend"] == "thirdparty", got
+    ref = {k: v for f in plain.glob("*.safetensors") for k, v in safetensors.torch.load_file(str(f)).items()}
+    for which in ("builtin.pt", "third.pt"):
+        tensors = torch.load(tmp_path / which)
+        assert tensors.keys() == ref.keys()
+        for name, t in ref.items():
+            assert torch.equal(tensors[name].view(torch.uint8), t.view(torch.uint8)), (which, name)

@@ -171,16 +171,26 @@ class ModuleInjector(StateDictInjector):
                    if name in bound and bound[name] is t and _get_tensor(self.module, name).data_ptr() == t.data_ptr())
         if self.adopt is None:
             return kept
-        # A tied name counts with its group's head: its Parameter is the head's, the mapped memory.
-        report.adopted = sum(1 for name in tensors if bound[tie.get(name, name)] is mapped[tie.get(name, name)])
+        # Every name counts once, a tied one as its group's head: adopted if that is the mapped tensor itself.
+        for name in tensors:
+            head = tie.get(name, name)
+            if bound[head] is mapped[head]:
+                report.adopted += 1
+                held = _get_tensor(self.module, name)
+                if isinstance(held, nn.Parameter):
+                    held.requires_grad_(False)  # the sidecar's memory: an optimizer step must not write into it
+            else:
+                report.copied += 1
         return 0
 
     def _own_copies(self, mapped: Mapping[str, torch.Tensor], report: InjectReport) -> dict[str, torch.Tensor]:
         """Sidecar tensors as they go in: the mapped tensor itself where it is adopted, a copy (counted) elsewhere."""
         out: dict[str, torch.Tensor] = {}
         for name, t in mapped.items():
+            if not self.assign:
+                report.copied += 1  # apply() copies every name into the module's own tensors
             if any(a in out for a in self._aliases[name]):
-                out[name] = t  # a tied name: bound to its group's head in apply()
+                out[name] = t  # a tied name: bound to (or copied with) its group's head in apply()
                 continue
             target = self._state[name]
             adoptable = (self.adopt and t.dtype == target.dtype and t.is_contiguous()
@@ -189,8 +199,6 @@ class ModuleInjector(StateDictInjector):
                 out[name] = t
             else:
                 out[name] = t.to(target.dtype, copy=True)
-            if not adoptable:
-                report.copied += 1
         return out
 
     def _follow_device(self, bound: Mapping[str, torch.Tensor]) -> None:
@@ -263,8 +271,9 @@ def inject_from_sidecar(
     sidecar refuses to reload or unload it meanwhile (unless forced). If the sidecar drops the
     lease anyway, ``on_lost(mapped, why)`` runs; by default a CPU process logs a warning (its
     mapping stays valid) and a CUDA process is sent SIGTERM, since the memory it computes with
-    may be freed. Buffers on a GPU, which a model may update in place, are copied; so is a
-    tensor whose dtype differs from the module's. ``adopt=False`` copies everything and
+    may be freed. Adopted parameters do not require grad (an optimizer step would write into the
+    sidecar's memory: train with ``adopt=False``). Buffers on a GPU, which a model may update in
+    place, are copied; so is a tensor whose dtype differs from the module's. ``adopt=False`` copies everything and
     releases the lease before returning. Build the module under :func:`meta_init` (parameters
     take no memory until they are adopted); a module with real parameters must be on the
     sidecar's device.
@@ -278,7 +287,8 @@ def inject_from_sidecar(
     """
     options = AdapterOptions(sidecar_url=sidecar_url, token=token, token_file=token_file, adopt=adopt,
                              strict=strict, timeout=timeout)
-    device = next((t.device for t in module.state_dict().values() if t.device.type != "meta"), None)
+    # Where the parameters are (meta_init leaves buffers real on the CPU: they say nothing of the device).
+    device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
     on_meta = any(t.device.type == "meta" for t in module.state_dict().values())
     with open_rank(None, rank, options=options, device=device or "cpu", expect_device=device is not None,
                    private=adopt) as weights:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gdsload.loader.errors import CodecError
-from gdsload.loader.format.compression import register_stream_format
+from gdsload.loader.format.compression import add_codec_lookup, register_stream_format
 
 __all__ = ["CodecSpec", "register_codec", "codec", "codec_names", "GPU_DEFAULT", "CPU_DEFAULT", "BUILTIN"]
 
@@ -79,6 +79,16 @@ def _load(*, entry_points: bool = False) -> None:
         for ep in declared(group="gdsload.codecs"):
             if ep.name not in _CODECS:
                 importlib.import_module(ep.value)
+
+
+def _lookup(name: str) -> None:
+    """A file names a codec not registered yet: look for it among the built-ins and the entry points."""
+    _load()
+    if name not in _CODECS:
+        _load(entry_points=True)
+
+
+add_codec_lookup(_lookup)
 
 
 def codec(name: str) -> CodecSpec:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "CODECS",
     "CHUNK_ALIGN",
     "register_stream_format",
+    "add_codec_lookup",
     "CompressedEntry",
     "parse_compression",
     "encode_chunk_sizes",
@@ -60,6 +62,15 @@ MAX_CHUNK_BYTES = 1 << 30
 """Largest decoded chunk a file may declare (nvCOMP's own chunks are at most a few MiB)."""
 MAX_CHUNK_ALIGN = 1 << 16
 """Alignment each chunk of a codec needs (``layout: chunks``), where it is more than one byte."""
+
+
+_LOOKUPS: list[Callable[[str], None]] = []
+
+
+def add_codec_lookup(lookup: Callable[[str], None]) -> None:
+    """Call ``lookup(name)`` for a codec a file names that no one has registered yet, before refusing the file
+    (the codec registry installs one that imports the codecs other packages declare)."""
+    _LOOKUPS.append(lookup)
 
 
 def register_stream_format(codec: str, layouts: tuple[str, ...], chunk_align: int = 1) -> None:
@@ -159,6 +170,9 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             raise CodecError(f"{where} must be stored as 1-D U8, found {t.dtype}{list(t.shape)}")
         try:
             dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
+            if isinstance(codec, str) and codec not in CODECS:
+                for lookup in _LOOKUPS:
+                    lookup(codec)
             # No layout: the codec's oldest one (the last listed).
             layout, params = e.get("layout", CODECS.get(codec, ("",))[-1]), e.get("params") or {}
         except (KeyError, TypeError) as err:
