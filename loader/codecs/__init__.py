@@ -9,6 +9,7 @@ only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +68,13 @@ def nvcomp_available() -> str | None:
 # --------------------------------------------------------------------------- encoding
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int) -> list[bytes]:
     import zstandard
 
@@ -81,12 +89,13 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int) -> 
 
 def encode_tensor(
     name: str, tensor: torch.Tensor, dtype: str, codec_name: str, *, params: dict[str, Any] | None = None,
-    checksum: bool = True, threads: int = 4,
+    checksum: bool = True, threads: int | None = None,
 ) -> tuple[CompressedEntry, np.ndarray]:
     """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array).
 
     CUDA tensors are compressed on their GPU with nvCOMP; CPU tensors only with Zstd
-    (``zstandard``), which writes the same standard frames nvCOMP decodes.
+    (``zstandard``), which writes the same standard frames nvCOMP decodes, its frames compressed by
+    ``threads`` threads at once (None: one per core this process may run on).
     """
     import torch
 
@@ -106,7 +115,7 @@ def encode_tensor(
     if checksum:
         crc = zlib.crc32(raw.cpu().numpy()) if on_gpu else zlib.crc32(raw.numpy())
     if not on_gpu:
-        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads, spec.chunk_bytes)
+        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(), spec.chunk_bytes)
         blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
                                 spec.chunk_bytes, tuple(len(f) for f in frames), crc)
