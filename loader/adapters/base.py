@@ -60,6 +60,7 @@ __all__ = [
     "RankWeights",
     "open_rank",
     "hold_for_adoption",
+    "inject_held",
     "import_engine",
 ]
 
@@ -534,6 +535,23 @@ def hold_for_adoption(weights: RankWeights, *, engine: str = "engine",
         log.warning("rank %d: copying the sidecar's tensors instead of adopting them: %s", weights.rank, e)
         return False
     return True
+
+
+def inject_held(injector: Injector, weights: RankWeights, *, held: bool, strict: bool) -> InjectReport:
+    """Inject ``weights``; where ``held`` (:func:`hold_for_adoption` succeeded), the lease goes back at once if
+    the injection fails or adopts nothing, and stays for the life of the process once something was adopted."""
+    try:
+        report = injector.inject(weights.tensors, strict=strict)
+    except BaseException:
+        if held:
+            weights.mapped.release()  # nothing adopted is kept: the lease goes back now
+        raise
+    report.source = weights.describe()
+    if held and report.adopted:
+        weights.keep()  # the parameters are the mapping: the lease stays until this process exits
+    elif held:
+        weights.mapped.release()
+    return report
 
 
 def _lost_cpu(mapped: Any, why: str, *, engine: str) -> None:

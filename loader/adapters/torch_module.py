@@ -37,6 +37,7 @@ from gdsload.loader.adapters.base import (
     Target,
     Weights,
     hold_for_adoption,
+    inject_held,
     open_rank,
 )
 
@@ -295,16 +296,6 @@ def inject_from_sidecar(
         held = adopt and hold_for_adoption(weights, engine="process", on_lost=on_lost)
         injector = ModuleInjector(module, assign=held or on_meta)
         injector.adopt = held
-        try:
-            report = injector.inject(weights.tensors, strict=strict)
-        except BaseException:
-            if held:
-                weights.mapped.release()  # nothing adopted is kept: the lease goes back now
-            raise
-        report.source = weights.describe()
-        if held and report.adopted:
-            weights.keep()  # the parameters are the mapping: the lease stays until this process exits
-        elif held:
-            weights.mapped.release()
+        report = inject_held(injector, weights, held=held, strict=strict)
     log.info("rank %d: %s", rank, report.summary())
     return report

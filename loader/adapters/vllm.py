@@ -80,6 +80,7 @@ from gdsload.loader.adapters.base import (
     describe_checkpoint,
     hold_for_adoption,
     import_engine,
+    inject_held,
     open_rank,
 )
 
@@ -439,19 +440,9 @@ def load_into_model(
         held = adopting and hold_for_adoption(weights, engine=f"{engine} engine")
         if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
             injector.adopt = held
-        try:
-            report = injector.inject(weights.tensors, strict=options.strict)
-        except BaseException:
-            if held:
-                weights.mapped.release()  # nothing adopted is kept: the lease goes back now
-            raise
-        report.source = weights.describe()
+        report = inject_held(injector, weights, held=held, strict=options.strict)
         if weights.origin == "sidecar" and route.kind == "load_weights":
             report.copied = len(report.loaded)  # the model's weight loaders copy every tensor
-        if held and report.adopted:
-            weights.keep()  # the parameters are the mapping: the lease stays until this process exits
-        elif held:
-            weights.mapped.release()
     log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
     return report
 
