@@ -302,6 +302,8 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
                    "min_gbps": min(rates), "max_gbps": max(rates), "seconds": statistics.median(r["seconds"] for r in runs),
                    "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
                    "max_resident_before": max(r["resident_before"] for r in runs),
+                   "rss_peak_bytes": _most(runs, "rss_peak_bytes"), "gpu_peak_bytes": _most(runs, "gpu_peak_bytes"),
+                   "gpu_peak_from": runs[0].get("gpu_peak_from"),
                    "runs_ok": len(runs), "runs_failed": len(errs)}
             if errs:
                 row["error"] = errs[:1]
@@ -319,9 +321,16 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _most(runs: list[dict[str, Any]], key: str) -> int | None:
+    """The largest of the runs' ``key`` (None when no run recorded it)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return max(values) if values else None
+
+
 def format_table(doc: dict[str, Any]) -> str:
     lines = [f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'s':>7} "
-             f"{'/raw':>6} {'/h2d':>6} {'/peer':>6}  io"]
+             f"{'/raw':>6} {'/h2d':>6} {'/peer':>6} {'RSS GB':>6} {'GPU GB':>6}  io"]
+    gb = lambda v: f"{v / 1e9:6.2f}" if v is not None else "     -"  # noqa: E731
     for r in doc["summary"]:
         if "median_gbps" not in r:
             lines.append(f"{r['condition']:9} {r['method']:34} error: {r['error']}")
@@ -331,7 +340,8 @@ def format_table(doc: dict[str, Any]) -> str:
                   if r.get("runs_failed") else "")
         lines.append(f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
                      f"{r['max_gbps']:7.2f} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
-                     f"{f(r['vs_best_peer'])}  {','.join(sorted(set(r['io_modes'] or []))) or '-'}{failed}")
+                     f"{f(r['vs_best_peer'])} {gb(r.get('rss_peak_bytes'))} {gb(r.get('gpu_peak_bytes'))}  "
+                     f"{','.join(sorted(set(r['io_modes'] or []))) or '-'}{failed}")
     for r in doc.get("ttr", []):
         what = f"{r['condition']:9} {'serve:' + r['dir']:34}"
         if "error" in r:

@@ -6,7 +6,8 @@ loader's first import to the last tensor on the device, the device synchronized,
 loader's set-up and tear-down included (the result is released inside it). Before it starts,
 the process has what an engine process has: torch imported and its CUDA context made (for the
 torch-free method, only the CUDA context, through the driver); that start-up is reported apart
-(``startup_seconds``).
+(``startup_seconds``). Memory: the process's peak RSS (``VmHWM``, start-up included) and its RSS
+before the load; the GPU memory the load took at its peak (``gpu_peak_from`` says how it is known).
 
 Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``gdsload:torch-free`` (the
 sidecar workers' path: ``load_rank`` onto a ``CupyDevice``, no torch in the process), ``safetensors``
@@ -156,16 +157,54 @@ def prepare(method: str, device: str) -> str:
     return device
 
 
+def _rss(field: str) -> int | None:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak so far) of this process, in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gpu_peak(method: str, device: str, keep: Any) -> tuple[int | None, str | None]:
+    """GPU memory the load took at its peak, and how that was known: torch's allocator for every method
+    that allocates through torch; the report's arena and staging for the torch-free one."""
+    if not device.startswith("cuda"):
+        return None, None
+    if method == BARE:
+        report = keep.report
+        return sum(int(a.nbytes) for a in keep.arenas) + report.staging_bytes, "report"
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) - _GPU_BASE, "torch"
+
+
+_GPU_BASE = 0
+
+
 def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
+    global _GPU_BASE
     device = prepare(method, device)
     startup = time.perf_counter() - PROCESS_START
+    if method != BARE and device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        _GPU_BASE = torch.cuda.memory_allocated(device)
+    rss_before = _rss("VmRSS")
     t = time.perf_counter()
     keep, nbytes, extra = load(method, model_dir, device)
     # The loader's own tear-down ran inside load(); the tensors stay alive until the stopwatch stops,
     # as a user keeps them.
     seconds = time.perf_counter() - t
+    gpu_peak, gpu_how = _gpu_peak(method, device, keep)
     del keep
-    return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup, **extra}
+    return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup,
+            "rss_before_bytes": rss_before, "rss_peak_bytes": _rss("VmHWM"), "gpu_peak_bytes": gpu_peak,
+            "gpu_peak_from": gpu_how, **extra}
 
 
 if __name__ == "__main__":

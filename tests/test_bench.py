@@ -68,6 +68,11 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     assert len(doc["runs"]) == 6 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
+    # Memory: each run's own peak RSS (it holds at least the loaded bytes), no GPU figure on the CPU.
+    assert all(r["rss_peak_bytes"] >= r["rss_before_bytes"] > 0 and r["gpu_peak_bytes"] is None for r in doc["runs"])
+    assert all(r["rss_peak_bytes"] >= logical for r in doc["runs"] if r["method"] == "safetensors")
+    assert all(row["rss_peak_bytes"] == max(r["rss_peak_bytes"] for r in doc["runs"] if r["method"] == row["method"]
+                                            and r["condition"] == row["condition"]) for row in doc["summary"])
     assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
     shapes = {k: v for k, v in doc["limits"].items() if k.startswith("raw_read_gbps.cold.")}
     assert len(shapes) == 6 and doc["limits"]["raw_read_gbps.cold"] == max(shapes.values())

@@ -225,7 +225,7 @@ def test_ans_chunk_tables_point_at_every_chunk():
 
     a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), None, 16)
     b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
-    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a"), (b, 5 << 20, 7 << 30, "f: b")])
+    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, None), (b, 5 << 20, 7 << 30, "f: b", 0, None)])
     assert c.src.tolist() == [1 << 20, (1 << 20) + 1008, (1 << 20) + 3024, 5 << 20]
     assert c.src_bytes.tolist() == [1000, 2001, 5, 30]
     assert c.dst.tolist() == [1 << 30, (1 << 30) + 262144, (1 << 30) + 524288, 7 << 30]
@@ -243,9 +243,29 @@ def test_ans_chunk_tables_name_each_tensor_checked_by_crc32():
     a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
     b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
     e = CompressedEntry("e", "BF16", (0,), 0, "ans", "chunks", 0, {}, 262144, (), 0, 16)
-    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a"), (b, 5 << 20, 7 << 30, "f: b"), (e, 9 << 20, 9 << 30, "f: e")])
+    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, None), (b, 5 << 20, 7 << 30, "f: b", 0, None),
+                         (e, 9 << 20, 9 << 30, "f: e", 0, None)])
     assert c.crc_dst.tolist() == [1 << 30] and c.crc_bytes.tolist() == [600_000]
     assert c.crc_expected.tolist() == [0xDEADBEEF] and c.crc_owner.tolist() == [0]
+
+
+def test_ans_chunk_tables_for_a_tensor_decoded_a_run_of_chunks_at_a_time():
+    """A tensor larger than a staging buffer is decoded in runs of chunks: each run's stored bytes
+    start at its own source address, each chunk lands at its place in the whole tensor, and the
+    tensor's CRC-32 is checked with its last run only."""
+    from gdsload.loader.codecs.nvcomp_c import AnsChunks
+    from gdsload.loader.format.compression import CompressedEntry
+
+    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    head = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, 1)])
+    assert head.src.tolist() == [1 << 20] and head.dst.tolist() == [1 << 30] and head.crc_dst.size == 0
+    tail = AnsChunks.build([(a, 3 << 20, 1 << 30, "f: a", 1, 3)])
+    assert tail.src.tolist() == [3 << 20, (3 << 20) + 2016]  # the second chunk's offset less the first's
+    assert tail.src_bytes.tolist() == [2001, 5]
+    assert tail.dst.tolist() == [(1 << 30) + 262144, (1 << 30) + 524288]
+    assert tail.dst_bytes.tolist() == [262144, 600_000 - 524288]
+    assert tail.crc_dst.tolist() == [1 << 30] and tail.crc_bytes.tolist() == [600_000]
+    assert list(tail.first_chunk) == [1]
 
 
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):

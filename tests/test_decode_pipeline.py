@@ -182,3 +182,87 @@ def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
     caplog.clear()
     decode._warn_if_other_gpus(on(2))
     assert not caplog.records
+
+
+def _tensor(name: str, chunks: tuple[int, ...], layout: str = "chunks", offset: int = 0):
+    from gdsload.loader.format.compression import CompressedEntry
+    from gdsload.loader.plan import CompressedTensor
+
+    entry = CompressedEntry(name, "BF16", (len(chunks) * 131072,), len(chunks) * 262144, "ans", layout, 0, {}, 262144,
+                            chunks, None, 16)
+    starts, sizes, _, _ = entry.chunk_table()
+    entry = CompressedEntry(name, entry.dtype, entry.shape, entry.nbytes, "ans", layout, int(starts[-1] + sizes[-1]),
+                            {}, 262144, chunks, None, 16)
+    return CompressedTensor(0, offset, 0, entry)
+
+
+def test_a_tensor_larger_than_a_staging_buffer_goes_a_run_of_chunks_per_group():
+    """On a GPU, staging stays at its size whatever the tensors: a chunked tensor that does not fit
+    in what is left of a group fills it and goes on in the next ones, every chunk exactly once, each
+    run contiguous in the file and 16-byte aligned in staging; one that fits stays whole."""
+    staging = 64 << 10
+    small = _tensor("small", (5000, 7001))
+    big = _tensor("big", tuple(9000 + 17 * i for i in range(40)), offset=1 << 20)  # ~360 KB: six groups or so
+    last = _tensor("last", (3000,), offset=4 << 20)
+    groups = decode._groups((small, big, last), staging, split=True)
+    for g in groups:
+        assert sum(decode.align_up(p.nbytes, 4096) for p, _ in g) <= staging
+        assert all(off % 4096 == 0 and off + p.nbytes <= staging for p, off in g)
+    pieces = [p for g in groups for p, _ in g]
+    assert [p.tensor.entry.name for p in pieces if p.tensor is not big] == ["small", "last"]
+    assert all(p.first == 0 and p.stop is None and p.nbytes == p.tensor.entry.stored_bytes
+               for p in pieces if p.tensor is not big)
+    runs = [p for p in pieces if p.tensor is big]
+    assert len(runs) >= 5 and runs[0].first == 0 and runs[-1].stop is None
+    starts, sizes, _, _ = big.entry.chunk_table()
+    for a, b in zip(runs, runs[1:]):
+        assert a.stop == b.first  # no chunk left out, none twice
+    for p in runs:
+        stop = p.stop if p.stop is not None else len(sizes)
+        assert p.start == starts[p.first] and p.start + p.nbytes == starts[stop - 1] + sizes[stop - 1]
+    assert runs[-1].start + runs[-1].nbytes == big.entry.stored_bytes
+    # The first run fills the group "small" started.
+    assert groups[0][-1][0] is runs[0]
+
+
+def test_whole_tensors_on_the_cpu_and_for_native_streams():
+    """The CPU decoder and ``layout: native`` streams take whole tensors: such a tensor larger than
+    what is left starts a group, and staging is sized to hold the largest."""
+    staging = 64 << 10
+    big = _tensor("big", tuple(9000 for _ in range(10)))
+    native = _tensor("native", (20000, 20000), layout="native")
+    for split, tensors in ((False, (big,)), (True, (native,))):
+        t = tensors[0]
+        unit = decode._unit(t, split)
+        assert unit == decode.align_up(t.entry.stored_bytes, 4096)
+        groups = decode._groups((_tensor("a", (30000,)), t), max(staging, unit), split=split)
+        assert len(groups) == 2 and groups[1] == [(decode._Piece(t, 0, t.entry.stored_bytes), 0)]
+    assert decode._unit(big, True) == decode.align_up(9000, 4096)
+
+
+def test_neighbouring_pieces_of_a_file_are_read_as_one_extent():
+    """Tensors back to back in a file keep their distance in staging, so a group is one read per run
+    of the file; a piece far away (beyond MERGE_GAP), in another file, or whose place would not be
+    16-byte aligned starts its own extent at a 4 KiB boundary. Every chunk stays 16-byte aligned."""
+    from dataclasses import replace
+
+    a = _tensor("a", (1000, 2000), offset=8192)
+    b = _tensor("b", (4000,), offset=8192 + a.entry.stored_bytes + 48)  # 48 bytes of header padding between
+    c = _tensor("c", (3000,), offset=b.file_offset + b.entry.stored_bytes + decode.MERGE_GAP + 4096)  # far
+    e = _tensor("e", (700,), offset=c.file_offset + c.entry.stored_bytes + 4)  # would sit 4 bytes off alignment
+    d = replace(_tensor("d", (100,)), file_index=1, file_offset=e.file_offset + e.entry.stored_bytes)  # other file
+    (group,) = decode._groups((a, b, c, e, d), 1 << 20, split=True)
+    offs = {p.tensor.entry.name: off for p, off in group}
+    assert offs["a"] == 0 and offs["b"] == b.file_offset - a.file_offset
+    assert all(offs[n] % 4096 == 0 for n in "ced")
+    ext = decode._extents(group)
+    assert [(x.file_index, x.file_offset, x.offset) for x in ext] == [
+        (0, a.file_offset, 0), (0, c.file_offset, offs["c"]), (0, e.file_offset, offs["e"]), (1, d.file_offset, offs["d"])]
+    assert ext[0].length == b.file_offset + b.entry.stored_bytes - a.file_offset
+    for p, off in group:
+        starts = p.tensor.entry.chunk_table()[0]
+        assert all((off + int(s) - p.start) % 16 == 0 for s in starts)
+    # nvCOMP's containers (layout: native) start at 4 KiB boundaries however close in the file.
+    n = _tensor("n", (500,), layout="native", offset=a.file_offset + a.entry.stored_bytes + 16)
+    (group,) = decode._groups((a, n), 1 << 20, split=True)
+    assert group[1][1] == 4096 and len(decode._extents(group)) == 2

@@ -157,16 +157,18 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
 
 @pytest.mark.parametrize("backend", ["pinned", "cufile"])
 def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, monkeypatch, backend):
-    """Twelve staging groups through the three buffers: bit-identical, and torch's GPU peak is the arena plus
-    the staging the report names (nvCOMP's own scratch is not torch's and is not counted)."""
+    """Staging groups through the three buffers, one tensor (8 MiB) larger than all of them together:
+    bit-identical, and torch's GPU peak is the arena plus the staging the report names, the large tensor
+    read and decoded a run of chunks at a time (nvCOMP's own scratch is not torch's and is not counted)."""
     _skip_if_missing(backend)
     from gdsload.loader.pipeline import decode
 
     src = tmp_path / "w"
     src.mkdir()
     g = torch.Generator().manual_seed(1)
-    save_file({f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)},
-              src / "model.safetensors")
+    tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
+    tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
+    save_file(tensors, src / "model.safetensors")
     compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
     monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)  # 1 MiB each: 2 tensors
     gc.collect()
@@ -238,6 +240,42 @@ def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
         bad.write_bytes(bytes(raw))
         with pytest.raises(CodecError, match=r"tensor 'b'.*(CRC-32|does not decode)"):
             load_rank(bad, device=device, verify=False)
+
+
+@pytest.mark.parametrize("where", ["torch", "cupy"])
+def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatch, where):
+    """A group's CRC-32 check is read back while later groups decode: a bad tensor in the first, a
+    middle or the last group still fails the load, naming it, and a good load passes; so does a bad
+    byte in the first or last run of chunks of a tensor (8 MiB) spread over several groups."""
+    from gdsload.loader import read_header
+    from gdsload.loader.pipeline import decode
+
+    src = tmp_path / "w"
+    src.mkdir()
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
+    tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
+    save_file(tensors, src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
+    monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)  # 1 MiB each: 2 tensors
+    if where == "cupy":
+        pytest.importorskip("cupy")
+        from gdsload.loader.devices import CupyDevice
+
+        device = CupyDevice(0)
+    else:
+        device = "cuda"
+    good = tmp_path / "z" / "model.safetensors"
+    assert load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024) * 2
+    h = read_header(good)
+    for name, at in (("w00", 0.3), ("w13", 0.3), ("w23", 0.3), ("w12", 0.02), ("w12", 0.98)):
+        bad = tmp_path / f"bad-{name}-{at}"
+        shutil.copytree(tmp_path / "z", bad)
+        raw = bytearray(good.read_bytes())
+        raw[h.data_offset + h[name].start + int(h[name].nbytes * at)] ^= 0x21
+        (bad / "model.safetensors").write_bytes(bytes(raw))
+        with pytest.raises(CodecError, match=rf"tensor '{name}'.*(CRC-32|does not decode)"):
+            load_rank(bad, device=device)
 
 
 def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_path, monkeypatch):

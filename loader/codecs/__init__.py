@@ -31,6 +31,7 @@ __all__ = [
     "cpu_decode",
     "check_crc32",
     "GpuCodecs",
+    "DecodeJob",
     "nvcomp_available",
     "cuda_device_count",
 ]
@@ -196,6 +197,26 @@ def check_crc32(entry: CompressedEntry, decoded: Any, where: str) -> None:
                              f"{entry.crc32:#010x}; the file is corrupt")
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeJob:
+    """Chunks of one tensor for :meth:`GpuCodecs.decode_many`: ``src`` holds its stored chunks
+    ``first:stop`` (``stop=None``: through the last), ``dst`` its whole decoded bytes, where each chunk
+    lands at its own offset. A tensor can so be decoded a run of chunks at a time, from a staging
+    buffer smaller than it; ``layout: native`` tensors only whole."""
+
+    entry: CompressedEntry
+    src: Any
+    dst: Any
+    path: str
+    first: int = 0
+    stop: int | None = None
+
+    @property
+    def ends(self) -> bool:
+        """Whether this job decodes the tensor's last chunk: its checks run after it."""
+        return self.stop is None or self.stop >= len(self.entry.chunks)
+
+
 class GpuCodecs:
     """nvCOMP codecs for one GPU and stream, created once and reused.
 
@@ -260,17 +281,17 @@ class GpuCodecs:
         with the decode queued on the stream, except for ANS chunks, which are checked here
         (the stream synchronized); :meth:`decode_many` batches them.
         """
-        self.decode_many([(entry, src, dst, path)])
+        self.decode_many([DecodeJob(entry, src, dst, path)])
         self.finish()
 
-    def decode_many(self, items: list[tuple[CompressedEntry, Any, Any, str]]) -> None:
-        """Queue the decode of every ``(entry, src, dst, path)`` on the stream; then :meth:`finish`.
+    def decode_many(self, jobs: list[DecodeJob]) -> None:
+        """Queue every job's decode on the stream; then :meth:`finish`.
 
-        ANS chunks of all the items go to nvCOMP in one call, without the GIL; every other
-        tensor is its own call. ``src`` and ``dst`` must stay put until :meth:`finish`.
+        ANS chunks of all the jobs go to nvCOMP in one call, without the GIL; every other job is
+        its own call. Sources must stay put until the stream is synchronized, destinations until
+        :meth:`finish` has checked them.
         """
-        batched = [it for it in items if it[0].layout == "chunks" and codec(it[0].codec).batch_decoder]
-        ans = batched
+        ans = [j for j in jobs if j.entry.layout == "chunks" and codec(j.entry.codec).batch_decoder]
         if ans:
             from gdsload.loader.codecs.nvcomp_c import AnsChunks, AnsDecoder
 
@@ -279,11 +300,12 @@ class GpuCodecs:
                                else _CupyStreamBytes(self.stream or 0))
                 self._ans = AnsDecoder(self.stream or 0, self._bytes)
             address = self.device.address
-            self._ans.launch(AnsChunks.build([(e, address(s), address(d), f"{p!r}: tensor {e.name!r}")
-                                              for e, s, d, p in ans]))
-        for entry, src, dst, path in items:
-            if not (entry.layout == "chunks" and codec(entry.codec).batch_decoder):
-                self._decode_one(entry, src, dst, path=path)
+            self._ans.launch(AnsChunks.build([(j.entry, address(j.src), address(j.dst),
+                                               f"{j.path!r}: tensor {j.entry.name!r}", j.first, j.stop)
+                                              for j in ans]))
+        for j in jobs:
+            if not (j.entry.layout == "chunks" and codec(j.entry.codec).batch_decoder):
+                self._decode_one(j)
 
     def checked_on_device(self, entry: CompressedEntry) -> bool:
         """Whether :meth:`finish` has checked ``entry``'s decoded bytes against its ``crc32`` (ANS
@@ -291,24 +313,33 @@ class GpuCodecs:
         return (entry.crc32 is not None and entry.layout == "chunks" and codec(entry.codec).batch_decoder
                 and self._ans is not None and self._ans.checks_crc32)
 
-    def finish(self) -> None:
+    def finish(self, *, but_last: bool = False) -> None:
         """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed to
-        decode or does not match the CRC-32 its file records."""
+        decode or does not match the CRC-32 its file records.
+
+        With ``but_last``, the newest batch's CRC-32 check may still run on the device (a later
+        ``finish`` checks it): its destinations must stay put until then, its sources need not.
+        """
         if self._ans is not None and self._bytes is not None:
             self._bytes.sync()
-            self._ans.check()
+            self._ans.check(keep=1 if but_last else 0)
 
-    def _decode_one(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
-        where = f"{path!r}: tensor {entry.name!r}"
+    def _decode_one(self, job: DecodeJob) -> None:
+        entry, src, dst = job.entry, job.src, job.dst
+        where = f"{job.path!r}: tensor {entry.name!r}"
         nv = self.nv
         try:
             if entry.layout == "native":
+                if job.first or not job.ends:
+                    raise CodecError(f"{where}: a layout 'native' tensor decodes only whole")
                 codec = self.native(entry.codec, entry.params)
                 out = codec.decode(nv.as_array(src), out=nv.as_array(dst))
                 if out.buffer_size != entry.nbytes:
                     raise CodecError(f"{where}: decoded {out.buffer_size} bytes, the metadata says {entry.nbytes}")
             else:
-                spans = entry.chunk_spans()
+                spans = entry.chunk_spans()[job.first : job.stop]
+                base = spans[0][0] if spans else 0  # src starts at the first chunk of the run
+                spans = [(s - base, n, d, m) for s, n, d, m in spans]
                 srcs = nv.as_arrays([src[s : s + n] for s, n, _, _ in spans])
                 dsts = nv.as_arrays([dst[d : d + n] for _, _, d, n in spans])
                 self.chunked(entry.codec).decode(srcs, out=dsts)
@@ -327,6 +358,7 @@ class _TorchStreamBytes:
         self.torch = torch
         self.device = torch.device("cuda", device.index)
         self.stream = torch.cuda.ExternalStream(stream, device=self.device)
+        self._streams: dict[int, Any] = {stream: self.stream}
 
     def empty(self, nbytes: int) -> tuple[Any, int]:
         a = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
@@ -342,6 +374,27 @@ class _TorchStreamBytes:
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def side_stream(self) -> int:
+        s = self.torch.cuda.Stream(device=self.device)  # torch keeps its streams for the process's life
+        self._streams[s.cuda_stream] = s
+        return s.cuda_stream
+
+    def _external(self, handle: int) -> Any:
+        if handle not in self._streams:
+            self._streams[handle] = self.torch.cuda.ExternalStream(handle, device=self.device)
+        return self._streams[handle]
+
+    def record(self, stream: int) -> Any:
+        event = self.torch.cuda.Event()
+        event.record(self._external(stream))
+        return event
+
+    def wait(self, stream: int, event: Any) -> None:
+        self._external(stream).wait_event(event)
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()
+
 
 class _CupyStreamBytes:
     """Device bytes for :class:`~gdsload.loader.codecs.nvcomp_c.AnsDecoder`, as cupy arrays on ``stream`` (a raw handle)."""
@@ -351,6 +404,7 @@ class _CupyStreamBytes:
 
         self.cupy = cupy
         self.stream = stream
+        self._side: list[Any] = []
 
     def empty(self, nbytes: int) -> tuple[Any, int]:
         a = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
@@ -366,3 +420,19 @@ class _CupyStreamBytes:
 
     def sync(self) -> None:
         self.cupy.cuda.runtime.streamSynchronize(self.stream)
+
+    def side_stream(self) -> int:
+        s = self.cupy.cuda.Stream(non_blocking=True)
+        self._side.append(s)  # lives as long as this object (the decoder that launches on it)
+        return int(s.ptr)
+
+    def record(self, stream: int) -> Any:
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(self.cupy.cuda.ExternalStream(stream))
+        return event
+
+    def wait(self, stream: int, event: Any) -> None:
+        self.cupy.cuda.ExternalStream(stream).wait_event(event)
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()

@@ -13,14 +13,16 @@ The chunks are what ``nvcompBatchedANSCompressAsync`` writes (nvCOMP's Python pa
 :mod:`gdsload.loader.format.compression`).
 
 ANS bitstreams carry no checksum, and a flipped byte usually decodes without an error into wrong
-values. So every batch is checked on the device as well: right after the decode, on the same
-stream, ``nvcompBatchedCRC32Async`` computes the CRC-32 of each decoded tensor, and :meth:`AnsDecoder.check`
-compares them with the ``crc32`` the file records (4 bytes per tensor come back to the host).
+values. So every batch is checked on the device as well: right after its decode, on a stream of
+its own (the next batch's decode need not wait for it), ``nvcompBatchedCRC32Async`` computes the
+CRC-32 of each decoded tensor, and :meth:`AnsDecoder.check` compares them with the ``crc32`` the
+file records (4 bytes per tensor come back to the host).
 It runs on every load, not only with ``verify``.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import glob
 import os
@@ -139,6 +141,8 @@ class AnsChunks:
     """Index into ``names`` of each chunk's tensor."""
     names: Sequence[str]
     """``path: tensor`` of each tensor, for messages."""
+    first_chunk: Sequence[int] = ()
+    """Per tensor, the index within it of its first chunk here (for messages)."""
     crc_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     crc_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     crc_expected: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
@@ -147,33 +151,56 @@ class AnsChunks:
     records, and its index into ``names``."""
 
     @classmethod
-    def build(cls, jobs: Sequence[tuple[Any, int, int, str]]) -> AnsChunks:
-        """From ``(entry, src_address, dst_address, where)`` per tensor, ``entry`` a ``layout: chunks``
-        :class:`~gdsload.loader.format.compression.CompressedEntry`."""
+    def build(cls, jobs: Sequence[tuple[Any, int, int, str, int, int | None]]) -> AnsChunks:
+        """From ``(entry, src_address, dst_address, where, first, stop)`` per tensor, ``entry`` a
+        ``layout: chunks`` :class:`~gdsload.loader.format.compression.CompressedEntry`: its chunks
+        ``first:stop`` (``stop=None``: through the last), stored from ``src_address`` on, decode into
+        the tensor at ``dst_address``. A tensor's CRC-32 is checked with its last chunk."""
         parts = [], [], [], [], []
-        for i, (entry, src, dst, _) in enumerate(jobs):
-            s_off, s_len, d_off, d_len = entry.chunk_table()
+        for i, (entry, src, dst, _, first, stop) in enumerate(jobs):
+            s_off, s_len, d_off, d_len = (a[first:stop] for a in entry.chunk_table())
+            if len(s_off):
+                s_off = s_off - s_off[0]
             for out, a in zip(parts, (s_off + src, s_len, d_off + dst, d_len, np.full(len(s_len), i))):
                 out.append(a)
         src, src_bytes, dst, dst_bytes, owner = (np.concatenate(p).astype(np.uint64) if p else
                                                  np.zeros(0, np.uint64) for p in parts)
-        checked = [(i, dst, entry.nbytes, entry.crc32) for i, (entry, _, dst, _) in enumerate(jobs)
-                   if entry.crc32 is not None and entry.nbytes]
-        return cls(src, src_bytes, dst, dst_bytes, owner, [w for *_, w in jobs],
+        checked = [(i, dst, entry.nbytes, entry.crc32) for i, (entry, _, dst, _, _, stop) in enumerate(jobs)
+                   if entry.crc32 is not None and entry.nbytes and (stop is None or stop >= len(entry.chunks))]
+        return cls(src, src_bytes, dst, dst_bytes, owner, [j[3] for j in jobs], [j[4] for j in jobs],
                    crc_dst=np.array([c[1] for c in checked], np.uint64),
                    crc_bytes=np.array([c[2] for c in checked], np.uint64),
                    crc_expected=np.array([c[3] for c in checked], np.uint32),
                    crc_owner=np.array([c[0] for c in checked], np.int64))
 
 
+@dataclass
+class _Batch:
+    """A launched batch: its chunks, the device table nvCOMP writes its results into, and where the
+    CRC-32 part of that table starts (``crcs`` tensors checked; 0: none)."""
+
+    chunks: AnsChunks
+    tables: tuple[Any, int, int]
+    crc_at: int
+    crcs: int
+    checked: Any
+    """Event recorded on the check stream after the batch's CRC-32 kernel (None without one)."""
+
+
 class AnsDecoder:
     """Decodes :class:`AnsChunks` on one CUDA stream of one device; one per thread.
 
-    ``device`` makes device arrays of the caller's kind: ``device.empty(nbytes)`` returns
-    ``(array, address)``, ``device.put(array, host)`` copies host bytes in on the stream, and
-    ``device.get(array, nbytes)`` copies bytes out once the stream is synchronized (see
-    :mod:`gdsload.loader.codecs`). The tables and nvCOMP's scratch stay allocated between
-    batches and grow when a batch needs more.
+    ``device`` makes device arrays and events of the caller's kind (see
+    :mod:`gdsload.loader.codecs`): ``empty(nbytes)`` returns ``(array, address)``, ``put(array, host)``
+    copies host bytes in on the stream, ``get(array, nbytes)`` copies bytes out once the stream is
+    synchronized; ``side_stream()``, ``record(stream)``, ``wait(stream, event)`` and ``wait_event(event)``
+    order the check stream after the decode.
+
+    The CRC-32 of a batch runs on a stream of its own, after that batch's decode: once the decode
+    stream is synchronized the sources may be reused (a loader's staging buffer takes the next
+    reads) while the check still runs, beside the next batch's decode. :meth:`check` reads the
+    results. nvCOMP's scratch stays allocated between batches; each batch not yet checked has its
+    own table, and checked ones are reused.
     """
 
     def __init__(self, stream: int, device: Any):
@@ -183,10 +210,11 @@ class AnsDecoder:
         self._opts = _DecompressOpts(data_type=_NVCOMP_TYPE_BITS)
         self.checks_crc32 = hasattr(self._lib, "nvcompBatchedCRC32Async")
         """Whether decoded tensors are checked against their ``crc32`` on the device (nvCOMP has the call)."""
-        self._tables: tuple[Any, int, int] | None = None  # (array, address, bytes)
+        self._check_stream = device.side_stream() if self.checks_crc32 else None
         self._temp: tuple[Any, int, int] | None = None
-        self._pending: AnsChunks | None = None
-        self._pending_crc: tuple[int, int] = (0, 0)
+        self._pending: collections.deque[_Batch] = collections.deque()
+        self._spare: list[tuple[Any, int, int]] = []
+        """Tables of checked batches, for the next launches."""
 
     def _buffer(self, held: tuple[Any, int, int] | None, nbytes: int) -> tuple[Any, int, int]:
         if held is not None and held[2] >= nbytes:
@@ -194,14 +222,18 @@ class AnsDecoder:
         array, address = self._device.empty(max(nbytes, 1))
         return array, address, max(nbytes, 1)
 
-    def launch(self, chunks: AnsChunks) -> None:
-        """Queue the decode of ``chunks`` on the stream; :meth:`check` after the stream is synchronized.
+    def _table(self, nbytes: int) -> tuple[Any, int, int]:
+        for i, t in enumerate(self._spare):
+            if t[2] >= nbytes:
+                return self._spare.pop(i)
+        return self._buffer(None, nbytes)
 
-        Runs without the GIL (ctypes). The source and destination memory must stay put until
-        the stream has finished.
+    def launch(self, chunks: AnsChunks) -> None:
+        """Queue the decode of ``chunks`` on the stream, and its CRC-32 check after it on the check stream.
+
+        Runs without the GIL (ctypes). The sources must stay put until the stream has finished, the
+        destinations until :meth:`check` has checked the batch.
         """
-        if self._pending is not None:
-            raise RuntimeError("the previous batch has not been checked")
         n = len(chunks.src)
         if not n:
             return
@@ -214,53 +246,64 @@ class AnsDecoder:
         if m:
             host = np.concatenate([host, np.zeros(crc_at - host.size, np.uint8),
                                    np.concatenate([chunks.crc_dst, chunks.crc_bytes]).view(np.uint8)])
-        self._tables = self._buffer(self._tables, crc_at + 16 * m + 4 * m)
-        array, base, _ = self._tables
+        tables = self._table(crc_at + 16 * m + 4 * m)
+        array, base, _ = tables
         self._device.put(array, host)
         size_t = ctypes.c_size_t
         temp_bytes = size_t(0)
         status = self._lib.nvcompBatchedANSDecompressGetTempSize(
             n, int(chunks.dst_bytes.max()), self._opts, ctypes.byref(temp_bytes), int(chunks.dst_bytes.sum()),
             self.stream)
+        if status:
+            self._spare.append(tables)
         _raise_on(status, "sizing the decoder's scratch", chunks.names[0])
         self._temp = self._buffer(self._temp, temp_bytes.value)
         status = self._lib.nvcompBatchedANSDecompressAsync(
             base, base + 8 * n, base + 16 * n, base + 32 * n, n, self._temp[1], self._temp[2], base + 24 * n,
             self._opts, base + 40 * n, self.stream)
+        if status:
+            self._spare.append(tables)
         _raise_on(status, f"launching the decode of {n} chunks", chunks.names[0])
+        batch = _Batch(chunks, tables, crc_at, 0, None)
+        self._pending.append(batch)  # from here on, check() or close() waits for what was queued
         if m:
+            check = self._check_stream
+            self._device.wait(check, self._device.record(self.stream))
             conf = _CRC32KernelConf()
             # Given the largest message, the heuristic needs no device data and does not synchronize.
             status = self._lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf),
-                                                                   int(chunks.crc_bytes.max()), self.stream)
+                                                                   int(chunks.crc_bytes.max()), check)
             _raise_on(status, "choosing the CRC-32 kernel", chunks.names[0])
             opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
             status = self._lib.nvcompBatchedCRC32Async(base + crc_at, base + crc_at + 8 * m, m,
                                                        base + crc_at + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
-                                                       self.stream)
+                                                       check)
             _raise_on(status, f"launching the CRC-32 of {m} decoded tensors", chunks.names[0])
-        self._pending = chunks
-        self._pending_crc = (crc_at, m)
+            batch.crcs, batch.checked = m, self._device.record(check)
 
-    def check(self) -> None:
-        """Raise :class:`CodecError` naming the tensor if any chunk of the last batch failed.
+    def check(self, keep: int = 0) -> None:
+        """Raise :class:`CodecError` naming the tensor if a chunk of a launched batch failed to decode or
+        a decoded tensor does not match its ``crc32``; every batch but the newest ``keep`` is checked, once.
 
-        Call once the stream is synchronized.
+        Call once the stream is synchronized; it waits for the batches' CRC-32 kernels.
         """
-        chunks, self._pending = self._pending, None
-        if chunks is None:
-            return
+        while len(self._pending) > keep:
+            self._check(self._pending.popleft())
+
+    def _check(self, batch: _Batch) -> None:
+        chunks, crc_at, m = batch.chunks, batch.crc_at, batch.crcs
         n = len(chunks.src)
-        crc_at, m = self._pending_crc
-        assert self._tables is not None
-        back = self._device.get(self._tables[0], crc_at + 20 * m if m else 8 * 5 * n + 4 * n)
+        if batch.checked is not None:
+            self._device.wait_event(batch.checked)
+        back = self._device.get(batch.tables[0], crc_at + 20 * m if m else 8 * 5 * n + 4 * n)
+        self._spare.append(batch.tables)
         actual = back[32 * n : 40 * n].view(np.uint64)
         statuses = back[40 * n : 44 * n].view(np.int32)
         bad = np.flatnonzero((statuses != 0) | (actual != chunks.dst_bytes))
         if len(bad):
             i = int(bad[0])
             owner = int(chunks.owner[i])
-            first = int(np.searchsorted(chunks.owner, owner))
+            first = int(np.searchsorted(chunks.owner, owner)) - (chunks.first_chunk[owner] if chunks.first_chunk else 0)
             code = int(statuses[i])
             why = (f"status {code} ({_STATUS.get(code, 'unknown')})" if code else
                    f"{int(actual[i])} bytes decoded where {int(chunks.dst_bytes[i])} were expected")
@@ -276,8 +319,14 @@ class AnsDecoder:
                                  "of this batch); the file is corrupt")
 
     def close(self) -> None:
-        """Drop the device buffers (the stream must have finished with them)."""
-        self._tables = self._temp = self._pending = None
+        """Wait for the check kernels still running and drop the device buffers (the stream must have
+        finished with them)."""
+        for batch in self._pending:
+            if batch.checked is not None:
+                self._device.wait_event(batch.checked)
+        self._pending.clear()
+        self._temp = None
+        self._spare = []
 
 
 def _raise_on(status: int, what: str, where: str) -> None:

@@ -1,12 +1,17 @@
 """The decode stage: compressed bytes land in staging buffers and decode into their places.
 
 On a GPU, three device staging buffers take turns: while nvCOMP decodes group *i* from one (on
-a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others.
-Each buffer holds a third of ``staging_bytes`` (or one tensor, if a tensor is larger), so GPU
-memory peaks at the tensors plus ``staging_bytes`` (or three times the largest compressed tensor).
-With two buffers the reader waits for each group's decode before it can start the group after
-next. On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool straight into place,
-from one buffer. A tensor's place is its arena slot, or the caller's own target (``into``).
+a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others. A
+buffer takes the next reads as soon as its group is decoded; the group's CRC-32 check (ANS) runs on
+beside the next decode, and is read back a group later.
+Each buffer holds a third of ``staging_bytes``; a tensor stored in chunks (``layout: chunks``, what
+``gdsload compress`` writes) that does not fit in what is left of a group is read and decoded a run
+of chunks at a time, over as many groups as it takes, so GPU memory peaks at the tensors plus
+``staging_bytes`` whatever their sizes (a ``layout: native`` tensor larger than a buffer makes every
+buffer its size). With two buffers the reader would wait for each group's decode before it could
+start the group after next. On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool
+straight into place, from one buffer holding whole tensors. A tensor's place is its arena slot, or
+the caller's own target (``into``).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gdsload.loader.io import Backend
-from gdsload.loader.codecs import GpuCodecs, check_crc32, cpu_decode, cuda_device_count, nvcomp_available
+from gdsload.loader.codecs import DecodeJob, GpuCodecs, check_crc32, cpu_decode, cuda_device_count, nvcomp_available
 from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
 from gdsload.loader.errors import CodecError, DeviceMemoryError
@@ -31,8 +38,9 @@ __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGING = 1 << 30
-"""Staging for compressed bytes, all buffers together."""
+DEFAULT_STAGING = 960 << 20
+"""Staging for compressed bytes, all buffers together: the GPU memory a compressed load takes beyond its
+tensors (nvCOMP's scratch and tables add a few MB), under 1 GiB in all."""
 STAGING_SLOTS = 3
 """Staging buffers the reads and the decoder take turns on; reads stay in flight in all but one."""
 _ALIGN = 4096
@@ -50,18 +58,110 @@ class DecodeStats:
     staging_bytes: int = 0
 
 
-def _groups(tensors: tuple[CompressedTensor, ...], staging: int) -> list[list[tuple[CompressedTensor, int]]]:
-    """Pack tensors (in file order) into groups of at most ``staging`` bytes; each with its staging offset."""
-    groups: list[list[tuple[CompressedTensor, int]]] = []
-    used = staging  # forces a new group first
-    for t in tensors:
-        n = align_up(t.entry.stored_bytes, _ALIGN)
-        if used + n > staging and (not groups or groups[-1]):
+@dataclass(frozen=True)
+class _Piece:
+    """What one tensor puts in a staging group: its stored chunks ``first:stop`` (``stop=None``: through
+    the last; the whole tensor when ``first`` is 0 too), ``nbytes`` stored bytes from ``start``, relative to
+    the tensor's stored bytes."""
+
+    tensor: CompressedTensor
+    start: int
+    nbytes: int
+    first: int = 0
+    stop: int | None = None
+
+
+def _splits(t: CompressedTensor, split: bool) -> bool:
+    """Whether ``t`` may be read and decoded a run of chunks at a time (chunked layouts, on a GPU)."""
+    return split and t.entry.layout == "chunks" and len(t.entry.chunks) > 1
+
+
+def _unit(t: CompressedTensor, split: bool) -> int:
+    """The most staging ``t`` needs at once: its largest chunk when it splits, else all of it."""
+    if _splits(t, split):
+        return align_up(max(t.entry.chunks), _ALIGN)
+    return align_up(t.entry.stored_bytes, _ALIGN)
+
+
+MERGE_GAP = 64 << 10
+"""Neighbouring pieces of one file this close are read as one extent (the gap's bytes read into staging too)."""
+
+
+def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool = False
+            ) -> list[list[tuple[_Piece, int]]]:
+    """Pack tensors (in file order) into groups of at most ``staging`` bytes, each piece with its staging
+    offset. With ``split``, a chunked tensor that does not fit in what is left of a group fills it with
+    its first chunks and goes on in the next groups; otherwise it starts a group of its own (every tensor
+    fits in an empty group: ``staging`` is at least :func:`_unit`).
+
+    Pieces that follow each other in a file (gaps up to :data:`MERGE_GAP`) keep their distance in
+    staging, so a group is read as few extents as it spans runs of the file (:func:`_extents`); every
+    other piece, and every ``layout: native`` tensor, starts at a 4 KiB boundary. Chunks stay 16-byte
+    aligned either way.
+    """
+    groups: list[list[tuple[_Piece, int]]] = []
+    used = staging  # end of the last piece in the current group; forces a new group first
+    last: tuple[int, int, int] | None = None  # the last piece's file, its end in the file, its end in staging
+
+    def offset_for(t: CompressedTensor, start: int) -> int:
+        """Where a piece starting at ``start`` of ``t``'s stored bytes goes in the current group."""
+        at = t.file_offset + start
+        # nvCOMP's own containers (layout: native) decode only from a 4 KiB boundary ("Checksum doesn't
+        # match" from 16-byte aligned ones); runs of raw chunks need 16 bytes.
+        if t.entry.layout == "chunks" and last is not None and last[0] == t.file_index and 0 <= at - last[1] <= MERGE_GAP:
+            off = last[2] + (at - last[1])
+            if off % 16 == 0:  # nvCOMP wants its inputs 16-byte aligned
+                return off
+        return align_up(used, _ALIGN)
+
+    def new_group() -> None:
+        nonlocal used, last
+        if not groups or groups[-1]:
             groups.append([])
-            used = 0
-        groups[-1].append((t, used))
-        used += n
+        used, last = 0, None
+
+    def add(piece: _Piece, off: int) -> None:
+        nonlocal used, last
+        groups[-1].append((piece, off))
+        used = off + piece.nbytes
+        last = (piece.tensor.file_index, piece.tensor.file_offset + piece.start + piece.nbytes, used)
+
+    for t in tensors:
+        n = t.entry.stored_bytes
+        if not groups or offset_for(t, 0) + n > staging:
+            if not _splits(t, split) or not groups:
+                new_group()
+        if offset_for(t, 0) + n <= staging or not _splits(t, split):
+            add(_Piece(t, 0, n), offset_for(t, 0))
+            continue
+        starts, sizes, _, _ = t.entry.chunk_table()
+        ends = starts + sizes
+        first = 0
+        while first < len(sizes):
+            off = offset_for(t, int(starts[first]))
+            if off + int(sizes[first]) > staging:
+                new_group()
+                off = offset_for(t, int(starts[first]))
+            # the most chunks from ``first`` on whose stored bytes fit in the room left
+            stop = int(np.searchsorted(ends, starts[first] + staging - off, side="right"))
+            start, end = int(starts[first]), int(ends[stop - 1])
+            add(_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), off)
+            first = stop
     return [g for g in groups if g]
+
+
+def _extents(group: list[tuple[_Piece, int]]) -> list[Extent]:
+    """The reads that fill a group's staging: pieces that keep their file distance in it are one extent."""
+    out: list[Extent] = []
+    for p, off in group:
+        at = p.tensor.file_offset + p.start
+        if out and out[-1].file_index == p.tensor.file_index and off - out[-1].offset == at - out[-1].file_offset \
+                and off >= out[-1].offset + out[-1].length:
+            prev = out[-1]
+            out[-1] = Extent(prev.file_index, prev.file_offset, off + p.nbytes - prev.offset, prev.offset)
+        else:
+            out.append(Extent(p.tensor.file_index, at, p.nbytes, off))
+    return out
 
 
 def load_compressed(
@@ -83,16 +183,14 @@ def load_compressed(
     if not plan.compressed:
         return stats
     device = reader.device
-    biggest = max(align_up(t.entry.stored_bytes, _ALIGN) for t in plan.compressed)
+    split = device.kind != "cpu"  # the GPU decoders take runs of chunks; the CPU's takes whole tensors
+    biggest = max(_unit(t, split) for t in plan.compressed)
     staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, biggest)
-    groups = _groups(plan.compressed, staging)
+    groups = _groups(plan.compressed, staging, split=split)
     paths = [f.path for f in plan.files]
 
     def place(t: CompressedTensor) -> Any:
         return dsts[t.buffer][t.offset : t.offset + t.entry.nbytes]
-
-    def staged(group: list[tuple[CompressedTensor, int]]) -> list[Extent]:
-        return [Extent(t.file_index, t.file_offset, t.entry.stored_bytes, off) for t, off in group]
 
     t0 = time.perf_counter()
     if device.kind == "cpu":
@@ -101,9 +199,10 @@ def load_compressed(
         view = device.host_memoryview(buf)
         outs = [device.host_memoryview(d) for d in dsts]
         for group in groups:
-            reader.read(staged(group), [buf], progress)
+            reader.read(_extents(group), [buf], progress)
             d = time.perf_counter()
-            for t, off in group:
+            for p, off in group:
+                t = p.tensor
                 cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
                            outs[t.buffer][t.offset : t.offset + t.entry.nbytes], verify=verify,
                            path=paths[t.file_index], threads=threads)
@@ -144,6 +243,10 @@ def load_compressed(
             return
         try:
             decode_groups(codecs, stream)
+            if not errors:
+                codecs.finish()  # the last group's CRC-32 check
+        except BaseException as e:
+            errors.append(e)
         finally:
             stream.synchronize()
             codecs.close()
@@ -155,30 +258,35 @@ def load_compressed(
                 return
             group, k = item
             d = time.perf_counter()
+            released = False  # the slot is handed back once: the reader clears it again when it refills it
             try:
                 if not errors:
+                    jobs = [DecodeJob(p.tensor.entry, slots[k][off : off + p.nbytes], place(p.tensor),
+                                      paths[p.tensor.file_index], p.first, p.stop) for p, off in group]
                     with stream.activate():
-                        codecs.decode_many([(t.entry, slots[k][off : off + t.entry.stored_bytes], place(t),
-                                             paths[t.file_index]) for t, off in group])
+                        codecs.decode_many(jobs)
                     stream.synchronize()
-                    codecs.finish()
+                    # Decoded: the slot takes the next reads while this group's CRC-32 check runs on.
+                    free[k].set()
+                    released = True
+                    codecs.finish(but_last=True)
                     if verify:
-                        for t, _ in group:
-                            if t.entry.layout == "chunks" and not codecs.checked_on_device(t.entry):
-                                check_crc32(t.entry, device.to_host(place(t)),
-                                            f"{paths[t.file_index]!r}: tensor {t.entry.name!r}")
+                        for j in jobs:
+                            if j.ends and j.entry.layout == "chunks" and not codecs.checked_on_device(j.entry):
+                                check_crc32(j.entry, device.to_host(j.dst), f"{j.path!r}: tensor {j.entry.name!r}")
             except BaseException as e:
                 errors.append(e)
             finally:
                 stats.decode_busy_seconds += time.perf_counter() - d
-                free[k].set()
+                if not released:
+                    free[k].set()
 
     thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
     thread.start()
     try:
         _pipeline(
             len(groups), free,
-            lambda i, k: reader.submit(staged(groups[i]), [slots[k]], progress),
+            lambda i, k: reader.submit(_extents(groups[i]), [slots[k]], progress),
             lambda i, k: work.put((groups[i], k)),
             errors,
         )
