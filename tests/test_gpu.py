@@ -155,22 +155,29 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
     assert res.report.verified and res.report.stored_bytes < res.report.logical_bytes
 
 
+def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:
+    """24 bf16 tensors (one of 8 MiB) in ``tmp_path/w``, their ANS copy in ``tmp_path/z``, and staging
+    made 3 MiB (1 MiB per buffer: two small tensors, or a run of the large one's chunks)."""
+    from gdsload.loader.pipeline import decode
+
+    src = tmp_path / "w"
+    src.mkdir()
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
+    tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
+    save_file(tensors, src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
+    monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)
+    return src
+
+
 @pytest.mark.parametrize("backend", ["pinned", "cufile"])
 def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, monkeypatch, backend):
     """Staging groups through the three buffers, one tensor (8 MiB) larger than all of them together:
     bit-identical, and torch's GPU peak is the arena plus the staging the report names, the large tensor
     read and decoded a run of chunks at a time (nvCOMP's own scratch is not torch's and is not counted)."""
     _skip_if_missing(backend)
-    from gdsload.loader.pipeline import decode
-
-    src = tmp_path / "w"
-    src.mkdir()
-    g = torch.Generator().manual_seed(1)
-    tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
-    tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
-    save_file(tensors, src / "model.safetensors")
-    compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
-    monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)  # 1 MiB each: 2 tensors
+    src = _many_groups(tmp_path, monkeypatch, seed=1)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -248,16 +255,8 @@ def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatc
     middle or the last group still fails the load, naming it, and a good load passes; so does a bad
     byte in the first or last run of chunks of a tensor (8 MiB) spread over several groups."""
     from gdsload.loader import read_header
-    from gdsload.loader.pipeline import decode
 
-    src = tmp_path / "w"
-    src.mkdir()
-    g = torch.Generator().manual_seed(5)
-    tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
-    tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
-    save_file(tensors, src / "model.safetensors")
-    compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
-    monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)  # 1 MiB each: 2 tensors
+    _many_groups(tmp_path, monkeypatch, seed=5)
     if where == "cupy":
         pytest.importorskip("cupy")
         from gdsload.loader.devices import CupyDevice
