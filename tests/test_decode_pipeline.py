@@ -238,31 +238,3 @@ def test_whole_tensors_on_the_cpu_and_for_native_streams():
         groups = decode._groups((_tensor("a", (30000,)), t), max(staging, unit), split=split)
         assert len(groups) == 2 and groups[1] == [(decode._Piece(t, 0, t.entry.stored_bytes), 0)]
     assert decode._unit(big, True) == decode.align_up(9000, 4096)
-
-
-def test_neighbouring_pieces_of_a_file_are_read_as_one_extent():
-    """Tensors back to back in a file keep their distance in staging, so a group is one read per run
-    of the file; a piece far away (beyond MERGE_GAP), in another file, or whose place would not be
-    16-byte aligned starts its own extent at a 4 KiB boundary. Every chunk stays 16-byte aligned."""
-    from dataclasses import replace
-
-    a = _tensor("a", (1000, 2000), offset=8192)
-    b = _tensor("b", (4000,), offset=8192 + a.entry.stored_bytes + 48)  # 48 bytes of header padding between
-    c = _tensor("c", (3000,), offset=b.file_offset + b.entry.stored_bytes + decode.MERGE_GAP + 4096)  # far
-    e = _tensor("e", (700,), offset=c.file_offset + c.entry.stored_bytes + 4)  # would sit 4 bytes off alignment
-    d = replace(_tensor("d", (100,)), file_index=1, file_offset=e.file_offset + e.entry.stored_bytes)  # other file
-    (group,) = decode._groups((a, b, c, e, d), 1 << 20, split=True)
-    offs = {p.tensor.entry.name: off for p, off in group}
-    assert offs["a"] == 0 and offs["b"] == b.file_offset - a.file_offset
-    assert all(offs[n] % 4096 == 0 for n in "ced")
-    ext = decode._extents(group)
-    assert [(x.file_index, x.file_offset, x.offset) for x in ext] == [
-        (0, a.file_offset, 0), (0, c.file_offset, offs["c"]), (0, e.file_offset, offs["e"]), (1, d.file_offset, offs["d"])]
-    assert ext[0].length == b.file_offset + b.entry.stored_bytes - a.file_offset
-    for p, off in group:
-        starts = p.tensor.entry.chunk_table()[0]
-        assert all((off + int(s) - p.start) % 16 == 0 for s in starts)
-    # nvCOMP's containers (layout: native) start at 4 KiB boundaries however close in the file.
-    n = _tensor("n", (500,), layout="native", offset=a.file_offset + a.entry.stored_bytes + 16)
-    (group,) = decode._groups((a, n), 1 << 20, split=True)
-    assert group[1][1] == 4096 and len(decode._extents(group)) == 2

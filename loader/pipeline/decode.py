@@ -83,85 +83,45 @@ def _unit(t: CompressedTensor, split: bool) -> int:
     return align_up(t.entry.stored_bytes, _ALIGN)
 
 
-MERGE_GAP = 64 << 10
-"""Neighbouring pieces of one file this close are read as one extent (the gap's bytes read into staging too)."""
-
-
 def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool = False
             ) -> list[list[tuple[_Piece, int]]]:
     """Pack tensors (in file order) into groups of at most ``staging`` bytes, each piece with its staging
-    offset. With ``split``, a chunked tensor that does not fit in what is left of a group fills it with
-    its first chunks and goes on in the next groups; otherwise it starts a group of its own (every tensor
-    fits in an empty group: ``staging`` is at least :func:`_unit`).
-
-    Pieces that follow each other in a file (gaps up to :data:`MERGE_GAP`) keep their distance in
-    staging, so a group is read as few extents as it spans runs of the file (:func:`_extents`); every
-    other piece, and every ``layout: native`` tensor, starts at a 4 KiB boundary. Chunks stay 16-byte
-    aligned either way.
-    """
+    offset (a 4 KiB boundary). With ``split``, a chunked tensor that does not fit in what is left of a
+    group fills it with its first chunks and goes on in the next groups; otherwise it starts a group of
+    its own (every tensor fits in an empty group: ``staging`` is at least :func:`_unit`)."""
     groups: list[list[tuple[_Piece, int]]] = []
-    used = staging  # end of the last piece in the current group; forces a new group first
-    last: tuple[int, int, int] | None = None  # the last piece's file, its end in the file, its end in staging
+    used = staging  # forces a new group first
 
-    def offset_for(t: CompressedTensor, start: int) -> int:
-        """Where a piece starting at ``start`` of ``t``'s stored bytes goes in the current group."""
-        at = t.file_offset + start
-        # nvCOMP's own containers (layout: native) decode only from a 4 KiB boundary ("Checksum doesn't
-        # match" from 16-byte aligned ones); runs of raw chunks need 16 bytes.
-        if t.entry.layout == "chunks" and last is not None and last[0] == t.file_index and 0 <= at - last[1] <= MERGE_GAP:
-            off = last[2] + (at - last[1])
-            if off % 16 == 0:  # nvCOMP wants its inputs 16-byte aligned
-                return off
-        return align_up(used, _ALIGN)
-
-    def new_group() -> None:
-        nonlocal used, last
-        if not groups or groups[-1]:
+    def room_for(n: int) -> None:
+        nonlocal used
+        if used + n > staging and (not groups or groups[-1]):
             groups.append([])
-        used, last = 0, None
-
-    def add(piece: _Piece, off: int) -> None:
-        nonlocal used, last
-        groups[-1].append((piece, off))
-        used = off + piece.nbytes
-        last = (piece.tensor.file_index, piece.tensor.file_offset + piece.start + piece.nbytes, used)
+            used = 0
 
     for t in tensors:
-        n = t.entry.stored_bytes
-        if not groups or offset_for(t, 0) + n > staging:
-            if not _splits(t, split) or not groups:
-                new_group()
-        if offset_for(t, 0) + n <= staging or not _splits(t, split):
-            add(_Piece(t, 0, n), offset_for(t, 0))
+        n = align_up(t.entry.stored_bytes, _ALIGN)
+        if used + n <= staging or not _splits(t, split):
+            room_for(n)
+            groups[-1].append((_Piece(t, 0, t.entry.stored_bytes), used))
+            used += n
             continue
         starts, sizes, _, _ = t.entry.chunk_table()
         ends = starts + sizes
         first = 0
         while first < len(sizes):
-            off = offset_for(t, int(starts[first]))
-            if off + int(sizes[first]) > staging:
-                new_group()
-                off = offset_for(t, int(starts[first]))
+            room_for(align_up(int(sizes[first]), _ALIGN))
             # the most chunks from ``first`` on whose stored bytes fit in the room left
-            stop = int(np.searchsorted(ends, starts[first] + staging - off, side="right"))
+            stop = int(np.searchsorted(ends, starts[first] + staging - used, side="right"))
             start, end = int(starts[first]), int(ends[stop - 1])
-            add(_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), off)
+            groups[-1].append((_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), used))
+            used += align_up(end - start, _ALIGN)
             first = stop
     return [g for g in groups if g]
 
 
 def _extents(group: list[tuple[_Piece, int]]) -> list[Extent]:
-    """The reads that fill a group's staging: pieces that keep their file distance in it are one extent."""
-    out: list[Extent] = []
-    for p, off in group:
-        at = p.tensor.file_offset + p.start
-        if out and out[-1].file_index == p.tensor.file_index and off - out[-1].offset == at - out[-1].file_offset \
-                and off >= out[-1].offset + out[-1].length:
-            prev = out[-1]
-            out[-1] = Extent(prev.file_index, prev.file_offset, off + p.nbytes - prev.offset, prev.offset)
-        else:
-            out.append(Extent(p.tensor.file_index, at, p.nbytes, off))
-    return out
+    """The reads that fill a group's staging, one per piece."""
+    return [Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, off) for p, off in group]
 
 
 def load_compressed(
