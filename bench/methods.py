@@ -169,38 +169,35 @@ def _rss(field: str) -> int | None:
     return None
 
 
-def _gpu_peak(method: str, device: str, keep: Any) -> tuple[int | None, str | None]:
-    """GPU memory the load took at its peak, and how that was known: torch's allocator for every method
-    that allocates through torch; the report's arena and staging for the torch-free one."""
+def _gpu_peak(method: str, device: str, keep: Any, base: int) -> tuple[int | None, str | None]:
+    """GPU memory the load took at its peak, and how that was known: torch's allocator (less ``base``,
+    what it held before) for every method that allocates through torch; the report's arena and staging
+    for the torch-free one."""
     if not device.startswith("cuda"):
         return None, None
     if method == BARE:
-        report = keep.report
-        return sum(int(a.nbytes) for a in keep.arenas) + report.staging_bytes, "report"
+        return sum(int(a.nbytes) for a in keep.arenas) + keep.report.staging_bytes, "report"
     import torch
 
-    return torch.cuda.max_memory_allocated(device) - _GPU_BASE, "torch"
-
-
-_GPU_BASE = 0
+    return torch.cuda.max_memory_allocated(device) - base, "torch"
 
 
 def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
-    global _GPU_BASE
     device = prepare(method, device)
     startup = time.perf_counter() - PROCESS_START
+    base = 0
     if method != BARE and device.startswith("cuda"):
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
-        _GPU_BASE = torch.cuda.memory_allocated(device)
+        base = torch.cuda.memory_allocated(device)
     rss_before = _rss("VmRSS")
     t = time.perf_counter()
     keep, nbytes, extra = load(method, model_dir, device)
     # The loader's own tear-down ran inside load(); the tensors stay alive until the stopwatch stops,
     # as a user keeps them.
     seconds = time.perf_counter() - t
-    gpu_peak, gpu_how = _gpu_peak(method, device, keep)
+    gpu_peak, gpu_how = _gpu_peak(method, device, keep, base)
     del keep
     return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup,
             "rss_before_bytes": rss_before, "rss_peak_bytes": _rss("VmHWM"), "gpu_peak_bytes": gpu_peak,
