@@ -27,7 +27,9 @@ def _total_bytes(src: Path) -> int:
               help="Keep a tensor raw unless it shrinks by at least this fraction.")
 @click.option("--device", type=DEVICE, default=None,
               help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
-def compress(src: str, out: str, codec: str, min_gain: float, device: str | None) -> None:
+@click.option("--digest/--no-digest", default=True, show_default=True,
+              help="Record each file's sha256 in gdsload.json (a directory's output; costs one read of it).")
+def compress(src: str, out: str, codec: str, min_gain: float, device: str | None, digest: bool) -> None:
     """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""
     src_p = Path(src)
     if Path(out).exists():  # a file as well as a directory: nothing is overwritten, the source least of all
@@ -39,7 +41,8 @@ def compress(src: str, out: str, codec: str, min_gain: float, device: str | None
         if src_p.is_file():
             stats = compress_file(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step)
         else:
-            stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step)
+            stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device, digest=digest,
+                                 progress=step)
     click.echo(f"{out}: {stats.compressed} of {stats.tensors} tensors compressed with {codec}; "
                f"{format_bytes(stats.logical_bytes)} -> {format_bytes(stats.stored_bytes)} "
                f"(ratio {stats.ratio:.3f}) in {stats.seconds:.1f} s")

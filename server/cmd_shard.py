@@ -53,7 +53,9 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     \b
         gdsload shard /models/Llama-3-8B /models/llama3-tp2-fp8 --tp 2 --quantize fp8
     """
-    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest)
+    # With --compress, the digests are of the compressed files; the shards on the way to them are not hashed.
+    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
+                           digest=digest and codec is None)
     if codec is not None:  # what would stop the compression is checked before the sharding work
         compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
     plan = plan_shard(src, options)
@@ -76,7 +78,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
         task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
         result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n))
     if codec is not None:
-        stats = compress_dir(target, out, codec=codec)
+        stats = compress_dir(target, out, codec=codec, digest=digest)
         shutil.rmtree(target)
         result.out = str(out)  # the uncompressed shards it reports were a step on the way
     if as_json:

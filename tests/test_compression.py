@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -276,6 +277,15 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
     manifest = json.loads((out / "gdsload.json").read_text())
     assert manifest["tp_size"] == 2 and manifest["extra"]["compression"]["codec"] == "zstd"
+    from gdsload.loader.format.manifest import file_digest
+
+    files = [f for fs in manifest["ranks"].values() for f in fs]
+    assert len(files) == 2 and all(f["digest"] == file_digest(out / f["path"]) for f in files)  # hashed in parallel
+    undigested = compress_dir(src, tmp_path / "nd", codec="zstd", device="cpu", digest=False)
+    assert undigested.stored_bytes == stats.stored_bytes and undigested.seconds > 0
+    nd = json.loads((tmp_path / "nd" / "gdsload.json").read_text())
+    assert [f["digest"] for fs in nd["ranks"].values() for f in fs] == [None, None]
+    shutil.rmtree(tmp_path / "nd")
     for rank in (0, 1):
         a, b = load_rank(src, rank), load_rank(out, rank, verify=True)
         assert b.report.verified and set(a.tensors) == set(b.tensors)

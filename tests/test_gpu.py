@@ -7,6 +7,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -158,7 +159,6 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
 def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:
     """24 bf16 tensors (one of 8 MiB) in ``tmp_path/w``, their ANS copy in ``tmp_path/z``, and staging
     made 3 MiB (1 MiB per buffer: two small tensors, or a run of the large one's chunks)."""
-    from gdsload.loader.pipeline import decode
 
     src = tmp_path / "w"
     src.mkdir()
@@ -167,7 +167,7 @@ def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:
     tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
     save_file(tensors, src / "model.safetensors")
     compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
-    monkeypatch.setitem(decode.load_compressed.__kwdefaults__, "staging_bytes", 3 << 20)
+    monkeypatch.setenv("GDSLOAD_STAGING_BYTES", str(3 << 20))  # three 1 MiB buffers
     return src
 
 
@@ -300,6 +300,40 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
             assert all(e.chunk_align == 16 and not (e.chunk_table()[0] % 16).any() for e in entries)
         for backend in ("pinned", "cufile"):
             _check(load_rank(tmp_path / name, device="cuda", backend=backend, verify=True), ref)
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "gdeflate"])
+def test_gpu_encoder_records_zlibs_crc32_and_places_every_chunk(codec):
+    """The encoder's CRC-32, computed on the GPU, is zlib's of the tensor's bytes; each stored chunk sits at
+    its start in the blob, zeros between, and decodes alone to its slice of the tensor (nvCOMP's Python
+    package, not the loader's batch decoder)."""
+    import zlib
+
+    from nvidia import nvcomp
+
+    from gdsload.loader.codecs import encode_tensor
+    from gdsload.loader.codecs.registry import codec as codec_spec
+
+    t = (0.02 * torch.randn(700_001, device="cuda")).to(torch.bfloat16)  # odd size: a short last chunk
+    entry, blob = encode_tensor("w", t, "BF16", codec)
+    host = t.view(torch.uint8).cpu().numpy()
+    assert entry.crc32 == zlib.crc32(host)
+    assert blob.size == entry.stored_bytes
+    if entry.layout != "chunks":
+        return
+    starts, sizes, d_off, d_len = entry.chunk_table()
+    assert len(sizes) == -(-entry.nbytes // entry.chunk_bytes) > 1 and not (starts % entry.chunk_align).any()
+    gaps = np.ones(blob.size, bool)
+    dec = nvcomp.Codec(algorithm=codec_spec(codec).nvcomp_algorithm, bitstream_kind=nvcomp.BitstreamKind.RAW,
+                       **({"data_type": entry.params["data_type"]} if "data_type" in entry.params else {}))
+    srcs = [torch.from_numpy(blob[s : s + n].copy()).cuda() for s, n in zip(starts.tolist(), sizes.tolist())]
+    outs = [torch.empty(int(n), dtype=torch.uint8, device="cuda") for n in d_len.tolist()]
+    dec.decode(nvcomp.as_arrays(srcs), out=nvcomp.as_arrays(outs))
+    torch.cuda.synchronize()
+    for s, n, d, m, o in zip(starts.tolist(), sizes.tolist(), d_off.tolist(), d_len.tolist(), outs):
+        gaps[s : s + n] = False
+        assert np.array_equal(o.cpu().numpy(), host[d : d + m])
+    assert not blob[gaps].any()
 
 
 def test_ans_chunk_that_cannot_decode_names_the_tensor_and_status(tmp_path):

@@ -322,9 +322,12 @@ def test_backend_selection(sharded_dir):
 
 
 def test_config_precedence_and_validation():
-    env = {"GDSLOAD_NUM_THREADS": "3", "GDSLOAD_CHUNK_BYTES": "1MiB", "GDSLOAD_VERIFY": "yes"}
+    env = {"GDSLOAD_NUM_THREADS": "3", "GDSLOAD_CHUNK_BYTES": "1MiB", "GDSLOAD_VERIFY": "yes",
+           "GDSLOAD_STAGING_BYTES": "2GiB"}
     cfg = LoadConfig.resolve(env)
-    assert (cfg.num_threads, cfg.chunk_bytes, cfg.verify, cfg.backend) == (3, 1 << 20, True, "auto")
+    assert (cfg.num_threads, cfg.chunk_bytes, cfg.verify, cfg.backend, cfg.staging_bytes) == (
+        3, 1 << 20, True, "auto", 2 << 30)
+    assert LoadConfig.resolve({}).staging_bytes == 960 << 20
     assert LoadConfig.resolve(env, num_threads=5, verify=None).num_threads == 5
     assert LoadConfig.resolve({}) == LoadConfig()
     for env, match in [
@@ -334,6 +337,7 @@ def test_config_precedence_and_validation():
         ({"GDSLOAD_CHUNK_BYTES": "1"}, "between 4 KiB and 1 GiB"),
         ({"GDSLOAD_VERIFY": "maybe"}, "not a boolean"),
         ({"GDSLOAD_BACKEND": "warp"}, "backend='warp' is not known"),
+        ({"GDSLOAD_STAGING_BYTES": "64KiB"}, r"GDSLOAD_STAGING_BYTES: staging_bytes=65536 must be at least 1 MiB"),
     ]:
         with pytest.raises(ConfigError, match=match):
             LoadConfig.resolve(env)
@@ -462,6 +466,25 @@ def test_into_misaligned_and_compressed_tensors(tmp_path):
     result = load_rank(tmp_path / "z", into=mine)
     assert result.report.files[0].compressed_tensors == 1 and result.tensors["w"] is mine["w"]
     assert _same_bits(mine["w"], big["w"]) and _same_bits(result.tensors["n"], big["n"])
+
+
+def test_staging_bytes_sizes_the_compressed_reads(tmp_path, monkeypatch):
+    """``staging_bytes`` (argument or ``GDSLOAD_STAGING_BYTES``) is what the decode stage stages through:
+    on the CPU one buffer of a third of it, never smaller than the largest stored tensor."""
+    from gdsload.loader.prepare.compress import compress_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": (0.02 * torch.randn(256, 256, generator=g)).to(torch.bfloat16) for i in range(4)}
+    save_file(tensors, src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+    assert load_rank(tmp_path / "z").report.staging_bytes == (960 << 20) // 3
+    res = load_rank(tmp_path / "z", staging_bytes=3 << 20)
+    assert res.report.staging_bytes == 1 << 20 and all(_same_bits(res.tensors[k], v) for k, v in tensors.items())
+    monkeypatch.setenv("GDSLOAD_STAGING_BYTES", "6MiB")
+    assert load_rank(tmp_path / "z").report.staging_bytes == 2 << 20
+    assert load_rank(tmp_path / "z", staging_bytes=3 << 20).report.staging_bytes == 1 << 20  # the argument wins
 
 
 def test_into_and_only_refuse_what_does_not_fit(sharded_dir):

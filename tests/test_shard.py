@@ -711,6 +711,10 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         assert p.returncode == 0, p.stderr
     assert "compressed with zstd" in p.stdout and f"sharded -> {str(packed)!r}" in p.stdout
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
+    from gdsload.loader.format.manifest import Manifest, file_digest
+
+    packed_files = [f for fs in Manifest.read(packed).ranks.values() for f in fs]  # digests of what is there
+    assert len(packed_files) == 2 and all(f.digest == file_digest(packed / f.path) for f in packed_files)
     # The same command again: its output is there, nothing to do; a run stopped after its compressed output
     # appeared left the uncompressed shards beside it, and they go.
     shutil.copytree(plain, tmp_path / ".packed.uncompressed")

@@ -113,8 +113,8 @@ def encode_tensor(
             f"a codec the CPU writes ({', '.join(cpu)})"
         )
     crc = None
-    if checksum:
-        crc = zlib.crc32(raw.cpu().numpy()) if on_gpu else zlib.crc32(raw.numpy())
+    if checksum and not on_gpu:
+        crc = zlib.crc32(raw.numpy())
     if not on_gpu:
         frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(), spec.chunk_bytes)
         blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
@@ -122,6 +122,8 @@ def encode_tensor(
                                 spec.chunk_bytes, tuple(len(f) for f in frames), crc)
         return entry, blob
     codecs = GpuCodecs(as_device(raw.device), encode=True)
+    if checksum:
+        crc = codecs.crc32(raw, f"tensor {name!r}")
     if layout == "native":
         enc = codecs.native(codec_name, params).encode(codecs.nv.as_array(raw))
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
@@ -135,15 +137,40 @@ def encode_tensor(
     if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
         raw = raw.clone()
     enc = codecs.chunked(codec_name, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
-    frames = [_host_bytes(a) for a in enc]
-    sizes = tuple(int(f.size) for f in frames)
+    sizes = tuple(int(a.buffer_size) for a in enc)  # waits for the encoder
     entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, sizes, crc,
                             align)
     starts, *_ = entry.chunk_table()
-    blob = np.zeros(int(starts[-1]) + sizes[-1] if sizes else 0, dtype=np.uint8)  # zeros fill the gaps
-    for at, f in zip(starts.tolist(), frames):
-        blob[at : at + f.size] = f
+    blob = _gather(enc, starts.tolist(), sizes, raw.device)
     return dataclasses.replace(entry, stored_bytes=blob.size), blob
+
+
+class _Bytes:
+    """The first ``nbytes`` of an nvCOMP device array, as a uint8 CUDA array torch can view (the array
+    stays referenced, and so alive, as long as the view)."""
+
+    def __init__(self, array: Any, nbytes: int):
+        self.array = array
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3, "strides": None,
+                                         "data": (array.__cuda_array_interface__["data"][0], False)}
+
+
+def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device: torch.device) -> np.ndarray:
+    """The compressed chunks ``arrays`` (nvCOMP batch outputs), chunk *i* at ``starts[i]`` of one host
+    array with zeros in the gaps: put together on the device, then copied out at once."""
+    import torch
+
+    total = starts[-1] + sizes[-1] if sizes else 0
+    if arrays and not hasattr(arrays[0], "__cuda_array_interface__"):  # an nvCOMP without it: chunk by chunk
+        blob = np.zeros(total, dtype=np.uint8)
+        for at, a in zip(starts, arrays):
+            f = _host_bytes(a)
+            blob[at : at + f.size] = f
+        return blob
+    out = torch.zeros(total, dtype=torch.uint8, device=device)
+    for at, n, a in zip(starts, sizes, arrays):
+        out[at : at + n].copy_(torch.as_tensor(_Bytes(a, n), device=device))
+    return out.cpu().numpy()
 
 
 def _host_bytes(arr: Any) -> np.ndarray:
@@ -274,6 +301,20 @@ class GpuCodecs:
                                         bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
         return self._cache[key]
 
+    def _stream_bytes(self) -> _TorchStreamBytes | _CupyStreamBytes:
+        if self._bytes is None:
+            self._bytes = (_TorchStreamBytes(self.device, self.stream or 0) if self.device.uses_torch
+                           else _CupyStreamBytes(self.stream or 0))
+        return self._bytes
+
+    def crc32(self, array: Any, where: str) -> int:
+        """zlib's CRC-32 of a 1-D uint8 device array: on the GPU where nvCOMP can, else of a host copy."""
+        from gdsload.loader.codecs.nvcomp_c import device_crc32
+
+        got = device_crc32([(self.device.address(array), self.device.nbytes(array))], self._stream_bytes(),
+                           self.stream or 0, where)
+        return int(got[0]) if got is not None else zlib.crc32(self.device.to_host(array))
+
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
         """Decode ``entry`` from device bytes ``src`` into device bytes ``dst``.
 
@@ -296,9 +337,7 @@ class GpuCodecs:
             from gdsload.loader.codecs.nvcomp_c import AnsChunks, AnsDecoder
 
             if self._ans is None:
-                self._bytes = (_TorchStreamBytes(self.device, self.stream or 0) if self.device.uses_torch
-                               else _CupyStreamBytes(self.stream or 0))
-                self._ans = AnsDecoder(self.stream or 0, self._bytes)
+                self._ans = AnsDecoder(self.stream or 0, self._stream_bytes())
             address = self.device.address
             self._ans.launch(AnsChunks.build([(j.entry, address(j.src), address(j.dst),
                                                f"{j.path!r}: tensor {j.entry.name!r}", j.first, j.stop)

@@ -35,7 +35,7 @@ import numpy as np
 
 from gdsload.loader.errors import CodecError
 
-__all__ = ["AnsChunks", "AnsDecoder", "nvcomp_version"]
+__all__ = ["AnsChunks", "AnsDecoder", "device_crc32", "nvcomp_version"]
 
 _MIN_VERSION = 6000
 """nvCOMP 6.0: the options struct bound below is its layout."""
@@ -327,6 +327,32 @@ class AnsDecoder:
         self._pending.clear()
         self._temp = None
         self._spare = []
+
+
+def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str) -> np.ndarray | None:
+    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream``
+    (``device`` as for :class:`AnsDecoder`); None when this nvCOMP has no CRC-32 call.
+
+    Waits for the stream: the results are on the host when it returns (uint32, one per range).
+    """
+    lib = _lib()[0]
+    if not hasattr(lib, "nvcompBatchedCRC32Async"):
+        return None
+    m = len(spans)
+    if not m:
+        return np.zeros(0, np.uint32)
+    sizes = np.array([n for _, n in spans], np.uint64)
+    host = np.concatenate([np.array([a for a, _ in spans], np.uint64), sizes]).view(np.uint8)
+    table, base = device.empty(20 * m)
+    device.put(table, host)
+    conf = _CRC32KernelConf()
+    _raise_on(lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), int(sizes.max()), stream),
+              "choosing the CRC-32 kernel", where)
+    opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
+    _raise_on(lib.nvcompBatchedCRC32Async(base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
+                                          stream), f"computing the CRC-32 of {m} range(s)", where)
+    device.sync()
+    return device.get(table, 20 * m)[16 * m :].view(np.uint32).copy()
 
 
 def _raise_on(status: int, what: str, where: str) -> None:

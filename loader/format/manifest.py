@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -176,6 +177,16 @@ def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bo
     )
 
 
+def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool
+                  ) -> dict[int, tuple[ManifestFile, ...]]:
+    """:func:`describe_file` of every rank's files, hashed a file per core at once (hashlib lets go of the GIL)."""
+    listed = {r: list(paths) for r, paths in ranks.items()}
+    every = [p for paths in listed.values() for p in paths]
+    with ThreadPoolExecutor(max(1, min(len(every), os.cpu_count() or 1))) as pool:
+        described = dict(zip(every, pool.map(lambda p: describe_file(directory, p, digest=digest), every)))
+    return {r: tuple(described[p] for p in paths) for r, paths in listed.items()}
+
+
 def write_manifest(
     directory: str | os.PathLike[str],
     ranks: Mapping[int, Iterable[str]],
@@ -194,7 +205,7 @@ def write_manifest(
     manifest = Manifest(
         tp_size=tp_size,
         layout=layout,
-        ranks={r: tuple(describe_file(directory, p, digest=digest) for p in paths) for r, paths in ranks.items()},
+        ranks=_describe_all(directory, ranks, digest=digest),
         created_by=f"gdsload {__version__}",
         extra=dict(extra or {}),
     )

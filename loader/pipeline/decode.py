@@ -32,15 +32,13 @@ from gdsload.loader.codecs import DecodeJob, GpuCodecs, check_crc32, cpu_decode,
 from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
 from gdsload.loader.errors import CodecError, DeviceMemoryError
+from gdsload.loader.pipeline.config import DEFAULT_STAGING_BYTES
 from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
 
-__all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
+__all__ = ["DecodeStats", "load_compressed", "STAGING_SLOTS"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STAGING = 960 << 20
-"""Staging for compressed bytes, all buffers together: the GPU memory a compressed load takes beyond its
-tensors (nvCOMP's scratch and tables add a few MB), under 1 GiB in all."""
 STAGING_SLOTS = 3
 """Staging buffers the reads and the decoder take turns on; reads stay in flight in all but one."""
 _ALIGN = 4096
@@ -130,7 +128,7 @@ def load_compressed(
     dsts: list[Any],
     *,
     verify: bool,
-    staging_bytes: int = DEFAULT_STAGING,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
     progress: Callable[[int], None] | None = None,
     threads: int = 4,
 ) -> DecodeStats:

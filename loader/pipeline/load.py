@@ -68,6 +68,7 @@ def load_rank(
     chunk_bytes: int | None = None,
     verify: bool | None = None,
     pinned_bytes: int | None = None,
+    staging_bytes: int | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     only: Collection[str] | None = None,
     opened: Mapping[str, int] | None = None,
@@ -98,7 +99,7 @@ def load_rank(
     """
     clock = _Clock()
     cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
-                             pinned_bytes=pinned_bytes)
+                             pinned_bytes=pinned_bytes, staging_bytes=staging_bytes)
     dev = as_device(device)
     target_bufs, target_specs = _targets(into, dev)
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
@@ -119,8 +120,8 @@ def load_rank(
         clock.lap("setup")
 
         reader.read(plan.extents, dsts, progress)
-        stats = load_compressed(plan, reader, dsts, verify=cfg.verify, progress=progress,
-                                threads=cfg.num_threads or 4)
+        stats = load_compressed(plan, reader, dsts, verify=cfg.verify, staging_bytes=cfg.staging_bytes,
+                                progress=progress, threads=cfg.num_threads or 4)
         dev.synchronize()
         clock.lap("read", hand_to="decode", handed=stats.tail_seconds)
         io_modes, direct = reader.io_modes(), reader.direct_io()

@@ -160,16 +160,19 @@ def compress_dir(
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,
+    digest: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> CompressStats:
     """Compress every safetensors file of a model directory into ``out`` with the same names.
 
     Other files (config, tokenizer, generation config) are copied; ``gdsload.json`` is
-    rewritten for the new files (and written if the source had none). ``out`` must not exist;
-    it appears only once complete.
+    rewritten for the new files (and written if the source had none), with each file's sha256 when
+    ``digest`` (one more read of the output, the files hashed in parallel). ``out`` must not exist;
+    it appears only once complete. The stats' ``seconds`` is the whole call.
 
     >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP
     """
+    t0 = time.perf_counter()
     src_p, out_p = Path(src), Path(out)
     if not src_p.is_dir():
         raise ConfigError(f"source {str(src)!r} is not a directory; use compress_file for single files")
@@ -203,9 +206,10 @@ def compress_dir(
         layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
         extra = dict(manifest.extra) if manifest else {}
         extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
-        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra)
+        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra, digest=digest)
         writing.unlink()
         os.rename(staging, out_p)  # OUT appears complete, in one step
+        total.seconds = time.perf_counter() - t0
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
