@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import struct
 from pathlib import Path
 
@@ -280,9 +281,19 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
     from gdsload.loader.format.manifest import file_digest
 
     files = [f for fs in manifest["ranks"].values() for f in fs]
-    assert len(files) == 2 and all(f["digest"] == file_digest(out / f["path"]) for f in files)  # hashed in parallel
+    assert len(files) == 2 and all(f["digest"] == file_digest(out / f["path"]) for f in files)
+    import gdsload.loader.prepare.compress as mod
+
+    real_manifest = mod.write_manifest
+
+    def slow_manifest(*a, **kw):  # the stats' seconds are the whole call, the manifest's writing included
+        time.sleep(0.3)
+        return real_manifest(*a, **kw)
+
+    monkeypatch.setattr(mod, "write_manifest", slow_manifest)
     undigested = compress_dir(src, tmp_path / "nd", codec="zstd", device="cpu", digest=False)
-    assert undigested.stored_bytes == stats.stored_bytes and undigested.seconds > 0
+    monkeypatch.setattr(mod, "write_manifest", real_manifest)
+    assert undigested.stored_bytes == stats.stored_bytes and undigested.seconds >= 0.3
     nd = json.loads((tmp_path / "nd" / "gdsload.json").read_text())
     assert [f["digest"] for fs in nd["ranks"].values() for f in fs] == [None, None]
     shutil.rmtree(tmp_path / "nd")
@@ -295,8 +306,6 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
         compress_dir(src, out, codec="zstd", device="cpu")
 
     # A failure part-way (a full disk, simulated) leaves neither the output nor the partial directory.
-    import gdsload.loader.prepare.compress as mod
-
     real = mod.compress_file
     calls = []
 

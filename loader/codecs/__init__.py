@@ -2,7 +2,8 @@
 
 Encoding picks the codec's parameters from the tensor's dtype; decoding writes straight into
 the tensor's slot in the arena. ANS chunks decode through nvCOMP's C API, many tensors per call
-(:mod:`gdsload.loader.codecs.nvcomp_c`); the rest through nvCOMP's Python package. nvCOMP is imported
+(:mod:`gdsload.loader.codecs.nvcomp_c`), which also computes the CRC-32 the encoder records; the
+rest through nvCOMP's Python package. nvCOMP is imported
 only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 """
 
@@ -123,7 +124,11 @@ def encode_tensor(
         return entry, blob
     codecs = GpuCodecs(as_device(raw.device), encode=True)
     if checksum:
-        crc = codecs.crc32(raw, f"tensor {name!r}")
+        # On the GPU when the tensor's device is the current one and torch works on its default stream, which
+        # nvCOMP's kernel then runs on (and is ordered after the tensor's making); else of a host copy.
+        on_default = (raw.device.index == torch.cuda.current_device()
+                      and torch.cuda.current_stream(raw.device).cuda_stream == 0)
+        crc = codecs.crc32(raw, f"tensor {name!r}") if on_default else zlib.crc32(raw.cpu().numpy())
     if layout == "native":
         enc = codecs.native(codec_name, params).encode(codecs.nv.as_array(raw))
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
@@ -167,6 +172,7 @@ def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device
             f = _host_bytes(a)
             blob[at : at + f.size] = f
         return blob
+    # The encoder has finished with them (``buffer_size`` waited for it): any stream may copy them now.
     out = torch.zeros(total, dtype=torch.uint8, device=device)
     for at, n, a in zip(starts, sizes, arrays):
         out[at : at + n].copy_(torch.as_tensor(_Bytes(a, n), device=device))
@@ -308,11 +314,15 @@ class GpuCodecs:
         return self._bytes
 
     def crc32(self, array: Any, where: str) -> int:
-        """zlib's CRC-32 of a 1-D uint8 device array: on the GPU where nvCOMP can, else of a host copy."""
+        """zlib's CRC-32 of a 1-D uint8 array on the current device, computed on this stream (the default
+        stream when None): on the GPU where nvCOMP's library has the call, else of a host copy."""
         from gdsload.loader.codecs.nvcomp_c import device_crc32
 
-        got = device_crc32([(self.device.address(array), self.device.nbytes(array))], self._stream_bytes(),
-                           self.stream or 0, where)
+        try:
+            got = device_crc32([(self.device.address(array), self.device.nbytes(array))], self._stream_bytes(),
+                               self.stream or 0, where)
+        except CodecError:  # the C library cannot be loaded here: nvCOMP's Python package may still encode
+            got = None
         return int(got[0]) if got is not None else zlib.crc32(self.device.to_host(array))
 
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:

@@ -1,4 +1,5 @@
-"""nvCOMP's batched ANS decoder, called through its C API with ctypes.
+"""nvCOMP's C API through ctypes: the batched ANS decoder, and the CRC-32 of device bytes (:func:`device_crc32`,
+which the encoder records).
 
 Why not nvCOMP's Python package, which the encoder uses: its ``Codec.decode`` takes one tensor's
 stream at a time, reads the stream's header back to the host to size the output (a copy that

@@ -35,12 +35,14 @@ from gdsload.loader.errors import CodecError, DeviceMemoryError
 from gdsload.loader.pipeline.config import DEFAULT_STAGING_BYTES
 from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
 
-__all__ = ["DecodeStats", "load_compressed", "STAGING_SLOTS"]
+__all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
 
 log = logging.getLogger(__name__)
 
 STAGING_SLOTS = 3
 """Staging buffers the reads and the decoder take turns on; reads stay in flight in all but one."""
+DEFAULT_STAGING = DEFAULT_STAGING_BYTES
+"""The same as :data:`gdsload.loader.pipeline.config.DEFAULT_STAGING_BYTES` (a load's ``staging_bytes``)."""
 _ALIGN = 4096
 
 
