@@ -77,16 +77,21 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int) -> list[bytes]:
+def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, checksum: bool
+                     ) -> tuple[list[bytes], int | None]:
+    """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once, and, with
+    ``checksum``, zlib's CRC-32 of ``data`` computed beside them (both let go of the GIL)."""
     import zstandard
 
     def one(i: int) -> bytes:
         # A compressor per call: ZstdCompressor objects are not thread-safe.
         c = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-        return c.compress(data[i : i + chunk].tobytes())
+        return c.compress(data[i : i + chunk])
 
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, range(0, len(data), chunk)))
+        crc = pool.submit(zlib.crc32, data) if checksum else None
+        frames = list(pool.map(one, range(0, len(data), chunk)))
+        return frames, crc.result() if crc is not None else None
 
 
 def encode_tensor(
@@ -114,13 +119,17 @@ def encode_tensor(
             f"a codec the CPU writes ({', '.join(cpu)})"
         )
     crc = None
-    if checksum and not on_gpu:
-        crc = zlib.crc32(raw.numpy())
     if not on_gpu:
-        frames = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(), spec.chunk_bytes)
-        blob = np.frombuffer(bytearray(b"".join(frames)), dtype=np.uint8)
+        frames, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(), spec.chunk_bytes,
+                                       checksum=checksum)
+        sizes = tuple(len(f) for f in frames)
+        blob = np.empty(sum(sizes), dtype=np.uint8)
+        at = 0
+        for f, n in zip(frames, sizes):  # one copy into the blob (frames follow each other unaligned)
+            blob[at : at + n] = np.frombuffer(f, dtype=np.uint8)
+            at += n
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
-                                spec.chunk_bytes, tuple(len(f) for f in frames), crc)
+                                spec.chunk_bytes, sizes, crc)
         return entry, blob
     codecs = GpuCodecs(as_device(raw.device), encode=True)
     if checksum:
