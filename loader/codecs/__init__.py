@@ -161,7 +161,8 @@ def encode_tensor(
 
 class _Bytes:
     """The first ``nbytes`` of an nvCOMP device array, as a uint8 CUDA array torch can view (the array
-    stays referenced, and so alive, as long as the view)."""
+    stays referenced, and so alive, as long as the view). Through ``__cuda_array_interface__``, not DLPack:
+    nvCOMP 6.0's batch outputs taken by DLPack crashed the process (double free, abort)."""
 
     def __init__(self, array: Any, nbytes: int):
         self.array = array
@@ -175,28 +176,11 @@ def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device
     import torch
 
     total = starts[-1] + sizes[-1] if sizes else 0
-    if arrays and not hasattr(arrays[0], "__cuda_array_interface__"):  # an nvCOMP without it: chunk by chunk
-        blob = np.zeros(total, dtype=np.uint8)
-        for at, a in zip(starts, arrays):
-            f = _host_bytes(a)
-            blob[at : at + f.size] = f
-        return blob
     # The encoder has finished with them (``buffer_size`` waited for it): any stream may copy them now.
     out = torch.zeros(total, dtype=torch.uint8, device=device)
     for at, n, a in zip(starts, sizes, arrays):
         out[at : at + n].copy_(torch.as_tensor(_Bytes(a, n), device=device))
     return out.cpu().numpy()
-
-
-def _host_bytes(arr: Any) -> np.ndarray:
-    """The compressed bytes of one nvCOMP batch output, copied into host memory we own.
-
-    Batch outputs are copied through nvCOMP's own ``cpu()``, not handed to torch by DLPack: taken by
-    DLPack, they crashed the process (double free, abort) with nvCOMP 6.0.
-    """
-    size = arr.buffer_size  # waits for the encoder; the array itself may be the worst-case capacity
-    host = np.asarray(arr.cpu()).view(np.uint8).reshape(-1)
-    return np.array(host[:size], copy=True)
 
 
 # --------------------------------------------------------------------------- decoding

@@ -183,11 +183,10 @@ _HASH_THREADS = 8
 
 def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool
                   ) -> dict[int, tuple[ManifestFile, ...]]:
-    """:func:`describe_file` of every rank's files, hashed a file per core at once (hashlib lets go of the GIL)."""
+    """:func:`describe_file` of every rank's files, hashed up to a file per core at once (hashlib lets go of the GIL)."""
     listed = {r: list(paths) for r, paths in ranks.items()}
     every = [p for paths in listed.values() for p in paths]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(max(1, min(len(every), cores, _HASH_THREADS))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(every), os.cpu_count() or 1, _HASH_THREADS))) as pool:
         described = dict(zip(every, pool.map(lambda p: describe_file(directory, p, digest=digest), every)))
     return {r: tuple(described[p] for p in paths) for r, paths in listed.items()}
 
