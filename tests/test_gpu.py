@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import safetensors.torch
 import torch
 
 from tensor_cases import mixed_tensors
-from gdsload.loader import CodecError, load_rank, save_file
+from gdsload.loader import CodecError, TruncatedFileError, load_rank, save_file
 from gdsload.loader.io import IO_MODES, auto_order
 from gdsload.loader.prepare.compress import compress_dir, compress_file
 from gdsload.loader.io.iomode import nvidia_fs_loaded
@@ -420,3 +421,44 @@ def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path, codec, path):
     if gpu1 != 1:
         raise RuntimeError(f"the load left no context on GPU 1: {p.stdout!r}")  # not the known defect
     assert gpu0 == 0, "the process holds a CUDA context on GPU 0"
+
+
+def test_cached_files_go_through_the_staged_engine_and_the_report_says_so(sharded_dir, monkeypatch):
+    from gdsload.loader.io import staged
+
+    if staged.unavailable():
+        pytest.skip(staged.unavailable())
+    ref = {k: v for k, v in _reference(sorted(sharded_dir.glob("*.safetensors"))).items() if k.startswith("r0.")}
+    for backend in ("pinned", "cufile"):
+        _skip_if_missing(backend)
+        result = load_rank(sharded_dir, 0, device="cuda", backend=backend)
+        assert {f.engine for f in result.report.files} == {"staged"}, result.report.files
+        assert {f.io_mode for f in result.report.files} == {"posix"} and "engine=staged" in result.report.summary()
+        _check(result, ref)
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # kvikio's engine instead, as without the built engine
+    result = load_rank(sharded_dir, 0, device="cuda", backend="pinned")
+    assert {f.engine for f in result.report.files} <= {"kvikio", "ring"} and "staged" not in result.report.summary()
+    _check(result, ref)
+
+
+def test_staged_engine_on_the_gpu_copies_exact_ranges_and_names_a_short_file(tmp_path):
+    from gdsload.loader.io import staged
+
+    if staged.unavailable():
+        pytest.skip(staged.unavailable())
+    data = np.random.default_rng(3).integers(0, 256, 7_340_033, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data.tobytes())
+    dst = torch.zeros(data.size + 4096, dtype=torch.uint8, device="cuda")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with staged.StagedEngine(torch.cuda.current_device(), threads=4, chunk=1 << 20, buffers=2) as eng:
+            with pytest.raises(TruncatedFileError, match="shrank"):
+                eng.submit([(fd, 0, data.size + 4096, dst.data_ptr())], [str(path)])()
+            # unaligned ranges in reverse order, the first range starting mid-page
+            items = [(fd, 4097, data.size - 4097, dst.data_ptr() + 4097), (fd, 0, 4097, dst.data_ptr())]
+            eng.submit(items, [str(path)] * 2)()
+        torch.cuda.synchronize()
+        assert np.array_equal(dst[: data.size].cpu().numpy(), data)
+    finally:
+        os.close(fd)

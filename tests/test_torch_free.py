@@ -160,6 +160,7 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: boo
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
     monkeypatch.setattr(cufile, "kvikio_state", lambda: KvikioState(True, "stand-in", "ON", True, None))
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # these tests are about kvikio's reads, not the staged engine's
     return seen
 
 
@@ -370,6 +371,11 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
         r = out["report"]
         assert r["backend"] == "cufile" and r["verified"] and r["device"] == "cuda:0"
         assert {f["io_mode"] for f in r["files"]} <= {"gds", "p2pdma", "compat", "posix"}
+        from gdsload.loader.io import staged
+
+        if staged.unavailable() is None and not any(f["io_mode"] in ("gds", "p2pdma") for f in r["files"]):
+            # cached files without GDS: the staged engine reads them, and the report names it
+            assert {f["engine"] for f in r["files"]} == {"staged"} and {f["io_mode"] for f in r["files"]} == {"posix"}
 
 
 @pytest.mark.gpu

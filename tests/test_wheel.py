@@ -50,6 +50,13 @@ def test_wheel_contents_are_namespaced(wheel):
     assert not any(n.startswith(("loader/", "server/", "bench/", "tests/")) for n in names)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_staged_engine_is_built_where_a_c_compiler_is(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    built = [n for n in names if n.startswith("gdsload/loader/io/_staged") and n.endswith(".so")]
+    assert len(built) == 1, names
+
+
 def test_wheel_metadata_keeps_gpu_packages_in_extras(wheel):
     meta_name = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("dist-info/METADATA"))
     meta = Parser().parsestr(zipfile.ZipFile(wheel).read(meta_name).decode())

@@ -177,6 +177,11 @@ class Backend(abc.ABC):
         assert self.plan is not None
         return [False] * len(self.plan.files)
 
+    def file_engines(self) -> list[str]:
+        """What moved each file's bytes, for the report (``FileReport.engine``); by default the backend's name."""
+        assert self.plan is not None
+        return [self.name] * len(self.plan.files)
+
     def file_buffers(self) -> list[Any]:
         """For a mapping backend, the buffers of ``plan.mapped``'s files, in that order."""
         return []
@@ -227,7 +232,8 @@ def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Bac
             continue
         try:
             cls = backend_class(candidate)
-            reason = _unavailable(cls, device) or cls.auto_skip(device)
+            # auto_skip first: it can rule a backend out more cheaply than probing it (cufile without GDS).
+            reason = cls.auto_skip(device) or _unavailable(cls, device)
         except ImportError as e:
             reason = f"cannot import it ({e})"
         if reason is None:

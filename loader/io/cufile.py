@@ -18,6 +18,9 @@ load's staging groups stay with kvikio. It reads a cold rank faster than kvikio'
 
 It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or cupy's for the
 workers that load without torch (the only reader there, so ``auto`` takes it even without GDS).
+Without GDS, a rank whose files are cached is read by the staged engine
+(:mod:`gdsload.loader.io.staged`) where it is built, as the ``pinned`` backend reads it; the report
+then says ``posix`` and ``engine=staged``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gdsload.loader.devices import Device
-from gdsload.loader.io.iomode import KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
+from gdsload.loader.io.iomode import (KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, nvidia_fs_loaded,
+                                     o_direct_supported, p2pdma_configured)
 from gdsload.loader.io.pagecache import is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.fst_reader import make_fst_reader
+from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import unavailable as staged_unavailable
 
 __all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
 
@@ -62,6 +68,8 @@ class CuFileBackend(Backend):
     """Set by :meth:`open`: this load reads cold files with O_DIRECT (kvikio's POSIX path, or ``cold_reader``)."""
     cold_reader: Any = None
     """Set by :meth:`open`: fastsafetensors' reader for this cold rank's :meth:`read` calls, or None."""
+    staged: Any = None
+    """Set by :meth:`open`: the staged engine, reading every file of a cached rank without GDS, or None."""
 
     @classmethod
     def probe(cls, device: Device) -> str | None:
@@ -77,6 +85,10 @@ class CuFileBackend(Backend):
         """Why ``auto`` prefers another backend even though this one can run."""
         if not device.uses_torch:
             return None  # without torch, kvikio is the only reader (GDS or its compat mode)
+        if not nvidia_fs_loaded() and not p2pdma_configured():
+            # Known without importing kvikio (about 65 ms on an H200 host) or opening the cuFile driver.
+            return ("no GPUDirect Storage here (no nvidia-fs module, and cufile.json does not turn on P2PDMA); "
+                    "it would bounce through host memory")
         state = kvikio_state()
         if state.compat_preferred or not state.gds_available:
             return ("no GPUDirect Storage here (kvikio compat mode "
@@ -99,18 +111,38 @@ class CuFileBackend(Backend):
         has_switch = has_direct_switch(kvikio)
         self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
             and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*plan.open_paths)
+        self._ran: list[set[str]] = [set() for _ in plan.files]
+        self._files = []
+        self._settings = None
+        self.cold_reader = None
+        self.staged = None
+        why = "the rank is cold" if self.cold_direct else staged_unavailable()
+        if why is None and not all(m in ("posix", "compat") for m in self._modes):
+            why = "GPUDirect Storage serves some of the files"
+        if why is None:
+            # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory too;
+            # the staged engine does that faster (see loader/io/staged.py), and the report says so.
+            try:
+                self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
+                                           chunk=self.options.chunk_bytes)
+            except StagedEngineError as e:
+                why = str(e)
+        if self.staged is not None:
+            self._modes = ["posix"] * len(plan.files)
+            self._direct = [False] * len(plan.files)
+            return
+        if why is not None and not self.cold_direct:
+            log.debug("%s: reads through kvikio: %s", self.name, why)
         settings = self._kvikio_settings()
         if not has_switch:
             settings.pop("auto_direct_io_read", None)
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
         # thread pool for every staging group of a compressed load).
         self._settings = kvikio.defaults.set(settings)
-        self._files = []
         for fd in plan.fds:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
         self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
                         for m, cf in zip(self._modes, self._files)]
-        self.cold_reader = None
         if self.cold_direct and self.COLD_READER == "fastsafetensors":
             self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
                                                     open_paths=[fd_path(fd) for fd in plan.fds])
@@ -136,6 +168,11 @@ class CuFileBackend(Backend):
                ) -> Callable[[], None]:
         assert self.plan is not None
         self.device.activate()
+        engine = "staged" if self.staged is not None else "kvikio"
+        for e in extents:
+            self._ran[e.file_index].add(engine)
+        if self.staged is not None:
+            return self.staged.submit(extents, dsts, progress)
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
             settings = self._kvikio_settings()
             reads = direct_read_order(extents, settings["task_size"], self.COLD_STREAMS or settings["num_threads"])
@@ -158,6 +195,8 @@ class CuFileBackend(Backend):
             # Whole reads only (the arena and targets): a compressed load's staging groups, submitted while
             # the decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
             buffers = [(self.device.address(d), self.device.nbytes(d)) for d in dsts]
+            for e in extents:
+                self._ran[e.file_index].add("fastsafetensors")
             self.cold_reader.submit(extents, buffers, progress)()
             self.device.synchronize()
             return
@@ -170,8 +209,15 @@ class CuFileBackend(Backend):
     def direct_io(self) -> list[bool]:
         return list(self._direct)
 
+    def file_engines(self) -> list[str]:
+        """What read each file: ``staged``, ``kvikio`` (cuFile under it, with GDS) or ``fastsafetensors``."""
+        return ["+".join(sorted(r)) or ("staged" if self.staged is not None else "kvikio") for r in self._ran]
+
     def close(self) -> None:
-        if self.cold_reader is not None:
+        if getattr(self, "staged", None) is not None:
+            self.staged.close()
+            self.staged = None
+        if getattr(self, "cold_reader", None) is not None:
             self.cold_reader.close()
             self.cold_reader = None
         for f in getattr(self, "_files", []):

@@ -4,13 +4,14 @@ Files are read into small pinned host buffers and copied to the GPU asynchronous
 rank's files read by one pool of threads, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
 chosen per file from its page-cache residency (``mincore``):
 
-- **cached files** (page cache or tmpfs) go through kvikio's C++ POSIX engine with
-  compatibility mode forced on: a thread pool ``pread``s into pinned bounce buffers and copies
-  each to the device. On an H200 from tmpfs: 43.6 GB/s with 16 threads and 4 MiB tasks,
-  against 33 GB/s for the same pipeline in Python threads, whose per-chunk
-  overhead (event record and host-allocator locking in ``Tensor.copy_``) caps small chunks —
-  small chunks matter because the buffers then stay in the CPU cache for the DMA engine.
-  Without kvikio, the Python ring below serves cached files too.
+- **cached files** (page cache or tmpfs) go through gdsload's staged engine
+  (:mod:`gdsload.loader.io.staged`, C): 16 threads ``pread`` 2 MiB chunks into two pinned buffers
+  each and copy them to the device on their own streams, the threads and buffers kept for the
+  process's next load. It reads as fast as kvikio's engine, and a load skips kvikio's import
+  (about 65 ms) and set-up; where it was not built (no C compiler at install), or with
+  ``GDSLOAD_STAGED=0``, kvikio's C++ POSIX engine reads them (compatibility mode forced on, 16
+  threads, 4 MiB tasks), and without kvikio the Python ring below, whose per-chunk overhead
+  (event record and host-allocator locking in ``Tensor.copy_``) caps it at about 33 GB/s.
 - **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
   ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
   O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
@@ -25,7 +26,8 @@ chosen per file from its page-cache residency (``mincore``):
   the next chunk. Four readers beat 32 on a virtio disk; the chunks are queued as one stream per
   reader.
 
-The report says ``posix`` for both (POSIX reads staged through host memory) and flags O_DIRECT.
+The report says ``posix`` for all of them (POSIX reads staged through host memory), flags O_DIRECT, and
+names the engine that read each file (``FileReport.engine``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from gdsload.loader.io.fst_reader import make_fst_reader
 from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
+from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import unavailable as staged_unavailable
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
 
@@ -87,23 +91,37 @@ class PinnedBackend(Backend):
 
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
-        self._kv = _kvikio()
-        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
         # kvikio's settings are process-wide, so it reads a rank with O_DIRECT as a whole: when the
         # rank is cold (by size: a small file pulled in by the header reads does not count).
         rank_cold = bool(plan.files) and is_cold(*plan.open_paths)
         self._fds: list[int] = []
         self._direct: list[bool] = []
         self._own_fds: list[int] = []
+        self._staged: StagedReader | None = None
+        self._ran: list[set[str]] = [set() for _ in plan.files]
         for f, fd in zip(plan.files, plan.fds):
             fd, direct = self._open(f.path, fd, cold=rank_cold or is_cold(fd_path(fd)))
             self._fds.append(fd)
             self._direct.append(direct)
         self._fd_direct = list(self._direct)  # how the ring's descriptors were opened
+        staged_why = staged_unavailable() if not all(self._direct) else "no cached files"
+        if staged_why is None:
+            try:
+                self._staged = StagedReader(self.device, plan, threads=self.options.num_threads,
+                                            chunk=self.options.chunk_bytes)
+            except StagedEngineError as e:
+                staged_why = str(e)
+        # kvikio only where it reads something: cold files, or cached ones without the staged engine.
+        self._kv = _kvikio() if any(self._direct) or staged_why is not None else None
+        self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
         self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
                               and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
-        self._engine = ["kvikio" if self._kv is not None and (not d or self.kvikio_direct) else "ring"
+        self._engine = [("kvikio" if self.kvikio_direct else "ring") if d
+                        else "staged" if staged_why is None else "kvikio" if self._kv is not None else "ring"
                         for d in self._direct]
+        if staged_why is not None and not all(self._direct):
+            log.debug("pinned: cached files through %s: %s", "kvikio" if self._kv is not None else "the ring",
+                      staged_why)
         self._fst = None
         if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
             self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
@@ -125,7 +143,8 @@ class PinnedBackend(Backend):
         chunk = self.options.chunk_bytes or self.RING_CHUNK
         threads = self.ring_threads()
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
-        budget = self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
+        budget = (self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
+                  - (self._staged.engine.staging_bytes if self._staged is not None else 0))
         ring_threads = max(1, min(threads, budget // per_thread))
         if ring_threads < threads:
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
@@ -178,21 +197,32 @@ class PinnedBackend(Backend):
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
             kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
+        for e in extents:
+            self._ran[e.file_index].add(self._engine[e.file_index])
+        staged = [e for e in extents if self._engine[e.file_index] == "staged"]
+        staged_wait = self._staged.submit(staged, dsts, progress) if self._staged is not None and staged else None
         ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dsts, progress)
         futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
                    for e in kv_extents]
 
         def wait() -> None:
             assert self.plan is not None
+            # Every engine writes into dst until its own waiter returns: wait for all, even when one failed.
             try:
-                ring_wait()
-            finally:  # kvikio writes into dst until its futures are done, even when the ring failed
-                wait_preads(self.plan, futures, progress)
+                if staged_wait is not None:
+                    staged_wait()
+            finally:
+                try:
+                    ring_wait()
+                finally:
+                    wait_preads(self.plan, futures, progress)
 
         return wait
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         if self._fst is not None:  # whole reads of the cold rank; staging groups stay with submit (see cufile)
+            for e in extents:
+                self._ran[e.file_index].add("fastsafetensors")
             self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)()
             self.device.synchronize()
             return
@@ -206,11 +236,19 @@ class PinnedBackend(Backend):
         return list(self._direct)
 
     def engines(self) -> list[str]:
-        """Per file: ``kvikio`` (C++ POSIX engine) or ``ring`` (our threads), for staging groups; whole reads of
-        a cold rank go through fastsafetensors' reader when :meth:`open` made one."""
+        """Per file: ``staged`` (our C engine), ``kvikio`` (its C++ POSIX engine) or ``ring`` (our Python
+        threads); whole reads of a cold rank go through fastsafetensors' reader when :meth:`open` made one
+        (``fastsafetensors`` in the report)."""
         return list(self._engine)
 
+    def file_engines(self) -> list[str]:
+        """What read each file in this load, ``+``-joined where both whole reads and staging groups ran."""
+        return ["+".join(sorted(r)) or e for r, e in zip(self._ran, self._engine)]
+
     def close(self) -> None:
+        if getattr(self, "_staged", None) is not None:
+            self._staged.close()
+            self._staged = None
         if getattr(self, "_fst", None) is not None:
             self._fst.close()
             self._fst = None

@@ -124,7 +124,7 @@ def load_rank(
                                 progress=progress, threads=cfg.num_threads or 4)
         dev.synchronize()
         clock.lap("read", hand_to="decode", handed=stats.tail_seconds)
-        io_modes, direct = reader.io_modes(), reader.direct_io()
+        io_modes, direct, engines = reader.io_modes(), reader.direct_io(), reader.file_engines()
 
         for p in plan.placements:
             if p.copy_from is not None and p.nbytes:  # a misaligned tensor moves to its aligned place
@@ -154,7 +154,7 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[file_report(f, mode, d) for f, mode, d in zip(plan.files, io_modes, direct)],
+        files=[file_report(f, mode, d, engine) for f, mode, d, engine in zip(plan.files, io_modes, direct, engines)],
         phases={k: clock.phases.get(k, 0.0) for k in PHASES},
         verified=verified,
         decode_busy_seconds=stats.decode_busy_seconds,
@@ -200,7 +200,7 @@ def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any
     return bufs, specs
 
 
-def file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
+def file_report(f: FilePlan, io_mode: str, direct_io: bool, engine: str = "") -> FileReport:
     """What the load report says about one file."""
     return FileReport(
         path=f.path,
@@ -212,6 +212,7 @@ def file_report(f: FilePlan, io_mode: str, direct_io: bool) -> FileReport:
         data_aligned=f.header.data_aligned,
         direct_io=direct_io,
         compressed_tensors=f.compressed,
+        engine=engine,
     )
 
 

@@ -38,6 +38,9 @@ class FileReport:
     direct_io: bool = False
     """Read with O_DIRECT (bypassing the page cache)."""
     compressed_tensors: int = 0
+    engine: str = ""
+    """What moved the file's bytes: ``staged`` (gdsload's C engine), ``kvikio``, ``ring`` (Python threads),
+    ``fastsafetensors`` (its reader), ``cufile``, or the backend's name for backends with one way to read."""
 
 
 @dataclass
@@ -79,12 +82,18 @@ class LoadReport:
         counts = Counter(f.io_mode for f in self.files)
         return ",".join(sorted(counts))
 
+    @property
+    def engines(self) -> str:
+        return ",".join(sorted({f.engine for f in self.files if f.engine}))
+
     def summary(self) -> str:
         """``rank 0: 1.07 GB in 0.512 s (2.09 GB/s) backend=cpu io=cpu files=4``"""
         line = (
             f"rank {self.rank}: {format_bytes(self.logical_bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s) "
             f"backend={self.backend} io={self.io_modes} files={len(self.files)}"
         )
+        if self.engines and self.engines != self.backend:
+            line += f" engine={self.engines}"
         copied = sum(f.copied_tensors for f in self.files)
         if copied:
             line += f" copied={copied}"

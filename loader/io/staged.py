@@ -1,0 +1,304 @@
+"""The staged read engine (``_staged.c``), from Python: cached files into GPU memory through small pinned buffers.
+
+Reader threads in C ``pread`` file chunks into their own pinned buffers and copy each to the device on their
+own CUDA stream while reading the next chunk; see the C file's header for the design. It is what the
+``pinned`` and ``cufile`` readers use for files in the page cache or on tmpfs when it is built (the install
+builds it where a C compiler is present); without it they use kvikio's engine, and their reports say which
+ran (``engines()``).
+
+>>> eng = StagedEngine(device_index=0, threads=16, chunk=2 << 20, buffers=3)  # doctest: +SKIP
+>>> wait = eng.submit([(fd, 0, nbytes, dst_address)], ["/models/m/model.safetensors"])  # doctest: +SKIP
+>>> wait()  # doctest: +SKIP
+>>> eng.close()  # doctest: +SKIP
+
+``device_index=None`` copies into host memory instead (the same threads and buffers; the tests use it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno as _errno
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gdsload.loader.config import parse_bool
+from gdsload.loader.errors import FileUnreadableError, GdsloadError, TruncatedFileError
+
+__all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "unavailable", "library_path", "shared_engine",
+           "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+POLL_MS = 50
+"""How often a waiter reports progress while a ticket runs."""
+DEFAULT_THREADS = 16
+DEFAULT_CHUNK = 2 << 20
+DEFAULT_BUFFERS = 2
+"""The engine's default shape: 16 readers, two 2 MiB buffers each (64 MiB of pinned staging). From tmpfs on an
+H200 this shape was the fastest of those tried (``bench/RESULTS.md``, "Read engines")."""
+
+
+class StagedEngineError(GdsloadError, RuntimeError):
+    """The engine could not start, or the CUDA driver failed a copy."""
+
+
+class _Extent(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("tag", ctypes.c_int), ("offset", ctypes.c_longlong),
+                ("length", ctypes.c_longlong), ("dst", ctypes.c_ulonglong)]
+
+
+class _Error(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int), ("detail", ctypes.c_int), ("tag", ctypes.c_int), ("offset", ctypes.c_longlong)]
+
+
+_OK, _EOF, _READ, _CUDA, _NOMEM = range(5)
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_lock = threading.Lock()
+
+
+def library_path() -> str | None:
+    """Where the built engine is, or None when the install did not build it."""
+    spec = importlib.util.find_spec("gdsload.loader.io._staged")
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".so") else None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why
+    with _lock:
+        if _lib is None and _why is None:
+            path = library_path()
+            if path is None:
+                _why = "the staged engine was not built (the install found no C compiler); reinstall gdsload with one"
+                return None
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                _why = f"the staged engine at {path} does not load ({e})"
+                return None
+            V = ctypes.c_void_p
+            lib.gdsl_open.argtypes = [V, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+            lib.gdsl_open.restype = V
+            lib.gdsl_submit.argtypes = [V, ctypes.POINTER(_Extent), ctypes.c_long]
+            lib.gdsl_submit.restype = V
+            lib.gdsl_wait.argtypes = [V, V, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(_Error)]
+            lib.gdsl_wait.restype = ctypes.c_int
+            lib.gdsl_close.argtypes = [V]
+            lib.gdsl_close.restype = None
+            _lib = lib
+        return _lib
+
+
+def unavailable() -> str | None:
+    """Why the engine cannot be used here, or None when it can (``GDSLOAD_STAGED=0`` turns it off)."""
+    switch = os.environ.get("GDSLOAD_STAGED", "").strip()
+    if switch and not parse_bool(switch, "GDSLOAD_STAGED"):
+        return "GDSLOAD_STAGED turns the staged engine off"
+    return None if _load() is not None else _why
+
+
+class _Cuda:
+    """The device's primary context (the one torch and CuPy use), retained for the engine's lifetime."""
+
+    def __init__(self, index: int):
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise StagedEngineError(f"the CUDA driver (libcuda.so.1) does not load: {e}") from None
+        self.index = index
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self.lib.cuInit(0), "cuInit")
+        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        self.dev = dev.value
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.ctx = ctx.value
+
+    def _check(self, r: int, what: str) -> None:
+        if r != 0:
+            raise StagedEngineError(f"{what} failed for CUDA device {self.index}: {error_name(r, self.lib)}")
+
+    def release(self) -> None:
+        if self.ctx is not None:
+            self.lib.cuDevicePrimaryCtxRelease_v2(ctypes.c_int(self.dev))
+            self.ctx = None
+
+
+def error_name(result: int, lib: ctypes.CDLL | None = None) -> str:
+    """``CUDA_ERROR_...`` for a CUresult."""
+    try:
+        lib = lib or ctypes.CDLL("libcuda.so.1")
+        name = ctypes.c_char_p()
+        if lib.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
+            return f"{name.value.decode()} ({result})"
+    except OSError:
+        pass
+    return f"CUresult {result}"
+
+
+class StagedEngine:
+    """``threads`` readers with ``buffers`` staging buffers of ``chunk`` bytes each, copying to CUDA device
+    ``device_index`` (None: into host memory). Threads start, and pin their buffers, with the first submit."""
+
+    def __init__(self, device_index: int | None, *, threads: int, chunk: int, buffers: int = 3):
+        lib = _load()
+        if lib is None:
+            raise StagedEngineError(_why or "the staged engine is unavailable")
+        if threads < 1 or buffers < 1 or chunk < 4096:
+            raise ValueError(f"bad engine shape: threads={threads} chunk={chunk} buffers={buffers}")
+        self._lib = lib
+        self.threads, self.chunk, self.buffers = threads, chunk, buffers
+        self._cuda = _Cuda(device_index) if device_index is not None else None
+        handle = lib.gdsl_open(self._cuda.ctx if self._cuda else None, threads, chunk, buffers)
+        if not handle:
+            if self._cuda:
+                self._cuda.release()
+            raise StagedEngineError("the staged engine did not start (the CUDA driver lacks a function it needs, "
+                                    "or memory is short)")
+        self._handle: int | None = handle
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging (pinned, on a GPU) the engine holds once all its threads run."""
+        return self.threads * self.buffers * self.chunk
+
+    def submit(self, items: Sequence[tuple[int, int, int, int]], paths: Sequence[str],
+               progress: Progress | None = None) -> Callable[[], None]:
+        """Queue ``(fd, file_offset, length, dst_address)`` ranges (``paths[i]`` names item i in errors); returns the
+        function that waits until every byte is at its destination, calling ``progress`` with the bytes done."""
+        assert self._handle is not None, "engine closed"
+        arr = (_Extent * len(items))(*(_Extent(fd, i, off, n, dst) for i, (fd, off, n, dst) in enumerate(items)))
+        ticket = self._lib.gdsl_submit(self._handle, arr, len(items)) if items else None
+        if items and not ticket:
+            raise StagedEngineError("the staged engine could not queue the reads (out of memory, or no thread starts)")
+        lengths = [n for _, _, n, _ in items]
+
+        def wait() -> None:
+            if ticket is None:
+                return
+            done, err, reported = ctypes.c_longlong(), _Error(), 0
+            while True:
+                finished = self._lib.gdsl_wait(self._handle, ticket, POLL_MS if progress else -1,
+                                               ctypes.byref(done), ctypes.byref(err))
+                if progress is not None and done.value > reported:
+                    progress(done.value - reported)
+                    reported = done.value
+                if finished:
+                    break
+            if err.code != _OK:
+                raise self._error(err, paths, lengths, items)
+
+        return wait
+
+    def _error(self, err: _Error, paths: Sequence[str], lengths: Sequence[int],
+               items: Sequence[tuple[int, int, int, int]]) -> Exception:
+        path = paths[err.tag] if 0 <= err.tag < len(paths) else "?"
+        if err.code == _EOF:
+            _, off, n, _ = items[err.tag]
+            return TruncatedFileError(f"{path!r} ends at byte {err.offset}, inside the range {off}-{off + n} it "
+                                      "should hold; the file shrank while it was being loaded — re-copy it")
+        if err.code == _READ:
+            return FileUnreadableError(err.detail, f"reading {path!r} at byte {err.offset}: "
+                                                   f"{os.strerror(err.detail)} ({_errno.errorcode.get(err.detail, '?')})")
+        if err.code == _CUDA:
+            where = f" copying {path!r} at byte {err.offset}" if err.tag >= 0 else " setting up its threads"
+            return StagedEngineError(f"CUDA failed{where}: {error_name(err.detail)}")
+        return StagedEngineError("the staged engine's threads could not allocate their staging buffers")
+
+    def close(self) -> None:
+        """Finish what was queued, stop the threads and free their buffers."""
+        if self._handle is not None:
+            self._lib.gdsl_close(self._handle)
+            self._handle = None
+        if self._cuda is not None:
+            self._cuda.release()
+            self._cuda = None
+
+    def __enter__(self) -> StagedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class StagedReader:
+    """The staged engine reading some files of a load plan into a device's buffers, for a reader backend.
+
+    It uses the process's shared engine of its shape (:func:`shared_engine`).
+    """
+
+    def __init__(self, device: Any, plan: Any, *, threads: int | None = None, chunk: int | None = None,
+                 buffers: int | None = None):
+        self.device = device
+        self.plan = plan
+        index = (device.index or 0) if device.kind == "cuda" else None
+        self.engine = shared_engine(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
+                                    buffers=buffers or DEFAULT_BUFFERS)
+
+    def submit(self, extents: Sequence[Any], dsts: Sequence[Any], progress: Progress | None = None
+               ) -> Callable[[], None]:
+        """Start copying ``extents`` (:class:`~gdsload.loader.plan.Extent`) into ``dsts``; returns the waiter."""
+        extents = [e for e in extents if e.length]
+        bases = [self.device.address(d) for d in dsts]
+        for e in extents:  # the engine writes raw addresses: an extent must fit its buffer
+            if e.offset < 0 or e.offset + e.length > self.device.nbytes(dsts[e.buffer]):
+                raise ValueError(f"extent {e} does not fit its buffer of {self.device.nbytes(dsts[e.buffer])} bytes")
+        items = [(self.plan.fds[e.file_index], e.file_offset, e.length, bases[e.buffer] + e.offset) for e in extents]
+        return self.engine.submit(items, [self.plan.files[e.file_index].path for e in extents], progress)
+
+    def close(self) -> None:
+        """Nothing to free: the engine stays for the process's next load (:func:`release` frees it)."""
+        self.engine = None  # type: ignore[assignment]
+
+
+_shared: dict[tuple[int | None, int, int, int], StagedEngine] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_engine(device_index: int | None, *, threads: int, chunk: int, buffers: int) -> StagedEngine:
+    """The process's engine of this shape for this device, made on first use and kept.
+
+    Its threads and pinned buffers serve every later load in the process, so a load pays neither their
+    set-up nor their tear-down (freeing 64 MiB of pinned memory takes about 20 ms). Loads running at
+    once share it, each waiting for its own reads. :func:`release` frees them; a forked child starts
+    without them (the parent's threads do not exist there).
+    """
+    key = (device_index, threads, chunk, buffers)
+    with _shared_lock:
+        eng = _shared.get(key)
+        if eng is None:
+            eng = _shared[key] = StagedEngine(device_index, threads=threads, chunk=chunk, buffers=buffers)
+        return eng
+
+
+def release() -> None:
+    """Stop the process's shared engines and give their pinned staging back to the driver."""
+    with _shared_lock:
+        engines = list(_shared.values())
+        _shared.clear()
+    for eng in engines:
+        eng.close()
+
+
+def _abandon() -> None:
+    """Forget the shared engines without touching them: at exit the OS frees them (no CUDA call then), and in a
+    forked child their threads do not exist."""
+    for eng in _shared.values():
+        eng._handle = None
+        eng._cuda = None
+    _shared.clear()
+
+
+atexit.register(_abandon)
+os.register_at_fork(after_in_child=_abandon)

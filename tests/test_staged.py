@@ -1,0 +1,162 @@
+"""The staged read engine (loader/io/_staged.c) driven into host memory: the same threads, buffers, queue and
+error paths as on a GPU, with memcpy in place of the device copy. On a GPU: tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from gdsload.loader import TruncatedFileError, discover, plan_rank, save_file
+from gdsload.loader.devices import as_device
+from gdsload.loader.errors import FileUnreadableError
+from gdsload.loader.io import staged
+from gdsload.loader.io.staged import StagedEngine, StagedReader
+
+pytestmark = pytest.mark.skipif(staged.library_path() is None, reason="the staged engine was not built (no C compiler)")
+
+
+@pytest.fixture
+def blob(tmp_path):
+    data = np.random.default_rng(7).integers(0, 256, 9_000_001, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    yield data, fd, str(path)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("threads,chunk,buffers", [(1, 4096, 1), (3, 1 << 20, 2), (8, 65536, 4), (2, 16 << 20, 3)])
+def test_every_byte_lands_where_its_extent_says(blob, threads, chunk, buffers):
+    data, fd, path = blob
+    rng = np.random.default_rng(threads * 31 + buffers)
+    cuts = np.sort(rng.choice(np.arange(1, data.size), 40, replace=False))
+    bounds = [0, *cuts.tolist(), data.size]
+    pieces = [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+    rng.shuffle(pieces)  # destinations in another order than the file: each extent goes to its own place
+    out = np.zeros(data.size, np.uint8)
+    expect = np.zeros(data.size, np.uint8)
+    items, at = [], 0
+    for off, n in pieces:
+        items.append((fd, off, n, out.ctypes.data + at))
+        expect[at : at + n] = data[off : off + n]
+        at += n
+    done: list[int] = []
+    with StagedEngine(None, threads=threads, chunk=chunk, buffers=buffers) as eng:
+        eng.submit(items, [path] * len(items), done.append)()
+    assert np.array_equal(out, expect)
+    assert sum(done) == data.size and all(d > 0 for d in done)
+
+
+def test_tickets_in_flight_together_finish_each_with_its_own_bytes(blob):
+    data, fd, path = blob
+    outs = [np.zeros(3_000_000, np.uint8) for _ in range(3)]
+    with StagedEngine(None, threads=4, chunk=256 << 10, buffers=2) as eng:
+        waits = [eng.submit([(fd, i * 3_000_000, 3_000_000, o.ctypes.data)], [path]) for i, o in enumerate(outs)]
+        for w in reversed(waits):  # waited for out of order
+            w()
+    for i, o in enumerate(outs):
+        assert np.array_equal(o, data[i * 3_000_000 : (i + 1) * 3_000_000])
+
+
+def test_a_range_past_the_end_names_the_file_and_the_engine_goes_on(blob):
+    data, fd, path = blob
+    out = np.zeros(data.size + 5000, np.uint8)
+    with StagedEngine(None, threads=2, chunk=1 << 20, buffers=2) as eng:
+        with pytest.raises(TruncatedFileError, match=rf"'{path}'.*ends at byte 9000001.*shrank"):
+            eng.submit([(fd, 0, data.size + 5000, out.ctypes.data)], [path])()
+        eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()  # the next ticket is read in full
+    assert np.array_equal(out[: data.size], data)
+
+
+def test_a_read_error_names_the_file_and_errno(tmp_path):
+    out = np.zeros(10, np.uint8)
+    r, w = os.pipe()  # pread on a pipe fails with ESPIPE
+    try:
+        with StagedEngine(None, threads=1, chunk=4096, buffers=1) as eng:
+            with pytest.raises(FileUnreadableError, match=r"'/models/a.safetensors' at byte 0: .*ESPIPE"):
+                eng.submit([(r, 0, 10, out.ctypes.data)], ["/models/a.safetensors"])()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_bad_shapes_and_the_off_switch(monkeypatch):
+    with pytest.raises(ValueError, match="threads=0"):
+        StagedEngine(None, threads=0, chunk=1 << 20)
+    with pytest.raises(ValueError, match="chunk=100"):
+        StagedEngine(None, threads=1, chunk=100)
+    assert staged.unavailable() is None
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")
+    assert "GDSLOAD_STAGED" in staged.unavailable()
+
+
+def test_a_plan_read_through_the_engine_matches_safetensors(tmp_path):
+    tensors = {f"w{i}": torch.randn(1000 + 37 * i, 65).to(torch.bfloat16) for i in range(6)}
+    tensors["ids"] = torch.arange(12345, dtype=torch.int64)
+    save_file(dict(list(tensors.items())[:3]), tmp_path / "model-00001-of-00002.safetensors")
+    save_file(dict(list(tensors.items())[3:]), tmp_path / "model-00002-of-00002.safetensors")
+    plan = plan_rank(discover(tmp_path, 0))
+    try:
+        dev = as_device("cpu")
+        arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+        reader = StagedReader(dev, plan, threads=3, chunk=64 << 10, buffers=2)
+        try:
+            reader.submit(plan.extents, [arena])()
+        finally:
+            reader.close()
+        ref = {}
+        for f in sorted(tmp_path.glob("*.safetensors")):
+            ref.update(safetensors.torch.load_file(f))
+        for p in plan.placements:
+            assert p.copy_from is None
+            got = arena[p.offset : p.offset + p.nbytes].view(ref[p.name].dtype).reshape(ref[p.name].shape)
+            assert torch.equal(got.view(torch.uint8), ref[p.name].view(torch.uint8)), p.name
+        with pytest.raises(ValueError, match="does not fit"):
+            StagedReader(dev, plan, threads=1).submit(plan.extents, [arena[:100]])
+    finally:
+        plan.close()
+
+
+def test_loads_share_the_process_engine_until_it_is_released(blob):
+    data, fd, path = blob
+    first = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+    assert staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2) is first
+    assert staged.shared_engine(None, threads=3, chunk=1 << 20, buffers=2) is not first  # another shape
+    out = np.zeros(data.size, np.uint8)
+    first.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
+    assert np.array_equal(out, data)
+    staged.release()
+    assert first._handle is None  # stopped, its buffers freed
+    again = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+    assert again is not first
+    out[:] = 0
+    again.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
+    assert np.array_equal(out, data)
+    staged.release()
+
+
+def test_a_forked_child_makes_its_own_engine(blob):
+    data, fd, path = blob
+    parent = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's threads are not here, so it must not reuse the parent's engine
+        ok = 0
+        try:
+            child = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+            out = np.zeros(data.size, np.uint8)
+            child.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
+            ok = int(child is not parent and np.array_equal(out, data))
+        finally:
+            os.write(w, bytes([ok]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"\x01"
+    staged.release()
