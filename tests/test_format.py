@@ -102,6 +102,48 @@ def test_writer_streams_in_declared_order_and_checks_each_tensor(tmp_path):
     assert safetensors.torch.load_file(str(tmp_path / "s.safetensors"))["big"].dtype == torch.float64
 
 
+def test_writer_writes_in_pieces_from_threads_and_hashes_on_the_way(tmp_path, monkeypatch):
+    """Tensors split into many pieces written at once by several threads, with a small in-flight
+    bound: safetensors reads every tensor back bit-identical, and the writer's digest is the file's sha256."""
+    import gdsload.loader.format.safetensors as fmt
+    from gdsload.loader.format.manifest import file_digest
+
+    monkeypatch.setattr(fmt, "WRITE_PIECE", 4096)
+    monkeypatch.setattr(fmt, "WRITE_IN_FLIGHT", 3 * 4096)
+    tensors = {**mixed_tensors(), "large": random_tensor((300, 77), torch.float32), "empty": torch.zeros(0, 3)}
+    path = tmp_path / "p.safetensors"
+    with AlignedWriter(path, [TensorSpec.of(n, t) for n, t in tensors.items()], {"k": "v"}, threads=3) as w:
+        for spec in w.order:
+            w.write(spec.name, tensors[spec.name])
+    assert w.digest is not None and w.digest == file_digest(path)
+    back = safetensors.torch.load_file(str(path))
+    assert set(back) == set(tensors) and all(_bit_equal(back[n], t) for n, t in tensors.items())
+    with AlignedWriter(tmp_path / "q.safetensors", [TensorSpec.of("large", tensors["large"])], digest=False) as w:
+        w.write("large", tensors["large"])
+    assert w.digest is None
+
+
+def test_a_write_failing_in_a_writer_thread_names_the_tensor_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    real = os.pwrite
+
+    def pwrite(fd: int, data: object, offset: int) -> int:
+        if offset >= DATA_ALIGNMENT + 4 * 1000:  # the second tensor's bytes
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    specs = [TensorSpec("a", "F32", (1000,)), TensorSpec("b", "F32", (1000,))]
+    with pytest.raises(OSError, match=r"x\.safetensors: writing tensor 'b' failed \(No space left") as info:
+        with AlignedWriter(tmp_path / "x.safetensors", specs) as w:
+            w.write("a", torch.zeros(1000))
+            w.write("b", torch.ones(1000))
+    assert info.value.errno == errno.ENOSPC and info.value.tensor == "b"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_failed_write_leaves_nothing_on_disk(tmp_path):
     specs = [TensorSpec("a", "F32", (2,)), TensorSpec("b", "F32", (2,))]
     with pytest.raises(ValueError, match="never written"):

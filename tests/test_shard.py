@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -316,7 +317,11 @@ def test_vllm_files_follow_the_sharded_state_pattern_and_alignment(checkpoints, 
 
 def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_path):
     src, _ = checkpoints["llama-gqa-tied"]
-    shard_checkpoint(src, tmp_path / "out", tp=4, layout="hf")
+    import gdsload.loader.format.manifest as manifest_mod
+
+    with pytest.MonkeyPatch.context() as mp:  # the writer hashes the files as it writes them: none is read back
+        mp.setattr(manifest_mod, "file_digest", lambda path: pytest.fail(f"{path} was read back to hash it"))
+        shard_checkpoint(src, tmp_path / "out", tp=4, layout="hf")
     out = tmp_path / "out"
     manifest = Manifest.read(out)
     shard = manifest.extra["shard"]
@@ -332,7 +337,7 @@ def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_pat
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert not (out / "pytorch_model.bin.md").exists() and not (out / PARTIAL_DIR).exists()
-    assert all(f.digest and f.digest.startswith("sha256:") for fs in manifest.ranks.values() for f in fs)
+    assert all(f.digest == manifest_mod.file_digest(out / f.path) for fs in manifest.ranks.values() for f in fs)
     load_rank(out, 3, verify=True)
 
 
@@ -520,17 +525,19 @@ class _FullDisk:
     """A file whose writes fail with ENOSPC once a byte budget shared by all files is spent."""
 
     budget: int = 0
+    lock = threading.Lock()
 
     def __init__(self, f: Any):
         self._f = f
 
     def write(self, data: Any) -> int:
         n = memoryview(data).nbytes
-        if n > _FullDisk.budget:
-            self._f.write(memoryview(data).cast("B")[: _FullDisk.budget])
-            _FullDisk.budget = 0
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        _FullDisk.budget -= n
+        with _FullDisk.lock:
+            if n > _FullDisk.budget:
+                self._f.write(memoryview(data).cast("B")[: _FullDisk.budget])
+                _FullDisk.budget = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            _FullDisk.budget -= n
         return self._f.write(data)
 
     def __getattr__(self, name: str) -> Any:
@@ -551,6 +558,17 @@ def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, mo
     total = _bytes_written(src, tmp_path / "reference", **kw)
     enter = fmt.atomic_output.__enter__
     monkeypatch.setattr(fmt.atomic_output, "__enter__", lambda self: _FullDisk(enter(self)))
+    real_pwrite = os.pwrite  # AlignedWriter writes tensors in place, from its threads
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        with _FullDisk.lock:
+            n = min(memoryview(data).nbytes, _FullDisk.budget)
+            if n == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            _FullDisk.budget -= n
+        return real_pwrite(fd, memoryview(data).cast("B")[:n], offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
     _FullDisk.budget = int(total * fraction)
     out = tmp_path / "out"
     if out_exists:

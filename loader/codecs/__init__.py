@@ -78,9 +78,10 @@ def _cores() -> int:
 
 
 def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, checksum: bool
-                     ) -> tuple[list[bytes], int | None]:
-    """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once, and, with
-    ``checksum``, zlib's CRC-32 of ``data`` computed beside them (both let go of the GIL)."""
+                     ) -> tuple[np.ndarray, tuple[int, ...], int | None]:
+    """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once and put one
+    after the other into one array (also by the threads, a run of frames each); returns it, the frames'
+    sizes and, with ``checksum``, zlib's CRC-32 of ``data`` computed beside them (all let go of the GIL)."""
     import zstandard
 
     def one(i: int) -> bytes:
@@ -91,7 +92,17 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, 
     with ThreadPoolExecutor(threads) as pool:
         crc = pool.submit(zlib.crc32, data) if checksum else None
         frames = list(pool.map(one, range(0, len(data), chunk)))
-        return frames, crc.result() if crc is not None else None
+        sizes = tuple(len(f) for f in frames)
+        starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        blob = np.empty(int(starts[-1]), dtype=np.uint8)
+
+        def gather(first: int, stop: int) -> None:
+            for i in range(first, stop):
+                blob[starts[i] : starts[i + 1]] = np.frombuffer(frames[i], dtype=np.uint8)
+
+        per = -(-len(frames) // threads) if frames else 1
+        list(pool.map(lambda f: gather(f, min(f + per, len(frames))), range(0, len(frames), per)))
+        return blob, sizes, crc.result() if crc is not None else None
 
 
 def encode_tensor(
@@ -120,14 +131,8 @@ def encode_tensor(
         )
     crc = None
     if not on_gpu:
-        frames, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(), spec.chunk_bytes,
-                                       checksum=checksum)
-        sizes = tuple(len(f) for f in frames)
-        blob = np.empty(sum(sizes), dtype=np.uint8)
-        at = 0
-        for f, n in zip(frames, sizes):  # one copy into the blob (frames follow each other unaligned)
-            blob[at : at + n] = np.frombuffer(f, dtype=np.uint8)
-            at += n
+        blob, sizes, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(),
+                                            spec.chunk_bytes, checksum=checksum)
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
                                 spec.chunk_bytes, sizes, crc)
         return entry, blob

@@ -164,8 +164,10 @@ def logical_bytes(header: SafetensorsHeader) -> int:
     return sum(compressed[t.name].nbytes if t.name in compressed else t.nbytes for t in header.tensors)
 
 
-def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool = True) -> ManifestFile:
-    """Build the manifest entry of an existing file (reads its header, and its bytes for the digest)."""
+def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool = True,
+                  known_digest: str | None = None) -> ManifestFile:
+    """Build the manifest entry of an existing file (reads its header, and its bytes for the digest
+    unless ``known_digest``, the one its writer computed, is given)."""
     full = Path(directory) / relpath
     header = read_header(full)
     return ManifestFile(
@@ -173,7 +175,7 @@ def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bo
         bytes=header.file_size,
         stored_bytes=header.data_len,
         logical_bytes=logical_bytes(header),
-        digest=file_digest(full) if digest else None,
+        digest=(known_digest or file_digest(full)) if digest else None,
     )
 
 
@@ -181,13 +183,15 @@ _HASH_THREADS = 8
 """Files hashed at once, at most."""
 
 
-def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool
-                  ) -> dict[int, tuple[ManifestFile, ...]]:
-    """:func:`describe_file` of every rank's files, hashed up to a file per core at once (hashlib lets go of the GIL)."""
+def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool,
+                  known: Mapping[str, str]) -> dict[int, tuple[ManifestFile, ...]]:
+    """:func:`describe_file` of every rank's files, those without a ``known`` digest hashed up to a file per
+    core at once (hashlib lets go of the GIL)."""
     listed = {r: list(paths) for r, paths in ranks.items()}
     every = [p for paths in listed.values() for p in paths]
     with ThreadPoolExecutor(max(1, min(len(every), os.cpu_count() or 1, _HASH_THREADS))) as pool:
-        described = dict(zip(every, pool.map(lambda p: describe_file(directory, p, digest=digest), every)))
+        described = dict(zip(every, pool.map(
+            lambda p: describe_file(directory, p, digest=digest, known_digest=known.get(p)), every)))
     return {r: tuple(described[p] for p in paths) for r, paths in listed.items()}
 
 
@@ -199,8 +203,12 @@ def write_manifest(
     layout: str,
     extra: Mapping[str, Any] | None = None,
     digest: bool = True,
+    digests: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Describe the files of every rank and write ``directory/gdsload.json`` atomically.
+
+    With ``digest``, each file's sha256 is taken from ``digests`` (relative path -> ``"sha256:<hex>"``,
+    as :class:`~.safetensors.AlignedWriter` computes while writing) or else read from the file.
 
     >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP
     """
@@ -209,7 +217,7 @@ def write_manifest(
     manifest = Manifest(
         tp_size=tp_size,
         layout=layout,
-        ranks=_describe_all(directory, ranks, digest=digest),
+        ranks=_describe_all(directory, ranks, digest=digest, known=digests or {}),
         created_by=f"gdsload {__version__}",
         extra=dict(extra or {}),
     )

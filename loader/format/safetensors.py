@@ -16,8 +16,11 @@ one is naturally aligned.
 
 from __future__ import annotations
 
+import collections
+import errno
 import fcntl
 import glob
+import hashlib
 import json
 import math
 import os
@@ -35,6 +38,8 @@ from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
 from gdsload.loader.errors import HeaderError, TruncatedFileError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     import torch
 
 __all__ = [
@@ -455,6 +460,30 @@ def _older(item: Path, now: float) -> bool:
         return False
 
 
+WRITE_PIECE = 16 << 20
+""":class:`AlignedWriter` writes a tensor in pieces of this many bytes, several at once."""
+WRITE_IN_FLIGHT = 256 << 20
+"""Bytes :class:`AlignedWriter` holds for writing at most (more waits): a writer fed tensor after
+tensor keeps at most this much of them alive beyond the caller's own."""
+
+
+def _write_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+        done += n
+
+
 class AlignedWriter:
     """Lays out tensors for an aligned safetensors file and streams them in, one at a time.
 
@@ -462,10 +491,20 @@ class AlignedWriter:
     naturally aligned; the header is space-padded so data starts at a multiple of 4096.
     ``order`` is the sequence in which :meth:`write` expects tensors.
 
+    Every offset is known from the header, so :meth:`write` hands the tensor's bytes to ``threads``
+    threads that write its pieces in place at once (``pwrite``) and returns; at most
+    ``WRITE_IN_FLIGHT`` bytes wait (the writer keeps them alive), and leaving the ``with`` block
+    waits for every write. With ``digest`` the file's sha256 is computed from the same bytes on the
+    way (one more thread, in file order), and ``digest`` holds ``"sha256:<hex>"`` once the block has
+    ended: no second read of the file to hash it. A failed write raises ``OSError`` naming the file
+    and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
+
     >>> specs = [TensorSpec("w", "BF16", (4, 4)), TensorSpec("b", "F32", (4,))]
     >>> with AlignedWriter("out.safetensors", specs) as w:  # doctest: +SKIP
     ...     for spec in w.order:
     ...         w.write(spec.name, tensors[spec.name])
+    >>> w.digest  # doctest: +SKIP
+    'sha256:9f86d08...'
     """
 
     def __init__(
@@ -475,6 +514,8 @@ class AlignedWriter:
         metadata: Mapping[str, str] | None = None,
         *,
         alignment: int = DATA_ALIGNMENT,
+        digest: bool = True,
+        threads: int | None = None,
     ):
         specs = list(specs)
         names = [s.name for s in specs]
@@ -492,6 +533,8 @@ class AlignedWriter:
         for k, v in (metadata or {}).items():
             _check_text(k, f"metadata key {k!r}")
             _check_text(v, f"metadata value of {k!r}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads!r} must be at least 1")
         self.order: list[TensorSpec] = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
         header: dict[str, Any] = {}
         if metadata:
@@ -504,21 +547,42 @@ class AlignedWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         padded = -(-(8 + len(raw)) // alignment) * alignment - 8
         self.header = struct.pack("<Q", padded) + raw + b" " * (padded - len(raw))
+        self.digest: str | None = None
+        """``"sha256:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
+        self._hash = hashlib.sha256() if digest else None
+        self._threads = threads or _write_threads()
         self._out = atomic_output(path)
         self._next = 0
+        self._at = len(self.header)
         self._f: BinaryIO | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._hasher: ThreadPoolExecutor | None = None
+        self._pending: collections.deque[tuple[str | None, int, list[Future[None]]]] = collections.deque()
+        """Writes not yet waited for, oldest first: (tensor name or None for the header, bytes, futures)."""
+        self._pending_bytes = 0
 
     def __enter__(self) -> AlignedWriter:
+        from concurrent.futures import ThreadPoolExecutor
+
         self._f = self._out.__enter__()
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdsload-write")
+        if self._hash is not None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="gdsload-hash")
         try:
-            self._f.write(self.header)
+            self._submit(None, memoryview(self.header), 0)
+            self._settle(None)
         except BaseException:  # __exit__ does not run when __enter__ raises
+            self._stop()
             self._out.__exit__(*sys.exc_info())
             raise
         return self
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor; it must be ``order[i].name`` with the declared dtype and shape."""
+        """Write the next tensor; it must be ``order[i].name`` with the declared dtype and shape.
+
+        Returns once its writes are queued (or, past ``WRITE_IN_FLIGHT`` pending bytes, once older ones
+        are done): the tensor's memory must not change until the ``with`` block ends.
+        """
         assert self._f is not None, "use AlignedWriter as a context manager"
         if self._next >= len(self.order):
             raise ValueError(f"tensor {name!r}: all {len(self.order)} declared tensors are already written")
@@ -528,18 +592,62 @@ class AlignedWriter:
         got = TensorSpec.of(name, tensor)
         if got != spec:
             raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
-        try:
-            self._f.write(tensor_bytes(tensor))
-        except OSError as e:  # e.g. a full disk; the file is removed as the with-block ends
-            raise OSError(e.errno, f"{self._out.path}: writing tensor {name!r} failed ({e.strerror})") from e
+        view = tensor_bytes(tensor)
+        self._submit(name, view, self._at)
+        self._at += len(view)
         self._next += 1
+        self._settle(WRITE_IN_FLIGHT)
+
+    def _submit(self, name: str | None, view: memoryview, offset: int) -> None:
+        assert self._f is not None and self._pool is not None
+        fd = self._f.fileno()
+        futures = [self._pool.submit(_pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
+                   for i in range(0, len(view), WRITE_PIECE)]
+        if self._hasher is not None and len(view):
+            assert self._hash is not None
+            futures.append(self._hasher.submit(self._hash.update, view))
+        self._pending.append((name, len(view), futures))
+        self._pending_bytes += len(view)
+
+    def _settle(self, limit: int | None) -> None:
+        """Wait for the oldest writes until at most ``limit`` bytes are pending (None: all of them);
+        raise the first failure as an ``OSError`` naming the file and the tensor."""
+        while self._pending and (limit is None or self._pending_bytes > limit):
+            name, n, futures = self._pending.popleft()
+            self._pending_bytes -= n
+            for fut in futures:
+                try:
+                    fut.result()
+                except OSError as e:
+                    what = "the header" if name is None else f"tensor {name!r}"
+                    err = OSError(e.errno, f"{self._out.path}: writing {what} failed ({e.strerror or e})")
+                    err.tensor = name  # type: ignore[attr-defined]
+                    raise err from e
+
+    def _stop(self) -> None:
+        """Let every queued write finish (they hold the file open) and end the threads."""
+        for pool in (self._pool, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+        self._pending_bytes = 0
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            try:
+                self._settle(None)
+            except BaseException:
+                self._stop()
+                self._out.__exit__(*sys.exc_info())
+                raise
+        self._stop()
         if exc_type is None and self._next != len(self.order):
             missing = [s.name for s in self.order[self._next :]]
             self._out.__exit__(ValueError, None, None)
             raise ValueError(f"{self._out.path}: {len(missing)} declared tensors were never written: {missing[:5]}")
         self._out.__exit__(exc_type, exc, tb)
+        if exc_type is None and self._hash is not None:
+            self.digest = "sha256:" + self._hash.hexdigest()
 
 
 def save_file(

@@ -57,6 +57,8 @@ class CompressStats:
     seconds: float = 0.0
     per_dtype: dict[str, list[int]] = field(default_factory=dict)
     """dtype -> [logical bytes, stored bytes] of the compressed tensors."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """Written file -> its ``"sha256:<hex>"``, computed on the way to disk (when asked for)."""
 
     @property
     def ratio(self) -> float:
@@ -69,6 +71,7 @@ class CompressStats:
             cur = self.per_dtype.setdefault(dt, [0, 0])
             cur[0] += a
             cur[1] += b
+        self.digests.update(other.digests)
 
 
 def compress_device(codec: str, device: str | torch.device | None) -> torch.device:
@@ -95,8 +98,10 @@ def compress_file(
     checksum: bool = True,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,
     progress: Callable[[int], None] | None = None,
+    digest: bool = True,
 ) -> CompressStats:
-    """Compress one safetensors file into ``dst`` (written atomically).
+    """Compress one safetensors file into ``dst`` (written atomically); with ``digest`` the stats hold
+    its sha256, computed from the bytes as they are written.
 
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
@@ -108,7 +113,8 @@ def compress_file(
     t0 = time.perf_counter()
     header = read_header(src)
     source_entries = parse_compression(header)  # a compressed source is decoded, then re-compressed
-    loaded = load_rank(src, device=dev)
+    # On the CPU the tensors are compressed or written straight from the file's pages (mapped, not copied).
+    loaded = load_rank(src, device=dev, backend="mmap" if dev.type == "cpu" else None)
     stats = CompressStats(files=1)
     specs: list[TensorSpec] = []
     blobs: dict[str, torch.Tensor] = {}
@@ -143,9 +149,11 @@ def compress_file(
     metadata = {k: v for k, v in header.metadata.items() if k != METADATA_KEY}
     if entries:
         metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
-    with AlignedWriter(dst, specs, metadata) as w:
+    with AlignedWriter(dst, specs, metadata, digest=digest) as w:
         for spec in w.order:
             w.write(spec.name, blobs[spec.name])
+    if w.digest is not None:
+        stats.digests[str(dst)] = w.digest
     shutil.copymode(src, dst)  # private weights stay private (copy2 keeps the other files' modes too)
     loaded.close()
     stats.seconds = time.perf_counter() - t0
@@ -196,7 +204,7 @@ def compress_dir(
             (staging / rel_item).parent.mkdir(parents=True, exist_ok=True)
             if item.suffix == ".safetensors":
                 stats = compress_file(item, staging / rel_item, codec=codec, min_gain=min_gain, device=device,
-                                      min_tensor_bytes=min_tensor_bytes, progress=progress)
+                                      min_tensor_bytes=min_tensor_bytes, progress=progress, digest=digest)
                 log.info("%s: %d/%d tensors compressed, ratio %.3f", rel_item, stats.compressed, stats.tensors,
                          stats.ratio)
                 total.add(stats)
@@ -206,9 +214,11 @@ def compress_dir(
         layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
         extra = dict(manifest.extra) if manifest else {}
         extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
-        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra, digest=digest)
+        digests = {os.path.relpath(p, staging): d for p, d in total.digests.items()}
+        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra, digest=digest, digests=digests)
         writing.unlink()
         os.rename(staging, out_p)  # OUT appears complete, in one step
+        total.digests = {str(out_p / rel): d for rel, d in digests.items()}
         total.seconds = time.perf_counter() - t0
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

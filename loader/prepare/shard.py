@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
@@ -818,6 +819,10 @@ def _run(
         log.info("removing %s left by an interrupted run", stale)
         stale.unlink()
     builder = _Builder(plan._src, plan.options.scheme)
+    # Files written by this run -> the sha256 their writer computed; files kept from a run before are read to hash.
+    digests: dict[str, str] = {}
+    if writer_factory is AlignedWriter and not plan.options.digest:
+        writer_factory = functools.partial(AlignedWriter, digest=False)
     for f in plan.files:
         staged, final = partial / f.relpath, out / f.relpath
         if _is_complete(staged, plan, f) or _is_complete(final, plan, f):
@@ -826,7 +831,9 @@ def _run(
             if progress is not None:
                 progress(f.nbytes)
             continue
-        _write_file(staged, plan, f, builder, result, progress, writer_factory)
+        digest = _write_file(staged, plan, f, builder, result, progress, writer_factory)
+        if digest is not None:
+            digests[f.relpath] = digest
     _stage_aux(plan, partial)
     # While the partial directory is in OUT, OUT does not load (discovery refuses it): the files move in
     # one by one and the manifest comes last, then the partial directory goes in one rename.
@@ -836,7 +843,7 @@ def _run(
     _fsync_dir(out)
     try:
         write_manifest(out, plan.ranks, tp_size=plan.options.tp, layout=plan.options.layout,
-                       extra=plan.manifest_extra(), digest=plan.options.digest)
+                       extra=plan.manifest_extra(), digest=plan.options.digest, digests=digests)
     except OSError as e:
         raise _write_error(e, out / MANIFEST_NAME, "the manifest") from e
     _publish(out, partial)
@@ -859,7 +866,8 @@ def _write_file(
     result: ShardResult,
     progress: Callable[[int], None] | None,
     writer_factory: WriterFactory,
-) -> None:
+) -> str | None:
+    """Write one planned file; returns the sha256 its writer computed on the way, if it did."""
     by_name = {t.name: t for t in f.tensors}
     current = "the header"
     try:
@@ -875,8 +883,10 @@ def _write_file(
     except OSError as e:
         if isinstance(e, GdsloadError):
             raise
-        raise _write_error(e, path, current) from e
+        failed = getattr(e, "tensor", None)  # AlignedWriter's writes finish later than write() returns
+        raise _write_error(e, path, f"tensor {failed!r}" if failed else current) from e
     log.info("wrote %s (%s, %d tensors)", f.relpath, format_bytes(f.nbytes), len(f.specs))
+    return getattr(w, "digest", None)
 
 
 def _build(builder: _Builder, t: OutTensor, spec: TensorSpec) -> torch.Tensor:

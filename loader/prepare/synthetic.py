@@ -175,6 +175,7 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     full_shapes = {name: s for name, s, _ in entries}
     ranks: dict[int, list[str]] = {}
+    digests: dict[str, str] = {}
     for rank in range(tp):
         # Group tensors into files of at most max_file_bytes, in model order.
         files: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
@@ -203,6 +204,8 @@ def make_checkpoint(
                     if progress is not None:
                         progress(spec.nbytes)
             ranks.setdefault(rank, []).append(fname)
+            if w.digest is not None:
+                digests[fname] = w.digest
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
-    write_manifest(out, ranks, tp_size=tp, layout="hf", extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
+    write_manifest(out, ranks, tp_size=tp, layout="hf", digests=digests, extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
     return out
