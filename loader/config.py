@@ -6,7 +6,6 @@ The load options themselves are :class:`gdsload.loader.pipeline.config.LoadConfi
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
 from gdsload.loader.errors import ConfigError
 
@@ -25,6 +24,8 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
     unit = m[2].lower() if m else None
     if not m or unit not in _UNITS:
         raise ConfigError(f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB")
+    from fractions import Fraction  # here: importing it costs a load's start-up 2 ms
+
     return int(Fraction(m[1]) * _UNITS[unit])  # exact: 2.01GB is 2010000000 bytes, not one byte fewer
 
 

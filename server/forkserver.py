@@ -47,10 +47,10 @@ START_METHODS = ("auto", "forkserver", "spawn")
 imported, or a fresh interpreter."""
 
 GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
-               "gdsload.server.workers", "gdsload.server.worker_main")
+               "gdsload.loader.pipeline.decode", "gdsload.server.workers", "gdsload.server.worker_main")
 """What a GPU worker on the torch-free path imports (a :class:`~gdsload.loader.devices.CupyDevice` load)."""
-TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.io.cpu",
-                 "gdsload.server.workers", "gdsload.server.worker_main")
+TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.pipeline.decode",
+                 "gdsload.loader.io.cpu", "gdsload.server.workers", "gdsload.server.worker_main")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
 
 STATE: dict[str, Any] = {}

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from gdsload.loader.io import ReadOptions, select_backend
 from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.pipeline.decode import load_compressed
 from gdsload.loader.devices import Device, as_device
 from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
@@ -120,10 +119,15 @@ def load_rank(
         clock.lap("setup")
 
         reader.read(plan.extents, dsts, progress)
-        stats = load_compressed(plan, reader, dsts, verify=cfg.verify, staging_bytes=cfg.staging_bytes,
-                                progress=progress, threads=cfg.num_threads or 4)
+        tail, busy, staged = 0.0, 0.0, 0
+        if plan.compressed:  # the codecs are imported by the loads that need them
+            from gdsload.loader.pipeline.decode import load_compressed
+
+            stats = load_compressed(plan, reader, dsts, verify=cfg.verify, staging_bytes=cfg.staging_bytes,
+                                    progress=progress, threads=cfg.num_threads or 4)
+            tail, busy, staged = stats.tail_seconds, stats.decode_busy_seconds, stats.staging_bytes
         dev.synchronize()
-        clock.lap("read", hand_to="decode", handed=stats.tail_seconds)
+        clock.lap("read", hand_to="decode", handed=tail)
         io_modes, direct, engines = reader.io_modes(), reader.direct_io(), reader.file_engines()
 
         for p in plan.placements:
@@ -157,8 +161,8 @@ def load_rank(
         files=[file_report(f, mode, d, engine) for f, mode, d, engine in zip(plan.files, io_modes, direct, engines)],
         phases={k: clock.phases.get(k, 0.0) for k in PHASES},
         verified=verified,
-        decode_busy_seconds=stats.decode_busy_seconds,
-        staging_bytes=stats.staging_bytes,
+        decode_busy_seconds=busy,
+        staging_bytes=staged,
         direct_tensors=len(plan.targets),
     )
     log.info("%s%s", report.summary(), "" if dev.uses_torch else " (without torch)")
