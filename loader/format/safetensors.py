@@ -462,7 +462,7 @@ def _older(item: Path, now: float) -> bool:
 
 WRITE_PIECE = 16 << 20
 """:class:`AlignedWriter` writes a tensor in pieces of this many bytes, several at once."""
-WRITE_IN_FLIGHT = 256 << 20
+WRITE_IN_FLIGHT = 64 << 20
 """Bytes :class:`AlignedWriter` holds for writing at most (more waits): a writer fed tensor after
 tensor keeps at most this much of them alive beyond the caller's own."""
 
