@@ -89,7 +89,8 @@ from gdsload.loader.errors import (
     GdsloadError,
 )
 from gdsload.loader.checkpoints.tree import Flattener, Leaf, Rebuilder, state_of
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output, read_header, tensor_bytes
+from gdsload.loader.format.safetensors import (DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output,
+                                               pwrite_all, read_header, tensor_bytes)
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -240,16 +241,6 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
 # --------------------------------------------------------------------------- the writer side
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
-        done += n
-
-
 class _PosixSink:
     name = "posix"
 
@@ -257,7 +248,7 @@ class _PosixSink:
         self.fd = fd
 
     def write(self, data: np.ndarray, offset: int) -> None:
-        _pwrite_all(self.fd, data, offset)
+        pwrite_all(self.fd, data, offset)
 
     def close(self) -> None:
         pass
@@ -566,7 +557,7 @@ def save_compressed_checkpoint(
             if 8 + len(header) > reserved:  # cannot happen: _reserve bounds every field
                 raise CheckpointError(f"header of {len(header)} bytes outgrew its reserved {reserved - 8}; "
                                       "a gdsload bug")
-            _pwrite_all(fd, struct.pack("<Q", reserved - 8) + header + b" " * (reserved - 8 - len(header)), 0)
+            pwrite_all(fd, struct.pack("<Q", reserved - 8) + header + b" " * (reserved - 8 - len(header)), 0)
             os.fsync(fd)
             write_s += time.perf_counter() - t
     except OSError as e:

@@ -54,6 +54,7 @@ __all__ = [
     "save_file",
     "tensor_bytes",
     "atomic_output",
+    "pwrite_all",
     "create_locked",
     "remove_dead_leftovers",
 ]
@@ -475,7 +476,9 @@ def _write_threads() -> int:
     return max(1, min(8, cores))
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write every byte of the buffer ``data`` at ``offset`` of ``fd`` (``pwrite`` may write fewer at once)."""
+    view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
         n = os.pwrite(fd, view[done:], offset + done)
@@ -601,7 +604,7 @@ class AlignedWriter:
     def _submit(self, name: str | None, view: memoryview, offset: int) -> None:
         assert self._f is not None and self._pool is not None
         fd = self._f.fileno()
-        futures = [self._pool.submit(_pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
+        futures = [self._pool.submit(pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
                    for i in range(0, len(view), WRITE_PIECE)]
         if self._hasher is not None and len(view):
             assert self._hash is not None
