@@ -73,17 +73,6 @@ def add_codec_lookup(lookup: Callable[[str], None]) -> None:
     _LOOKUPS.append(lookup)
 
 
-def _look_up(codec: str) -> None:
-    """Ask the lookups for a codec no one registered; the codec registry (which installs the lookup of
-    other packages' codecs) is imported here when nothing imported it yet: a load of built-in codecs' files
-    does not need it."""
-    if not _LOOKUPS:
-        import gdsload.loader.codecs.registry  # noqa: F401
-
-    for lookup in _LOOKUPS:
-        lookup(codec)
-
-
 def register_stream_format(codec: str, layouts: tuple[str, ...], chunk_align: int = 1) -> None:
     """Let files use ``codec`` with ``layouts`` (what the codec registry calls for each codec it registers)."""
     CODECS[codec] = tuple(layouts)
@@ -182,7 +171,8 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         try:
             dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
             if isinstance(codec, str) and codec not in CODECS:
-                _look_up(codec)
+                for lookup in _LOOKUPS:
+                    lookup(codec)
             # No layout: the codec's oldest one (the last listed).
             layout, params = e.get("layout", CODECS.get(codec, ("",))[-1]), e.get("params") or {}
         except (KeyError, TypeError) as err:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gdsload.loader.io import ReadOptions, select_backend
 from gdsload.loader.pipeline.config import LoadConfig
 from gdsload.loader.devices import Device, as_device
+from gdsload.loader.format.compression import add_codec_lookup
 from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.config import format_bytes
@@ -39,6 +40,17 @@ if TYPE_CHECKING:
 __all__ = ["load_rank", "file_report", "verify_digests"]
 
 log = logging.getLogger(__name__)
+
+
+def _codec_lookup(name: str) -> None:
+    """A file names a codec not registered yet: the codec registry looks for it among the built-ins and
+    other packages' entry points. Imported only then: a load of built-in codecs' files does not need it."""
+    from gdsload.loader.codecs.registry import codec_names
+
+    codec_names()  # registers every codec it can find; the file's is checked against them afterwards
+
+
+add_codec_lookup(_codec_lookup)
 
 
 class _Clock:
