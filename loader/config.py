@@ -1,15 +1,17 @@
-"""Sizes and booleans as people write them, parsed one way everywhere (``16MiB``, ``5GB``, ``yes``).
+"""Sizes and booleans as people write them, parsed one way everywhere (``16MiB``, ``5GB``, ``yes``), and
+the cores this process may use.
 
 The load options themselves are :class:`gdsload.loader.pipeline.config.LoadConfig`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 from gdsload.loader.errors import ConfigError
 
-__all__ = ["parse_size", "format_bytes", "parse_bool"]
+__all__ = ["parse_size", "format_bytes", "parse_bool", "usable_cores"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -45,3 +47,11 @@ def parse_bool(value: str, what: str) -> bool:
     if v in ("0", "false", "no", "off", ""):
         return False
     raise ConfigError(f"{what}={value!r} is not a boolean; use 0/1, true/false or yes/no")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity on Linux, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

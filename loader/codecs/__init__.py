@@ -10,7 +10,6 @@ only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from gdsload.loader.codecs.registry import codec, codec_names
 from gdsload.loader.format.compression import CompressedEntry
 from gdsload.loader.devices import Device, as_device
 from gdsload.loader.errors import CodecError
+from gdsload.loader.config import usable_cores
 
 if TYPE_CHECKING:
     import torch
@@ -68,13 +68,6 @@ def nvcomp_available() -> str | None:
 
 
 # --------------------------------------------------------------------------- encoding
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, checksum: bool
@@ -131,7 +124,7 @@ def encode_tensor(
         )
     crc = None
     if not on_gpu:
-        blob, sizes, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or _cores(),
+        blob, sizes, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or usable_cores(),
                                             spec.chunk_bytes, checksum=checksum)
         entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
                                 spec.chunk_bytes, sizes, crc)

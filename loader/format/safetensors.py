@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
 from gdsload.loader.errors import HeaderError, TruncatedFileError
 
@@ -468,14 +469,6 @@ WRITE_IN_FLIGHT = 64 << 20
 tensor keeps at most this much of them alive beyond the caller's own."""
 
 
-def _write_threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
-
-
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
     """Write every byte of the buffer ``data`` at ``offset`` of ``fd`` (``pwrite`` may write fewer at once)."""
     view = memoryview(data).cast("B")
@@ -553,7 +546,7 @@ class AlignedWriter:
         self.digest: str | None = None
         """``"sha256:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
         self._hash = hashlib.sha256() if digest else None
-        self._threads = threads or _write_threads()
+        self._threads = threads or min(8, usable_cores())
         self._out = atomic_output(path)
         self._next = 0
         self._at = len(self.header)
