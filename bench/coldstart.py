@@ -32,7 +32,7 @@ from typing import Any
 from gdsload.loader.io.iomode import mount_of
 from gdsload.loader.io.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
 
-from .limits import decode_gbps, h2d_gbps, raw_read_gbps
+from .limits import decode_gbps, h2d_gbps, raw_read_gbps, read_during_h2d
 from .methods import BARE, PEER_MODULES, PEERS
 from .ttr import time_to_ready
 
@@ -217,6 +217,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                 # From memory, small cache-resident buffers read fastest; take the better of two shapes.
                 doc["limits"][f"raw_read_gbps.{condition}"] = max(
                     raw_read_gbps(plain_files, direct=False, threads=t, chunk=c) for t, c in ((16, 4 << 20), (32, 16 << 20)))
+                if cfg.device.startswith("cuda"):
+                    both = read_during_h2d(plain_files, cfg.device)
+                    doc["limits"][f"read_during_h2d_gbps.{condition}"] = both["read_gbps"]
+                    doc["limits"][f"h2d_during_read_gbps.{condition}"] = both["h2d_gbps"]
+                    log(f"{condition}: reads and H2D copies at once: read {both['read_gbps']:.2f} GB/s, "
+                        f"H2D {both['h2d_gbps']:.2f} GB/s")
             log(f"{condition}: raw read {doc['limits'][f'raw_read_gbps.{condition}']:.2f} GB/s")
             # Methods take turns within each round: a disk whose speed drifts over minutes then
             # favours no method by its place in the list.

@@ -7,6 +7,9 @@
   at once: what a host's readers can take together, whichever GPUs the bytes go to next;
 - ``h2d_gbps``: pinned host memory to the device; ``h2d_all_gbps``: to every listed device at once
   (what several GPUs of one host can take together: their links share the host's memory);
+- ``read_during_h2d``: cached reads and pinned host-to-device copies running at the same time, each
+  rate over the same window: what a loader that stages bytes through host memory can reach, where
+  the two share the host's memory bandwidth (each then runs below its rate alone);
 - ``decode_gbps``: nvCOMP decoding the largest compressed tensor of a directory.
 """
 
@@ -24,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["raw_read_gbps", "raw_read_together", "h2d_gbps", "h2d_all_gbps", "decode_gbps"]
+__all__ = ["raw_read_gbps", "raw_read_together", "h2d_gbps", "h2d_all_gbps", "read_during_h2d", "decode_gbps"]
 
 
 def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
@@ -223,6 +226,64 @@ def h2d_all_gbps(devices: list[str], nbytes: int = 1 << 30, repeat: int = 5) -> 
                 f.result()
             best = min(best, time.perf_counter() - t)
     return nbytes * len(pairs) / best / 1e9
+
+
+def read_during_h2d(files: list[str], device: str = "cuda", *, threads: int = 16, chunk: int = 2 << 20,
+                    piece: int = 64 << 20) -> dict[str, float]:
+    """Buffered reads of ``files`` (``threads`` readers, ``chunk`` bytes each) while one stream copies a pinned
+    buffer to ``device`` in ``piece``-sized copies, over and over: ``{"read_gbps", "h2d_gbps"}``, both over the
+    window the reads took (copies completed in it). The files should be cached or on tmpfs.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device(dev.type, torch.cuda.current_device())
+    src = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(piece, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream(device=dev)
+    stop, started = threading.Event(), threading.Event()
+    stamps: list[float] = []
+    failed: list[BaseException] = []
+
+    def copier() -> None:
+        try:
+            torch.cuda.set_device(dev)
+            pending: list[Any] = []
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    pending.append(ev)
+                    if len(pending) > 2:  # two copies queued behind the one running: the link never waits
+                        pending.pop(0).synchronize()
+                        stamps.append(time.perf_counter())
+                        started.set()
+            stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            failed.append(e)
+            started.set()
+
+    raw_read_gbps(files, direct=False, threads=threads, chunk=chunk)  # fills the cache
+    thread = threading.Thread(target=copier, daemon=True)
+    thread.start()
+    started.wait(60)
+    try:
+        t0 = time.perf_counter()
+        total, seconds = _raw_read(files, direct=False, threads=threads, chunk=chunk)
+        t1 = t0 + seconds
+    finally:
+        stop.set()
+        thread.join(60)
+    if failed:
+        raise failed[0]
+    inside = [t for t in stamps if t0 <= t <= t1]
+    if len(inside) < 2:
+        raise ValueError(f"the reads took {seconds * 1e3:.1f} ms, too short to time {piece}-byte copies "
+                         "against; give larger files")
+    return {"read_gbps": total / seconds / 1e9,
+            "h2d_gbps": (len(inside) - 1) * piece / (inside[-1] - inside[0]) / 1e9}
 
 
 def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) -> float | None:

@@ -462,3 +462,18 @@ def test_staged_engine_on_the_gpu_copies_exact_ranges_and_names_a_short_file(tmp
         assert np.array_equal(dst[: data.size].cpu().numpy(), data)
     finally:
         os.close(fd)
+
+
+def test_reads_and_copies_at_once_are_both_timed(tmp_path):
+    from gdsload.bench.limits import read_during_h2d
+
+    files = []
+    for i in range(2):
+        f = tmp_path / f"part{i}.bin"
+        f.write_bytes(os.urandom(256 << 20))
+        files.append(str(f))
+    both = read_during_h2d(files, "cuda", piece=8 << 20)
+    assert set(both) == {"read_gbps", "h2d_gbps"}
+    assert both["read_gbps"] > 0 and both["h2d_gbps"] > 0
+    with pytest.raises(ValueError, match="too short"):
+        read_during_h2d(files[:1], "cuda", piece=1 << 30)

@@ -100,9 +100,10 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, 
 
 def encode_tensor(
     name: str, tensor: torch.Tensor, dtype: str, codec_name: str, *, params: dict[str, Any] | None = None,
-    checksum: bool = True, threads: int | None = None,
-) -> tuple[CompressedEntry, np.ndarray]:
-    """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array).
+    checksum: bool = True, threads: int | None = None, keep_on_device: bool = False,
+) -> tuple[CompressedEntry, np.ndarray | torch.Tensor]:
+    """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array; with
+    ``keep_on_device``, a CUDA tensor's stay on its GPU as a uint8 tensor, for the caller to copy out).
 
     CUDA tensors are compressed on their GPU with nvCOMP; CPU tensors only with Zstd
     (``zstandard``), which writes the same standard frames nvCOMP decodes, its frames compressed by
@@ -141,8 +142,9 @@ def encode_tensor(
         # buffer_size waits for the encoder and is the compressed size; the exported buffer may be
         # the (larger) worst-case capacity.
         size = enc.buffer_size
-        blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size].cpu().numpy()
-        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
+        blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size]
+        blob = blob.clone() if keep_on_device else blob.cpu().numpy()
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, size, params,
                                 crc32=crc)
         return entry, blob
     chunk, align = spec.chunk_bytes, spec.chunk_align
@@ -154,7 +156,7 @@ def encode_tensor(
                             align)
     starts, *_ = entry.chunk_table()
     blob = _gather(enc, starts.tolist(), sizes, raw.device)
-    return dataclasses.replace(entry, stored_bytes=blob.size), blob
+    return dataclasses.replace(entry, stored_bytes=blob.numel()), blob if keep_on_device else blob.cpu().numpy()
 
 
 class _Bytes:
@@ -168,9 +170,9 @@ class _Bytes:
                                          "data": (array.__cuda_array_interface__["data"][0], False)}
 
 
-def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device: torch.device) -> np.ndarray:
-    """The compressed chunks ``arrays`` (nvCOMP batch outputs), chunk *i* at ``starts[i]`` of one host
-    array with zeros in the gaps: put together on the device, then copied out at once."""
+def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The compressed chunks ``arrays`` (nvCOMP batch outputs), chunk *i* at ``starts[i]`` of one uint8
+    tensor on the device, with zeros in the gaps."""
     import torch
 
     total = starts[-1] + sizes[-1] if sizes else 0
@@ -178,7 +180,7 @@ def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device
     out = torch.zeros(total, dtype=torch.uint8, device=device)
     for at, n, a in zip(starts, sizes, arrays):
         out[at : at + n].copy_(torch.as_tensor(_Bytes(a, n), device=device))
-    return out.cpu().numpy()
+    return out
 
 
 # --------------------------------------------------------------------------- decoding

@@ -127,18 +127,20 @@ def compress_file(
         kept = False
         if nbytes >= min_tensor_bytes:
             dtype = source_entries[t.name].dtype if t.name in source_entries else t.dtype
+            # On a GPU the compressed bytes stay there until written (copied out through pinned memory below).
             entry, blob = encode_tensor(t.name, tensor, dtype, codec, params=default_params(codec, dtype),
-                                        checksum=checksum)
-            if blob.size <= (1 - min_gain) * nbytes:
+                                        checksum=checksum, keep_on_device=True)
+            stored = int(blob.nbytes)
+            if stored <= (1 - min_gain) * nbytes:
                 kept = True
-                specs.append(TensorSpec(t.name, "U8", (int(blob.size),)))
-                blobs[t.name] = torch.from_numpy(blob)
+                specs.append(TensorSpec(t.name, "U8", (stored,)))
+                blobs[t.name] = blob if isinstance(blob, torch.Tensor) else torch.from_numpy(blob)
                 entries[t.name] = entry.to_json()
                 stats.compressed += 1
-                stats.stored_bytes += int(blob.size)
+                stats.stored_bytes += stored
                 cur = stats.per_dtype.setdefault(dtype, [0, 0])
                 cur[0] += nbytes
-                cur[1] += int(blob.size)
+                cur[1] += stored
         if not kept:
             specs.append(TensorSpec.of(t.name, tensor))
             blobs[t.name] = tensor
@@ -151,13 +153,24 @@ def compress_file(
         metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
     with AlignedWriter(dst, specs, metadata, digest=digest) as w:
         for spec in w.order:
-            w.write(spec.name, blobs[spec.name])
+            w.write(spec.name, _to_host(blobs.pop(spec.name)))
     if w.digest is not None:
         stats.digests[str(dst)] = w.digest
     shutil.copymode(src, dst)  # private weights stay private (copy2 keeps the other files' modes too)
     loaded.close()
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor copied into pinned host memory (a DMA at the link's speed, where pageable memory takes a
+    fraction of it); host tensors as they are. The writer lets go of each copy once it is written, and torch
+    keeps the freed pinned blocks for the next tensors: pinned memory is allocated about once."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def compress_dir(
@@ -175,7 +188,7 @@ def compress_dir(
 
     Other files (config, tokenizer, generation config) are copied; ``gdsload.json`` is
     rewritten for the new files (and written if the source had none), with each file's sha256 when
-    ``digest`` (one more read of the output, the files hashed in parallel). ``out`` must not exist;
+    ``digest`` (computed from the bytes as they are written). ``out`` must not exist;
     it appears only once complete. The stats' ``seconds`` is the whole call.
 
     >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP
