@@ -160,3 +160,58 @@ def test_a_forked_child_makes_its_own_engine(blob):
     os.waitpid(pid, 0)
     assert got == b"\x01"
     staged.release()
+
+
+def test_threads_started_ahead_of_the_first_ticket_read_it_whole(blob):
+    data, fd, path = blob
+    out = np.zeros(data.size, np.uint8)
+    with StagedEngine(None, threads=4, chunk=1 << 20, buffers=2) as eng:
+        eng.start()
+        eng.start()  # a second start changes nothing
+        eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
+    assert np.array_equal(out, data)
+
+
+class _Cuda:
+    """Just what ``staged.prepare`` asks of a device."""
+
+    kind, index = "cuda", 3
+
+
+def test_prepare_starts_the_engine_only_where_it_will_read(monkeypatch, blob):
+    _, _, path = blob
+    started: list[tuple] = []
+
+    class Recorder:
+        def __init__(self, *key):
+            self.key = key
+
+        def start(self):
+            started.append(self.key)
+
+    monkeypatch.setattr(staged, "shared_engine", lambda index, **shape: Recorder(index, *sorted(shape.items())))
+    cold = {"value": False}
+    monkeypatch.setattr("gdsload.loader.io.pagecache.is_cold", lambda *paths: cold["value"])
+
+    staged.prepare(_Cuda(), [path], threads=5)
+    assert started == [(3, ("buffers", staged.DEFAULT_BUFFERS), ("chunk", staged.DEFAULT_CHUNK), ("threads", 5))]
+    staged.prepare(as_device("cpu"), [path])  # host memory: the reader makes its own engine when it needs one
+    staged.prepare(_Cuda(), [])
+    cold["value"] = True
+    staged.prepare(_Cuda(), [path])  # a cold rank is read with O_DIRECT by another engine
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")
+    cold["value"] = False
+    staged.prepare(_Cuda(), [path])
+    assert len(started) == 1
+
+
+def test_a_load_prepares_its_reader_with_the_rank_files(monkeypatch, tmp_path):
+    from gdsload.loader import load_rank
+    from gdsload.loader.io.cpu import CpuBackend
+
+    save_file({"w": torch.arange(10, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(CpuBackend, "prepare", lambda self, paths: seen.append(tuple(paths)), raising=False)
+    result = load_rank(tmp_path, 0, device="cpu", backend="cpu")
+    assert seen == [(str(tmp_path / "model.safetensors"),)]
+    assert torch.equal(result.tensors["w"], torch.arange(10, dtype=torch.float32))

@@ -149,6 +149,10 @@ class Backend(abc.ABC):
         """A uint8 buffer of ``nbytes`` on the target device (the arena, or staging)."""
         return self.device.empty(nbytes)
 
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Start, in the background, set-up that reading these files will need, while the load plans them
+        (the staged engine pins its buffers then); by default nothing. ``open`` must not depend on it."""
+
     def open(self, plan: LoadPlan) -> None:
         """Prepare to read ``plan``'s files."""
         self.plan = plan

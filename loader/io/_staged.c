@@ -6,6 +6,12 @@
  * staging is threads * buffers * chunk bytes, allocated once per engine; the buffers are small so that the
  * bytes the CPU just wrote are still in its cache when the DMA engine reads them.
  *
+ * The staging is one anonymous mapping asking for transparent huge pages; each thread faults in its own slice
+ * (the kernel zeroes the pages in parallel) and registers it with the driver. On an H200 host that pinned 64 MiB
+ * in 5-6 ms, against 22-37 ms for cuMemHostAlloc, which zeroes and pins page by page under the driver's lock
+ * (bench/RESULTS.md). Where registering fails, a thread falls back to cuMemHostAlloc. gdsl_start starts the
+ * threads (and so the pinning) before the first ticket, so that a load can overlap it with its planning.
+ *
  * Work arrives as tickets (gdsl_submit): one whole rank for a plain load, one staging group after another for
  * a compressed one, the threads moving on to the next ticket's chunks while the last copies of the previous
  * one are in flight. A ticket is done when the last copy of its chunks has completed; the first error of a
@@ -24,10 +30,12 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -43,9 +51,11 @@ static struct {
     CUresult (*stream_destroy)(CUstream);
     CUresult (*event_create)(CUevent *, unsigned);
     CUresult (*event_record)(CUevent, CUstream);
-    CUresult (*event_sync)(CUevent);
+    CUresult (*event_query)(CUevent);
     CUresult (*event_destroy)(CUevent);
     CUresult (*copy)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*host_register)(void *, size_t, unsigned);
+    CUresult (*host_unregister)(void *);
     int loaded;
 } cu;
 static pthread_mutex_t cu_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -59,8 +69,9 @@ static int load_cuda(void) {
         SYM(ctx_set, "cuCtxSetCurrent") SYM(host_alloc, "cuMemHostAlloc") SYM(free_host, "cuMemFreeHost")
         SYM(stream_create, "cuStreamCreate") SYM(stream_sync, "cuStreamSynchronize")
         SYM(stream_destroy, "cuStreamDestroy_v2") SYM(event_create, "cuEventCreate")
-        SYM(event_record, "cuEventRecord") SYM(event_sync, "cuEventSynchronize")
+        SYM(event_record, "cuEventRecord") SYM(event_query, "cuEventQuery")
         SYM(event_destroy, "cuEventDestroy_v2") SYM(copy, "cuMemcpyHtoDAsync_v2")
+        SYM(host_register, "cuMemHostRegister_v2") SYM(host_unregister, "cuMemHostUnregister")
 #undef SYM
         cu.loaded = ok ? 1 : -1;
     }
@@ -97,6 +108,10 @@ typedef struct engine {
     int stopping;
     int started;
     pthread_t *tids;
+    int next_id;             /* the slice of the staging mapping the next thread to start takes */
+    char *staging;           /* threads slices of `slice` bytes (NULL: every thread allocates its own) */
+    void *staging_base;      /* the mapping itself (staging rounded up to 2 MiB) */
+    size_t staging_len, slice;
     gdsl_error setup_error;  /* a thread could not set itself up */
 } engine;
 
@@ -117,9 +132,20 @@ static void credit(engine *e, ticket *t, size_t bytes) {
 
 typedef struct { void *buf; CUevent ev; chunk c; int busy; } slot;
 
+/* Wait for a copy to complete: poll its event, yielding the core between polls to any other thread that can run
+   (a compressed load's decoder, the caller). Spinning in cuEventSynchronize kept those threads off the cores, and
+   a blocking-sync event (the thread sleeps) slowed the reads by 5%: bench/RESULTS.md. */
+static CUresult wait_event(CUevent ev) {
+    for (;;) {
+        CUresult r = cu.event_query(ev);
+        if (r != 600 /* CUDA_ERROR_NOT_READY */) return r;
+        sched_yield();
+    }
+}
+
 static void retire(engine *e, slot *s) {
     if (!s->busy) return;
-    int r = e->ctx ? cu.event_sync(s->ev) : 0;
+    int r = e->ctx ? wait_event(s->ev) : 0;
     pthread_mutex_lock(&e->mu);
     if (r) fail(s->c.t, GDSL_CUDA, r, s->c.tag, s->c.offset);
     credit(e, s->c.t, r ? 0 : s->c.length);
@@ -127,16 +153,32 @@ static void retire(engine *e, slot *s) {
     s->busy = 0;
 }
 
+/* Pin this thread's slice of the staging mapping: fault its pages in here (in parallel with the other threads),
+   then register it. Returns the slice, or NULL when it cannot be pinned that way. */
+static char *pin_slice(engine *e, int id) {
+    if (!e->staging) return NULL;
+    char *p = e->staging + (size_t)id * e->slice;
+    for (size_t off = 0; off < e->slice; off += 4096) p[off] = 0;
+    return cu.host_register(p, e->slice, 0) ? NULL : p;
+}
+
 static void *worker(void *arg) {
     engine *e = arg;
     slot *slots = calloc((size_t)e->buffers, sizeof(slot));
     CUstream stream = NULL;
+    char *pinned = NULL;
     int ok = slots != NULL, err = 0, k = 0;
+    pthread_mutex_lock(&e->mu);
+    int id = e->next_id++;
+    pthread_mutex_unlock(&e->mu);
     if (ok && e->ctx) {
         ok = !(err = cu.ctx_set(e->ctx)) && !(err = cu.stream_create(&stream, 1 /* non-blocking */));
-        for (int i = 0; ok && i < e->buffers; i++)
-            ok = !(err = cu.host_alloc(&slots[i].buf, e->chunk, 0)) &&
-                 !(err = cu.event_create(&slots[i].ev, 2 /* no timing */));
+        if (ok) pinned = pin_slice(e, id);
+        for (int i = 0; ok && i < e->buffers; i++) {
+            if (pinned) slots[i].buf = pinned + (size_t)i * e->chunk;
+            else ok = !(err = cu.host_alloc(&slots[i].buf, e->chunk, 0));
+            ok = ok && !(err = cu.event_create(&slots[i].ev, 2 /* no timing */));
+        }
     } else if (ok) {
         for (int i = 0; ok && i < e->buffers; i++) ok = (slots[i].buf = aligned_alloc(4096, e->chunk)) != NULL;
     }
@@ -213,13 +255,14 @@ static void *worker(void *arg) {
         for (int i = 0; i < e->buffers; i++) {
             if (e->ctx) {
                 if (slots[i].ev) cu.event_destroy(slots[i].ev);
-                if (slots[i].buf) cu.free_host(slots[i].buf);
+                if (slots[i].buf && !pinned) cu.free_host(slots[i].buf);
             } else {
                 free(slots[i].buf);
             }
         }
         free(slots);
     }
+    if (pinned) cu.host_unregister(pinned);
     if (stream) cu.stream_destroy(stream);
     return NULL;
 }
@@ -244,6 +287,19 @@ engine *gdsl_open(void *ctx, int threads, size_t chunk, int buffers) {
         free(e);
         return NULL;
     }
+    if (ctx) {  /* the staging mapping, 2 MiB-aligned slices; its pages are faulted in by the threads */
+        const size_t huge = 2u << 20;
+        e->slice = ((size_t)buffers * chunk + huge - 1) / huge * huge;
+        e->staging_len = (size_t)threads * e->slice + huge;
+        void *m = mmap(NULL, e->staging_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) {
+            e->staging_len = 0;
+        } else {
+            e->staging = (char *)(((uintptr_t)m + huge - 1) / huge * huge);
+            madvise(e->staging, (size_t)threads * e->slice, MADV_HUGEPAGE);  /* a hint: 4 KiB pages work too */
+            e->staging_base = m;
+        }
+    }
     return e;
 }
 
@@ -251,6 +307,14 @@ static int start(engine *e) {
     for (; e->started < e->threads; e->started++)
         if (pthread_create(&e->tids[e->started], NULL, worker, e)) return e->started ? 0 : -1;
     return 0;
+}
+
+/* Start the reader threads now (they pin their staging, then wait for tickets); 0 when at least one runs. */
+int gdsl_start(engine *e) {
+    pthread_mutex_lock(&e->mu);
+    int r = e->started ? 0 : start(e);
+    pthread_mutex_unlock(&e->mu);
+    return r;
 }
 
 /* Queue `n` extents as one ticket; NULL when memory is short or no reader thread could start. */
@@ -330,6 +394,7 @@ void gdsl_close(engine *e) {
     for (int i = 0; i < e->started; i++) pthread_join(e->tids[i], NULL);
     free(e->tids);
     free(e->queue);
+    if (e->staging_base) munmap(e->staging_base, e->staging_len);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->work);
     pthread_cond_destroy(&e->done);

@@ -37,6 +37,7 @@ from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.fst_reader import make_fst_reader
 from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import prepare as staged_prepare
 from gdsload.loader.io.staged import unavailable as staged_unavailable
 
 __all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
@@ -95,6 +96,10 @@ class CuFileBackend(Backend):
                     f"{'on' if state.compat_preferred else 'off'}, cuFile is_gds_available={state.gds_available}); "
                     "it would bounce through host memory")
         return None
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        if not nvidia_fs_loaded() and not p2pdma_configured():  # no GDS: a cached rank goes through the staged engine
+            staged_prepare(self.device, paths, threads=self.options.num_threads, chunk=self.options.chunk_bytes)
 
     def open(self, plan: LoadPlan) -> None:
         import kvikio

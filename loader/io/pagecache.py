@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ RESIDENCY_SAMPLES = 256
 """Windows of pages probed per file to estimate residency (a full ``mincore`` scan costs about 0.1 s
 per 9 GB on tmpfs, a third of a load from there)."""
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library the process already has (find_library runs ldconfig)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 
 

@@ -47,6 +47,7 @@ from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_
 from gdsload.loader.io.fst_reader import make_fst_reader
 from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
 from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import prepare as staged_prepare
 from gdsload.loader.io.staged import unavailable as staged_unavailable
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
@@ -88,6 +89,9 @@ class PinnedBackend(Backend):
         if not torch.cuda.is_available():
             return "torch sees no CUDA device (CPU build of torch, or no driver)"
         return None
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        staged_prepare(self.device, paths, threads=self.options.num_threads, chunk=self.options.chunk_bytes)
 
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)

@@ -30,7 +30,7 @@ from gdsload.loader.config import parse_bool
 from gdsload.loader.errors import FileUnreadableError, GdsloadError, TruncatedFileError
 
 __all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "unavailable", "library_path", "shared_engine",
-           "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
+           "prepare", "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ def _load() -> ctypes.CDLL | None:
             lib.gdsl_wait.restype = ctypes.c_int
             lib.gdsl_close.argtypes = [V]
             lib.gdsl_close.restype = None
+            lib.gdsl_start.argtypes = [V]
+            lib.gdsl_start.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -161,6 +163,12 @@ class StagedEngine:
             raise StagedEngineError("the staged engine did not start (the CUDA driver lacks a function it needs, "
                                     "or memory is short)")
         self._handle: int | None = handle
+
+    def start(self) -> None:
+        """Start the threads now: they pin their staging while the caller goes on (a submit starts them otherwise)."""
+        assert self._handle is not None, "engine closed"
+        if self._lib.gdsl_start(self._handle):
+            raise StagedEngineError("the staged engine could not start a reader thread")
 
     @property
     def staging_bytes(self) -> int:
@@ -280,6 +288,23 @@ def shared_engine(device_index: int | None, *, threads: int, chunk: int, buffers
         if eng is None:
             eng = _shared[key] = StagedEngine(device_index, threads=threads, chunk=chunk, buffers=buffers)
         return eng
+
+
+def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, chunk: int | None = None) -> None:
+    """Start the shared engine that :class:`StagedReader` will use for ``paths`` on ``device``, when it will
+    read them (a CUDA device, the engine built and on, the files cached): its threads pin their staging while
+    the caller plans the load. A failure here is left for the reader to meet and report."""
+    if device.kind != "cuda" or not paths or unavailable() is not None:
+        return
+    from gdsload.loader.io.pagecache import is_cold
+
+    if is_cold(*paths):
+        return
+    try:
+        shared_engine(device.index or 0, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
+                      buffers=DEFAULT_BUFFERS).start()
+    except (StagedEngineError, OSError) as e:
+        log.debug("staged engine not started ahead of the load: %s", e)
 
 
 def release() -> None:

@@ -116,6 +116,7 @@ def load_rank(
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     clock.lap("setup")
     rank_files = discover(path, rank)
+    reader.prepare(rank_files.files)  # e.g. the staged engine pins its buffers while the headers are read
     plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened,
                      confine=confine)
     try:
