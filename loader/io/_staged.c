@@ -297,7 +297,6 @@ engine *gdsl_open(void *ctx, int threads, size_t chunk, int buffers) {
         } else {
             e->staging = (char *)(((uintptr_t)m + huge - 1) / huge * huge);
             madvise(e->staging, (size_t)threads * e->slice, MADV_HUGEPAGE);  /* a hint: 4 KiB pages work too */
-            madvise(m, e->staging_len, MADV_DONTFORK);  /* a forked child gets no copy of pinned pages */
             e->staging_base = m;
         }
     }
