@@ -251,8 +251,7 @@ class StagedReader:
         self.device = device
         self.plan = plan
         index = (device.index or 0) if device.kind == "cuda" else None
-        self.engine = shared_engine(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
-                                    buffers=buffers or DEFAULT_BUFFERS)
+        self.engine = _engine_for(index, threads, chunk, buffers)
 
     def submit(self, extents: Sequence[Any], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
@@ -290,6 +289,13 @@ def shared_engine(device_index: int | None, *, threads: int, chunk: int, buffers
         return eng
 
 
+def _engine_for(index: int | None, threads: int | None, chunk: int | None, buffers: int | None = None) -> StagedEngine:
+    """The shared engine a load of these options uses (None: the default shape), the same for ``prepare``
+    and :class:`StagedReader`, so that the engine started ahead is the one that reads."""
+    return shared_engine(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
+                         buffers=buffers or DEFAULT_BUFFERS)
+
+
 def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, chunk: int | None = None) -> None:
     """Start the shared engine that :class:`StagedReader` will use for ``paths`` on ``device``, when it will
     read them (a CUDA device, the engine built and on, the files cached): its threads pin their staging while
@@ -301,8 +307,7 @@ def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, ch
     if is_cold(*paths):
         return
     try:
-        shared_engine(device.index or 0, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
-                      buffers=DEFAULT_BUFFERS).start()
+        _engine_for(device.index or 0, threads, chunk).start()
     except (StagedEngineError, OSError) as e:
         log.debug("staged engine not started ahead of the load: %s", e)
 
