@@ -25,11 +25,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from gdsload.loader.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "as_device", "device_uuid", "torch_free_unavailable"]

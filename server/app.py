@@ -354,7 +354,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        supervisor.start()  # returns at once: loading runs in the background, the API answers meanwhile
+        supervisor.start()  # returns once the workers are started: they load in the background, the API answers
         try:
             yield
         finally:

@@ -202,11 +202,22 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the supervisor loop, which loads the configured model in the background; returns at once."""
+        """Start the configured model's workers and the supervisor loop; returns once the workers are started.
+
+        The model's files are listed and its workers started on the calling thread, before the loop: a
+        worker then starts while the caller goes on (importing the HTTP stack), instead of waiting behind
+        it for the interpreter. The loads themselves run in the workers, in the background.
+        """
         with self._lock:
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._loop, name="gdsload-supervisor", daemon=True)
+        if self.config.model_dir is not None:
+            try:
+                self._initial_load(self.config.model_dir)
+            except Exception as e:
+                self._failed(e)
+                self._stop.set()  # the loop starts only to stop the workers
         self._thread.start()
 
     def stop(self) -> None:
@@ -374,8 +385,6 @@ class Supervisor:
 
     def _loop(self) -> None:
         try:
-            if self.config.model_dir is not None:
-                self._initial_load(self.config.model_dir)
             while not self._stop.is_set():
                 with self._lock:
                     handles = [x.handle for x in self._ranks.values() if x.handle is not None]
@@ -401,15 +410,20 @@ class Supervisor:
                         self._reap(h)
                 self._restart_due()
         except Exception as e:
-            log.exception("the supervisor loop failed; stopping the workers")
-            with self._lock:  # /healthz fails from now on, so an orchestrator restarts the process
-                self.loop_error = self._model_error = {
-                    "type": "SupervisorFailed",
-                    "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
-                self._publish()
+            self._failed(e)
         finally:
             self._stop.set()
             self._shutdown()
+
+    def _failed(self, e: Exception) -> None:
+        """A bug stopped the supervisor: nothing loads or restarts any more, so ``/healthz`` fails from now on
+        (an orchestrator then restarts the process)."""
+        log.error("the supervisor loop failed; stopping the workers", exc_info=e)
+        with self._lock:
+            self.loop_error = self._model_error = {
+                "type": "SupervisorFailed",
+                "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
+            self._publish()
 
     def _run_actions(self) -> None:
         while True:
@@ -505,7 +519,7 @@ class Supervisor:
         self._switch(plan, force=True)
 
     def _switch(self, plan: _Target | None, force: bool) -> dict[str, Any]:
-        """Install ``plan`` as the next generation (None: unload); runs on the loop."""
+        """Install ``plan`` as the next generation (None: unload); runs on the loop (or in ``start``, before it)."""
         with self._lock:
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
             if leases and not force:

@@ -105,6 +105,18 @@ def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
         assert client.get("/v1/status").json()["state"] == "failed"
 
 
+def test_start_returns_with_the_workers_started(sharded_dir: Path):
+    """The workers start before ``start`` returns, so their start-up overlaps the HTTP stack's import."""
+    supervisor = Supervisor(ServeConfig.resolve(model_dir=str(sharded_dir), device_map="cpu", env={}))
+    try:
+        supervisor.start()
+        ranks = supervisor.status()["ranks"]
+        assert sorted(ranks) == ["0", "1"]
+        assert all(r["pid"] is not None and r["started_at"] is not None for r in ranks.values()), ranks
+    finally:
+        supervisor.stop()
+
+
 def test_waiting_for_leases_ends_when_the_server_stops(monkeypatch):
     supervisor = Supervisor(ServeConfig.resolve(env={}))
     monkeypatch.setattr(supervisor, "outstanding_leases", lambda: {0: 1})  # an engine that never releases

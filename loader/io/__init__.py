@@ -16,11 +16,13 @@ import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from gdsload.loader.devices import Device
 from gdsload.loader.errors import BackendUnavailableError, ConfigError, TruncatedFileError
-from gdsload.loader.plan import Extent, LoadPlan
+
+if TYPE_CHECKING:  # types only: the registry is read by processes that never load (a server's parent)
+    from gdsload.loader.devices import Device
+    from gdsload.loader.plan import Extent, LoadPlan
 
 __all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_names", "is_backend", "auto_order",
            "select_backend", "backend_class", "wait_preads", "extent_slice"]
