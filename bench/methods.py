@@ -3,7 +3,8 @@
 Prints one JSON line: the method, the seconds a user's stopwatch shows, logical bytes loaded, and
 what the loader reported (backend, I/O modes, its own phases). The stopwatch runs from the
 loader's first import to the last tensor on the device, the device synchronized, and the
-loader's set-up and tear-down included (the result is released inside it). Before it starts,
+loader's set-up and tear-down included (the result is released inside it); a peer gets the list of
+files to read before it starts, as its users have it at hand. Before it starts,
 the process has what an engine process has: torch imported and its CUDA context made (for the
 torch-free method, only the CUDA context, through the driver); that start-up is reported apart
 (``startup_seconds``). Memory: the process's peak RSS (``VmHWM``, start-up included) and its RSS
@@ -191,9 +192,11 @@ def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
 
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    # A peer's user has the file list at hand: it is made before the stopwatch (gdsload finds its own files inside).
+    files = _files(model_dir) if method in PEERS else None
     rss_before = _rss("VmRSS")
     t = time.perf_counter()
-    keep, nbytes, extra = load(method, model_dir, device)
+    keep, nbytes, extra = load(method, model_dir, device, files=files)
     # The loader's own tear-down ran inside load(); the tensors stay alive until the stopwatch stops,
     # as a user keeps them.
     seconds = time.perf_counter() - t

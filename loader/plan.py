@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.format.discovery import RankFiles
@@ -95,8 +96,7 @@ def align_up(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """A contiguous range of a file that lands contiguously in one destination buffer."""
 
     file_index: int
@@ -108,8 +108,7 @@ class Extent:
     """Which destination: 0 the arena (or a staging buffer), ``i`` the caller's ``i``-th target (``LoadPlan.targets``)."""
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where one tensor ends up: a place in the arena, or the whole of a caller's target."""
 
     name: str
@@ -124,8 +123,7 @@ class Placement:
     """0: the arena; ``i``: the caller's ``i``-th target."""
 
 
-@dataclass(frozen=True)
-class CompressedTensor:
+class CompressedTensor(NamedTuple):
     """A compressed tensor: its stored bytes go to staging, and decode into its placement."""
 
     file_index: int
@@ -136,8 +134,7 @@ class CompressedTensor:
     buffer: int = 0
 
 
-@dataclass(frozen=True)
-class FilePlan:
+class FilePlan(NamedTuple):
     path: str
     header: SafetensorsHeader
     mirror_offset: int
@@ -220,8 +217,7 @@ class PlanError(GdsloadError, ValueError):
     """A destination the caller gave does not fit the tensor it is for, or names no tensor of the rank."""
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """What a rank's file says of one tensor, before any data is read (its decoded dtype and shape)."""
 
     name: str
@@ -498,7 +494,7 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
     for p in placements:
         if p.copy_from is not None:
             cursor = align_up(cursor, _COPY_ALIGNMENT)
-            p = replace(p, offset=cursor)
+            p = p._replace(offset=cursor)
             cursor += p.nbytes
         final.append(p)
     assert all(f is not None for f in files)

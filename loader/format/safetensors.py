@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
@@ -69,8 +69,7 @@ MAX_HEADER_BYTES = 100_000_000
 _TENSOR_KEYS = {"dtype", "shape", "data_offsets"}
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """One tensor's entry in a safetensors header; offsets are relative to the data section."""
 
     name: str
@@ -294,8 +293,7 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
 # --------------------------------------------------------------------------- writing
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """What the writer needs to lay a tensor out before its bytes exist."""
 
     name: str

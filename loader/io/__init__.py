@@ -15,8 +15,7 @@ import abc
 import importlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from gdsload.loader.errors import BackendUnavailableError, ConfigError, TruncatedFileError
 
@@ -29,8 +28,7 @@ __all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_na
 
 log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     target: str
     """``"module:Class"``, imported on first use."""
     auto: int | None
@@ -105,8 +103,7 @@ own pages mapped (nothing read or copied)."""
 Progress = Callable[[int], None]
 
 
-@dataclass(frozen=True)
-class ReadOptions:
+class ReadOptions(NamedTuple):
     num_threads: int | None = None
     """Reader threads per rank; None: the backend's default."""
     chunk_bytes: int | None = None

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.config import format_bytes
 
@@ -23,8 +23,7 @@ tensors made; ``verify``: digests and checksums (when asked for); ``teardown``: 
 reader buffers released."""
 
 
-@dataclass(frozen=True)
-class FileReport:
+class FileReport(NamedTuple):
     path: str
     io_mode: str
     """The I/O mode that really ran for this file: gds, p2pdma, compat, posix or cpu."""
@@ -119,12 +118,11 @@ class LoadReport:
             "staging_bytes": self.staging_bytes,
             "direct_tensors": self.direct_tensors,
             "compression_ratio": self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0,
-            "files": [asdict(f) for f in self.files],
+            "files": [f._asdict() for f in self.files],
         }
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
     """Where one tensor of a result lives: ``offset`` into the arena (``buffer`` 0) or a caller's target."""
 
     name: str
