@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from gdsload.loader import codecs
 from gdsload.loader.pipeline import decode
 from gdsload.loader.pipeline.decode import _pipeline
 
@@ -150,7 +151,7 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
         def submit(self, extents, dsts, progress=None):
             return lambda: None
 
-    monkeypatch.setattr(decode, "nvcomp_available", lambda: None)
+    monkeypatch.setattr(codecs, "nvcomp_available", lambda: None)
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -169,7 +170,7 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
 def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    monkeypatch.setattr(decode, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(codecs, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(decode, "_WARNED", set())
     on = lambda i: SimpleNamespace(index=i)  # noqa: E731 - a device's shape
     with caplog.at_level("WARNING", logger="gdsload.loader.pipeline.decode"):
@@ -178,7 +179,7 @@ def test_warns_once_when_nvcomp_will_touch_gpu0(monkeypatch, caplog):
         decode._warn_if_other_gpus(on(1))
     (record,) = caplog.records
     assert "GPU 1" in record.getMessage() and "CUDA_VISIBLE_DEVICES" in record.getMessage()
-    monkeypatch.setattr(decode, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(codecs, "cuda_device_count", lambda: 1)
     caplog.clear()
     decode._warn_if_other_gpus(on(2))
     assert not caplog.records

@@ -23,17 +23,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gdsload.loader.io import Backend
-from gdsload.loader.codecs import DecodeJob, GpuCodecs, check_crc32, cpu_decode, cuda_device_count, nvcomp_available
-from gdsload.loader.codecs.registry import codec
 from gdsload.loader.devices import Device, Stream
 from gdsload.loader.errors import CodecError, DeviceMemoryError
 from gdsload.loader.pipeline.config import DEFAULT_STAGING_BYTES
 from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
+
+if TYPE_CHECKING:
+    from gdsload.loader.codecs import GpuCodecs
 
 __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
 
@@ -154,6 +155,8 @@ def load_compressed(
 
     t0 = time.perf_counter()
     if device.kind == "cpu":
+        from gdsload.loader.codecs import cpu_decode
+
         buf = reader.allocate(staging)
         stats.staging_bytes = staging
         view = device.host_memoryview(buf)
@@ -172,12 +175,6 @@ def load_compressed(
         stats.read_seconds = time.perf_counter() - t0 - stats.tail_seconds
         return stats
 
-    reason = nvcomp_available()
-    if reason is not None:
-        raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: "
-                         f"{reason}")
-    if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
-        _warn_if_other_gpus(device)  # chunks of a batch decoder go through nvCOMP's C API, which leaves GPU 0 alone
     try:
         slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
     except (MemoryError, RuntimeError) as e:
@@ -191,9 +188,20 @@ def load_compressed(
     errors: list[BaseException] = []
 
     def decoder() -> None:
+        # Started once the first group's reads are under way: the codecs (and nvCOMP) are imported here
+        # while the reader fills staging, instead of before its first read.
         try:
+            from gdsload.loader import codecs as gpu_codecs
+            from gdsload.loader.codecs.registry import codec
+
+            reason = gpu_codecs.nvcomp_available()
+            if reason is not None:
+                raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP "
+                                 f"cannot run: {reason}")
+            if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
+                _warn_if_other_gpus(device)  # a batch decoder's chunks go through nvCOMP's C API, which leaves GPU 0 alone
             stream = device.stream()
-            codecs = GpuCodecs(device, stream.handle, verify=verify)
+            codecs = gpu_codecs.GpuCodecs(device, stream.handle, verify=verify)
         except BaseException as e:  # no decoder: say why, and let the reader stop instead of waiting on slots
             errors.append(e)
             for ev in free:
@@ -212,6 +220,8 @@ def load_compressed(
             codecs.close()
 
     def decode_groups(codecs: GpuCodecs, stream: Stream) -> None:
+        from gdsload.loader.codecs import DecodeJob, check_crc32
+
         while True:
             item = work.get()
             if item is None:
@@ -242,18 +252,20 @@ def load_compressed(
                     free[k].set()
 
     thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
-    thread.start()
+
+    def submit(i: int, k: int) -> Callable[[], None]:
+        wait = reader.submit(_extents(groups[i]), [slots[k]], progress)
+        if i == 0:
+            thread.start()  # the decoder sets up while the first groups are read
+        return wait
+
     try:
-        _pipeline(
-            len(groups), free,
-            lambda i, k: reader.submit(_extents(groups[i]), [slots[k]], progress),
-            lambda i, k: work.put((groups[i], k)),
-            errors,
-        )
+        _pipeline(len(groups), free, submit, lambda i, k: work.put((groups[i], k)), errors)
         stats.read_seconds = time.perf_counter() - t0
     finally:
         work.put(None)
-        thread.join()
+        if thread.ident is not None:
+            thread.join()
     stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds
     if errors:
         raise errors[0]
@@ -268,6 +280,8 @@ def _warn_if_other_gpus(device: Device) -> None:
     index = device.index
     if not index or index in _WARNED:
         return
+    from gdsload.loader.codecs import cuda_device_count
+
     visible = cuda_device_count()
     if visible > 1:
         _WARNED.add(index)
