@@ -191,17 +191,17 @@ def load_compressed(
         # Started once the first group's reads are under way: the codecs (and nvCOMP) are imported here
         # while the reader fills staging, instead of before its first read.
         try:
-            from gdsload.loader import codecs as gpu_codecs
+            from gdsload.loader.codecs import GpuCodecs, nvcomp_available
             from gdsload.loader.codecs.registry import codec
 
-            reason = gpu_codecs.nvcomp_available()
+            reason = nvcomp_available()
             if reason is not None:
                 raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP "
                                  f"cannot run: {reason}")
             if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
                 _warn_if_other_gpus(device)  # a batch decoder's chunks go through nvCOMP's C API, which leaves GPU 0 alone
             stream = device.stream()
-            codecs = gpu_codecs.GpuCodecs(device, stream.handle, verify=verify)
+            codecs = GpuCodecs(device, stream.handle, verify=verify)
         except BaseException as e:  # no decoder: say why, and let the reader stop instead of waiting on slots
             errors.append(e)
             for ev in free:
