@@ -73,8 +73,11 @@ class Device(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all work queued on this device."""
 
-    def stream(self) -> Stream:
-        """A stream of this device for work beside the reads (decoding); GPU devices only."""
+    def stream(self, which: int = 0) -> Stream:
+        """Stream ``which`` of those this device keeps for work beside the reads (0: decoding, 1: checking
+        what was decoded); GPU devices only. nvCOMP borrows a stream without owning it and may outlive a
+        load (an error's traceback holds it), so each is made once and kept for the process's life; loads
+        on one device share them."""
         raise BackendUnavailableError(f"{self} has no CUDA streams")
 
     @abc.abstractmethod
@@ -96,6 +99,35 @@ class Device(abc.ABC):
     def host_memoryview(self, buf: Any) -> memoryview:
         """A writable view of a host buffer's bytes (CPU devices)."""
         raise BackendUnavailableError(f"{self} holds no host buffers")
+
+
+_KEPT: dict[tuple[type, int | None, int], Any] = {}
+"""The streams devices keep, by device class, device index and :meth:`Device.stream`'s ``which``."""
+_KEPT_LOCK = threading.Lock()
+
+
+def _driver_stream(index: int | None) -> int | None:
+    """A new non-blocking stream in GPU ``index``'s primary context (the one torch and CuPy use), made through
+    the CUDA driver; None if the driver refuses (torch then makes it).
+
+    torch's first ``torch.cuda.Stream`` makes its whole pool of streams for the device; on an H200 that took
+    3 ms, and 10-23 ms while the reader threads were copying, whose copies it held up meanwhile.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx, stream, popped = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), index or 0)
+            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):  # retained for the stream's life
+        return None
+    if cuda.cuCtxPushCurrent_v2(ctx):
+        return None
+    failed = cuda.cuStreamCreate(ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
+    cuda.cuCtxPopCurrent_v2(ctypes.byref(popped))
+    return None if failed else stream.value
 
 
 class TorchDevice(Device):
@@ -144,12 +176,18 @@ class TorchDevice(Device):
         if self.kind == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def stream(self) -> Stream:
+    def stream(self, which: int = 0) -> Stream:
         if self.kind != "cuda":
-            return super().stream()
+            return super().stream(which)
         torch = self.torch
         torch.cuda.set_device(self.device)
-        s = torch.cuda.Stream(device=self.device)  # torch keeps its streams for the process's life
+        with _KEPT_LOCK:
+            s = _KEPT.get((type(self), self.index, which))
+            if s is None:
+                handle = _driver_stream(self.index)
+                s = (torch.cuda.ExternalStream(handle, device=self.device) if handle is not None
+                     else torch.cuda.Stream(device=self.device))
+                _KEPT[type(self), self.index, which] = s
         return Stream(s.cuda_stream, s.synchronize, lambda: torch.cuda.stream(s))
 
     def to_host(self, buf: Any) -> np.ndarray:
@@ -180,8 +218,6 @@ class CupyDevice(Device):
 
     kind = "cuda"
     uses_torch = False
-    _streams: ClassVar[dict[int, Any]] = {}
-    _streams_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, index: int = 0):
         import cupy
@@ -206,14 +242,12 @@ class CupyDevice(Device):
     def synchronize(self) -> None:
         self.cupy.cuda.runtime.deviceSynchronize()
 
-    def stream(self) -> Stream:
-        # nvCOMP borrows the stream without owning it and may outlive a load (an error's traceback
-        # holds it): one stream per device is kept for the process's life, as torch keeps its own.
+    def stream(self, which: int = 0) -> Stream:
         self.activate()
-        with self._streams_lock:
-            if self.index not in self._streams:
-                self._streams[self.index] = self.cupy.cuda.Stream(non_blocking=True)
-            s = self._streams[self.index]
+        with _KEPT_LOCK:
+            s = _KEPT.get((type(self), self.index, which))
+            if s is None:
+                s = _KEPT[type(self), self.index, which] = self.cupy.cuda.Stream(non_blocking=True)
         return Stream(int(s.ptr), s.synchronize, contextlib.nullcontext)
 
     def to_host(self, buf: Any) -> np.ndarray:

@@ -477,3 +477,24 @@ def test_reads_and_copies_at_once_are_both_timed(tmp_path):
     assert both["read_gbps"] > 0 and both["h2d_gbps"] > 0
     with pytest.raises(ValueError, match="too short"):
         read_during_h2d(files[:1], "cuda", piece=1 << 30)
+
+
+
+def test_devices_keep_their_decode_and_check_streams():
+    """The decode and check streams are made once per device (through the driver), non-blocking, and work."""
+    import ctypes
+
+    from gdsload.loader.devices import as_device
+
+    dev = as_device("cuda:0")
+    a, b = dev.stream(0), dev.stream(1)
+    assert a.handle != b.handle
+    assert (a.handle, b.handle) == (dev.stream(0).handle, as_device("cuda:0").stream(1).handle)
+    flags = ctypes.c_uint()
+    assert ctypes.CDLL("libcuda.so.1").cuStreamGetFlags(ctypes.c_void_p(a.handle), ctypes.byref(flags)) == 0
+    assert flags.value == 1  # CU_STREAM_NON_BLOCKING: its work never waits on the legacy default stream
+    x = torch.ones(1 << 20, device="cuda:0")
+    with a.activate():
+        y = x * 2
+    a.synchronize()
+    assert float(y.sum()) == 2 * (1 << 20)

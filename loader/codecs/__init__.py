@@ -398,6 +398,7 @@ class _TorchStreamBytes:
         import torch
 
         self.torch = torch
+        self._owner = device
         self.device = torch.device("cuda", device.index)
         self.stream = torch.cuda.ExternalStream(stream, device=self.device)
         self._streams: dict[int, Any] = {stream: self.stream}
@@ -417,9 +418,7 @@ class _TorchStreamBytes:
         self.stream.synchronize()
 
     def side_stream(self) -> int:
-        s = self.torch.cuda.Stream(device=self.device)  # torch keeps its streams for the process's life
-        self._streams[s.cuda_stream] = s
-        return s.cuda_stream
+        return self._owner.stream(1).handle  # the device's second kept stream (torch's pool is not made)
 
     def _external(self, handle: int) -> Any:
         if handle not in self._streams:

@@ -201,7 +201,9 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
                 raise CodecError(
                     f"{where}: {len(sizes)} chunks cannot hold {nbytes} bytes in chunks of {chunk_bytes}"
                 )
-            end = int(((sizes[:-1] + align - 1) // align * align).sum() + sizes[-1:].sum())
+            end = int(sizes.sum())
+            if align > 1 and len(sizes) > 1:
+                end += int((-sizes[:-1] & (align - 1)).sum())  # every chunk but the last is padded to ``align``
             if end != t.nbytes:
                 raise CodecError(f"{where}: chunk sizes add up to {end} but {t.nbytes} bytes are stored")
             chunks = tuple(sizes.tolist())

@@ -188,7 +188,7 @@ def load_compressed(
     errors: list[BaseException] = []
 
     def decoder() -> None:
-        # Started once the first group's reads are under way: the codecs (and nvCOMP) are imported here
+        # Started once the first groups' reads are under way: the codecs (and nvCOMP) are imported here
         # while the reader fills staging, instead of before its first read.
         try:
             from gdsload.loader.codecs import GpuCodecs, nvcomp_available
@@ -255,8 +255,10 @@ def load_compressed(
 
     def submit(i: int, k: int) -> Callable[[], None]:
         wait = reader.submit(_extents(groups[i]), [slots[k]], progress)
-        if i == 0:
-            thread.start()  # the decoder sets up while the first groups are read
+        if i == len(slots) - 1:
+            # The decoder sets up while the first groups are read. It starts once they are all queued:
+            # its imports hold the GIL, and would hold up the submits for up to a switch interval (5 ms).
+            thread.start()
         return wait
 
     try:
