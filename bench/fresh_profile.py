@@ -7,7 +7,9 @@ timers, so a first-load penalty shows up next to the step that pays it:
 
     python -m gdsload.bench.fresh_profile /dev/shm/model --backend pinned --repeat 3
 
-Prints one JSON line per load. ``--prewarm-h2d`` copies 1 GiB host-to-device before the first
+Prints one JSON line per load. ``--timeline`` adds, for a compressed load, each staging group's times:
+reads submitted and done, decode started and finished, in seconds from the start of the decode stage.
+``--prewarm-h2d`` copies 1 GiB host-to-device before the first
 load (tells GPU/PCIe power-state ramp-up apart from software start-up costs). Loader options come
 from the ``GDSLOAD_*`` environment variables as usual.
 """
@@ -44,6 +46,9 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 
 def _instrument() -> None:
+    # Functions a load imports when it runs (the decode stage, the codecs) are wrapped where they are
+    # imported from: their modules' attributes.
+    import gdsload.loader.codecs as codecs
     import gdsload.loader.io as backends
     import gdsload.loader.io.pinned as pinned
     import gdsload.loader.pipeline.decode as decode
@@ -52,18 +57,62 @@ def _instrument() -> None:
     _wrap(load, "discover", "discover")
     _wrap(load, "plan_rank", "plan_rank")
     _wrap(load, "select_backend", "select_backend")
-    _wrap(load, "load_compressed", "load_compressed")
+    _wrap(decode, "load_compressed", "load_compressed")
     _wrap(backends.Backend, "allocate", "allocate")
     _wrap(pinned, "is_cold", "pinned.is_cold")
     for m in ("open", "read", "submit", "close"):
         _wrap(pinned.PinnedBackend, m, f"pinned.{m}")
-    _wrap(decode, "GpuCodecs", "decode.GpuCodecs()")
+    _wrap(codecs, "nvcomp_available", "codecs.nvcomp_available")
+    _wrap(codecs.GpuCodecs, "__init__", "codecs.GpuCodecs()")
+    _wrap(codecs.GpuCodecs, "decode_many", "codecs.GpuCodecs.decode_many")
     try:
         import kvikio
 
         _wrap(kvikio, "CuFile", "kvikio.CuFile()")
     except ImportError:
         pass
+
+
+_GROUPS: list[dict[str, float]] = []
+_START: list[float] = [0.0]
+
+
+def _timeline() -> None:
+    """Record each staging group of a compressed load on a GPU: when its reads were submitted, when they were
+    done, when the decoder started and finished it (seconds from the start of the decode stage)."""
+    import gdsload.loader.codecs as codecs
+    import gdsload.loader.pipeline.decode as decode
+
+    load_compressed, pipeline, decode_many = decode.load_compressed, decode._pipeline, codecs.GpuCodecs.decode_many
+
+    def since() -> float:
+        return round(time.perf_counter() - _START[0], 4)
+
+    def timed_load(*a: Any, **kw: Any) -> Any:
+        _GROUPS.clear()
+        _START[0] = time.perf_counter()
+        return load_compressed(*a, **kw)
+
+    def timed_pipeline(n: int, free: Any, submit: Any, hand_off: Any, errors: Any) -> None:
+        def timed_submit(i: int, k: int) -> Any:
+            g = {"submitted": since()}
+            _GROUPS.append(g)
+            wait = submit(i, k)
+
+            def timed_wait() -> None:
+                wait()
+                g["read"] = since()
+            return timed_wait
+        return pipeline(n, free, timed_submit, hand_off, errors)
+
+    def timed_decode(self: Any, jobs: Any) -> None:
+        g = next((g for g in _GROUPS if "decoding" not in g), {})
+        g["decoding"] = since()
+        decode_many(self, jobs)
+        g["decoded"] = since()
+
+    decode.load_compressed, decode._pipeline = timed_load, timed_pipeline
+    codecs.GpuCodecs.decode_many = timed_decode
 
 
 def main() -> None:
@@ -74,6 +123,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prewarm-h2d", action="store_true")
     ap.add_argument("--label", default="")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print each staging group of a compressed load: submitted, read, decoding, decoded")
     args = ap.parse_args()
     if not args.device.startswith("cuda"):
         ap.error(f"--device {args.device!r}: this profile times loads to a GPU; give cuda or cuda:N")
@@ -95,6 +146,8 @@ def main() -> None:
         except ImportError:
             pass
     imports["gdsload+kvikio+nvcomp"] = time.perf_counter() - t
+    if args.timeline:
+        _timeline()
     _instrument()
     if args.prewarm_h2d:
         src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
@@ -117,6 +170,8 @@ def main() -> None:
                 "trace": {k: [round(v[0], 4), v[1]] for k, v in _TRACE.items()},
                 "decode_busy_seconds": round(rep.decode_busy_seconds, 4),
                 "stored_bytes": rep.stored_bytes, "logical_bytes": rep.logical_bytes}
+        if args.timeline:
+            line["groups"] = list(_GROUPS)
         if i == 0:
             line["startup"] = {k: round(v, 3) for k, v in imports.items()}
             line["process_to_first_load_s"] = round(t - PROCESS_START, 3)

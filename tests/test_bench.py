@@ -420,3 +420,24 @@ def test_restart_bench_refuses_an_unknown_method(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gdsload.bench.restart", str(model), "--methods", "adopted,vllm"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "['vllm'] unknown" in p.stderr, p.stderr
+
+
+def test_fresh_profile_times_steps_a_load_really_runs(tmp_path):
+    """The profile wraps functions where a load finds them when it runs: a compressed CPU load hits each wrap."""
+    src = make_checkpoint(tmp_path / "m", "tiny")
+    from gdsload.loader.prepare.compress import compress_dir
+
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+    code = (
+        "import json, sys\n"
+        "from gdsload.bench import fresh_profile as f\n"
+        "f._timeline(); f._instrument()\n"
+        "from gdsload.loader import load_rank\n"
+        "load_rank(sys.argv[1], 0, device='cpu')\n"
+        "print(json.dumps({k: v[1] for k, v in f._TRACE.items()}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "z")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    calls = json.loads(out.stdout)
+    assert calls["discover"] == calls["plan_rank"] == calls["select_backend"] == calls["load_compressed"] == 1
