@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "as_device", "device_uuid", "torch_free_unavailable"]
+__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "PrimaryContext", "as_device", "cuda_error_name",
+           "device_uuid", "torch_free_unavailable"]
 
 
 class Stream:
@@ -106,28 +107,81 @@ _KEPT: dict[tuple[type, int | None, int], Any] = {}
 _KEPT_LOCK = threading.Lock()
 
 
+class PrimaryContext:
+    """GPU ``index``'s primary context (the one torch and CuPy use), retained through the CUDA driver until
+    :meth:`release`: the staged engine copies in it, the decoder's streams are made in it, and a sidecar
+    worker makes it while it imports.
+
+    Raises :class:`BackendUnavailableError` naming the failing call when the driver does not load or
+    refuses.
+    """
+
+    def __init__(self, index: int):
+        import ctypes
+
+        self.index = index
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise BackendUnavailableError(f"the CUDA driver (libcuda.so.1) does not load: {e}") from None
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self.lib.cuInit(0), "cuInit")
+        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        self.device = dev.value
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.handle: int | None = ctx.value
+
+    def _check(self, result: int, what: str) -> None:
+        if result:
+            raise BackendUnavailableError(f"{what} failed for CUDA device {self.index}: "
+                                          f"{cuda_error_name(result, self.lib)}")
+
+    def new_stream(self) -> int:
+        """A new non-blocking stream in this context (``cuStreamCreate``), whatever context the thread has."""
+        import ctypes
+
+        stream, popped = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(self.handle)), "cuCtxPushCurrent")
+        try:
+            self._check(self.lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+        return int(stream.value or 0)
+
+    def release(self) -> None:
+        """Give the retained context back (once)."""
+        if self.handle is not None:
+            import ctypes
+
+            self.lib.cuDevicePrimaryCtxRelease_v2(ctypes.c_int(self.device))
+            self.handle = None
+
+
+def cuda_error_name(result: int, lib: Any = None) -> str:
+    """``CUDA_ERROR_...`` for a CUresult (``lib``: the loaded driver, else it is loaded here)."""
+    import ctypes
+
+    try:
+        lib = lib or ctypes.CDLL("libcuda.so.1")
+        name = ctypes.c_char_p()
+        if lib.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
+            return f"{name.value.decode()} ({result})"
+    except OSError:
+        pass
+    return f"CUresult {result}"
+
+
 def _driver_stream(index: int | None) -> int | None:
-    """A new non-blocking stream in GPU ``index``'s primary context (the one torch and CuPy use), made through
-    the CUDA driver; None if the driver refuses (torch then makes it).
+    """A new non-blocking stream in GPU ``index``'s primary context, made through the CUDA driver (the
+    context stays retained for the stream's life); None if the driver refuses (torch then makes it).
 
     torch's first ``torch.cuda.Stream`` makes its whole pool of streams for the device; on an H200 that took
     3 ms, and 10-23 ms while the reader threads were copying, whose copies it held up meanwhile.
     """
-    import ctypes
-
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        return PrimaryContext(index or 0).new_stream()
+    except BackendUnavailableError:
         return None
-    dev, ctx, stream, popped = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), index or 0)
-            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):  # retained for the stream's life
-        return None
-    if cuda.cuCtxPushCurrent_v2(ctx):
-        return None
-    failed = cuda.cuStreamCreate(ctypes.byref(stream), 1)  # CU_STREAM_NON_BLOCKING
-    cuda.cuCtxPopCurrent_v2(ctypes.byref(popped))
-    return None if failed else stream.value
 
 
 class TorchDevice(Device):

@@ -7,7 +7,6 @@ more of the server than the worker needs.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -288,12 +287,11 @@ def _start_cuda_context() -> None:
     """
 
     def run() -> None:
+        from gdsload.loader.devices import PrimaryContext
+
         try:
-            cuda = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0:
-            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)  # kept for the process's life, as torch does
+            PrimaryContext(0)  # retained for the process's life, as torch does
+        except GdsloadError:
+            pass
 
     threading.Thread(target=run, name="gdsload-cuda-context", daemon=True).start()

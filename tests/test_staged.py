@@ -215,3 +215,25 @@ def test_a_load_prepares_its_reader_with_the_rank_files(monkeypatch, tmp_path):
     result = load_rank(tmp_path, 0, device="cpu", backend="cpu")
     assert seen == [(str(tmp_path / "model.safetensors"),)]
     assert torch.equal(result.tensors["w"], torch.arange(10, dtype=torch.float32))
+
+
+def test_a_gpu_engine_without_a_driver_says_which_call_failed():
+    """The engine, the decoder's streams and a sidecar worker retain a GPU's primary context through one helper;
+    where the driver does not load or refuses, the engine's error names the driver call."""
+    import ctypes
+
+    from gdsload.loader.devices import PrimaryContext, _driver_stream
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(staged.StagedEngineError, match=r"libcuda\.so\.1\) does not load"):
+            StagedEngine(0, threads=1, chunk=1 << 16)
+        assert _driver_stream(0) is None  # torch makes the stream then
+        return
+    ctx = PrimaryContext(0)
+    assert ctx.handle and ctx.new_stream() != ctx.new_stream()
+    ctx.release()
+    assert ctx.handle is None
+    with pytest.raises(staged.StagedEngineError, match=r"cuDeviceGet failed for CUDA device 4096: CUDA_ERROR_INVALID_DEVICE"):
+        StagedEngine(4096, threads=1, chunk=1 << 16)

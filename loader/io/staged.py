@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gdsload.loader.config import parse_bool
-from gdsload.loader.errors import FileUnreadableError, GdsloadError, TruncatedFileError
+from gdsload.loader.devices import PrimaryContext, cuda_error_name
+from gdsload.loader.errors import BackendUnavailableError, FileUnreadableError, GdsloadError, TruncatedFileError
 
 __all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "unavailable", "library_path", "shared_engine",
            "prepare", "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
@@ -105,44 +106,6 @@ def unavailable() -> str | None:
     return None if _load() is not None else _why
 
 
-class _Cuda:
-    """The device's primary context (the one torch and CuPy use), retained for the engine's lifetime."""
-
-    def __init__(self, index: int):
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise StagedEngineError(f"the CUDA driver (libcuda.so.1) does not load: {e}") from None
-        self.index = index
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._check(self.lib.cuInit(0), "cuInit")
-        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
-        self.dev = dev.value
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        self.ctx = ctx.value
-
-    def _check(self, r: int, what: str) -> None:
-        if r != 0:
-            raise StagedEngineError(f"{what} failed for CUDA device {self.index}: {error_name(r, self.lib)}")
-
-    def release(self) -> None:
-        if self.ctx is not None:
-            self.lib.cuDevicePrimaryCtxRelease_v2(ctypes.c_int(self.dev))
-            self.ctx = None
-
-
-def error_name(result: int, lib: ctypes.CDLL | None = None) -> str:
-    """``CUDA_ERROR_...`` for a CUresult."""
-    try:
-        lib = lib or ctypes.CDLL("libcuda.so.1")
-        name = ctypes.c_char_p()
-        if lib.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
-            return f"{name.value.decode()} ({result})"
-    except OSError:
-        pass
-    return f"CUresult {result}"
-
-
 class StagedEngine:
     """``threads`` readers with ``buffers`` staging buffers of ``chunk`` bytes each, copying to CUDA device
     ``device_index`` (None: into host memory). Threads start, and pin their buffers, with the first submit."""
@@ -155,8 +118,11 @@ class StagedEngine:
             raise ValueError(f"bad engine shape: threads={threads} chunk={chunk} buffers={buffers}")
         self._lib = lib
         self.threads, self.chunk, self.buffers = threads, chunk, buffers
-        self._cuda = _Cuda(device_index) if device_index is not None else None
-        handle = lib.gdsl_open(self._cuda.ctx if self._cuda else None, threads, chunk, buffers)
+        try:
+            self._cuda = PrimaryContext(device_index) if device_index is not None else None
+        except BackendUnavailableError as e:
+            raise StagedEngineError(str(e)) from None
+        handle = lib.gdsl_open(self._cuda.handle if self._cuda else None, threads, chunk, buffers)
         if not handle:
             if self._cuda:
                 self._cuda.release()
@@ -215,7 +181,7 @@ class StagedEngine:
                                                    f"{os.strerror(err.detail)} ({_errno.errorcode.get(err.detail, '?')})")
         if err.code == _CUDA:
             where = f" copying {path!r} at byte {err.offset}" if err.tag >= 0 else " setting up its threads"
-            return StagedEngineError(f"CUDA failed{where}: {error_name(err.detail)}")
+            return StagedEngineError(f"CUDA failed{where}: {cuda_error_name(err.detail)}")
         return StagedEngineError("the staged engine's threads could not allocate their staging buffers")
 
     def close(self) -> None:
