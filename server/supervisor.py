@@ -481,7 +481,6 @@ class Supervisor:
 
     def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
         from gdsload.loader.format.discovery import discover, list_ranks
-        from gdsload.loader.plan import plan_rank
 
         source, tp, files = list_ranks(real)
         served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
@@ -498,6 +497,9 @@ class Supervisor:
                 for f in files.get(r, ()):
                     confine_path(f, self.config.allow_roots)
         if strict:
+            # Imported only here: planning needs numpy, which the first generation's workers should not wait for.
+            from gdsload.loader.plan import plan_rank
+
             for r in served:
                 plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
         devices = assign_devices(served, self.config.device_map, visible_gpus())

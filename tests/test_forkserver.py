@@ -140,3 +140,20 @@ def test_a_failing_fork_server_falls_back_to_spawn(tmp_path, monkeypatch: pytest
         assert methods == ["forkserver", "spawn", "spawn"]  # rank 0 tried the fork server once, rank 1 did not
     finally:
         sup.stop()
+
+
+def test_the_server_starts_its_first_workers_before_importing_numpy(tmp_path):
+    """Listing a model's files for its first generation imports no numpy (planning does, on a reload): every
+    import before the workers' start delays them."""
+    from gdsload.loader.prepare.synthetic import LlamaShape, make_checkpoint
+
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=2)
+    code = ("import json, os, sys; from gdsload.server.settings import ServeConfig; "
+            "from gdsload.server.supervisor import Supervisor; "
+            "sup = Supervisor(ServeConfig(model_dir=sys.argv[1], device_map='cpu')); "
+            "t = sup._plan(sys.argv[1], os.path.realpath(sys.argv[1]), None, strict=False); "
+            "print(json.dumps({'ranks': sorted(t.files), 'numpy': 'numpy' in sys.modules}))")
+    out = json.loads(subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out == {"ranks": [0, 1], "numpy": False}
