@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "PrimaryContext", "as_device", "cuda_error_name",
-           "device_uuid", "torch_free_unavailable"]
+           "device_uuid", "start_primary_context", "torch_free_unavailable"]
 
 
 class Stream:
@@ -155,6 +155,23 @@ class PrimaryContext:
 
             self.lib.cuDevicePrimaryCtxRelease_v2(ctypes.c_int(self.device))
             self.handle = None
+
+
+def start_primary_context(index: int = 0) -> None:
+    """Create GPU ``index``'s primary CUDA context on a thread while the process imports its libraries.
+
+    Both take a good part of a second in a fresh process; the driver call releases the GIL, so they
+    overlap. cupy, kvikio and torch then find the primary context made and retain it. Where the
+    driver library is missing, nothing happens here and whatever uses the GPU reports the problem.
+    """
+
+    def run() -> None:
+        try:
+            PrimaryContext(index)  # retained for the process's life, as torch does
+        except BackendUnavailableError:
+            pass
+
+    threading.Thread(target=run, name="gdsload-cuda-context", daemon=True).start()
 
 
 def cuda_error_name(result: int, lib: Any = None) -> str:

@@ -8,7 +8,6 @@ import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from gdsload.loader import format_bytes
-from gdsload.loader.prepare.compress import compress_dir, compress_file
 from gdsload.loader.codecs.registry import GPU_DEFAULT, codec_names
 from gdsload.server.cli import DEVICE
 
@@ -34,6 +33,11 @@ def compress(src: str, out: str, codec: str, min_gain: float, device: str | None
     src_p = Path(src)
     if Path(out).exists():  # a file as well as a directory: nothing is overwritten, the source least of all
         raise click.UsageError(f"OUT {out!r} already exists; choose a new path (nothing was written)")
+    if device != "cpu":  # the GPU's context is made while the compressor's libraries are imported
+        from gdsload.loader.devices import start_primary_context
+
+        start_primary_context(int(device.partition(":")[2] or 0) if device else 0)
+    from gdsload.loader.prepare.compress import compress_dir, compress_file
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task(f"compressing ({codec})", total=_total_bytes(src_p))

@@ -271,27 +271,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
     if spec.cuda_visible_devices and forkserver.inherited_problem() is None:
-        _start_cuda_context()
+        from gdsload.loader.devices import start_primary_context
+
+        start_primary_context(0)
     configure_logging(spec.log_format, spec.log_level, rank=spec.rank)
     if forkserver.STATE:
         log.debug("forked from the worker fork server (its imports: %s)", forkserver.STATE)
     _Worker(spec, _Channel(conn), entered_at).run()
-
-
-def _start_cuda_context() -> None:
-    """Create the GPU's primary CUDA context on a thread while this process imports its libraries.
-
-    Both take a good part of a second on a fresh process; the driver call releases the GIL, so they
-    overlap. cupy, kvikio and torch then find the primary context made and retain it. Where the
-    driver library is missing, nothing happens here and the load reports the problem later.
-    """
-
-    def run() -> None:
-        from gdsload.loader.devices import PrimaryContext
-
-        try:
-            PrimaryContext(0)  # retained for the process's life, as torch does
-        except GdsloadError:
-            pass
-
-    threading.Thread(target=run, name="gdsload-cuda-context", daemon=True).start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import struct
@@ -409,3 +410,30 @@ def test_compressed_files_keep_the_sources_permissions(tmp_path):
     compress_dir(src, out, codec="zstd", device="cpu")
     assert {f.name: f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")} == \
         {f.name: 0o600 for f in src.glob("*.safetensors")}
+
+
+def test_only_ans_on_a_gpu_is_compressed_without_torch(monkeypatch):
+    """The torch-free compressor takes ANS on a CUDA device; the CPU, other codecs and a registry whose
+    ANS writes another layout go through torch. Device names parse as the CLI gives them."""
+    from gdsload.loader.codecs import registry
+    from gdsload.loader.prepare import gpu_compress
+
+    assert gpu_compress._parse_device("cuda:3") == ("cuda", 3)
+    assert gpu_compress._parse_device(torch.device("cuda", 2)) == ("cuda", 2)
+    assert gpu_compress._parse_device("cpu") == ("cpu", 0)
+    assert gpu_compress.torch_free_gpu("ans", "cpu") is None
+    assert gpu_compress.torch_free_gpu("zstd", "cuda") is None
+    import dataclasses
+
+    monkeypatch.setitem(registry._CODECS, "ans", dataclasses.replace(registry.codec("ans"), layouts=("native", "chunks")))
+    assert gpu_compress.torch_free_gpu("ans", "cuda") is None
+
+
+def test_a_file_is_preallocated_in_one_call(tmp_path):
+    """The compressor reserves a file's blocks before writing it (fallocate: no zeros written)."""
+    from gdsload.loader.prepare.gpu_compress import _preallocate
+
+    with open(tmp_path / "f", "wb") as f:
+        _preallocate(f.fileno(), 3 << 20)
+        st = os.fstat(f.fileno())
+    assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20

@@ -157,6 +157,55 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
     assert res.report.verified and res.report.stored_bytes < res.report.logical_bytes
 
 
+def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_writes(tmp_path):
+    """`gdsload compress --codec ans` on a GPU imports no torch: cupy and nvCOMP's C API. Its files hold,
+    tensor for tensor, the entries and bytes the torch encoder (nvCOMP's Python codec) makes; the
+    manifest's digests are the files' sha256; every tensor loads bit-identical to safetensors, from a
+    file the safetensors library wrote (tensors at offsets that are not 16-byte aligned)."""
+    import subprocess
+    import sys
+
+    from gdsload.loader import read_header
+    from gdsload.loader.codecs import encode_tensor
+    from gdsload.loader.format.compression import parse_compression
+    from gdsload.loader.format.manifest import Manifest, file_digest
+
+    src = tmp_path / "w"
+    src.mkdir()
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "odd.bf16": (0.02 * torch.randn(3, generator=g)).to(torch.bfloat16),  # 6 bytes: what follows is unaligned
+        "a.bf16": (0.02 * torch.randn(700_001, generator=g)).to(torch.bfloat16),  # a short last chunk
+        "b.f32": 0.02 * torch.randn(300_007, generator=g),
+        "c.fp8": torch.randn(400_003, generator=g).to(torch.float8_e4m3fn),
+        "noise.u8": torch.randint(0, 256, (300_000,), generator=g, dtype=torch.uint8),  # does not shrink: raw
+        "small.bf16": torch.ones(1000, dtype=torch.bfloat16),  # under min_tensor_bytes: raw
+    }
+    safetensors.torch.save_file(tensors, str(src / "model.safetensors"))
+    assert any(t.start % 16 for t in read_header(src / "model.safetensors").tensors if t.nbytes > 1 << 16)
+    out = tmp_path / "z"
+    code = ("import sys; from gdsload.loader.prepare.compress import compress_dir; "
+            f"s = compress_dir({str(src)!r}, {str(out)!r}, codec='ans', device='cuda'); "
+            "print(s.compressed, s.raw, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    compressed, raw, torch_imported = done.stdout.split()
+    assert (compressed, raw, torch_imported) == ("3", "3", "False")
+
+    f = out / "model.safetensors"
+    entries = parse_compression(read_header(f))
+    assert set(entries) == {"a.bf16", "b.f32", "c.fp8"}
+    dtype = {"a.bf16": "BF16", "b.f32": "F32", "c.fp8": "F8_E4M3"}
+    stored = safetensors.torch.load_file(str(f))
+    for name, entry in entries.items():
+        want, blob = encode_tensor(name, tensors[name].cuda(), dtype[name], "ans")
+        assert entry.to_json() == want.to_json(), name
+        assert np.array_equal(stored[name].numpy(), blob), name
+    manifest = Manifest.read(out)
+    assert [m.digest for m in manifest.ranks[0]] == [file_digest(f)]
+    _check(load_rank(out, device="cuda", verify=True), tensors)
+
+
 def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:
     """24 bf16 tensors (one of 8 MiB) in ``tmp_path/w``, their ANS copy in ``tmp_path/z``, and staging
     made 3 MiB (1 MiB per buffer: two small tensors, or a run of the large one's chunks)."""

@@ -1,5 +1,5 @@
-"""nvCOMP's C API through ctypes: the batched ANS decoder, and the CRC-32 of device bytes (:func:`device_crc32`,
-which the encoder records).
+"""nvCOMP's C API through ctypes: the batched ANS decoder, the batched ANS encoder (:func:`ans_encode`, for
+compressing without torch) and the CRC-32 of device bytes (:func:`device_crc32`, which the encoder records).
 
 Why not nvCOMP's Python package, which the encoder uses: its ``Codec.decode`` takes one tensor's
 stream at a time, reads the stream's header back to the host to size the output (a copy that
@@ -36,7 +36,7 @@ import numpy as np
 
 from gdsload.loader.errors import CodecError
 
-__all__ = ["AnsChunks", "AnsDecoder", "device_crc32", "nvcomp_version"]
+__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "nvcomp_version"]
 
 _MIN_VERSION = 6000
 """nvCOMP 6.0: the options struct bound below is its layout."""
@@ -51,6 +51,17 @@ class _DecompressOpts(ctypes.Structure):
     _fields_ = [("backend", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
                 ("states_per_lane", ctypes.c_uint8), ("skip_validate", ctypes.c_uint8),
                 ("reserved", ctypes.c_char * 53)]
+
+
+class _CompressOpts(ctypes.Structure):
+    # nvcompBatchedANSCompressOpts_t (nvcomp/ans.h, 6.0); type 0 is nvcomp_rANS, zeroes are the defaults.
+    _fields_ = [("type", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("states_per_lane", ctypes.c_uint8), ("histogram_reduction_log2", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 53)]
+
+
+_ANS_TYPES = {"|u1": 1, "<f2": 10, "<f4": 11}
+"""nvcompType_t of each ANS ``data_type`` parameter the files record (:mod:`gdsload.loader.codecs.ans`)."""
 
 
 class _CRC32Spec(ctypes.Structure):
@@ -112,6 +123,12 @@ def _lib() -> tuple[ctypes.CDLL, int]:
                                                                   ctypes.POINTER(size_t), size_t, ptr]
             lib.nvcompBatchedANSDecompressAsync.argtypes = [ptr, ptr, ptr, ptr, size_t, ptr, size_t, ptr,
                                                             _DecompressOpts, ptr, ptr]
+            lib.nvcompBatchedANSCompressGetTempSize.argtypes = [size_t, size_t, _CompressOpts,
+                                                                ctypes.POINTER(size_t), size_t, ptr]
+            lib.nvcompBatchedANSCompressGetMaxOutputChunkSize.argtypes = [size_t, _CompressOpts,
+                                                                          ctypes.POINTER(size_t)]
+            lib.nvcompBatchedANSCompressAsync.argtypes = [ptr, ptr, size_t, size_t, ptr, size_t, ptr, ptr,
+                                                          _CompressOpts, ptr, ptr]
             if hasattr(lib, "nvcompBatchedCRC32Async"):
                 lib.nvcompBatchedCRC32Async.argtypes = [ptr, ptr, size_t, ptr, _CRC32Opts, ctypes.c_int, ptr, ptr]
                 lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [ptr, size_t, ctypes.POINTER(_CRC32KernelConf),
@@ -328,6 +345,66 @@ class AnsDecoder:
         self._pending.clear()
         self._temp = None
         self._spare = []
+
+
+@dataclass
+class AnsSlots:
+    """What :func:`ans_encode` made: chunk *i*'s compressed bytes are the first ``sizes[i]`` bytes at
+    ``address + i * slot_bytes`` of the device array ``array``."""
+
+    array: Any
+    address: int
+    slot_bytes: int
+    sizes: np.ndarray
+
+
+def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: Any, stream: int, where: str
+               ) -> AnsSlots:
+    """Compress the device chunks at addresses ``src``, ``src_bytes`` bytes each (uint64 arrays), with ANS
+    in one call, into fixed-size slots of a new device array (``device`` as for :class:`AnsDecoder`), on
+    ``stream``; waits for it.
+
+    ``data_type`` is the ANS parameter a file records (``"<f2"``, ``"<f4"``, ``"|u1"``); the chunks are
+    16-byte aligned and hold whole elements of it. The bitstreams are those nvCOMP's Python codec
+    writes with ``BitstreamKind.RAW``: what :class:`AnsDecoder` decodes.
+    """
+    lib = _lib()[0]
+    n = len(src)
+    if data_type not in _ANS_TYPES:
+        raise CodecError(f"{where}: ANS data_type {data_type!r} is not one of {sorted(_ANS_TYPES)}")
+    if not n:
+        return AnsSlots(None, 0, 0, np.zeros(0, np.uint64))
+    opts = _CompressOpts(data_type=_ANS_TYPES[data_type])
+    size_t = ctypes.c_size_t
+    src, src_bytes = np.asarray(src, np.uint64), np.asarray(src_bytes, np.uint64)
+    largest, total = int(src_bytes.max()), int(src_bytes.sum())
+    slot = size_t(0)
+    _raise_on(lib.nvcompBatchedANSCompressGetMaxOutputChunkSize(largest, opts, ctypes.byref(slot)),
+              "sizing the compressed chunks", where)
+    slot_bytes = -(-slot.value // 256) * 256  # every slot as aligned as the array (cudaMalloc: 256 bytes)
+    temp = size_t(0)
+    _raise_on(lib.nvcompBatchedANSCompressGetTempSize(n, largest, opts, ctypes.byref(temp), total, stream),
+              "sizing the encoder's scratch", where)
+    slots, base = device.empty(n * slot_bytes)
+    scratch, scratch_at = device.empty(max(temp.value, 1))
+    # One table: input pointers, input sizes, output pointers, then room for the output sizes and statuses.
+    table, at = device.empty(36 * n)
+    dst = base + np.arange(n, dtype=np.uint64) * np.uint64(slot_bytes)
+    device.put(table, np.concatenate([src, src_bytes, dst]).view(np.uint8))
+    _raise_on(lib.nvcompBatchedANSCompressAsync(at, at + 8 * n, largest, n, scratch_at, temp.value, at + 16 * n,
+                                                at + 24 * n, opts, at + 32 * n, stream),
+              f"launching the compression of {n} chunks", where)
+    device.sync()
+    back = device.get(table, 36 * n)
+    sizes = back[24 * n : 32 * n].view(np.uint64).copy()
+    statuses = back[32 * n : 36 * n].view(np.int32)
+    bad = np.flatnonzero(statuses)
+    if len(bad):
+        code = int(statuses[bad[0]])
+        raise CodecError(f"{where}: nvCOMP could not compress chunk {int(bad[0])} of the batch: status {code} "
+                         f"({_STATUS.get(code, 'unknown')}; {len(bad)} chunk(s) failed)")
+    del scratch
+    return AnsSlots(slots, base, slot_bytes, sizes)
 
 
 def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str) -> np.ndarray | None:

@@ -478,6 +478,41 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         done += n
 
 
+def aligned_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None,
+                   alignment: int = DATA_ALIGNMENT) -> tuple[list[TensorSpec], bytes, int]:
+    """The layout of an aligned safetensors file: the order of its tensors (by element size, largest
+    first, stable for equal sizes, so each is naturally aligned), its header (space-padded so data
+    starts at a multiple of ``alignment``) and the length of its data section. ``ValueError`` for
+    repeated or unsafe names and unknown dtypes, ``TypeError`` for metadata that is not str to str."""
+    specs = list(specs)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"tensor names must be unique; repeated: {dup}")
+    for s in specs:
+        if s.dtype not in ITEMSIZE:
+            raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
+        _check_text(s.name, f"tensor name {s.name!r}")
+        if s.name == "__metadata__":
+            raise ValueError("a tensor cannot be named '__metadata__': safetensors keeps that key for metadata")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("metadata must map str to str (safetensors stores only strings)")
+    for k, v in (metadata or {}).items():
+        _check_text(k, f"metadata key {k!r}")
+        _check_text(v, f"metadata value of {k!r}")
+    order = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for s in order:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    padded = -(-(8 + len(raw)) // alignment) * alignment - 8
+    return order, struct.pack("<Q", padded) + raw + b" " * (padded - len(raw)), offset
+
+
 class AlignedWriter:
     """Lays out tensors for an aligned safetensors file and streams them in, one at a time.
 
@@ -511,36 +546,9 @@ class AlignedWriter:
         digest: bool = True,
         threads: int | None = None,
     ):
-        specs = list(specs)
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"tensor names must be unique; repeated: {dup}")
-        for s in specs:
-            if s.dtype not in ITEMSIZE:
-                raise ValueError(f"tensor {s.name!r}: unknown dtype {s.dtype!r}")
-            _check_text(s.name, f"tensor name {s.name!r}")
-            if s.name == "__metadata__":
-                raise ValueError("a tensor cannot be named '__metadata__': safetensors keeps that key for metadata")
-        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise TypeError("metadata must map str to str (safetensors stores only strings)")
-        for k, v in (metadata or {}).items():
-            _check_text(k, f"metadata key {k!r}")
-            _check_text(v, f"metadata value of {k!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads!r} must be at least 1")
-        self.order: list[TensorSpec] = sorted(specs, key=lambda s: -ITEMSIZE[s.dtype])
-        header: dict[str, Any] = {}
-        if metadata:
-            header["__metadata__"] = dict(metadata)
-        offset = 0
-        for s in self.order:
-            header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-            offset += s.nbytes
-        self.data_len = offset
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        padded = -(-(8 + len(raw)) // alignment) * alignment - 8
-        self.header = struct.pack("<Q", padded) + raw + b" " * (padded - len(raw))
+        self.order, self.header, self.data_len = aligned_header(specs, metadata, alignment)
         self.digest: str | None = None
         """``"sha256:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
         self._hash = hashlib.sha256() if digest else None

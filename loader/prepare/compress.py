@@ -3,7 +3,8 @@
 Every tensor keeps its name. Tensors smaller than ``min_tensor_bytes``, or that do not shrink
 by at least ``min_gain``, stay raw. Compression runs on the GPU (nvCOMP) when ``device`` is a
 CUDA device; on the CPU only Zstd is available. Output is atomic: a directory is built beside
-the destination and renamed into place when complete.
+the destination and renamed into place when complete. ANS on a GPU runs without torch
+(:mod:`gdsload.loader.prepare.gpu_compress`); the other codecs, and hosts without cupy, through torch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from gdsload.loader.pipeline.load import load_rank
 from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
 from gdsload.loader.codecs.registry import GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
@@ -33,6 +32,10 @@ from gdsload.loader.format.safetensors import (
     remove_dead_leftovers,
 )
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manifest
+from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CompressStats", "compress_file", "compress_dir", "MIN_TENSOR_BYTES"]
 
@@ -76,6 +79,8 @@ class CompressStats:
 
 def compress_device(codec: str, device: str | torch.device | None) -> torch.device:
     """Where ``codec`` compresses (``device`` None: the GPU when nvCOMP works); CodecError when it cannot here."""
+    import torch
+
     if device is None:
         device = "cuda" if nvcomp_available() is None else "cpu"
     dev = torch.device(device)
@@ -109,8 +114,18 @@ def compress_file(
         raise ConfigError(f"codec={codec!r} is not one of {codec_names()}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
-    dev = compress_device(codec, device)
     t0 = time.perf_counter()
+    index = torch_free_gpu(codec, device)
+    if index is not None:
+        stats = compress_files([(src, dst)], index=index, min_gain=min_gain, checksum=checksum,
+                               min_tensor_bytes=min_tensor_bytes, digest=digest, progress=progress)[0]
+        stats.seconds = time.perf_counter() - t0
+        return stats
+    import torch
+
+    from gdsload.loader.pipeline.load import load_rank
+
+    dev = compress_device(codec, device)
     header = read_header(src)
     source_entries = parse_compression(header)  # a compressed source is decoded, then re-compressed
     # On the CPU the tensors are compressed or written straight from the file's pages (mapped, not copied).
@@ -166,6 +181,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A GPU tensor copied into pinned host memory (a DMA at the link's speed, where pageable memory takes a
     fraction of it); host tensors as they are. The writer lets go of each copy once it is written, and torch
     keeps the freed pinned blocks for the next tensors: pinned memory is allocated about once."""
+    import torch
+
     if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -208,6 +225,7 @@ def compress_dir(
     try:
         writing = staging / WRITING_MARKER  # the staging directory never loads (discovery refuses it)
         writing.touch()
+        pairs: list[tuple[Path, Path]] = []
         for item in sorted(src_p.rglob("*")):  # subdirectories too: a manifest may list files in them
             rel_item = item.relative_to(src_p)
             if str(rel_item) == MANIFEST_NAME or any(part.startswith(".") for part in rel_item.parts):
@@ -216,13 +234,21 @@ def compress_dir(
                 continue
             (staging / rel_item).parent.mkdir(parents=True, exist_ok=True)
             if item.suffix == ".safetensors":
-                stats = compress_file(item, staging / rel_item, codec=codec, min_gain=min_gain, device=device,
-                                      min_tensor_bytes=min_tensor_bytes, progress=progress, digest=digest)
-                log.info("%s: %d/%d tensors compressed, ratio %.3f", rel_item, stats.compressed, stats.tensors,
-                         stats.ratio)
-                total.add(stats)
+                pairs.append((item, staging / rel_item))
             else:
                 shutil.copy2(item, staging / rel_item)
+        index = torch_free_gpu(codec, device)
+        if index is not None:  # the files are written while the next ones are compressed
+            done = compress_files(pairs, index=index, min_gain=min_gain, checksum=True,
+                                  min_tensor_bytes=min_tensor_bytes, digest=digest, progress=progress)
+        else:
+            done = [compress_file(item, out_item, codec=codec, min_gain=min_gain, device=device,
+                                  min_tensor_bytes=min_tensor_bytes, progress=progress, digest=digest)
+                    for item, out_item in pairs]
+        for (item, _), stats in zip(pairs, done):
+            log.info("%s: %d/%d tensors compressed, ratio %.3f", item.relative_to(src_p), stats.compressed,
+                     stats.tensors, stats.ratio)
+            total.add(stats)
         rel = {r: [os.path.relpath(p, src_p) for p in files] for r, files in ranks.items()}
         layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
         extra = dict(manifest.extra) if manifest else {}
