@@ -27,13 +27,14 @@ def _total_bytes(src: Path) -> int:
 @click.option("--device", type=DEVICE, default=None,
               help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
 @click.option("--digest/--no-digest", default=True, show_default=True,
-              help="Record each file's sha256 in gdsload.json (a directory's output; costs one read of it).")
+              help="Record each file's sha256 in gdsload.json (a directory's output; hashed on the way to disk, "
+                   "one thread per file).")
 def compress(src: str, out: str, codec: str, min_gain: float, device: str | None, digest: bool) -> None:
     """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""
     src_p = Path(src)
     if Path(out).exists():  # a file as well as a directory: nothing is overwritten, the source least of all
         raise click.UsageError(f"OUT {out!r} already exists; choose a new path (nothing was written)")
-    if device != "cpu":  # the GPU's context is made while the compressor's libraries are imported
+    if codec == "ans" and device != "cpu":  # ANS's GPU context is made while the compressor's libraries import
         from gdsload.loader.devices import start_primary_context
 
         start_primary_context(int(device.partition(":")[2] or 0) if device else 0)
@@ -43,7 +44,9 @@ def compress(src: str, out: str, codec: str, min_gain: float, device: str | None
         task = bar.add_task(f"compressing ({codec})", total=_total_bytes(src_p))
         step = lambda n: bar.advance(task, n)  # noqa: E731
         if src_p.is_file():
-            stats = compress_file(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step)
+            # One file: no manifest records a digest, so none is computed.
+            stats = compress_file(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step,
+                                  digest=False)
         else:
             stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device, digest=digest,
                                  progress=step)

@@ -38,6 +38,25 @@ def test_inspect(sharded_dir):
     assert len(f["tensor_list"]) == f["tensors"]
 
 
+def test_compress_one_file_writes_one_loadable_file(tmp_path):
+    """`gdsload compress FILE OUT` writes OUT alone (no manifest), and it loads as the source does."""
+    import safetensors.torch
+    import torch
+
+    from gdsload.loader import load_rank
+
+    model = tmp_path / "plain"
+    run("bench", "--make-model", "8MB", "--out", str(model))
+    src = sorted(model.glob("*.safetensors"))[0]
+    out = tmp_path / "one" / "model.z.safetensors"
+    out.parent.mkdir()
+    done = run("compress", str(src), str(out), "--codec", "zstd", "--device", "cpu").stdout
+    assert "compressed with zstd" in done and sorted(p.name for p in out.parent.iterdir()) == [out.name]
+    ref = safetensors.torch.load_file(str(src))
+    got = load_rank(out).tensors
+    assert set(got) == set(ref) and all(torch.equal(got[k], v) for k, v in ref.items())
+
+
 def test_inspect_shows_what_compressed_tensors_decode_to(tmp_path):
     model, out_dir = tmp_path / "plain", tmp_path / "zstd"
     run("bench", "--make-model", "8MB", "--out", str(model))  # tensors big enough to compress

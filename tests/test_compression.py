@@ -367,6 +367,13 @@ def test_bad_options(tmp_path):
         compress_file(src, tmp_path / "o.safetensors", codec="zstd", min_gain=1.5)
     with pytest.raises(ConfigError, match="not a directory"):
         compress_dir(src, tmp_path / "o", codec="zstd")
+    d = tmp_path / "d"
+    d.mkdir()
+    shutil.copy(src, d / "s.safetensors")
+    for gain in (1.2, -0.1):  # a directory's options are checked as a file's, before anything is written
+        with pytest.raises(ConfigError, match=f"min_gain={gain}"):
+            compress_dir(d, tmp_path / "o", codec="zstd", min_gain=gain, device="cpu")
+    assert not (tmp_path / "o").exists()
 
 
 def test_cpu_load_reports_decoding_as_decode_not_read(zfile):

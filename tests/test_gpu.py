@@ -157,7 +157,7 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
     assert res.report.verified and res.report.stored_bytes < res.report.logical_bytes
 
 
-def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_writes(tmp_path):
+def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_writes(tmp_path, monkeypatch):
     """`gdsload compress --codec ans` on a GPU imports no torch: cupy and nvCOMP's C API. Its files hold,
     tensor for tensor, the entries and bytes the torch encoder (nvCOMP's Python codec) makes; the
     manifest's digests are the files' sha256; every tensor loads bit-identical to safetensors, from a
@@ -204,6 +204,12 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
     manifest = Manifest.read(out)
     assert [m.digest for m in manifest.ranks[0]] == [file_digest(f)]
     _check(load_rank(out, device="cuda", verify=True), tensors)
+    # A backend the torch-free load cannot run (it reads with kvikio) sends ANS through torch.
+    from gdsload.loader.prepare.gpu_compress import torch_free_gpu
+
+    assert torch_free_gpu("ans", "cuda") == 0
+    monkeypatch.setenv("GDSLOAD_BACKEND", "pinned")
+    assert torch_free_gpu("ans", "cuda") is None
 
 
 def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:

@@ -110,10 +110,7 @@ def compress_file(
 
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
-    if codec not in codec_names():
-        raise ConfigError(f"codec={codec!r} is not one of {codec_names()}")
-    if not 0 <= min_gain < 1:
-        raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
+    _check_options(codec, min_gain)
     t0 = time.perf_counter()
     index = torch_free_gpu(codec, device)
     if index is not None:
@@ -177,6 +174,13 @@ def compress_file(
     return stats
 
 
+def _check_options(codec: str, min_gain: float) -> None:
+    if codec not in codec_names():
+        raise ConfigError(f"codec={codec!r} is not one of {codec_names()}")
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A GPU tensor copied into pinned host memory (a DMA at the link's speed, where pageable memory takes a
     fraction of it); host tensors as they are. The writer lets go of each copy once it is written, and torch
@@ -211,6 +215,7 @@ def compress_dir(
     >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    _check_options(codec, min_gain)
     src_p, out_p = Path(src), Path(out)
     if not src_p.is_dir():
         raise ConfigError(f"source {str(src)!r} is not a directory; use compress_file for single files")

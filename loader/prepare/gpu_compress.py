@@ -34,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from gdsload.loader.config import format_bytes
+from gdsload.loader.errors import DeviceMemoryError
+
 __all__ = ["torch_free_gpu", "encode_file", "write_file", "compress_files", "EncodedFile"]
 
 log = logging.getLogger(__name__)
@@ -49,8 +52,9 @@ MAX_WRITING = 4
 
 def torch_free_gpu(codec_name: str, device: Any) -> int | None:
     """The GPU index to compress ``codec_name`` on without torch, or None where this path does not
-    apply (another codec, the CPU, no cupy, no GPU, nvCOMP's C library older than 6.0): the torch
-    path (:func:`gdsload.loader.prepare.compress.compress_file`) then runs and says what is missing.
+    apply (another codec, the CPU, no GPU, a load that cannot run without torch here: see
+    :func:`~gdsload.loader.devices.torch_free_unavailable`, nvCOMP's C library older than 6.0): the
+    torch path (:func:`gdsload.loader.prepare.compress.compress_file`) then runs and says what is missing.
 
     ``device`` is None (the first GPU), ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a torch device.
     """
@@ -61,6 +65,11 @@ def torch_free_gpu(codec_name: str, device: Any) -> int | None:
     kind, index = ("cuda", 0) if device is None else _parse_device(device)
     if kind != "cuda":
         return None
+    from gdsload.loader.devices import torch_free_unavailable
+    from gdsload.loader.pipeline.config import LoadConfig
+
+    if torch_free_unavailable(LoadConfig.resolve().backend) is not None:  # cupy, kvikio, a GPU, the backend
+        return None
     try:
         import cupy
 
@@ -69,7 +78,7 @@ def torch_free_gpu(codec_name: str, device: Any) -> int | None:
         if index >= int(cupy.cuda.runtime.getDeviceCount()):
             return None
         nvcomp_version()  # loads the C library; CodecError when it is missing or too old
-    except Exception:  # no cupy, no driver, no nvCOMP: the torch path reports it
+    except Exception:  # no driver, no nvCOMP: the torch path reports it
         return None
     return index
 
@@ -270,6 +279,9 @@ def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None
             raise
         raise OSError(e.errno, f"{enc.dst}: writing it failed ({e.strerror or e}); nothing was written under "
                       "that name") from e
+    except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as e:  # pinning, or the copy out of the GPU
+        raise OSError(errno.EIO, f"{enc.dst}: copying its data out of GPU {enc.index} failed ({type(e).__name__}: "
+                      f"{e}); nothing was written under that name") from e
     shutil.copymode(enc.src, enc.dst)  # private weights stay private
     log.info("%s: %d bytes written%s in %.2f s", enc.dst, len(enc.header) + total, " and hashed" if h else "",
              time.perf_counter() - t0)
@@ -295,7 +307,8 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     """Compress each ``(src, dst)`` with ANS on GPU ``index`` without torch; the stats of each, in order.
 
     Up to ``MAX_WRITING`` files are written while the next is encoded, as GPU memory allows (a file
-    needs up to three times its size there while it is encoded, and its compressed data until written).
+    takes up to four times its logical size there while it is encoded: what was read, aligned copies,
+    the encoder's output and the laid-out file; then its compressed data until written).
     The first failure is raised once the files being written have stopped; a file whose write did
     not finish is not left under its name.
     """
@@ -325,13 +338,21 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     with ThreadPoolExecutor(MAX_WRITING, thread_name_prefix="gdsload-file") as writers:
         try:
             for src, dst in (pairs[i] for i in by_size):
-                need = 3 * os.stat(src).st_size
+                need = 4 * _logical_bytes(src)
                 cupy.get_default_memory_pool().free_all_blocks()
                 while writing and (len(writing) >= MAX_WRITING or _free_bytes(cupy, index) < need):
                     finish_oldest()
                 t0 = time.perf_counter()
-                enc = encode_file(src, dst, index=index, min_gain=min_gain, checksum=checksum,
-                                  min_tensor_bytes=min_tensor_bytes)
+                try:
+                    enc = encode_file(src, dst, index=index, min_gain=min_gain, checksum=checksum,
+                                      min_tensor_bytes=min_tensor_bytes)
+                except DeviceMemoryError:
+                    raise
+                except MemoryError as e:  # cupy's OutOfMemoryError
+                    raise DeviceMemoryError(
+                        f"{str(src)!r}: compressing it takes up to {format_bytes(need)} on GPU {index}, and that "
+                        f"cannot be allocated ({type(e).__name__}: {str(e)[:200]}); free memory on that GPU, or "
+                        "split the checkpoint into smaller files (`gdsload shard`)") from None
                 log.info("%s: read, compressed and laid out on GPU %d in %.2f s", src, index,
                          time.perf_counter() - t0)
                 writing.append((enc, writers.submit(write_file, enc, digest=digest, progress=step), t0))
@@ -345,6 +366,16 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     for i, stats in zip(by_size, results):
         in_order[i] = stats
     return in_order
+
+
+def _logical_bytes(src: str | os.PathLike[str]) -> int:
+    """Bytes ``src``'s tensors take decoded (a compressed source decodes to more than its size)."""
+    from gdsload.loader.format.compression import parse_compression
+    from gdsload.loader.format.safetensors import read_header
+
+    header = read_header(src)
+    packed = parse_compression(header)
+    return sum(packed[t.name].nbytes if t.name in packed else t.nbytes for t in header.tensors)
 
 
 def _free_bytes(cupy: Any, index: int) -> int:
