@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import asdict
@@ -20,6 +21,9 @@ from rich.progress import (
 
 from gdsload.loader.codecs.registry import codec_names
 from gdsload.loader.prepare.compress import compress_device, compress_dir
+from gdsload.loader.config import format_bytes
+from gdsload.loader.devices import start_primary_context
+from gdsload.loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
 from gdsload.loader.prepare.shard import ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
@@ -38,7 +42,8 @@ __all__ = ["shard"]
 @click.option("--max-file-size", "max_file_bytes", type=SIZE, default="5GiB", show_default=True,
               help="Start a new part file before one would exceed this.")
 @click.option("--compress", "codec", type=click.Choice(codec_names()), default=None,
-              help="Then compress the shards (ans/gdeflate need a GPU; zstd also loads on CPU hosts).")
+              help="Compress the files (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
+                   "--quantize is built and compressed on the GPU, without torch.")
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's sha256 in gdsload.json.")
 @click.option("--progress/--no-progress", "show_progress", default=None,
@@ -53,43 +58,60 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     \b
         gdsload shard /models/Llama-3-8B /models/llama3-tp2-fp8 --tp 2 --quantize fp8
     """
-    # With --compress, the digests are of the compressed files; the shards on the way to them are not hashed.
-    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
-                           digest=digest and codec is None)
-    if codec is not None:  # what would stop the compression is checked before the sharding work
-        compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
+    if codec == "ans":  # the GPU's context is made while the headers are read and cupy imports
+        start_primary_context(0)
+    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest,
+                           compress=codec)
     plan = plan_shard(src, options)
-    if codec is not None and Path(out).exists():
-        uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
-        if not _is_this_compressed_output(Path(out), plan.fingerprint, codec):
-            raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
-        # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
-        shutil.rmtree(uncompressed, ignore_errors=True)
-        click.echo(f"{out!r} already holds this command's compressed output; nothing to do")
-        return
+    gpu = gpu_for(plan) if codec is not None else None
+    if codec is not None and gpu is None:
+        # Sharded through torch, then compressed: what would stop the compression is checked first.
+        compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
+        # The digests are of the compressed files; the shards on the way to them are not hashed.
+        plan.options = dataclasses.replace(options, digest=False)
+        if Path(out).exists():
+            uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
+            if not _is_this_compressed_output(Path(out), plan.fingerprint, codec):
+                raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
+            # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
+            shutil.rmtree(uncompressed, ignore_errors=True)
+            click.echo(f"{out!r} already holds this command's compressed output; nothing to do")
+            return
     console = Console(stderr=True)
     enabled = console.is_terminal if show_progress is None else show_progress
     columns = (TextColumn("[bold]shard[/] tp={task.fields[tp]}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
-    # With --compress the shards are written beside OUT first (resumable as usual), then compressed
-    # into OUT, which appears only when complete.
-    target = Path(out) if codec is None else Path(out).with_name(f".{Path(out).name}.uncompressed")
+    # On a GPU, ANS files are built and compressed there and written into OUT (resumable as usual).
+    # Otherwise the shards are written beside OUT first (resumable), then compressed into OUT, which
+    # appears only when complete.
+    two_step = codec is not None and gpu is None
+    target = Path(out).with_name(f".{Path(out).name}.uncompressed") if two_step else Path(out)
+    writer = GpuShardWriter(plan, gpu) if gpu is not None else None
     with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
         task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
-        result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n))
-    if codec is not None:
+        result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n), files_writer=writer)
+    compression = None
+    if two_step:
         stats = compress_dir(target, out, codec=codec, digest=digest)
         shutil.rmtree(target)
         result.out = str(out)  # the uncompressed shards it reports were a step on the way
+        compression = {"codec": codec, "ratio": stats.ratio, "stored_bytes": stats.stored_bytes,
+                       "gpu_without_torch": False}
+    elif writer is not None:
+        logical, stored = compression_totals([Path(result.out) / f.relpath for f in plan.files])
+        compression = {"codec": codec, "ratio": logical / stored if stored else 1.0, "stored_bytes": stored,
+                       "gpu_without_torch": True}
     if as_json:
         doc = asdict(result)
-        if codec is not None:
-            doc["compression"] = {"codec": codec, "ratio": stats.ratio, "stored_bytes": stats.stored_bytes}
+        if compression is not None:
+            doc["compression"] = compression
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
         click.echo(result.summary())
-        if codec is not None:
-            click.echo(f"compressed with {codec}: {stats.compressed} of {stats.tensors} tensors, ratio {stats.ratio:.3f}")
+        if compression is not None:
+            where = f" on GPU {gpu}, without torch" if writer is not None else ""
+            click.echo(f"compressed with {codec}{where}: {format_bytes(compression['stored_bytes'])} stored, "
+                       f"ratio {compression['ratio']:.3f}")
 
 
 def _is_this_compressed_output(out: Path, fingerprint: str, codec: str) -> bool:

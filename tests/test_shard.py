@@ -818,3 +818,62 @@ def test_a_kill_at_any_rename_leaves_nothing_that_loads_and_a_rerun_recovers(che
             remove_dead_leftovers(tmp_path, f".out{k}.partial-")
             assert not [x.name for x in tmp_path.iterdir() if x.name.startswith(f".out{k}")], k
     assert killed >= 5, "the run has fewer commit points than expected"
+
+
+def test_compression_is_part_of_the_command(checkpoints, tmp_path):
+    """A sharding that ends compressed is another command: its fingerprint differs (so neither resumes the
+    other's partial run), while an uncompressed sharding's plan and fingerprint leave the codec out."""
+    src, _ = checkpoints["llama-gqa-tied"]
+    plain = plan_shard(src, ShardOptions(tp=2))
+    packed = plan_shard(src, ShardOptions(tp=2, compress="ans"))
+    assert "compress" not in plain.options.describe() and packed.options.describe()["compress"] == "ans"
+    assert plain.fingerprint != packed.fingerprint
+    with pytest.raises(ConfigError, match="compress='lz9' is not one of"):
+        ShardOptions(tp=2, compress="lz9")
+    # An interrupted uncompressed run in OUT is not taken for a compressed one.
+    out = tmp_path / "out"
+    (out / PARTIAL_DIR).mkdir(parents=True)
+    (out / PARTIAL_DIR / "state.json").write_text(json.dumps(
+        {"fingerprint": plain.fingerprint, "source": str(plain.source), **plain.options.describe()}))
+    with pytest.raises(OutputExistsError, match=r"compress=None \(now 'ans'\)"):
+        execute_plan(packed, out)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_every_unquantized_tensor_is_built_on_the_gpu_path(checkpoints, kind):
+    """The GPU sharding (`shard --compress ans`) builds every tensor the rules make for these models, at
+    every tp and layout; quantized weights go through torch."""
+    from gdsload.loader.prepare.gpu_shard import _buildable
+
+    src, _ = checkpoints[kind]
+    for tp in (1, 2, 4):
+        for layout in ("vllm", "hf"):
+            try:
+                plan = plan_shard(src, ShardOptions(tp=tp, layout=layout))
+            except ShardConfigError:
+                continue
+            assert all(_buildable(plan, t, s.dtype) for f in plan.files for t, s in zip(f.tensors, f.specs))
+    plan = plan_shard(src, ShardOptions(tp=2, quantize="fp8"))
+    assert not all(_buildable(plan, t, s.dtype) for f in plan.files for t, s in zip(f.tensors, f.specs))
+
+
+def test_constants_for_the_gpu_path_are_the_bytes_torch_makes():
+    from gdsload.loader.dtypes import to_torch
+    from gdsload.loader.prepare.gpu_shard import _filled
+
+    for dtype in ("F32", "F16", "BF16"):
+        for value in (1.0, -1.0, 0.0, 1 / 3, 2.0**-130, 65504.0, *((3.0e38,) if dtype != "F16" else ())):
+            want = torch.full((5,), value, dtype=to_torch(dtype)).view(torch.uint8).numpy().tobytes()
+            assert _filled(value, dtype, 5).tobytes() == want, (dtype, value)
+
+
+def test_planning_a_sharding_imports_no_torch(checkpoints):
+    """The shard command and its planning import no torch (the GPU path builds files without it)."""
+    import subprocess
+    import sys
+
+    src, _ = checkpoints["llama-gqa-tied"]
+    code = ("import sys; import gdsload.server.cmd_shard; from gdsload.loader.prepare.shard import plan_shard, "
+            f"ShardOptions; plan_shard({str(src)!r}, ShardOptions(tp=2, compress='ans')); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -30,14 +31,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gdsload.loader.config import format_bytes
 from gdsload.loader.errors import DeviceMemoryError
 
-__all__ = ["torch_free_gpu", "encode_file", "write_file", "compress_files", "EncodedFile"]
+__all__ = ["torch_free_gpu", "encode_file", "encode_tensors", "write_file", "compress_files", "write_encoded",
+           "EncodedFile", "DeviceTensor", "Job"]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ def _parse_device(device: Any) -> tuple[str, int]:
 class EncodedFile:
     """A file ready to be written: its header, and its data section in GPU memory."""
 
-    src: str
+    src: str | None
+    """The file whose permissions ``dst`` takes (None: a new file's)."""
     dst: str
     header: bytes
     data: Any
@@ -104,57 +107,91 @@ class EncodedFile:
     """The file's :class:`~gdsload.loader.prepare.compress.CompressStats` (its digest once written)."""
 
 
+class DeviceTensor(NamedTuple):
+    """A tensor's bytes in GPU memory, as :func:`encode_tensors` takes them."""
+
+    name: str
+    dtype: str
+    """Its safetensors dtype (``"BF16"``)."""
+    shape: tuple[int, ...]
+    address: int
+    nbytes: int
+
+
 def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, index: int, min_gain: float,
                 checksum: bool, min_tensor_bytes: int) -> EncodedFile:
-    """Read ``src`` onto GPU ``index``, compress its tensors with ANS, and lay out ``dst``'s data on the GPU.
+    """Read ``src`` onto GPU ``index``, compress its tensors with ANS, and lay out ``dst``'s data on the GPU
+    (:func:`encode_tensors`; the file keeps its metadata and its tensors' order)."""
+    from gdsload.loader.devices import CupyDevice
+    from gdsload.loader.format.compression import METADATA_KEY
+    from gdsload.loader.format.safetensors import read_header
+    from gdsload.loader.pipeline.load import load_rank
 
-    Tensors smaller than ``min_tensor_bytes``, or that do not shrink by ``min_gain``, stay raw. The
-    entries recorded are those :func:`gdsload.loader.codecs.encode_tensor` records.
+    src, dst = str(src), str(dst)
+    header = read_header(src)
+    dev = CupyDevice(index)
+    loaded = load_rank(src, device=dev)
+    try:
+        slots = {s.name: s for s in loaded.slots}
+        tensors = [DeviceTensor(t.name, s.dtype, tuple(s.shape), int(loaded.arenas[s.buffer].data.ptr) + s.offset,
+                                s.nbytes) for t in header.tensors for s in (slots[t.name],)]
+        metadata = {k: v for k, v in header.metadata.items() if k != METADATA_KEY}
+        return encode_tensors(dev, tensors, metadata, dst, mode_from=src, min_gain=min_gain, checksum=checksum,
+                              min_tensor_bytes=min_tensor_bytes)
+    finally:
+        loaded.close()
+
+
+def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str, str], dst: str | os.PathLike[str],
+                   *, mode_from: str | None, min_gain: float, checksum: bool, min_tensor_bytes: int) -> EncodedFile:
+    """Compress ``tensors`` (on ``dev``, a :class:`~gdsload.loader.devices.CupyDevice`) with ANS and lay out
+    ``dst``'s data section on the GPU; returns it with its header, ready for :func:`write_file`.
+
+    ``tensors`` are taken in the order a file's header lists them. Tensors smaller than
+    ``min_tensor_bytes``, or that do not shrink by ``min_gain``, stay raw. The entries recorded are
+    those :func:`gdsload.loader.codecs.encode_tensor` records. ``dst`` takes the permissions of
+    ``mode_from`` once written (None: those of a new file). The tensors' memory is only read, and
+    may be released once this returns.
     """
     from gdsload.loader.codecs import _CupyStreamBytes, default_params
     from gdsload.loader.codecs.registry import codec
     from gdsload.loader.codecs.nvcomp_c import ans_encode, device_crc32
-    from gdsload.loader.devices import CupyDevice
     from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
-    from gdsload.loader.format.safetensors import TensorSpec, aligned_header, read_header
-    from gdsload.loader.pipeline.load import load_rank
+    from gdsload.loader.format.safetensors import TensorSpec, aligned_header
     from gdsload.loader.prepare.compress import CompressStats
 
-    src, dst = str(src), str(dst)
+    dst = str(dst)
+    what = f"{dst!r}"
     ans = codec("ans")
     chunk_bytes, align = ans.chunk_bytes, ans.chunk_align
-    header = read_header(src)
-    dev = CupyDevice(index)
     cupy = dev.cupy
-    loaded = load_rank(src, device=dev)
     stream = cupy.cuda.Stream(non_blocking=True)
     on_stream = _CupyStreamBytes(stream.ptr)
     held: list[Any] = []  # aligned copies of tensors the file left unaligned, alive until encoded
     try:
-        where: dict[str, tuple[int, Any]] = {}  # name -> (device address, slot)
-        for s in loaded.slots:
-            address = int(loaded.arenas[s.buffer].data.ptr) + s.offset
-            if address % align and s.nbytes >= min_tensor_bytes:  # nvCOMP's ANS wants 16-byte aligned chunks
-                aligned = dev.empty(s.nbytes)
-                cupy.cuda.runtime.memcpyAsync(aligned.data.ptr, address, s.nbytes, 3, stream.ptr)
+        where: dict[str, DeviceTensor] = {}
+        for t in tensors:
+            if t.address % align and t.nbytes >= min_tensor_bytes:  # nvCOMP's ANS wants 16-byte aligned chunks
+                aligned = dev.empty(t.nbytes)
+                cupy.cuda.runtime.memcpyAsync(aligned.data.ptr, t.address, t.nbytes, 3, stream.ptr)
                 held.append(aligned)
-                address = int(aligned.data.ptr)
-            where[s.name] = (address, s)
+                t = t._replace(address=int(aligned.data.ptr))
+            where[t.name] = t
         stats = CompressStats(files=1)
-        candidates = [t.name for t in header.tensors if where[t.name][1].nbytes >= max(min_tensor_bytes, 1)]
+        candidates = [t.name for t in tensors if t.nbytes >= max(min_tensor_bytes, 1)]
         # One encode per ANS data type, of every chunk of that type's tensors.
         by_type: dict[str, list[str]] = collections.defaultdict(list)
         for name in candidates:
-            by_type[default_params("ans", where[name][1].dtype)["data_type"]].append(name)
+            by_type[default_params("ans", where[name].dtype)["data_type"]].append(name)
         chunk_sizes: dict[str, np.ndarray] = {}
         chunk_at: dict[str, tuple[Any, int]] = {}  # name -> (slots, address of its first slot)
         for data_type, names in by_type.items():
-            counts = [-(-where[n][1].nbytes // chunk_bytes) for n in names]
+            counts = [-(-where[n].nbytes // chunk_bytes) for n in names]
             offsets = [np.arange(c, dtype=np.int64) * chunk_bytes for c in counts]
-            src_at = np.concatenate([where[n][0] + o for n, o in zip(names, offsets)]).astype(np.uint64)
-            src_len = np.concatenate([np.minimum(chunk_bytes, where[n][1].nbytes - o)
+            src_at = np.concatenate([where[n].address + o for n, o in zip(names, offsets)]).astype(np.uint64)
+            src_len = np.concatenate([np.minimum(chunk_bytes, where[n].nbytes - o)
                                       for n, o in zip(names, offsets)]).astype(np.uint64)
-            slots = ans_encode(src_at, src_len, data_type, on_stream, stream.ptr, f"{src!r}")
+            slots = ans_encode(src_at, src_len, data_type, on_stream, stream.ptr, what)
             first = 0
             for n, c in zip(names, counts):
                 chunk_sizes[n] = slots.sizes[first : first + c]
@@ -162,38 +199,36 @@ def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ind
                 first += c
         crcs: dict[str, int | None] = dict.fromkeys(candidates)
         if checksum and candidates:
-            got = device_crc32([(where[n][0], where[n][1].nbytes) for n in candidates], on_stream, stream.ptr,
-                               f"{src!r}")
+            got = device_crc32([(where[n].address, where[n].nbytes) for n in candidates], on_stream, stream.ptr, what)
             for i, n in enumerate(candidates):
-                crcs[n] = int(got[i]) if got is not None else _host_crc32(cupy, where[n][0], where[n][1].nbytes)
+                crcs[n] = int(got[i]) if got is not None else _host_crc32(cupy, where[n].address, where[n].nbytes)
 
         specs: list[TensorSpec] = []
         entries: dict[str, dict[str, Any]] = {}
         packed: dict[str, CompressedEntry] = {}
-        for t in header.tensors:
-            address, s = where[t.name]
+        for t in tensors:
             stats.tensors += 1
-            stats.logical_bytes += s.nbytes
+            stats.logical_bytes += t.nbytes
             if t.name in chunk_sizes:
-                params = default_params("ans", s.dtype)
-                entry = CompressedEntry(t.name, s.dtype, tuple(s.shape), s.nbytes, "ans", "chunks", 0, params,
+                params = default_params("ans", t.dtype)
+                entry = CompressedEntry(t.name, t.dtype, t.shape, t.nbytes, "ans", "chunks", 0, params,
                                         chunk_bytes, tuple(chunk_sizes[t.name].tolist()), crcs[t.name], align)
                 starts, sizes, _, _ = entry.chunk_table()
                 stored = int(starts[-1] + sizes[-1])
-                if stored <= (1 - min_gain) * s.nbytes:
+                if stored <= (1 - min_gain) * t.nbytes:
                     packed[t.name] = entry = dataclasses.replace(entry, stored_bytes=stored)
                     specs.append(TensorSpec(t.name, "U8", (stored,)))
                     entries[t.name] = entry.to_json()
                     stats.compressed += 1
                     stats.stored_bytes += stored
-                    cur = stats.per_dtype.setdefault(s.dtype, [0, 0])
-                    cur[0] += s.nbytes
+                    cur = stats.per_dtype.setdefault(t.dtype, [0, 0])
+                    cur[0] += t.nbytes
                     cur[1] += stored
                     continue
-            specs.append(TensorSpec(t.name, s.dtype, tuple(s.shape)))
+            specs.append(TensorSpec(t.name, t.dtype, t.shape))
             stats.raw += 1
-            stats.stored_bytes += s.nbytes
-        metadata = {k: v for k, v in header.metadata.items() if k != METADATA_KEY}
+            stats.stored_bytes += t.nbytes
+        metadata = dict(metadata)
         if entries:
             metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
         order, head, data_len = aligned_header(specs, metadata)
@@ -203,10 +238,10 @@ def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ind
         base, offset = int(data.data.ptr), 0
         memcpy = cupy.cuda.runtime.memcpyAsync  # kind 3: device to device
         for spec in order:
-            address, s = where[spec.name]
+            t = where[spec.name]
             entry = packed.get(spec.name)
-            if entry is None and s.nbytes:
-                memcpy(base + offset, address, s.nbytes, 3, stream.ptr)
+            if entry is None and t.nbytes:
+                memcpy(base + offset, t.address, t.nbytes, 3, stream.ptr)
             elif entry is not None:
                 slots, first_slot = chunk_at[spec.name]
                 starts, sizes, _, _ = entry.chunk_table()
@@ -215,9 +250,8 @@ def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ind
             offset += spec.nbytes
         stream.synchronize()
     finally:
-        loaded.close()
         held.clear()
-    return EncodedFile(src, dst, head, data, index, stats)
+    return EncodedFile(mode_from, dst, head, data, dev.index, stats)
 
 
 def _host_crc32(cupy: Any, address: int, nbytes: int) -> int:
@@ -282,7 +316,8 @@ def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None
     except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as e:  # pinning, or the copy out of the GPU
         raise OSError(errno.EIO, f"{enc.dst}: copying its data out of GPU {enc.index} failed ({type(e).__name__}: "
                       f"{e}); nothing was written under that name") from e
-    shutil.copymode(enc.src, enc.dst)  # private weights stay private
+    if enc.src is not None:
+        shutil.copymode(enc.src, enc.dst)  # private weights stay private
     log.info("%s: %d bytes written%s in %.2f s", enc.dst, len(enc.header) + total, " and hashed" if h else "",
              time.perf_counter() - t0)
     return "sha256:" + h.hexdigest() if h is not None else None
@@ -301,16 +336,39 @@ def _preallocate(fd: int, nbytes: int) -> None:
                       "elsewhere", None)
 
 
+class Job(NamedTuple):
+    """One file for :func:`write_encoded`: what it is called in errors, the GPU memory its encoding takes at
+    most, and the call that encodes it."""
+
+    what: str
+    need: int
+    encode: Callable[[], EncodedFile]
+
+
 def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]], *, index: int,
                    min_gain: float, checksum: bool, min_tensor_bytes: int, digest: bool,
                    progress: Callable[[int], None] | None = None) -> list[Any]:
     """Compress each ``(src, dst)`` with ANS on GPU ``index`` without torch; the stats of each, in order.
 
-    Up to ``MAX_WRITING`` files are written while the next is encoded, as GPU memory allows (a file
-    takes up to four times its logical size there while it is encoded: what was read, aligned copies,
-    the encoder's output and the laid-out file; then its compressed data until written).
-    The first failure is raised once the files being written have stopped; a file whose write did
-    not finish is not left under its name.
+    A file takes up to four times its logical size in GPU memory while it is encoded (what was read,
+    aligned copies, the encoder's output and the laid-out file); see :func:`write_encoded`.
+    """
+    jobs = [Job(str(src), 4 * _logical_bytes(src),
+                functools.partial(encode_file, src, dst, index=index, min_gain=min_gain, checksum=checksum,
+                                  min_tensor_bytes=min_tensor_bytes))
+            for src, dst in pairs]
+    sizes = [os.stat(src).st_size for src, _ in pairs]
+    return write_encoded(jobs, sizes, index=index, digest=digest, progress=progress)
+
+
+def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, digest: bool,
+                  progress: Callable[[int], None] | None = None) -> list[Any]:
+    """Encode each job on GPU ``index`` and write it; the stats of each (with its digest), in order.
+
+    The largest job (by ``sizes``) goes first: its write, and its hash, take longest, and the others'
+    run beside it. Up to ``MAX_WRITING`` files are written while the next is encoded, as GPU memory
+    allows (a job's ``need``; then its compressed data until written). The first failure is raised once
+    the files being written have stopped; a file whose write did not finish is not left under its name.
     """
     import cupy
 
@@ -333,27 +391,24 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
         enc.data = None  # the GPU copy goes as soon as the file is on disk
         results.append(enc.stats)
 
-    # The largest file first: its write (its hash) is the longest, and the others' run beside it.
-    by_size = sorted(range(len(pairs)), key=lambda i: -os.stat(pairs[i][0]).st_size)
+    by_size = sorted(range(len(jobs)), key=lambda i: -sizes[i])
     with ThreadPoolExecutor(MAX_WRITING, thread_name_prefix="gdsload-file") as writers:
         try:
-            for src, dst in (pairs[i] for i in by_size):
-                need = 4 * _logical_bytes(src)
+            for job in (jobs[i] for i in by_size):
                 cupy.get_default_memory_pool().free_all_blocks()
-                while writing and (len(writing) >= MAX_WRITING or _free_bytes(cupy, index) < need):
+                while writing and (len(writing) >= MAX_WRITING or _free_bytes(cupy, index) < job.need):
                     finish_oldest()
                 t0 = time.perf_counter()
                 try:
-                    enc = encode_file(src, dst, index=index, min_gain=min_gain, checksum=checksum,
-                                      min_tensor_bytes=min_tensor_bytes)
+                    enc = job.encode()
                 except DeviceMemoryError:
                     raise
                 except MemoryError as e:  # cupy's OutOfMemoryError
                     raise DeviceMemoryError(
-                        f"{str(src)!r}: compressing it takes up to {format_bytes(need)} on GPU {index}, and that "
-                        f"cannot be allocated ({type(e).__name__}: {str(e)[:200]}); free memory on that GPU, or "
-                        "split the checkpoint into smaller files (`gdsload shard`)") from None
-                log.info("%s: read, compressed and laid out on GPU %d in %.2f s", src, index,
+                        f"{job.what!r}: compressing it takes up to {format_bytes(job.need)} on GPU {index}, and "
+                        f"that cannot be allocated ({type(e).__name__}: {str(e)[:200]}); free memory on that GPU, "
+                        "or split the checkpoint into smaller files (`gdsload shard`)") from None
+                log.info("%s: read, compressed and laid out on GPU %d in %.2f s", job.what, index,
                          time.perf_counter() - t0)
                 writing.append((enc, writers.submit(write_file, enc, digest=digest, progress=step), t0))
             while writing:
@@ -362,7 +417,7 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
             for _, fut, _ in writing:
                 fut.cancel()
             raise
-    in_order: list[Any] = [None] * len(pairs)
+    in_order: list[Any] = [None] * len(jobs)
     for i, stats in zip(by_size, results):
         in_order[i] = stats
     return in_order

@@ -17,6 +17,7 @@ What config.json says (``quantization_config``), per granularity:
 Error bound (e4m3 has 3 mantissa bits, min normal 2**-6, subnormal step 2**-9), for every element
 ``|dequantize(quantize(w)) - w| <= max(|w| * 2**-4, scale * 2**-10)`` up to fp32 rounding.
 
+>>> import torch
 >>> scheme = QuantScheme.parse("fp8:per-channel")
 >>> w = torch.randn(4, 8)
 >>> s = compute_scale(w.abs().amax(dim=1), scheme)          # [4, 1]
@@ -28,11 +29,12 @@ tensor(True)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gdsload.loader.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the functions that quantize: planning a sharding needs none of it
+    import torch
 
 __all__ = [
     "FP8_DTYPE",
@@ -46,17 +48,25 @@ __all__ = [
     "quantization_config",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-"""The FP8 format of weights: 4 exponent bits, 3 mantissa bits, no infinities."""
+FP8_DTYPE: torch.dtype
+"""The FP8 format of weights (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, no infinities."""
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-"""Largest finite ``float8_e4m3fn`` value (448)."""
+FP8_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` value."""
 
 GRANULARITIES = ("per-tensor", "per-channel")
 
-_MIN_AMAX = torch.finfo(torch.float32).tiny * 448.0
+_MIN_AMAX = 2.0**-126 * 448.0
 """Floor of amax: the scale (amax / 448) stays a normal float32, so an all-zero tensor (or row) still gets a
 positive scale and dequantization is finite, while tiny but nonzero weights keep their values."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FP8_DTYPE":
+        import torch
+
+        return torch.float8_e4m3fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -106,9 +116,12 @@ def compute_scale(amax: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     ``amax`` is a 0-d tensor for ``per-tensor`` (result 0-d) or one value per row for
     ``per-channel`` (result ``[rows, 1]``, ready to broadcast against a ``[rows, cols]`` weight).
 
+    >>> import torch
     >>> compute_scale(torch.tensor(448.0), QuantScheme())
     tensor(1.)
     """
+    import torch
+
     scale = amax.detach().to(torch.float32).clamp_min(_MIN_AMAX) / FP8_MAX
     if scheme.per_channel:
         return scale.reshape(-1, 1)
@@ -122,12 +135,15 @@ def quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
     ``scale`` is 0-d, or ``[rows, 1]`` for a 2-D ``weight`` of ``rows`` rows.
 
+    >>> import torch
     >>> quantize(torch.tensor([1.0, 1000.0]), torch.tensor(0.5)).float()
     tensor([  2., 448.])
     """
+    import torch
+
     x = weight.to(torch.float32, copy=True)
     x.div_(scale.to(torch.float32))
-    return x.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_into(dst: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, work: torch.Tensor) -> None:
@@ -135,6 +151,8 @@ def quantize_into(dst: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     buffer of at least ``weight.numel()`` elements: no allocation proportional to ``weight``
     (a long streaming run stays free of heap churn). Same values as :func:`quantize`.
     """
+    import torch
+
     if work.dtype != torch.float32 or work.numel() < weight.numel():
         raise ValueError(f"work buffer must be fp32 with >= {weight.numel()} elements, got {work.dtype}[{work.numel()}]")
     x = work[: weight.numel()].view(weight.shape)
@@ -144,9 +162,11 @@ def quantize_into(dst: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     dst.copy_(x)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in ``dtype`` (fp32 by default, so no second rounding hides errors)."""
-    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (None: fp32, so no second rounding hides errors)."""
+    import torch
+
+    return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype or torch.float32)
 
 
 def quantization_config(scheme: QuantScheme, *, ignored: list[str] | None = None) -> dict[str, Any]:

@@ -43,17 +43,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
 from safetensors import SafetensorError
 
 from gdsload.loader.config import format_bytes
-from gdsload.loader.dtypes import ITEMSIZE, from_torch, to_torch
+from gdsload.loader.dtypes import ITEMSIZE, to_torch
 from gdsload.loader.errors import ConfigError, FormatError, GdsloadError, ManifestError
 from gdsload.loader.format.safetensors import AlignedWriter, TensorInfo, TensorSpec, atomic_output, read_header
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manifest
-from gdsload.loader.prepare.quantize import FP8_DTYPE, QuantScheme, compute_scale, quantization_config, quantize_into
+from gdsload.loader.prepare.quantize import QuantScheme, compute_scale, quantization_config, quantize_into
 from gdsload.loader.prepare.shard_rules import (
     LAYOUTS,
     SourceCheckpointError,
@@ -76,6 +75,8 @@ __all__ = [
     "WriterFactory",
     "plan_shard",
     "execute_plan",
+    "file_metadata",
+    "FilesWriter",
     "shard_checkpoint",
     "SourceNotFoundError",
     "UnsupportedSourceError",
@@ -88,6 +89,9 @@ __all__ = [
     "PARTIAL_DIR",
     "FILE_PATTERN",
 ]
+
+if TYPE_CHECKING:  # torch is imported where tensors are built: planning, and sharding on a GPU, need none of it
+    import torch
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -149,7 +153,12 @@ class ShardOptions:
     max_file_bytes: int = 5 << 30
     """Start a new part file before one would exceed this (a single larger tensor gets its own file)."""
     digest: bool = True
-    """Record each file's sha256 in gdsload.json (costs one read of the output)."""
+    """Record each file's sha256 in gdsload.json (computed as the files are written)."""
+    compress: str | None = None
+    """The codec the files end up compressed with (``gdsload shard --compress``), or None. Part of the
+    command, so a run with it never resumes from one without; the compressing itself is done by the
+    caller (a :class:`FilesWriter` that compresses, or :func:`~gdsload.loader.prepare.compress.compress_dir`
+    on the output)."""
 
     def __post_init__(self) -> None:
         if type(self.tp) is not int or self.tp < 1:
@@ -160,6 +169,11 @@ class ShardOptions:
             QuantScheme.parse(self.quantize)
         if type(self.max_file_bytes) is not int or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} must be a positive number of bytes")
+        if self.compress is not None:
+            from gdsload.loader.codecs.registry import codec_names
+
+            if self.compress not in codec_names():
+                raise ConfigError(f"compress={self.compress!r} is not one of {', '.join(codec_names())}")
 
     @property
     def scheme(self) -> QuantScheme | None:
@@ -167,8 +181,11 @@ class ShardOptions:
 
     def describe(self) -> dict[str, Any]:
         scheme = self.scheme
-        return {"tp": self.tp, "layout": self.layout, "quantize": str(scheme) if scheme else None,
-                "max_file_bytes": self.max_file_bytes}
+        described: dict[str, Any] = {"tp": self.tp, "layout": self.layout,
+                                     "quantize": str(scheme) if scheme else None, "max_file_bytes": self.max_file_bytes}
+        if self.compress is not None:  # absent otherwise: the fingerprint of an uncompressed sharding is unchanged
+            described["compress"] = self.compress
+        return described
 
 
 class TensorFileWriter(Protocol):
@@ -188,6 +205,20 @@ class TensorFileWriter(Protocol):
 
 
 WriterFactory = Callable[[Path, Sequence[TensorSpec], Mapping[str, str]], TensorFileWriter]
+
+
+class FilesWriter(Protocol):
+    """Writes a plan's files all at once, instead of tensor by tensor through torch (e.g. built and
+    compressed on a GPU: :class:`gdsload.loader.prepare.gpu_shard.GpuShardWriter`)."""
+
+    def write(self, todo: Sequence[tuple[PlannedFile, Path]], progress: Callable[[int], None] | None) -> dict[str, str]:
+        """Write each planned file at its path (atomically, with :func:`file_metadata`); returns the
+        ``"sha256:<hex>"`` of those hashed on the way, by relpath. ``progress`` gets logical bytes."""
+        ...
+
+    def manifest_extra(self, paths: Sequence[Path]) -> dict[str, Any]:
+        """What gdsload.json records beyond the plan, given every file of the output."""
+        ...
 
 
 # --------------------------------------------------------------------------- the source
@@ -335,6 +366,8 @@ class _Source:
 
         Uses ``aminmax`` (a reduction: no temporary the size of the chunk)."""
 
+        import torch
+
         def chunk_amax(v: torch.Tensor) -> torch.Tensor:
             lo, hi = v.aminmax(dim=1) if per_row and v.dim() == 2 else v.aminmax()
             return torch.maximum(hi.float(), lo.float().neg()).reshape(-1)
@@ -477,7 +510,7 @@ def _check_source(src: _Source, spec: ModelSpec, where: str) -> None:
 
 def _out_dtype(t: OutTensor, src: _Source) -> str:
     if t.op == "fp8":
-        return from_torch(FP8_DTYPE)
+        return "F8_E4M3"
     if t.op == "fp8_scale":
         return "F32"
     if t.op == "fill":
@@ -534,12 +567,16 @@ class _Builder:
     """Builds output tensors from the source; FP8 scales are computed once per source tensor."""
 
     def __init__(self, src: _Source, scheme: QuantScheme | None):
+        import torch
+
         self.src = src
         self.scheme = scheme
         self._scales: dict[str, torch.Tensor] = {}
         self._work = torch.empty(0, dtype=torch.float32)
 
     def _quantize_store(self, scale: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, int, int], None]:
+        import torch
+
         def store(dst: torch.Tensor, chunk: torch.Tensor, r0: int, r1: int) -> None:
             if self._work.numel() < chunk.numel():
                 self._work = torch.empty(chunk.numel(), dtype=torch.float32)
@@ -549,6 +586,8 @@ class _Builder:
 
     def scale(self, source: str) -> torch.Tensor:
         """fp32 scale of a whole source weight: 0-d, or [rows, 1] per channel."""
+        import torch
+
         assert self.scheme is not None
         if source not in self._scales:
             amax = self.src.amax(source, self.scheme.per_channel)
@@ -561,6 +600,8 @@ class _Builder:
         return self._scales[source]
 
     def build(self, t: OutTensor, spec: TensorSpec) -> torch.Tensor:
+        import torch
+
         dtype = to_torch(spec.dtype)
         if t.op == "fill":
             return torch.full(t.shape, t.fill, dtype=dtype)
@@ -578,6 +619,8 @@ class _Builder:
         return out
 
     def _scale_tensor(self, t: OutTensor) -> torch.Tensor:
+        import torch
+
         scales = [self.scale(p.source) for p in t.pieces]
         if not self.scheme or not self.scheme.per_channel:
             stacked = torch.stack(scales)
@@ -615,7 +658,8 @@ class ShardResult:
                 f"{format_bytes(self.total_bytes)} in {self.seconds:.1f} s{extra}")
 
 
-def _file_metadata(plan: ShardPlan, f: PlannedFile) -> dict[str, str]:
+def file_metadata(plan: ShardPlan, f: PlannedFile) -> dict[str, str]:
+    """The ``__metadata__`` of a planned file: what marks it as this plan's (see :func:`_is_complete`)."""
     return {"format": "pt", "gdsload.fingerprint": plan.fingerprint, "gdsload.rank": str(f.rank),
             "gdsload.part": str(f.part), "gdsload.layout": plan.options.layout}
 
@@ -645,7 +689,7 @@ def _read_state(partial: Path) -> dict[str, Any] | None:
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-    keys = ("source", "tp", "layout", "quantize", "max_file_bytes")
+    keys = ("source", "tp", "layout", "quantize", "max_file_bytes", "compress")
     diffs = [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in keys if old.get(k) != new.get(k)]
     return ", ".join(diffs) or "the source files changed since (sizes or modification times differ)"
 
@@ -760,12 +804,14 @@ def execute_plan(
     *,
     progress: Callable[[int], None] | None = None,
     writer_factory: WriterFactory = AlignedWriter,
+    files_writer: FilesWriter | None = None,
 ) -> ShardResult:
     """Write ``plan`` into ``out`` (see the module docstring for atomicity and resuming).
 
     ``progress`` is called with the byte count of each tensor written (and of each file kept
     from an interrupted run). ``writer_factory(path, specs, metadata)`` opens one output file;
-    swap it to transform tensors on their way to disk (e.g. compression).
+    swap it to transform tensors on their way to disk. ``files_writer`` replaces both the tensor
+    building and the writer: it gets every file still to write at once.
 
     >>> plan = plan_shard("/models/Llama-3-8B", ShardOptions(tp=2))  # doctest: +SKIP
     >>> execute_plan(plan, "/models/llama3-tp2", progress=bar.advance).summary()
@@ -787,7 +833,7 @@ def execute_plan(
     partial.mkdir(exist_ok=True)
     with _locked(partial):
         try:
-            _run(plan, out, partial, result, progress, writer_factory)
+            _run(plan, out, partial, result, progress, writer_factory, files_writer)
         except (KeyboardInterrupt, SystemExit):
             log.warning("interrupted: complete files are kept in %s; rerun the same command to resume", partial)
             raise
@@ -808,6 +854,7 @@ def _run(
     result: ShardResult,
     progress: Callable[[int], None] | None,
     writer_factory: WriterFactory,
+    files_writer: FilesWriter | None,
 ) -> None:
     state = {"fingerprint": plan.fingerprint, "source": str(plan.source), **plan.options.describe()}
     try:
@@ -818,11 +865,7 @@ def _run(
     for stale in partial.glob(".*.tmp-*"):
         log.info("removing %s left by an interrupted run", stale)
         stale.unlink()
-    builder = _Builder(plan._src, plan.options.scheme)
-    # Files written by this run -> the sha256 their writer computed; files kept from a run before are read to hash.
-    digests: dict[str, str] = {}
-    if writer_factory is AlignedWriter and not plan.options.digest:
-        writer_factory = functools.partial(AlignedWriter, digest=False)
+    todo: list[tuple[PlannedFile, Path]] = []
     for f in plan.files:
         staged, final = partial / f.relpath, out / f.relpath
         if _is_complete(staged, plan, f) or _is_complete(final, plan, f):
@@ -831,9 +874,26 @@ def _run(
             if progress is not None:
                 progress(f.nbytes)
             continue
-        digest = _write_file(staged, plan, f, builder, result, progress, writer_factory)
-        if digest is not None:
-            digests[f.relpath] = digest
+        todo.append((f, staged))
+    # Files written by this run -> the sha256 computed as they were written; files kept from a run before
+    # are read to hash.
+    if files_writer is not None:
+        try:
+            digests = files_writer.write(todo, progress)
+        except OSError as e:
+            if isinstance(e, GdsloadError):
+                raise
+            raise _write_error(e, Path(e.filename or partial), "the output") from e
+        result.written_bytes += sum(f.nbytes for f, _ in todo)
+    else:
+        digests = {}
+        builder = _Builder(plan._src, plan.options.scheme)
+        if writer_factory is AlignedWriter and not plan.options.digest:
+            writer_factory = functools.partial(AlignedWriter, digest=False)
+        for f, staged in todo:
+            digest = _write_file(staged, plan, f, builder, result, progress, writer_factory)
+            if digest is not None:
+                digests[f.relpath] = digest
     _stage_aux(plan, partial)
     # While the partial directory is in OUT, OUT does not load (discovery refuses it): the files move in
     # one by one and the manifest comes last, then the partial directory goes in one rename.
@@ -841,9 +901,12 @@ def _run(
         if (partial / name).exists():
             os.replace(partial / name, out / name)
     _fsync_dir(out)
+    extra = plan.manifest_extra()
+    if files_writer is not None:
+        extra.update(files_writer.manifest_extra([out / f.relpath for f in plan.files]))
     try:
         write_manifest(out, plan.ranks, tp_size=plan.options.tp, layout=plan.options.layout,
-                       extra=plan.manifest_extra(), digest=plan.options.digest, digests=digests)
+                       extra=extra, digest=plan.options.digest, digests=digests)
     except OSError as e:
         raise _write_error(e, out / MANIFEST_NAME, "the manifest") from e
     _publish(out, partial)
@@ -871,7 +934,7 @@ def _write_file(
     by_name = {t.name: t for t in f.tensors}
     current = "the header"
     try:
-        with writer_factory(path, list(f.specs), _file_metadata(plan, f)) as w:
+        with writer_factory(path, list(f.specs), file_metadata(plan, f)) as w:
             for spec in w.order:
                 current = f"tensor {spec.name!r}"
                 tensor = _build(builder, by_name[spec.name], spec)
