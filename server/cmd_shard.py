@@ -24,7 +24,7 @@ from gdsload.loader.prepare.compress import compress_device, compress_dir
 from gdsload.loader.config import format_bytes
 from gdsload.loader.devices import start_primary_context
 from gdsload.loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
-from gdsload.loader.prepare.shard import ShardOptions, execute_plan, plan_shard
+from gdsload.loader.prepare.shard import PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
 
@@ -63,14 +63,20 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest,
                            compress=codec)
     plan = plan_shard(src, options)
-    gpu = gpu_for(plan) if codec is not None else None
+    uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
+    # A rerun continues the way its run began: shards beside OUT (through torch), or files built on the GPU.
+    gpu = gpu_for(plan) if codec is not None and not uncompressed.exists() else None
+    if codec is not None and gpu is None and _unfinished_fingerprint(Path(out)) == plan.fingerprint:
+        raise click.UsageError(
+            f"OUT {out!r} holds an unfinished run of this command that built its files on a GPU, and that cannot "
+            "run here now (GPU memory, cupy, kvikio or GDSLOAD_BACKEND: run with -v to see which); rerun where it "
+            f"can, or delete {out!r} to start over")
     if codec is not None and gpu is None:
         # Sharded through torch, then compressed: what would stop the compression is checked first.
         compress_device(codec, None)  # CodecError: a GPU-only codec on a host without nvCOMP
         # The digests are of the compressed files; the shards on the way to them are not hashed.
         plan.options = dataclasses.replace(options, digest=False)
         if Path(out).exists():
-            uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
             if not _is_this_compressed_output(Path(out), plan.fingerprint, codec):
                 raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
             # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
@@ -85,7 +91,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     # Otherwise the shards are written beside OUT first (resumable), then compressed into OUT, which
     # appears only when complete.
     two_step = codec is not None and gpu is None
-    target = Path(out).with_name(f".{Path(out).name}.uncompressed") if two_step else Path(out)
+    target = uncompressed if two_step else Path(out)
     writer = GpuShardWriter(plan, gpu) if gpu is not None else None
     with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
         task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
@@ -112,6 +118,14 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
             where = f" on GPU {gpu}, without torch" if writer is not None else ""
             click.echo(f"compressed with {codec}{where}: {format_bytes(compression['stored_bytes'])} stored, "
                        f"ratio {compression['ratio']:.3f}")
+
+
+def _unfinished_fingerprint(out: Path) -> str | None:
+    """The fingerprint of the unfinished `gdsload shard` run in ``out``, if there is one."""
+    try:
+        return json.loads((out / PARTIAL_DIR / "state.json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _is_this_compressed_output(out: Path, fingerprint: str, codec: str) -> bool:

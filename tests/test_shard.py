@@ -877,3 +877,22 @@ def test_planning_a_sharding_imports_no_torch(checkpoints):
             f"ShardOptions; plan_shard({str(src)!r}, ShardOptions(tp=2, compress='ans')); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr
+
+
+def test_an_unfinished_gpu_run_is_not_continued_through_torch(checkpoints, tmp_path, capsys):
+    """A `shard --compress ans` run that began building its files on a GPU resumes only that way: where
+    that path cannot run (here, no GPU), the rerun says so and leaves OUT as it is."""
+    from gdsload.server import cli
+
+    src, _ = checkpoints["llama-gqa-tied"]
+    plan = plan_shard(src, ShardOptions(tp=2, compress="ans"))
+    out = tmp_path / "out"
+    (out / PARTIAL_DIR).mkdir(parents=True)
+    state = {"fingerprint": plan.fingerprint, "source": str(plan.source), **plan.options.describe()}
+    (out / PARTIAL_DIR / "state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["shard", str(src), str(out), "--tp", "2", "--compress", "ans", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0 and "built its files on a GPU" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [PARTIAL_DIR]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -311,11 +311,11 @@ def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None
     except OSError as e:
         if str(enc.dst) in str(e):
             raise
-        raise OSError(e.errno, f"{enc.dst}: writing it failed ({e.strerror or e}); nothing was written under "
-                      "that name") from e
+        raise OSError(e.errno, f"writing it failed ({e.strerror or e}); nothing was written under that name",
+                      str(enc.dst)) from e
     except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as e:  # pinning, or the copy out of the GPU
-        raise OSError(errno.EIO, f"{enc.dst}: copying its data out of GPU {enc.index} failed ({type(e).__name__}: "
-                      f"{e}); nothing was written under that name") from e
+        raise OSError(errno.EIO, f"copying its data out of GPU {enc.index} failed ({type(e).__name__}: {e}); "
+                      "nothing was written under that name", str(enc.dst)) from e
     if enc.src is not None:
         shutil.copymode(enc.src, enc.dst)  # private weights stay private
     log.info("%s: %d bytes written%s in %.2f s", enc.dst, len(enc.header) + total, " and hashed" if h else "",
@@ -407,7 +407,7 @@ def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, dige
                     raise DeviceMemoryError(
                         f"{job.what!r}: compressing it takes up to {format_bytes(job.need)} on GPU {index}, and "
                         f"that cannot be allocated ({type(e).__name__}: {str(e)[:200]}); free memory on that GPU, "
-                        "or split the checkpoint into smaller files (`gdsload shard`)") from None
+                        "or write smaller files (`gdsload shard --max-file-size`)") from None
                 log.info("%s: read, compressed and laid out on GPU %d in %.2f s", job.what, index,
                          time.perf_counter() - t0)
                 writing.append((enc, writers.submit(write_file, enc, digest=digest, progress=step), t0))

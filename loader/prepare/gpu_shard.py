@@ -9,13 +9,15 @@
    (:func:`~gdsload.loader.prepare.gpu_compress.encode_tensors`,
    :func:`~gdsload.loader.prepare.gpu_compress.write_encoded`): a file is written while the next is built.
 
-The files are those ``gdsload shard`` followed by ``gdsload compress`` writes, byte for byte; the
-resuming and atomicity of :func:`~gdsload.loader.prepare.shard.execute_plan` hold unchanged.
+The files and manifest are, byte for byte, those of sharding this plan through torch and then compressing
+the shards (:func:`~gdsload.loader.prepare.compress.compress_dir`); the resuming and atomicity of
+:func:`~gdsload.loader.prepare.shard.execute_plan` hold unchanged.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import logging
 import math
@@ -29,7 +31,7 @@ from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.prepare.gpu_compress import DeviceTensor, EncodedFile, Job, encode_tensors, torch_free_gpu, \
     write_encoded
-from gdsload.loader.prepare.shard import PlannedFile, ShardPlan, file_metadata
+from gdsload.loader.prepare.shard import PlannedFile, ShardPlan, SourceReadError, file_metadata
 from gdsload.loader.prepare.shard_rules import OutTensor
 
 __all__ = ["gpu_for", "GpuShardWriter", "compression_totals"]
@@ -154,6 +156,12 @@ class GpuShardWriter:
                 loaded = load_rank(path, device=dev, only=names)
                 loads.append(loaded)
                 for s in loaded.slots:
+                    planned = self.plan._src.tensors[s.name].info
+                    if (s.dtype, tuple(s.shape)) != (planned.dtype, tuple(planned.shape)):
+                        raise SourceReadError(
+                            errno.ESTALE, f"{path!r}: tensor {s.name!r} is now {s.dtype} {list(s.shape)}, planned as "
+                            f"{planned.dtype} {list(planned.shape)}; the source changed since planning — restore it "
+                            "and rerun")
                     address = int(loaded.arenas[s.buffer].data.ptr) + s.offset
                     sources[s.name] = DeviceTensor(s.name, s.dtype, tuple(s.shape), address, s.nbytes)
         except BaseException:
@@ -185,8 +193,8 @@ def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: OutTensor
     if t.op == "fill":
         host = _filled(t.fill, dtype, math.prod(t.shape))
         buf = dev.empty(nbytes)
-        held.append(buf)
-        runtime.memcpy(int(buf.data.ptr), host.ctypes.data, nbytes, 1)  # a few bytes; synchronous, host first
+        held += [buf, host]  # the host bytes too: the copy is done when the stream is synchronized
+        runtime.memcpyAsync(int(buf.data.ptr), host.ctypes.data, nbytes, 1, stream.ptr)
         return DeviceTensor(t.name, dtype, t.shape, int(buf.data.ptr), nbytes)
     if t.op != "copy":
         raise ValueError(f"output tensor {t.name!r}: op {t.op!r} is built through torch (gdsload shard --quantize)")
