@@ -121,7 +121,7 @@ def machine_facts(device: str) -> dict[str, Any]:
         from gdsload.loader.io.iomode import kvikio_state, nvidia_fs_loaded
 
         facts["nvidia_fs"] = nvidia_fs_loaded()
-        facts["kvikio"] = kvikio_state().__dict__
+        facts["kvikio"] = kvikio_state()._asdict()
     return facts
 
 

@@ -124,7 +124,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    from gdsload.loader.config import gc_paused
+
+    with gc_paused():  # importing the pipeline makes objects the collector would scan for nothing
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gdsload.loader.errors import BackendUnavailableError, ConfigError
@@ -92,6 +92,10 @@ class Device(abc.ABC):
     def view(self, buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
         """``buf`` seen as a tensor of safetensors ``dtype`` and ``shape`` (torch devices)."""
         raise BackendUnavailableError(f"{self} ({type(self).__name__}) makes no torch tensors")
+
+    def views(self, bufs: Sequence[Any], slices: Iterable[tuple[int, int, int, str, tuple[int, ...]]]) -> list[Any]:
+        """:meth:`view` of many slices: ``(buffer index in bufs, offset, nbytes, dtype, shape)`` each."""
+        return [self.view(bufs[b][off : off + n], dtype, shape) for b, off, n, dtype, shape in slices]
 
     def bytes_of(self, tensor: Any) -> Any:
         """The 1-D uint8 buffer over a contiguous tensor's own bytes (destinations the caller owns)."""
@@ -274,6 +278,29 @@ class TorchDevice(Device):
         if not buf.numel():
             return self.torch.empty(shape, dtype=dt, device=self.device)
         return buf.view(dt).view(shape)
+
+    def views(self, bufs: Sequence[Any], slices: Iterable[tuple[int, int, int, str, tuple[int, ...]]]) -> list[Any]:
+        # One op a tensor: each buffer is seen as each dtype once, and every tensor is a strided view of that
+        # (a slice then two views cost three; a rank has hundreds of tensors).
+        from gdsload.loader.dtypes import to_torch
+
+        typed: dict[tuple[int, str], Any] = {}
+        out = []
+        for b, off, n, dtype, shape in slices:
+            base = typed.get((b, dtype))
+            if base is None:
+                buf, dt = bufs[b], to_torch(dtype)
+                base = typed[b, dtype] = buf.view(dt) if buf.numel() % dt.itemsize == 0 else False
+            size = base.element_size() if base is not False else 0
+            if not n or not size or off % size:
+                out.append(self.view(bufs[b][off : off + n], dtype, shape))
+                continue
+            strides, step = [], 1
+            for d in reversed(shape):
+                strides.append(step)
+                step *= d
+            out.append(base.as_strided(shape, strides[::-1], base.storage_offset() + off // size))
+        return out
 
     def bytes_of(self, tensor: Any) -> Any:
         return tensor.detach().reshape(-1).view(self.torch.uint8)

@@ -144,7 +144,7 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
                                                    "max_device_cache_size_kb", "max_device_pinned_mem_size_kb",
                                                    "use_poll_mode", "gds_rdma_write_support") if k in props}
     r.p2pdma_configured = p2pdma_configured(cfg)
-    r.kvikio = asdict(kvikio_state())
+    r.kvikio = kvikio_state()._asdict()
     try:
         from nvidia import nvcomp
 

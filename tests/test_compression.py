@@ -172,7 +172,7 @@ def _realign(src: Path, dst: Path, align: int, codec: str | None = None) -> None
         metadata = f.metadata()
     doc = json.loads(metadata[METADATA_KEY])
     for name, e in entries.items():
-        moved = type(e)(**{**e.__dict__, "chunk_align": align})
+        moved = e._replace(chunk_align=align)
         starts, sizes, _, _ = moved.chunk_table()
         blob = np.zeros(int(starts[-1] + sizes[-1]), dtype=np.uint8)
         for (old, n, _, _), new in zip(e.chunk_spans(), starts.tolist()):

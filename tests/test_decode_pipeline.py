@@ -151,7 +151,7 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
         def submit(self, extents, dsts, progress=None):
             return lambda: None
 
-    monkeypatch.setattr(codecs, "nvcomp_available", lambda: None)
+    monkeypatch.setattr(codecs, "nvcomp_available", lambda **_: None)
     outcome: list[BaseException] = []
 
     def run() -> None:

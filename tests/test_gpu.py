@@ -395,8 +395,6 @@ def test_gpu_encoder_records_zlibs_crc32_and_places_every_chunk(codec):
 def test_ans_chunk_that_cannot_decode_names_the_tensor_and_status(tmp_path):
     """nvCOMP's per-chunk status reaches the user: an output slot one byte short fails the batch, naming
     the tensor and the chunk."""
-    import dataclasses
-
     from gdsload.loader.codecs import GpuCodecs, encode_tensor
     from gdsload.loader.devices import as_device
 
@@ -408,7 +406,7 @@ def test_ans_chunk_that_cannot_decode_names_the_tensor_and_status(tmp_path):
     codecs = GpuCodecs(as_device("cuda:0"), torch.cuda.current_stream().cuda_stream)
     codecs.decode(entry, src, out, path="f.safetensors")
     assert _bits(out) == _bits(t)
-    short = dataclasses.replace(entry, nbytes=entry.nbytes - 2)
+    short = entry._replace(nbytes=entry.nbytes - 2)
     with pytest.raises(CodecError, match=r"'f.safetensors': tensor 'w': chunk 2 does not decode \(status 15 \(output buffer too small\)"):
         codecs.decode(short, src, out[: short.nbytes], path="f.safetensors")
     codecs.close()

@@ -79,6 +79,54 @@ def test_tensors_are_views_into_one_arena(sharded_dir):
     assert arena.numel() == plan.arena_bytes
 
 
+def test_a_load_sets_off_no_garbage_collection_and_leaves_the_collector_as_it_was(tmp_path):
+    """Thousands of tensors make enough objects to set off dozens of collections (one per 700 allocations by
+    default); only the one the collector runs as it comes back on is seen, and the collector is as the caller
+    left it afterwards, threads or not."""
+    import gc
+    import threading
+
+    from gdsload.loader import save_file
+
+    save_file({f"t{i}": torch.full((3,), float(i)) for i in range(3000)}, tmp_path / "many.safetensors")
+    collections: list[int] = []
+    record = lambda phase, info: phase == "start" and collections.append(info["generation"])  # noqa: E731
+    gc.callbacks.append(record)
+    try:
+        result = load_rank(tmp_path, 0)
+        assert len(collections) <= 1 and gc.isenabled()
+        assert torch.equal(result.tensors["t2999"], torch.full((3,), 2999.0))
+        gc.disable()
+        try:
+            load_rank(tmp_path, 0)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        threads = [threading.Thread(target=lambda: [load_rank(tmp_path, 0) for _ in range(3)]) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(record)
+
+
+def test_many_views_at_once_are_the_views_one_at_a_time():
+    from gdsload.loader.devices import as_device
+
+    dev = as_device("cpu")
+    arena = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    # A destination that starts inside its storage (an engine's parameter) and one whose size no dtype divides.
+    slices = [(0, 0, 64, "BF16", (4, 8)), (0, 64, 4, "F32", ()), (0, 128, 0, "F16", (0, 3)), (0, 130, 6, "F16", (3,)),
+              (1, 4, 8, "I32", (2,)), (2, 8, 16, "F32", (2, 2)), (0, 2, 4, "I16", (2,)), (3, 2, 4, "I16", (2, 1))]
+    bufs = [arena, arena[4:4099], arena[16:], arena[4:4100]]
+    many, one = dev.views(bufs, slices), [dev.view(bufs[b][o : o + n], d, s) for b, o, n, d, s in slices]
+    for (b, o, n, d, s), x, y in zip(slices, many, one):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous(), (b, o, d)
+        assert torch.equal(x, y) and (not n or x.data_ptr() == y.data_ptr()), (b, o, d)
+
+
 @pytest.mark.parametrize("threads, chunk", [(1, 4096), (3, 4096), (8, 1 << 20)])
 def test_threads_and_chunk_sizes_give_identical_bytes(sharded_dir, threads, chunk):
     done = []

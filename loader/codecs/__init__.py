@@ -10,6 +10,7 @@ only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -56,10 +57,18 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def nvcomp_available() -> str | None:
-    """None when nvCOMP and a CUDA device are usable, else why not."""
+def nvcomp_available(*, library_only: bool = False) -> str | None:
+    """None when nvCOMP and a CUDA device are usable, else why not.
+
+    ``library_only``: only nvCOMP's C library is needed, not its Python package (a load whose tensors are all
+    ANS chunks decodes them through the C API, and importing the package would only delay its first decode).
+    """
     if not cuda_device_count():
         return "no CUDA device"
+    if library_only:
+        from gdsload.loader.codecs.nvcomp_c import library_unavailable
+
+        return library_unavailable()
     try:
         from nvidia import nvcomp  # noqa: F401
     except ImportError as e:
@@ -156,7 +165,7 @@ def encode_tensor(
                             align)
     starts, *_ = entry.chunk_table()
     blob = _gather(enc, starts.tolist(), sizes, raw.device)
-    return dataclasses.replace(entry, stored_bytes=blob.numel()), blob if keep_on_device else blob.cpu().numpy()
+    return entry._replace(stored_bytes=blob.numel()), blob if keep_on_device else blob.cpu().numpy()
 
 
 class _Bytes:
@@ -253,21 +262,28 @@ class GpuCodecs:
 
     def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False,
                  verify: bool = False):
-        from nvidia import nvcomp
-
-        self.nv = nvcomp
         self.device = device
         self.device_index = device.index or 0
         self.stream = stream
-        policy = nvcomp.ChecksumPolicy
-        # Encoders store checksums in native streams; decoders check them only when asked to.
-        if encode:
-            self.policy = policy.COMPUTE_AND_NO_VERIFY
-        else:
-            self.policy = policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if verify else policy.NO_COMPUTE_NO_VERIFY
+        self._encode, self._verify = encode, verify
         self._cache: dict[Any, Any] = {}
         self._ans: Any = None  # nvcomp_c.AnsDecoder, made on the first ANS chunks
         self._bytes: _TorchStreamBytes | _CupyStreamBytes | None = None
+
+    @functools.cached_property
+    def nv(self) -> Any:
+        """nvCOMP's Python package, imported on first use: ANS chunks decode through its C library alone."""
+        from nvidia import nvcomp
+
+        return nvcomp
+
+    @property
+    def policy(self) -> Any:
+        """The checksum policy of native streams: encoders store checksums; decoders check them only when asked to."""
+        policy = self.nv.ChecksumPolicy
+        if self._encode:
+            return policy.COMPUTE_AND_NO_VERIFY
+        return policy.NO_COMPUTE_AND_VERIFY_IF_PRESENT if self._verify else policy.NO_COMPUTE_NO_VERIFY
 
     def close(self) -> None:
         """Drop every nvCOMP codec made here (call it while the stream they borrow still exists)."""

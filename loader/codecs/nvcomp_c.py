@@ -36,7 +36,8 @@ import numpy as np
 
 from gdsload.loader.errors import CodecError
 
-__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "nvcomp_version"]
+__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "library_unavailable",
+           "nvcomp_version"]
 
 _MIN_VERSION = 6000
 """nvCOMP 6.0: the options struct bound below is its layout."""
@@ -139,6 +140,15 @@ def _lib() -> tuple[ctypes.CDLL, int]:
 
 def _semver(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+
+
+def library_unavailable() -> str | None:
+    """Why nvCOMP's C library cannot be used here (not found, or older than 6.0), or None when it can."""
+    try:
+        _lib()
+    except CodecError as e:
+        return str(e)
+    return None
 
 
 def nvcomp_version() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from gdsload.loader.errors import ConfigError, FileUnreadableError, ManifestError, NoFilesForRankError, UnfinishedOutputError
@@ -24,8 +24,7 @@ _VLLM_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _TRTLLM_RE = re.compile(r"^rank(\d+)\.safetensors$")
 
 
-@dataclass(frozen=True)
-class RankFiles:
+class RankFiles(NamedTuple):
     """The files of one rank, in load order, and how they were found."""
 
     root: str

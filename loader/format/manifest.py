@@ -28,9 +28,9 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gdsload.loader.errors import ManifestError
 from gdsload.loader.format.safetensors import SafetensorsHeader, atomic_output, read_header
@@ -53,8 +53,7 @@ LAYOUTS = ("vllm", "hf", "trtllm", "plain")
 _DIGEST_CHUNK = 8 << 20
 
 
-@dataclass(frozen=True)
-class ManifestFile:
+class ManifestFile(NamedTuple):
     """One file of one rank, as recorded in the manifest."""
 
     path: str
@@ -119,7 +118,7 @@ class Manifest:
                     raise bad(f"rank {key}: file entry {f!r:.200} is malformed ({e})") from None
                 if not isinstance(entry.path, str) or os.path.isabs(entry.path) or ".." in Path(entry.path).parts:
                     raise bad(f"rank {key}: file path {entry.path!r} must be relative and stay inside the directory")
-                entries.append(replace(entry, path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
+                entries.append(entry._replace(path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
             ranks[int(key)] = tuple(entries)
         missing = sorted(set(range(tp)) - set(ranks))
         if missing:
@@ -142,7 +141,7 @@ class Manifest:
             "tp_size": self.tp_size,
             "layout": self.layout,
             "created_by": self.created_by,
-            "ranks": {str(r): [asdict(f) for f in files] for r, files in sorted(self.ranks.items())},
+            "ranks": {str(r): [f._asdict() for f in files] for r, files in sorted(self.ranks.items())},
             "extra": self.extra,
         }
 

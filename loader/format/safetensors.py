@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shutil
 import struct
 import time
@@ -399,6 +398,8 @@ def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[
     from a killed one's, across processes and PID namespaces. The entry is made under another name,
     locked, then renamed: nothing named ``STEM*`` is ever unlocked while its writer lives.
     """
+    import secrets  # here: a load never creates files, and the module imports hmac
+
     while True:
         token = secrets.token_hex(3)
         making, path = parent / f"{_creating_stem(stem)}{token}", parent / f"{stem}{token}"

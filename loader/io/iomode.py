@@ -16,8 +16,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "KvikioState",
@@ -34,8 +33,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class KvikioState:
+class KvikioState(NamedTuple):
     importable: bool
     version: str | None = None
     compat_mode: str | None = None

@@ -45,7 +45,6 @@ from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from gdsload.loader.io.fst_reader import make_fst_reader
-from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
 from gdsload.loader.io.staged import StagedEngineError, StagedReader
 from gdsload.loader.io.staged import prepare as staged_prepare
 from gdsload.loader.io.staged import unavailable as staged_unavailable
@@ -144,6 +143,13 @@ class PinnedBackend(Backend):
                     self._cufiles[i] = self._kv.CuFile(fd_path(plan.fds[i]), "r")
             if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
                 self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
+        self._ring = self._make_ring() if "ring" in self._engine else None
+
+    def _make_ring(self) -> Any:
+        """The Python ring, for the files no other engine reads; imported only then."""
+        from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
+
+        assert self.plan is not None
         chunk = self.options.chunk_bytes or self.RING_CHUNK
         threads = self.ring_threads()
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
@@ -153,10 +159,10 @@ class PinnedBackend(Backend):
         if ring_threads < threads:
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
                      ring_threads, threads, self.options.pinned_bytes)
-        self._ring = StagingRing(self.device.device, [RingFile(fd, d, f.path) for fd, d, f in
-                                               zip(self._fds, self._fd_direct, plan.files)],
-                                 threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
-                                 streams=self.RING_STREAMS)
+        return StagingRing(self.device.device, [RingFile(fd, d, f.path) for fd, d, f in
+                                                zip(self._fds, self._fd_direct, self.plan.files)],
+                           threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
+                           streams=self.RING_STREAMS)
 
     def ring_threads(self) -> int:
         """Readers the ring wants (before the pinned budget): as asked, else per what it serves."""
@@ -205,7 +211,8 @@ class PinnedBackend(Backend):
             self._ran[e.file_index].add(self._engine[e.file_index])
         staged = [e for e in extents if self._engine[e.file_index] == "staged"]
         staged_wait = self._staged.submit(staged, dsts, progress) if self._staged is not None and staged else None
-        ring_wait = self._ring.submit([e for e in extents if self._engine[e.file_index] == "ring"], dsts, progress)
+        ring = [e for e in extents if self._engine[e.file_index] == "ring"]
+        ring_wait = self._ring.submit(ring, dsts, progress) if self._ring is not None and ring else None
         futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
                    for e in kv_extents]
 
@@ -217,7 +224,8 @@ class PinnedBackend(Backend):
                     staged_wait()
             finally:
                 try:
-                    ring_wait()
+                    if ring_wait is not None:
+                        ring_wait()
                 finally:
                     wait_preads(self.plan, futures, progress)
 

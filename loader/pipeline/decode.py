@@ -194,12 +194,14 @@ def load_compressed(
             from gdsload.loader.codecs import GpuCodecs, nvcomp_available
             from gdsload.loader.codecs.registry import codec
 
-            reason = nvcomp_available()
+            # A batch decoder's chunks go through nvCOMP's C API alone, which also leaves GPU 0 alone.
+            c_api_only = all(codec(t.entry.codec).batch_decoder and t.entry.layout == "chunks" for t in plan.compressed)
+            reason = nvcomp_available(library_only=c_api_only)
             if reason is not None:
                 raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP "
                                  f"cannot run: {reason}")
-            if any(not codec(t.entry.codec).batch_decoder or t.entry.layout != "chunks" for t in plan.compressed):
-                _warn_if_other_gpus(device)  # a batch decoder's chunks go through nvCOMP's C API, which leaves GPU 0 alone
+            if not c_api_only:
+                _warn_if_other_gpus(device)
             stream = device.stream()
             codecs = GpuCodecs(device, stream.handle, verify=verify)
         except BaseException as e:  # no decoder: say why, and let the reader stop instead of waiting on slots

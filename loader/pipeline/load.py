@@ -28,7 +28,7 @@ from gdsload.loader.devices import Device, as_device
 from gdsload.loader.format.compression import add_codec_lookup
 from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
-from gdsload.loader.config import format_bytes
+from gdsload.loader.config import format_bytes, gc_paused
 from gdsload.loader.errors import ConfigError, DeviceMemoryError, IntegrityError
 from gdsload.loader.format.manifest import file_digest
 from gdsload.loader.plan import FilePlan, LoadPlan, plan_rank
@@ -69,6 +69,7 @@ class _Clock:
         self.last = now
 
 
+@gc_paused()  # a load's many small objects hold no cycles: collections during it would find nothing
 def load_rank(
     path: str | os.PathLike[str],
     rank: int = 0,
@@ -151,9 +152,12 @@ def load_rank(
         tensors: dict[str, Any] = {}
         if dev.uses_torch:
             targets = len(plan.targets)
-            tensors = {s.name: into[s.name] if 0 < s.buffer <= targets  # type: ignore[index]
-                       else dev.view(dsts[s.buffer][s.offset : s.offset + s.nbytes], s.dtype, s.shape)
-                       for s in slots}
+            viewed = [s for s in slots if not 0 < s.buffer <= targets]
+            tensors = dict(zip((s.name for s in viewed),
+                               dev.views(dsts, [(s.buffer, s.offset, s.nbytes, s.dtype, s.shape) for s in viewed])))
+            if targets:  # the caller's own destinations, in the plan's order
+                tensors = {s.name: into[s.name] if 0 < s.buffer <= targets else tensors[s.name]  # type: ignore[index]
+                           for s in slots}
         clock.lap("place")
 
         verified = cfg.verify and verify_digests(rank_files, plan, arena, dev)

@@ -18,7 +18,6 @@ that cannot be split, so with digests the largest file's hash bounds the run.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import errno
 import functools
 import hashlib
@@ -216,7 +215,7 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
                 starts, sizes, _, _ = entry.chunk_table()
                 stored = int(starts[-1] + sizes[-1])
                 if stored <= (1 - min_gain) * t.nbytes:
-                    packed[t.name] = entry = dataclasses.replace(entry, stored_bytes=stored)
+                    packed[t.name] = entry = entry._replace(stored_bytes=stored)
                     specs.append(TensorSpec(t.name, "U8", (stored,)))
                     entries[t.name] = entry.to_json()
                     stats.compressed += 1
