@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
@@ -151,8 +150,7 @@ class FilePlan(NamedTuple):
         return self.header.data_len
 
 
-@dataclass(frozen=True)
-class LoadPlan:
+class LoadPlan(NamedTuple):
     """Everything a backend needs: the arena size, what to read where, where each tensor ends up."""
 
     rank: int
@@ -168,8 +166,9 @@ class LoadPlan:
     fds: tuple[int, ...] = ()
     """A read-only descriptor per file, opened when the headers were read: backends read through these
     (or :func:`fd_path`), so the data is that of the files the headers described."""
-    owned: tuple[bool, ...] = ()
-    """Which of ``fds`` the plan opened (and :meth:`close` closes); the others are the caller's."""
+    owned: Sequence[bool] = ()
+    """Which of ``fds`` the plan opened (and :meth:`close` closes); the others are the caller's. A list where the
+    plan opened any, which :meth:`close` clears: the one field that changes."""
 
     @property
     def open_paths(self) -> list[str]:
@@ -178,13 +177,13 @@ class LoadPlan:
 
     def close(self) -> None:
         """Close the descriptors the plan opened (idempotent)."""
-        for fd, mine in zip(self.fds, self.owned):
+        for i, (fd, mine) in enumerate(zip(self.fds, self.owned)):
             if mine:
+                self.owned[i] = False  # type: ignore[index]
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        object.__setattr__(self, "owned", tuple(False for _ in self.fds))
 
     def __enter__(self) -> LoadPlan:
         return self
@@ -500,4 +499,4 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
     assert all(f is not None for f in files)
     return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final),
                     arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order), mapped=tuple(mapped),
-                    fds=tuple(fds), owned=tuple(owned))
+                    fds=tuple(fds), owned=list(owned))

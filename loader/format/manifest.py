@@ -28,7 +28,6 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -65,15 +64,14 @@ class ManifestFile(NamedTuple):
     """``"sha256:<hex>"`` of the whole file, or None when not recorded."""
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(NamedTuple):
     """The parsed ``gdsload.json`` of a model directory."""
 
     tp_size: int
     layout: str
     ranks: dict[int, tuple[ManifestFile, ...]]
-    created_by: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    created_by: str
+    extra: dict[str, Any]
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Manifest:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -59,8 +59,7 @@ class DecodeStats:
     staging_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class _Piece:
+class _Piece(NamedTuple):
     """What one tensor puts in a staging group: its stored chunks ``first:stop`` (``stop=None``: through
     the last; the whole tensor when ``first`` is 0 too), ``nbytes`` stored bytes from ``start``, relative to
     the tensor's stored bytes."""
