@@ -72,7 +72,7 @@ def gc_paused() -> Iterator[None]:
 
     A load makes thousands of small objects without cycles (headers, extents, placements, tensor views). In a
     process that has imported torch (about 170,000 objects), they set off collections that find nothing:
-    one full pass cost 70-150 ms during a load of 2,463 tensors on a 2-core machine (``bench/RESULTS.md``).
+    one full pass cost 47-62 ms during a load of 1,839 tensors on a 2-core machine (``bench/RESULTS.md``).
     Blocks may nest and run on several threads at once: the last one out turns the collector back on.
     """
     global _PAUSES, _RESUME
