@@ -73,18 +73,36 @@ def gc_paused() -> Iterator[None]:
     A load makes thousands of small objects without cycles (headers, extents, placements, tensor views). In a
     process that has imported torch (about 170,000 objects), they set off collections that find nothing:
     one full pass cost 47-62 ms during a load of 1,839 tensors on a 2-core machine (``bench/RESULTS.md``).
-    Blocks may nest and run on several threads at once: the last one out turns the collector back on.
+    Blocks may nest and run on several threads at once: the last one out turns the collector back on. The
+    collector is the process's: other threads' objects wait for it too while a block runs. A child forked
+    inside a block starts with the collector as it was before the first block.
     """
     global _PAUSES, _RESUME
-    with _PAUSE_LOCK:
-        if _PAUSES == 0:
-            _RESUME = gc.isenabled()
-            gc.disable()
-        _PAUSES += 1
+    paused = False
     try:
+        with _PAUSE_LOCK:
+            if _PAUSES == 0:
+                _RESUME = gc.isenabled()
+                gc.disable()
+            _PAUSES += 1
+            paused = True
         yield
     finally:
-        with _PAUSE_LOCK:
-            _PAUSES -= 1
-            if _PAUSES == 0 and _RESUME:
-                gc.enable()
+        if paused:
+            with _PAUSE_LOCK:
+                _PAUSES -= 1
+                if _PAUSES == 0 and _RESUME:
+                    gc.enable()
+
+
+def _unpause_in_child() -> None:
+    """A forked child has none of the parent's other threads, so none of their blocks will end there."""
+    global _PAUSES, _PAUSE_LOCK
+    _PAUSE_LOCK = threading.Lock()
+    if _PAUSES:
+        _PAUSES = 0
+        if _RESUME:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_unpause_in_child)

@@ -94,7 +94,8 @@ class Device(abc.ABC):
         raise BackendUnavailableError(f"{self} ({type(self).__name__}) makes no torch tensors")
 
     def views(self, bufs: Sequence[Any], slices: Iterable[tuple[int, int, int, str, tuple[int, ...]]]) -> list[Any]:
-        """:meth:`view` of many slices: ``(buffer index in bufs, offset, nbytes, dtype, shape)`` each."""
+        """:meth:`view` of many slices: ``(buffer index in bufs, offset, nbytes, dtype, shape)`` each (a device
+        that overrides :meth:`view` overrides this too)."""
         return [self.view(bufs[b][off : off + n], dtype, shape) for b, off, n, dtype, shape in slices]
 
     def bytes_of(self, tensor: Any) -> Any:
@@ -288,9 +289,10 @@ class TorchDevice(Device):
         out = []
         for b, off, n, dtype, shape in slices:
             base = typed.get((b, dtype))
-            if base is None:
+            if base is None:  # a contiguous buffer the dtype's size divides, from an aligned start; else view()
                 buf, dt = bufs[b], to_torch(dtype)
-                base = typed[b, dtype] = buf.view(dt) if buf.numel() % dt.itemsize == 0 else False
+                fits = buf.is_contiguous() and not buf.numel() % dt.itemsize and not buf.storage_offset() % dt.itemsize
+                base = typed[b, dtype] = buf.view(dt) if fits else False
             size = base.element_size() if base is not False else 0
             if not n or not size or off % size:
                 out.append(self.view(bufs[b][off : off + n], dtype, shape))

@@ -166,9 +166,10 @@ class LoadPlan(NamedTuple):
     fds: tuple[int, ...] = ()
     """A read-only descriptor per file, opened when the headers were read: backends read through these
     (or :func:`fd_path`), so the data is that of the files the headers described."""
-    owned: Sequence[bool] = ()
-    """Which of ``fds`` the plan opened (and :meth:`close` closes); the others are the caller's. A list where the
-    plan opened any, which :meth:`close` clears: the one field that changes."""
+    owned: list[bool] | tuple[bool, ...] = ()
+    """Which of ``fds`` the plan opened (and :meth:`close` closes); the others are the caller's. ``plan_rank``
+    makes it a list, which :meth:`close` clears, the one field that changes (a tuple cannot be cleared: such a
+    plan closes its descriptors at each :meth:`close`)."""
 
     @property
     def open_paths(self) -> list[str]:
@@ -179,7 +180,8 @@ class LoadPlan(NamedTuple):
         """Close the descriptors the plan opened (idempotent)."""
         for i, (fd, mine) in enumerate(zip(self.fds, self.owned)):
             if mine:
-                self.owned[i] = False  # type: ignore[index]
+                if isinstance(self.owned, list):
+                    self.owned[i] = False
                 try:
                     os.close(fd)
                 except OSError:

@@ -112,6 +112,37 @@ def test_a_load_sets_off_no_garbage_collection_and_leaves_the_collector_as_it_wa
         gc.callbacks.remove(record)
 
 
+def test_a_child_forked_while_a_load_runs_has_its_garbage_collector():
+    import gc
+
+    from gdsload.loader.config import gc_paused
+
+    with gc_paused():
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # the child: the load's thread is not there to end the pause
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and gc.isenabled()
+
+
+def test_closing_a_plan_twice_closes_its_files_once(sharded_dir):
+    plan = plan_rank(discover(sharded_dir, 0))
+    fds = list(plan.fds)
+    plan.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    reused = [os.open(os.devnull, os.O_RDONLY) for _ in fds]  # likely the same numbers
+    try:
+        plan.close()
+        for fd in reused:
+            os.fstat(fd)  # still open
+    finally:
+        for fd in reused:
+            os.close(fd)
+
+
 def test_many_views_at_once_are_the_views_one_at_a_time():
     from gdsload.loader.devices import as_device
 
@@ -119,11 +150,13 @@ def test_many_views_at_once_are_the_views_one_at_a_time():
     arena = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     # A destination that starts inside its storage (an engine's parameter) and one whose size no dtype divides.
     slices = [(0, 0, 64, "BF16", (4, 8)), (0, 64, 4, "F32", ()), (0, 128, 0, "F16", (0, 3)), (0, 130, 6, "F16", (3,)),
-              (1, 4, 8, "I32", (2,)), (2, 8, 16, "F32", (2, 2)), (0, 2, 4, "I16", (2,)), (3, 2, 4, "I16", (2, 1))]
-    bufs = [arena, arena[4:4099], arena[16:], arena[4:4100]]
+              (1, 4, 8, "I32", (2,)), (2, 8, 16, "F32", (2, 2)), (0, 2, 4, "I16", (2,)), (3, 2, 4, "I16", (2, 1)),
+              (4, 2, 4, "F32", (1,)), (5, 2, 6, "U8", (2, 3))]
+    # Buffers the fast path must leave to view(): one starting 2 bytes into its storage, one strided.
+    bufs = [arena, arena[4:4099], arena[16:], arena[4:4100], arena[2:4098], arena[::2]]
     many, one = dev.views(bufs, slices), [dev.view(bufs[b][o : o + n], d, s) for b, o, n, d, s in slices]
     for (b, o, n, d, s), x, y in zip(slices, many, one):
-        assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous(), (b, o, d)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride(), (b, o, d)
         assert torch.equal(x, y) and (not n or x.data_ptr() == y.data_ptr()), (b, o, d)
 
 

@@ -115,9 +115,13 @@ def _lib() -> tuple[ctypes.CDLL, int]:
                 raise CodecError(f"cannot load nvCOMP's library {path!r} ({e}); install gdsload[cu12] or "
                                  "gdsload[cu13]") from None
             props = (ctypes.c_uint32 * 2)()
-            lib.nvcompGetProperties(props)
+            try:
+                lib.nvcompGetProperties(props)
+            except AttributeError:  # nvCOMP before 3.0 has no such call
+                props[0] = 0
             if props[0] < _MIN_VERSION:
-                raise CodecError(f"nvCOMP {_semver(props[0])} at {path!r} is older than 6.0, whose C API decodes "
+                found = _semver(props[0]) if props[0] else "from before 3.0"
+                raise CodecError(f"nvCOMP {found} at {path!r} is older than 6.0, whose C API decodes "
                                  "`layout: chunks` ANS tensors; pip install 'nvidia-nvcomp-cu13>=6' (or -cu12)")
             size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
             lib.nvcompBatchedANSDecompressGetTempSize.argtypes = [size_t, size_t, _DecompressOpts,

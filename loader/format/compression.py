@@ -30,7 +30,8 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -89,7 +90,7 @@ class CompressedEntry(NamedTuple):
     codec: str
     layout: str
     stored_bytes: int
-    params: dict[str, Any]
+    params: Mapping[str, Any] = MappingProxyType({})
     chunk_bytes: int = 0
     chunks: tuple[int, ...] = ()
     """Compressed size of each chunk (``layout == "chunks"``)."""
@@ -112,7 +113,7 @@ class CompressedEntry(NamedTuple):
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
-                               "codec": self.codec, "layout": self.layout, "params": self.params}
+                               "codec": self.codec, "layout": self.layout, "params": dict(self.params)}
         if self.layout == "chunks":
             doc["chunk_bytes"] = self.chunk_bytes
             if self.chunk_align != 1:

@@ -29,6 +29,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from gdsload.loader.errors import ManifestError
@@ -70,8 +71,8 @@ class Manifest(NamedTuple):
     tp_size: int
     layout: str
     ranks: dict[int, tuple[ManifestFile, ...]]
-    created_by: str
-    extra: dict[str, Any]
+    created_by: str = ""
+    extra: Mapping[str, Any] = MappingProxyType({})
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Manifest:
@@ -140,7 +141,7 @@ class Manifest(NamedTuple):
             "layout": self.layout,
             "created_by": self.created_by,
             "ranks": {str(r): [f._asdict() for f in files] for r, files in sorted(self.ranks.items())},
-            "extra": self.extra,
+            "extra": dict(self.extra),
         }
 
 
