@@ -63,6 +63,8 @@ def usable_cores() -> int:
 
 _PAUSES = 0
 _RESUME = False
+_FORKS = 0
+"""Forks into this process: a block entered before the last one is not counted in ``_PAUSES`` here."""
 _PAUSE_LOCK = threading.Lock()
 
 
@@ -78,17 +80,17 @@ def gc_paused() -> Iterator[None]:
     inside a block starts with the collector as it was before the first block.
     """
     global _PAUSES, _RESUME
-    paused = False
+    entered = None  # the fork count when this block was counted
     try:
         with _PAUSE_LOCK:
             if _PAUSES == 0:
                 _RESUME = gc.isenabled()
                 gc.disable()
             _PAUSES += 1
-            paused = True
+            entered = _FORKS
         yield
     finally:
-        if paused:
+        if entered == _FORKS:
             with _PAUSE_LOCK:
                 _PAUSES -= 1
                 if _PAUSES == 0 and _RESUME:
@@ -96,9 +98,11 @@ def gc_paused() -> Iterator[None]:
 
 
 def _unpause_in_child() -> None:
-    """A forked child has none of the parent's other threads, so none of their blocks will end there."""
-    global _PAUSES, _PAUSE_LOCK
+    """A forked child starts with no block counted: the parent's other threads are not there to end theirs, and
+    a block the forking thread is in ends uncounted."""
+    global _PAUSES, _PAUSE_LOCK, _FORKS
     _PAUSE_LOCK = threading.Lock()
+    _FORKS += 1
     if _PAUSES:
         _PAUSES = 0
         if _RESUME:

@@ -121,7 +121,10 @@ def test_a_child_forked_while_a_load_runs_has_its_garbage_collector():
         assert not gc.isenabled()
         pid = os.fork()
         if pid == 0:  # the child: the load's thread is not there to end the pause
-            os._exit(0 if gc.isenabled() else 1)
+            ok = gc.isenabled()
+            with gc_paused():  # and pauses still work there
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and gc.isenabled()
 

@@ -187,7 +187,7 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             f"is not {FORMAT_VERSION}; upgrade gdsload or re-run `gdsload compress`"
         )
     stored = {t.name: t for t in header.tensors}
-    entries: list[tuple[Any, ...]] = []  # each tensor's CompressedEntry fields, but for its chunk sizes
+    out: dict[str, CompressedEntry] = {}
     chunked: dict[str, _Chunked] = {}
     for name, e in doc["tensors"].items():
         where = f"{path!r}: compressed tensor {name!r}"
@@ -233,9 +233,9 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         crc = e.get("crc32")
         if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
             raise CodecError(f"{where}: crc32 {crc!r} is not a 32-bit unsigned integer")
-        entries.append((name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, crc, align))
-    # The chunk sizes of every tensor at once: checking them one tensor at a time costs a millisecond or more.
-    chunks = dict(zip(chunked, _chunk_sizes(list(chunked.values())))) if chunked else {}
-    return {name: CompressedEntry(name, dtype, shape, nbytes, codec, layout, stored, params, chunk_bytes,
-                                  chunks.get(name, ()), crc, align)
-            for name, dtype, shape, nbytes, codec, layout, stored, params, chunk_bytes, crc, align in entries}
+        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, (),
+                                    crc, align)
+    if chunked:  # every tensor's chunk sizes at once: one tensor at a time cost a millisecond or more a file
+        for name, sizes in zip(chunked, _chunk_sizes(list(chunked.values()))):
+            out[name] = out[name]._replace(chunks=sizes)
+    return out
