@@ -3,11 +3,14 @@
 On a GPU the reads go to staging buffers and nvCOMP decodes them (tests/test_gpu.py); here the
 same schedule runs with recorded reads and a decoder thread, to pin down its promises: the next
 group is read while the last is waited for, a slot is reused only after its decode, every read
-in flight is waited for before an error leaves, and a decode error stops further reads.
+in flight is waited for before an error leaves, and a decode error stops further reads. The in-place
+layout (``decode.in_place``) and both GPU schedules run here too, on host memory, with ``zstandard``
+decoding where nvCOMP would.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 
@@ -239,3 +242,244 @@ def test_whole_tensors_on_the_cpu_and_for_native_streams():
         groups = decode._groups((_tensor("a", (30000,)), t), max(staging, unit), split=split)
         assert len(groups) == 2 and groups[1] == [(decode._Piece(t, 0, t.entry.stored_bytes), 0)]
     assert decode._unit(big, True) == decode.align_up(9000, 4096)
+
+
+def _zstd_rank(tmp_path, shapes):
+    """A CPU-compressed (Zstd chunks) copy of a model with tensors of ``shapes``, and its reference tensors."""
+    import torch
+
+    from gdsload.loader import save_file
+    from gdsload.loader.prepare.compress import compress_dir
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(len(shapes))
+    tensors = {f"t{i:02d}": (0.02 * torch.randn(*s, generator=g)).to(torch.bfloat16) for i, s in enumerate(shapes)}
+    half = len(shapes) // 2
+    save_file(dict(list(tensors.items())[:half]), src / "model-00001-of-00002.safetensors")
+    save_file(dict(list(tensors.items())[half:]), src / "model-00002-of-00002.safetensors")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu", digest=False)
+    return tmp_path / "z", tensors
+
+
+def _emulate_in_place(plan, layout, decode_as_read: bool) -> bytearray:
+    """Run the in-place schedule on host memory: each group read from its file into the arena's top (or the
+    spill buffer), then decoded chunk by chunk with ``zstandard`` into its places; either every read first and
+    then every decode (``decode_as_read`` False), or each group decoded as soon as it is read."""
+    import zstandard
+
+    arena, spill = bytearray(plan.arena_bytes), bytearray(layout.spill)
+
+    def where(k, s):
+        return (arena, layout.base + s) if k < layout.split else (spill, s - layout.spill_from)
+
+    def read(k):
+        r = layout.runs[k]
+        buf, at = where(k, r.start)
+        for e in r.reads(r.start - at):
+            with open(plan.files[e.file_index].path, "rb") as f:
+                f.seek(e.file_offset)
+                buf[e.offset : e.offset + e.length] = f.read(e.length)
+
+    def decode(k):
+        r = layout.runs[k]
+        for p, s in r.pieces:
+            src, o = where(k, s)
+            starts, sizes, dec_at, dec_len = p.tensor.entry.chunk_table()
+            stop = len(sizes) if p.stop is None else p.stop
+            for j in range(p.first, stop):
+                at = o + int(starts[j] - starts[p.first])
+                out = zstandard.ZstdDecompressor().decompress(bytes(src[at : at + int(sizes[j])]))
+                assert len(out) == dec_len[j]
+                d = p.tensor.offset + int(dec_at[j])
+                arena[d : d + len(out)] = out
+        for e, s in r.copies:
+            src, o = where(k, s)
+            arena[e.offset : e.offset + e.length] = src[o : o + e.length]
+
+    if decode_as_read:
+        for k in range(len(layout.runs)):
+            read(k)
+            decode(k)
+    else:
+        for k in range(len(layout.runs)):
+            read(k)
+        for k in range(len(layout.runs)):
+            decode(k)
+    return arena
+
+
+@pytest.mark.parametrize("decode_as_read", [False, True])
+def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(tmp_path, monkeypatch, decode_as_read):
+    """On a GPU the compressed files are read into the top of the arena and decode from there into the
+    tensors' places below. Emulated on host memory: whether every read lands before any decode or each group
+    decodes as soon as it is read, every tensor comes out bit-identical; every chunk is decoded once, every raw
+    tensor copied once; groups get smaller towards the end, and only the last ones spill."""
+    import torch
+
+    from gdsload.loader import discover, plan_rank
+
+    monkeypatch.setattr(decode, "_MIN_RUN", 256 << 10)
+    shapes = [(384, 1024), (16,), (1400, 512), (64,), (2048, 1024), (8,), (600, 256), (1024, 700), (32,), (512, 256)]
+    model, ref = _zstd_rank(tmp_path, shapes)
+    with plan_rank(discover(model, 0)) as plan:
+        assert plan.compressed and any(f.extents for f in plan.files)  # compressed tensors and raw ones
+        layout = decode.in_place(plan, 3 * (1 << 20))
+        assert layout is not None and 0 < layout.split <= len(layout.runs)
+        assert layout.spill <= 3 * (1 << 20)
+        runs = layout.runs
+        assert len(runs) > 4 and runs[-1].end - runs[-1].start < runs[0].end - runs[0].start
+        for k, r in enumerate(runs[: layout.split]):  # decoded bytes end below the group's own stored bytes
+            assert r.out_end <= layout.base + r.start
+        assert layout.base + (runs[layout.split].start if layout.split < len(runs) else runs[-1].end) <= plan.arena_bytes
+        chunks = collections.Counter()
+        for r in runs:
+            for p, _ in r.pieces:
+                stop = len(p.tensor.entry.chunks) if p.stop is None else p.stop
+                chunks.update((p.tensor.entry.name, j) for j in range(p.first, stop))
+        assert sorted(chunks.values()) == [1] * sum(len(t.entry.chunks) for t in plan.compressed)
+        assert sorted(e.offset for r in runs for e, _ in r.copies) == sorted(e.offset for f in plan.files for e in f.extents)
+        arena = _emulate_in_place(plan, layout, decode_as_read)
+        for p in plan.placements:
+            got = torch.frombuffer(arena[p.offset : p.offset + p.nbytes], dtype=torch.uint8)
+            assert torch.equal(got, ref[p.name].contiguous().view(torch.uint8).flatten()), p.name
+
+
+def test_in_place_reads_only_what_is_loaded_and_leaves_the_callers_buffers_to_staging(tmp_path):
+    """A partial load (``only``) reads just its tensors; loads into the caller's buffers (``into``), and those
+    whose spill would exceed the staging allowed, go through staging buffers."""
+    import torch
+
+    from gdsload.loader import discover, plan_rank
+
+    model, ref = _zstd_rank(tmp_path, [(512, 512), (16,), (512, 512), (300, 300)])
+    rank = discover(model, 0)
+    with plan_rank(rank) as plan:
+        layout = decode.in_place(plan, 960 << 20)
+        assert layout is not None and layout.spill > 0  # a group as large as all cannot decode where it lies
+        assert decode.in_place(plan, 3 * 4096) is None  # no group is smaller than a chunk (256 KiB)
+    with plan_rank(rank, only=["t00", "t01"]) as plan:
+        layout = decode.in_place(plan, 960 << 20)
+        read = sorted((e.file_index, e.file_offset, e.length) for r in layout.runs for e in r.reads(0))
+        h = plan.files[0].header
+        assert read == sorted((0, h.data_offset + h[n].start, h[n].nbytes) for n in ("t00", "t01"))
+        arena = _emulate_in_place(plan, layout, True)
+        for p in plan.placements:
+            assert bytes(arena[p.offset : p.offset + p.nbytes]) == ref[p.name].contiguous().view(torch.uint8).numpy().tobytes()
+    with plan_rank(rank, targets={"t02": ("BF16", (512, 512))}) as plan:
+        assert decode.in_place(plan, 960 << 20) is None
+
+
+def test_raw_tensors_of_a_compressed_file_load_alone_and_with_the_others(tmp_path):
+    """The tensors a compressed file stores raw are read with its compressed ones; loaded without any of
+    those (``only``), they are read all the same."""
+    import torch
+
+    from gdsload.loader import load_rank
+
+    model, ref = _zstd_rank(tmp_path, [(512, 512), (16,), (512, 512), (8,)])
+    for only in (["t01"], ["t01", "t03"], ["t00", "t03"], None):
+        got = load_rank(model, device="cpu", only=only).tensors
+        assert sorted(got) == sorted(only or ref)
+        for name, t in got.items():
+            assert torch.equal(t.view(torch.uint8), ref[name].view(torch.uint8)), (only, name)
+
+
+class _HostGpu:
+    """A GPU stand-in for the decode schedule: buffers are numpy arrays, streams do nothing, and reads run on
+    a thread of their own (so they land while the decoder works)."""
+
+    kind, index, uses_torch = "cuda", 0, False
+
+    def stream(self, which: int = 0):
+        import contextlib
+
+        from gdsload.loader.devices import Stream
+
+        return Stream(0, lambda: None, contextlib.nullcontext)
+
+
+class _HostReader:
+    def __init__(self, plan):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device, self.plan, self.pool = _HostGpu(), plan, ThreadPoolExecutor(1)
+
+    def allocate(self, nbytes):
+        import numpy as np
+
+        return np.full(nbytes, 0xEE, np.uint8)  # bytes never written show up
+
+    def submit(self, extents, dsts, progress=None):
+        import os
+
+        def run():
+            for e in extents:
+                dsts[e.buffer][e.offset : e.offset + e.length] = memoryview(
+                    os.pread(self.plan.fds[e.file_index], e.length, e.file_offset))
+
+        return self.pool.submit(run).result
+
+    def read(self, extents, dsts, progress=None):
+        self.submit(extents, dsts, progress)()
+
+
+class _HostCodecs:
+    """Decodes Zstd chunks with ``zstandard`` into numpy arrays, where nvCOMP would on a GPU."""
+
+    def __init__(self, device, stream=None, *, verify=False):
+        pass
+
+    def decode_many(self, jobs):
+        import numpy as np
+        import zstandard
+
+        for j in jobs:
+            starts, sizes, dec_at, dec_len = j.entry.chunk_table()
+            stop = len(sizes) if j.stop is None else j.stop
+            for c in range(j.first, stop):
+                at = int(starts[c] - starts[j.first])
+                out = zstandard.ZstdDecompressor().decompress(j.src[at : at + int(sizes[c])].tobytes())
+                assert len(out) == dec_len[c]
+                j.dst[int(dec_at[c]) : int(dec_at[c]) + len(out)] = np.frombuffer(out, np.uint8)
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def finish(self, *, but_last=False):
+        pass
+
+    def close(self):
+        pass
+
+    def checked_on_device(self, entry):
+        return True
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_gpu_schedules_put_every_tensor_in_its_place(tmp_path, monkeypatch, in_place):
+    """The GPU decode stage end to end, on host memory: groups read on a thread of their own, decoded on the
+    decoder thread, raw tensors copied from the stream; in place and through staging buffers, every tensor
+    comes out bit-identical, and the staging the report names is what was allocated."""
+    import numpy as np
+    import torch
+
+    from gdsload.loader import discover, plan_rank
+
+    monkeypatch.setattr(decode, "_MIN_RUN", 256 << 10)
+    monkeypatch.setattr(decode, "IN_PLACE", in_place)
+    monkeypatch.setattr(codecs, "GpuCodecs", _HostCodecs)
+    monkeypatch.setattr(codecs, "nvcomp_available", lambda **_: None)
+    shapes = [(384, 1024), (16,), (1400, 512), (64,), (2048, 1024), (8,), (600, 256), (1024, 700), (32,), (512, 256)]
+    model, ref = _zstd_rank(tmp_path, shapes)
+    with plan_rank(discover(model, 0)) as plan:
+        reader = _HostReader(plan)
+        allocated = []
+        real_allocate = reader.allocate
+        reader.allocate = lambda n: allocated.append(n) or real_allocate(n)
+        arena = np.full(plan.arena_bytes, 0xEE, np.uint8)
+        stats = decode.load_compressed(plan, reader, [arena], verify=False, staging_bytes=3 << 20)
+        assert stats.staging_bytes == sum(allocated) and (stats.staging_bytes < 3 << 20) == in_place
+        for p in plan.placements:
+            got = torch.from_numpy(arena[p.offset : p.offset + p.nbytes].copy())
+            assert torch.equal(got, ref[p.name].contiguous().view(torch.uint8).flatten()), p.name

@@ -213,27 +213,38 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
 
 
 def _many_groups(tmp_path: Path, monkeypatch, *, seed: int) -> Path:
-    """24 bf16 tensors (one of 8 MiB) in ``tmp_path/w``, their ANS copy in ``tmp_path/z``, and staging
-    made 3 MiB (1 MiB per buffer: two small tensors, or a run of the large one's chunks)."""
+    """24 bf16 tensors (one of 8 MiB) and three small ones that stay raw in ``tmp_path/w``, their ANS copy in
+    ``tmp_path/z``, and staging made 3 MiB (groups of 1 MiB: two small tensors, or a run of the large one's
+    chunks)."""
 
     src = tmp_path / "w"
     src.mkdir()
     g = torch.Generator().manual_seed(seed)
     tensors = {f"w{i:02d}": (0.02 * torch.randn(512, 512, generator=g)).to(torch.bfloat16) for i in range(24)}
     tensors["w12"] = (0.02 * torch.randn(4096, 1024, generator=g)).to(torch.bfloat16)
+    for name in ("w05a", "w12a", "w23a"):  # between the others in the file: in place, copied from the stream
+        tensors[name] = torch.randn(2048, generator=g).to(torch.bfloat16)
     save_file(tensors, src / "model.safetensors")
     compress_dir(src, tmp_path / "z", codec="ans", device="cuda")
     monkeypatch.setenv("GDSLOAD_STAGING_BYTES", str(3 << 20))  # three 1 MiB buffers
     return src
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("backend", ["pinned", "cufile"])
-def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, monkeypatch, backend):
-    """Staging groups through the three buffers, one tensor (8 MiB) larger than all of them together:
-    bit-identical, and torch's GPU peak is the arena plus the staging the report names, the large tensor
-    read and decoded a run of chunks at a time (nvCOMP's own scratch is not torch's and is not counted)."""
+def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, monkeypatch, backend, in_place):
+    """Groups of 1 MiB, one tensor (8 MiB) larger than the staging allowed (3 MiB): bit-identical, the large
+    tensor read and decoded a run of chunks at a time, and torch's GPU peak is the arena plus the staging the
+    report names (nvCOMP's own scratch is not torch's and is not counted). In place, the groups are read into
+    the arena's top and only the last ones into staging of their own; otherwise through three buffers."""
+    from gdsload.loader.pipeline import decode
+
     _skip_if_missing(backend)
     src = _many_groups(tmp_path, monkeypatch, seed=1)
+    monkeypatch.setattr(decode, "IN_PLACE", in_place)
+    layouts = []
+    real = decode.in_place
+    monkeypatch.setattr(decode, "in_place", lambda *a: layouts.append(real(*a)) or layouts[-1])
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -241,7 +252,12 @@ def test_compressed_load_through_many_groups_holds_arena_plus_staging(tmp_path, 
     res = load_rank(tmp_path / "z", device="cuda", backend=backend, verify=True)
     peak = torch.cuda.max_memory_allocated() - base
     _check(res, _reference([src / "model.safetensors"]))
-    assert res.report.staging_bytes == 3 << 20
+    if in_place:
+        (layout,) = layouts
+        assert layout is not None and len(layout.runs) > 10 and layout.split < len(layout.runs)
+        assert 0 < res.report.staging_bytes == layout.spill < 3 << 20
+    else:
+        assert not layouts and res.report.staging_bytes == 3 << 20
     arena = sum(a.numel() for a in res.arenas)
     assert arena >= res.report.logical_bytes and peak <= arena + res.report.staging_bytes + (1 << 20), (peak, arena)
 
@@ -321,7 +337,7 @@ def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatc
     else:
         device = "cuda"
     good = tmp_path / "z" / "model.safetensors"
-    assert load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024) * 2
+    assert load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024 + 3 * 2048) * 2
     h = read_header(good)
     for name, at in (("w00", 0.3), ("w13", 0.3), ("w23", 0.3), ("w12", 0.02), ("w12", 0.98)):
         bad = tmp_path / f"bad-{name}-{at}"
@@ -356,6 +372,38 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
             assert all(e.chunk_align == 16 and not (e.chunk_table()[0] % 16).any() for e in entries)
         for backend in ("pinned", "cufile"):
             _check(load_rank(tmp_path / name, device="cuda", backend=backend, verify=True), ref)
+
+
+def _ans_chunks_after(fill: int) -> list[bytes]:
+    """ANS chunks of the same bf16 data, compressed through nvCOMP's C API right after cupy's memory pool
+    took back a buffer full of ``fill`` bytes (which the encoder's output then reuses)."""
+    import cupy
+
+    from gdsload.loader.codecs import _CupyStreamBytes
+    from gdsload.loader.codecs.nvcomp_c import ans_encode
+
+    g = torch.Generator().manual_seed(7)
+    host = (0.02 * torch.randn(3 * 65536 + 100, generator=g)).to(torch.bfloat16).view(torch.uint8).numpy()
+    data = cupy.asarray(host)
+    junk = cupy.full(16 << 20, fill, dtype=cupy.uint8)
+    cupy.cuda.Device().synchronize()
+    del junk
+    stream = cupy.cuda.Stream(non_blocking=True)
+    starts = range(0, host.size, 1 << 17)
+    slots = ans_encode(np.array([data.data.ptr + a for a in starts], np.uint64),
+                       np.array([min(1 << 17, host.size - a) for a in starts], np.uint64), "<f2",
+                       _CupyStreamBytes(stream.ptr), stream.ptr, "test")
+    return [slots.array[i * slots.slot_bytes : i * slots.slot_bytes + int(n)].get().tobytes()
+            for i, n in enumerate(slots.sizes)]
+
+
+def test_ans_chunks_are_the_same_bytes_whatever_the_memory_held_before():
+    """nvCOMP leaves some bytes of an ANS bitstream unwritten: the encoder zeroes its output first, so that
+    the same model always compresses to the same files, in a fresh process or in one that reuses memory."""
+    pytest.importorskip("cupy")
+    first = _ans_chunks_after(0x7C)
+    assert len(first) == 4 and all(first)  # three chunks of 128 KiB and one of 200 bytes
+    assert _ans_chunks_after(0x00) == first == _ans_chunks_after(0xA5)
 
 
 @pytest.mark.parametrize("codec", ["ans", "zstd", "gdeflate"])

@@ -365,6 +365,10 @@ class GpuCodecs:
             if not (j.entry.layout == "chunks" and codec(j.entry.codec).batch_decoder):
                 self._decode_one(j)
 
+    def copy(self, dst: Any, src: Any) -> None:
+        """Queue a copy of device bytes ``src`` into ``dst`` (as many) on the stream, after the decodes queued."""
+        self._stream_bytes().copy(dst, src)
+
     def checked_on_device(self, entry: CompressedEntry) -> bool:
         """Whether :meth:`finish` has checked ``entry``'s decoded bytes against its ``crc32`` (ANS
         chunks, on the device, whatever ``verify`` says); others need ``verify`` for that."""
@@ -430,6 +434,14 @@ class _TorchStreamBytes:
     def get(self, array: Any, nbytes: int) -> np.ndarray:
         return array[:nbytes].cpu().numpy()
 
+    def copy(self, dst: Any, src: Any) -> None:
+        with self.torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def zero(self, array: Any) -> None:
+        with self.torch.cuda.stream(self.stream):
+            array.zero_()
+
     def sync(self) -> None:
         self.stream.synchronize()
 
@@ -474,6 +486,13 @@ class _CupyStreamBytes:
 
     def get(self, array: Any, nbytes: int) -> np.ndarray:
         return array[:nbytes].get()
+
+    def copy(self, dst: Any, src: Any) -> None:
+        rt = self.cupy.cuda.runtime
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, self.stream)
+
+    def zero(self, array: Any) -> None:
+        self.cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, self.stream)
 
     def sync(self) -> None:
         self.cupy.cuda.runtime.streamSynchronize(self.stream)

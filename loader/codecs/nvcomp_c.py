@@ -400,6 +400,9 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
     _raise_on(lib.nvcompBatchedANSCompressGetTempSize(n, largest, opts, ctypes.byref(temp), total, stream),
               "sizing the encoder's scratch", where)
     slots, base = device.empty(n * slot_bytes)
+    # nvCOMP leaves some bytes of a chunk's bitstream unwritten: zeroed first, the same data always compresses
+    # to the same bytes, whatever the memory held before.
+    device.zero(slots)
     scratch, scratch_at = device.empty(max(temp.value, 1))
     # One table: input pointers, input sizes, output pointers, then room for the output sizes and statuses.
     table, at = device.empty(36 * n)

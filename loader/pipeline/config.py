@@ -43,9 +43,10 @@ class LoadConfig:
     pinned_bytes: int = 1 << 30
     """Upper bound on pinned host memory used for staging."""
     staging_bytes: int = DEFAULT_STAGING_BYTES
-    """GPU memory for a compressed rank's stored bytes on their way to the decoder (three buffers
-    together; on the CPU, one buffer of a third of it). More reads a compressed rank in fewer, larger
-    groups: a few percent faster from fast storage, for that much more GPU memory at the load's peak."""
+    """The most GPU memory a compressed rank's stored bytes take besides the arena on their way to the
+    decoder; read groups are at most a third of it. In place (the default on a GPU) only the last groups
+    take memory of their own; loads into the caller's tensors use three buffers of a third each (on the
+    CPU, one)."""
     verify: bool = False
     """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
 

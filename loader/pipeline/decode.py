@@ -1,6 +1,12 @@
-"""The decode stage: compressed bytes land in staging buffers and decode into their places.
+"""The decode stage: compressed bytes are read to the device and decode into their places.
 
-On a GPU, three device staging buffers take turns: while nvCOMP decodes group *i* from one (on
+On a GPU, in place where it can (:func:`in_place`): the compressed files' tensors are read, in groups in
+file order, into the top of the arena and decode from there into the tensors' places below. Every read is
+queued at once and the decoder follows them, group by group; a group never decodes over stored bytes still
+to decode, and the last groups, which would, are read into a spill buffer of their own.
+
+Otherwise (loads into the caller's tensors, or a spill larger than ``staging_bytes``), three device
+staging buffers take turns: while nvCOMP decodes group *i* from one (on
 a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others. A
 buffer takes the next reads as soon as its group is decoded; the group's CRC-32 check (ANS) runs on
 beside the next decode, and is read back a group later.
@@ -124,6 +130,145 @@ def _extents(group: list[tuple[_Piece, int]]) -> list[Extent]:
     return [Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, off) for p, off in group]
 
 
+class _Run:
+    """A group of the in-place schedule: tensors, and runs of a tensor's chunks, of the rank's compressed files
+    in file order, read into the arena's top (or the spill buffer) where they decode from. Its bytes lie from
+    stream offset ``start`` to ``end``: the compressed files' tensors one after the other, each from a multiple
+    of :data:`_STREAM_ALIGN`."""
+
+    __slots__ = ("start", "end", "pieces", "copies", "out_end")
+
+    def __init__(self, start: int):
+        self.start = self.end = start
+        self.pieces: list[tuple[_Piece, int]] = []
+        """Compressed pieces and the stream offset of each."""
+        self.copies: list[tuple[Extent, int]] = []
+        """Tensors stored raw (the extent that would read one into its slot) and the stream offset of each."""
+        self.out_end = 0
+        """The end of the highest arena range this group decodes or copies into."""
+
+    def add(self, start: int, nbytes: int, out_end: int) -> None:
+        self.end = max(self.end, start + nbytes)
+        self.out_end = max(self.out_end, out_end)
+
+    def reads(self, at: int) -> list[Extent]:
+        """Its reads, into a buffer that holds stream offset ``s`` at ``s - at``."""
+        return [*(Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, s - at) for p, s in self.pieces),
+                *(Extent(e.file_index, e.file_offset, e.length, s - at) for e, s in self.copies)]
+
+
+class _InPlace(NamedTuple):
+    """Where the in-place schedule puts each group: groups before ``split`` in the arena (stream offset ``s``
+    at arena offset ``base + s``), the rest in a spill buffer of ``spill`` bytes (at ``s - spill_from``)."""
+
+    runs: list[_Run]
+    base: int
+    split: int
+    spill: int
+    spill_from: int
+
+
+_MIN_RUN = 64 << 20
+"""The smallest group the in-place schedule makes, but for the last: the groups get smaller towards the end of
+the rank (a quarter of what is left), so that little is left to decode after the last read. Not smaller: a
+group costs the decoder about a millisecond besides its decode, and 64 MiB takes about as long to read."""
+_STREAM_ALIGN = 256
+"""Each tensor's stored bytes start at a multiple of this in the in-place stream (nvCOMP's ANS chunks need 16)."""
+
+
+def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int) -> list[_Run]:
+    """Cut the compressed files of ``plan`` (``files``, every tensor of each going to the arena) into groups
+    of whole tensors and runs of chunks, in file order, at most ``group_bytes`` each, smaller towards the end
+    (see :data:`_MIN_RUN`); a tensor that cannot be split is a group of its own where it does not fit."""
+    items: list[Any] = sorted([*(e for i in files for e in plan.files[i].extents), *plan.compressed],
+                              key=lambda x: (x.file_index, x.file_offset))
+    total = sum(align_up(x.length if isinstance(x, Extent) else x.entry.stored_bytes, _STREAM_ALIGN) for x in items)
+    runs: list[_Run] = []
+    at = 0  # the stream offset of the next tensor
+
+    def room(start: int) -> int:
+        """Bytes the group starting at stream offset ``start`` may hold."""
+        return min(group_bytes, max(_MIN_RUN, (total - start) // 4))
+
+    def group_for(start: int, nbytes: int) -> _Run:
+        """The group that takes ``nbytes`` from ``start`` on: the last, or a new one where they do not fit."""
+        if not runs or (runs[-1].pieces or runs[-1].copies) and start + nbytes - runs[-1].start > room(runs[-1].start):
+            runs.append(_Run(start))
+        return runs[-1]
+
+    for x in items:
+        at = align_up(at, _STREAM_ALIGN)
+        if isinstance(x, Extent):  # stored raw: copied from the stream into its slot
+            r = group_for(at, x.length)
+            r.copies.append((x, at))
+            r.add(at, x.length, x.offset + x.length)
+            at += x.length
+            continue
+        t: CompressedTensor = x
+        n = t.entry.stored_bytes
+        if not _splits(t, True) or (runs and at + n - runs[-1].start <= room(runs[-1].start)):
+            r = group_for(at, n)
+            r.pieces.append((_Piece(t, 0, n), at))
+            r.add(at, n, t.offset + t.entry.nbytes)
+            at += n
+            continue
+        starts, sizes, dec_at, dec_len = t.entry.chunk_table()
+        ends = starts + sizes
+        first = 0
+        while first < len(sizes):
+            r = group_for(at + int(starts[first]), int(sizes[first]))
+            # the most chunks from ``first`` on that end within the group's room (at least one)
+            stop = max(first + 1, int(np.searchsorted(ends, r.start + room(r.start) - at, side="right")))
+            start, end = int(starts[first]), int(ends[stop - 1])
+            r.pieces.append((_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), at + start))
+            r.add(at + start, end - start, t.offset + int(dec_at[stop - 1] + dec_len[stop - 1]))
+            first = stop
+        at += n
+    return runs
+
+
+def in_place(plan: LoadPlan, staging_bytes: int) -> _InPlace | None:
+    """The in-place schedule of ``plan`` on a GPU, or None where it does not apply.
+
+    The compressed files' tensors are read, one after the other in file order, into the top of the arena, where
+    nothing has been decoded yet; each group decodes from there into the tensors' places below it, and
+    never into the stored bytes of itself or of a later group (its decoded data ends below where its own
+    stored bytes start). Reads so never wait for the decoder, and staging takes no memory of its own. The
+    last groups, whose decoded data would reach over their own stored bytes, go to a spill buffer instead:
+    about the size of the last group for files compressed evenly.
+
+    None where a compressed tensor goes to the caller's buffers (``into``), and where the spill would exceed
+    ``staging_bytes``: those loads go through staging buffers.
+    """
+    if any(t.buffer for t in plan.compressed) or any(e.buffer for f in plan.files if f.compressed for e in f.extents):
+        return None
+    files = [i for i, f in enumerate(plan.files) if f.compressed]
+    runs = _stream_runs(plan, files, max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN))
+    if not runs:
+        return None
+    # The arena below the stored bytes must stay clear of what the uncompressed files read into it.
+    floor = max((e.offset + e.length for f in plan.files if not f.compressed for e in f.extents if e.buffer == 0),
+                default=0)
+    top = plan.arena_bytes
+    need = 0  # the lowest base that keeps every group so far clear of its own and later stored bytes
+    best: tuple[int, int] = (0, 0)  # (groups in the arena, base)
+    for k in range(len(runs) + 1):
+        end = runs[k].start if k < len(runs) else runs[-1].end
+        base = (top - end) // _ALIGN * _ALIGN
+        if base < max(floor, need):
+            break
+        best = (k, base)
+        if k < len(runs):
+            need = max(need, runs[k].out_end - runs[k].start)
+    split, base = best
+    # The spill buffer starts at a 4 KiB boundary of the stream, so its bytes keep their alignment there.
+    spill_from = (runs[split].start if split < len(runs) else runs[-1].end) // _ALIGN * _ALIGN
+    spill = align_up(runs[-1].end - spill_from, _ALIGN)
+    if spill > staging_bytes:
+        return None
+    return _InPlace(runs, base, split, spill, spill_from)
+
+
 def load_compressed(
     plan: LoadPlan,
     reader: Backend,
@@ -134,53 +279,151 @@ def load_compressed(
     progress: Callable[[int], None] | None = None,
     threads: int = 4,
 ) -> DecodeStats:
-    """Read and decode every compressed tensor of ``plan`` into its place in ``dsts``.
+    """Read and decode every compressed tensor of ``plan`` into its place in ``dsts``, and read the tensors
+    its compressed files store raw (the load reads the other files).
 
     ``dsts`` are the load's buffers on ``reader.device``: the arena first, then the caller's targets
-    (``plan.targets``); staging comes from ``reader.allocate``.
+    (``plan.targets``); staging comes from ``reader.allocate``. On a GPU the stored bytes go to the top of the
+    arena where they can (:func:`in_place`), else through staging buffers.
     """
     stats = DecodeStats(stored_bytes=sum(t.entry.stored_bytes for t in plan.compressed))
     if not plan.compressed:
         return stats
+    t0 = time.perf_counter()
+    if reader.device.kind == "cpu":
+        _decode_on_cpu(plan, reader, dsts, stats, verify=verify, staging_bytes=staging_bytes, progress=progress,
+                       threads=threads, t0=t0)
+        return stats
+    layout = in_place(plan, staging_bytes) if IN_PLACE else None
+    if layout is not None:
+        groups, nslots = _in_place_groups(plan, reader, dsts, layout, stats)
+    else:
+        groups, nslots = _staged_groups(plan, reader, dsts, staging_bytes, stats, progress)
+    _run_groups(plan, reader, groups, nslots, stats, verify=verify, progress=progress, t0=t0)
+    return stats
+
+
+class _Group(NamedTuple):
+    """A group as the GPU decoder's schedule takes it: its reads into ``dsts``, and ``jobs()``, what decodes
+    from where once they are done (its :class:`~gdsload.loader.codecs.DecodeJob` list, and the ``(dst, src)``
+    device copies of its raw tensors)."""
+
+    reads: list[Extent]
+    dsts: list[Any]
+    jobs: Callable[[], tuple[list[Any], list[tuple[Any, Any]]]]
+
+
+def _place(dsts: list[Any], t: CompressedTensor) -> Any:
+    return dsts[t.buffer][t.offset : t.offset + t.entry.nbytes]
+
+
+def _staging(reader: Backend, nbytes: int, path: str, what: str) -> Any:
+    try:
+        return reader.allocate(nbytes)
+    except (MemoryError, RuntimeError) as e:
+        raise DeviceMemoryError(f"{path!r}: {what} cannot be allocated on {reader.device} ({type(e).__name__}: "
+                                f"{str(e)[:200]}); free memory on the device") from None
+
+
+def _decode_on_cpu(plan: LoadPlan, reader: Backend, dsts: list[Any], stats: DecodeStats, *, verify: bool,
+                   staging_bytes: int, progress: Callable[[int], None] | None, threads: int, t0: float) -> None:
+    """Zstd on the CPU: whole tensors read into one buffer, then decoded straight into place, in turns."""
+    from gdsload.loader.codecs import cpu_decode
+
     device = reader.device
-    split = device.kind != "cpu"  # the GPU decoders take runs of chunks; the CPU's takes whole tensors
-    biggest = max(_unit(t, split) for t in plan.compressed)
-    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, biggest)
-    groups = _groups(plan.compressed, staging, split=split)
+    raw = [e for f in plan.files if f.compressed for e in f.extents]
+    if raw:
+        reader.read(raw, dsts, progress)
+    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, False) for t in plan.compressed))
+    buf = reader.allocate(staging)
+    stats.staging_bytes = staging
+    view = device.host_memoryview(buf)
+    outs = [device.host_memoryview(d) for d in dsts]
+    for group in _groups(plan.compressed, staging):
+        reader.read(_extents(group), [buf], progress)
+        d = time.perf_counter()
+        for p, off in group:
+            t = p.tensor
+            cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
+                       outs[t.buffer][t.offset : t.offset + t.entry.nbytes], verify=verify,
+                       path=plan.files[t.file_index].path, threads=threads)
+        stats.decode_busy_seconds += time.perf_counter() - d
+    # Reads and decodes take turns here: none of the decoding hides behind reads.
+    stats.tail_seconds = stats.decode_busy_seconds
+    stats.read_seconds = time.perf_counter() - t0 - stats.tail_seconds
+
+
+def _in_place_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _InPlace, stats: DecodeStats
+                     ) -> tuple[list[_Group], int]:
+    """The groups of the in-place schedule, each in a buffer of its own (none is reused: every read is queued
+    at once), the spill buffer allocated."""
+    arena = dsts[0]
+    spill = _staging(reader, layout.spill, plan.files[0].path, f"{layout.spill} bytes of staging") if layout.spill else None
+    stats.staging_bytes = layout.spill
     paths = [f.path for f in plan.files]
 
-    def place(t: CompressedTensor) -> Any:
-        return dsts[t.buffer][t.offset : t.offset + t.entry.nbytes]
+    def where(k: int, s: int) -> tuple[Any, int]:
+        """The buffer group ``k`` lies in, and where stream offset ``s`` is in it."""
+        return (arena, layout.base + s) if k < layout.split else (spill, s - layout.spill_from)
 
-    t0 = time.perf_counter()
-    if device.kind == "cpu":
-        from gdsload.loader.codecs import cpu_decode
+    def group(k: int) -> _Group:
+        r = layout.runs[k]
+        buf, at = where(k, r.start)
 
-        buf = reader.allocate(staging)
-        stats.staging_bytes = staging
-        view = device.host_memoryview(buf)
-        outs = [device.host_memoryview(d) for d in dsts]
-        for group in groups:
-            reader.read(_extents(group), [buf], progress)
-            d = time.perf_counter()
-            for p, off in group:
-                t = p.tensor
-                cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
-                           outs[t.buffer][t.offset : t.offset + t.entry.nbytes], verify=verify,
-                           path=paths[t.file_index], threads=threads)
-            stats.decode_busy_seconds += time.perf_counter() - d
-        # Reads and decodes take turns here: none of the decoding hides behind reads.
-        stats.tail_seconds = stats.decode_busy_seconds
-        stats.read_seconds = time.perf_counter() - t0 - stats.tail_seconds
-        return stats
+        def jobs() -> tuple[list[Any], list[tuple[Any, Any]]]:
+            from gdsload.loader.codecs import DecodeJob
 
-    try:
-        slots = [reader.allocate(staging) for _ in range(min(STAGING_SLOTS, len(groups)))]
-    except (MemoryError, RuntimeError) as e:
-        raise DeviceMemoryError(f"{paths[0]!r}: {STAGING_SLOTS} staging buffers of {staging} bytes cannot be allocated on "
-                                f"{device} ({type(e).__name__}: {str(e)[:200]}); free memory on the device") from None
-    stats.staging_bytes = staging * len(slots)
-    free = [threading.Event() for _ in slots]
+            out = [DecodeJob(p.tensor.entry, buf[o : o + p.nbytes], _place(dsts, p.tensor), paths[p.tensor.file_index],
+                             p.first, p.stop) for p, o in ((p, where(k, s)[1]) for p, s in r.pieces)]
+            copies = [(dsts[e.buffer][e.offset : e.offset + e.length], buf[o : o + e.length])
+                      for e, o in ((e, where(k, s)[1]) for e, s in r.copies)]
+            return out, copies
+
+        return _Group(r.reads(r.start - at), [buf], jobs)
+
+    return [group(k) for k in range(len(layout.runs))], len(layout.runs)
+
+
+def _staged_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], staging_bytes: int, stats: DecodeStats,
+                   progress: Callable[[int], None] | None) -> tuple[list[_Group], int]:
+    """The groups of the staging schedule, group ``i`` in staging buffer ``i % 3``, the buffers allocated and
+    the compressed files' raw tensors read."""
+    raw = [e for f in plan.files if f.compressed for e in f.extents]
+    if raw:
+        reader.read(raw, dsts, progress)
+    paths = [f.path for f in plan.files]
+    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, True) for t in plan.compressed))
+    groups = _groups(plan.compressed, staging, split=True)
+    nslots = min(STAGING_SLOTS, len(groups))
+    slots = [_staging(reader, staging, paths[0], f"{STAGING_SLOTS} staging buffers of {staging} bytes")
+             for _ in range(nslots)]
+    stats.staging_bytes = staging * nslots
+
+    def group(i: int) -> _Group:
+        pieces, slot = groups[i], slots[i % nslots]
+
+        def jobs() -> tuple[list[Any], list[tuple[Any, Any]]]:
+            from gdsload.loader.codecs import DecodeJob
+
+            return [DecodeJob(p.tensor.entry, slot[off : off + p.nbytes], _place(dsts, p.tensor),
+                              paths[p.tensor.file_index], p.first, p.stop) for p, off in pieces], []
+
+        return _Group(_extents(pieces), [slot], jobs)
+
+    return [group(i) for i in range(len(groups))], nslots
+
+
+IN_PLACE = True
+"""Whether GPU loads use the in-place schedule where it applies (:func:`in_place`); staging buffers otherwise."""
+
+
+def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: int, stats: DecodeStats, *,
+                verify: bool, progress: Callable[[int], None] | None, t0: float) -> None:
+    """Read ``groups`` through ``nslots`` buffers, group ``i`` in buffer ``i % nslots`` (see :func:`_pipeline`),
+    and decode each on a GPU decoder thread once read."""
+    device = reader.device
+    paths = [f.path for f in plan.files]
+    free = [threading.Event() for _ in range(nslots)]
     for ev in free:
         ev.set()
     work: queue.Queue = queue.Queue()
@@ -221,21 +464,22 @@ def load_compressed(
             codecs.close()
 
     def decode_groups(codecs: GpuCodecs, stream: Stream) -> None:
-        from gdsload.loader.codecs import DecodeJob, check_crc32
+        from gdsload.loader.codecs import check_crc32
 
         while True:
             item = work.get()
             if item is None:
                 return
-            group, k = item
+            i, k = item
             d = time.perf_counter()
             released = False  # the slot is handed back once: the reader clears it again when it refills it
             try:
                 if not errors:
-                    jobs = [DecodeJob(p.tensor.entry, slots[k][off : off + p.nbytes], place(p.tensor),
-                                      paths[p.tensor.file_index], p.first, p.stop) for p, off in group]
+                    jobs, copies = groups[i].jobs()
                     with stream.activate():
                         codecs.decode_many(jobs)
+                    for dst, src in copies:  # on the decoder's stream: before a later group's decode overwrites src
+                        codecs.copy(dst, src)
                     stream.synchronize()
                     # Decoded: the slot takes the next reads while this group's CRC-32 check runs on.
                     free[k].set()
@@ -255,15 +499,15 @@ def load_compressed(
     thread = threading.Thread(target=decoder, name="gdsload-decode", daemon=True)
 
     def submit(i: int, k: int) -> Callable[[], None]:
-        wait = reader.submit(_extents(groups[i]), [slots[k]], progress)
-        if i == len(slots) - 1:
+        wait = reader.submit(groups[i].reads, groups[i].dsts, progress)
+        if i == nslots - 1:
             # The decoder sets up while the first groups are read. It starts once they are all queued:
             # its imports hold the GIL, and would hold up the submits for up to a switch interval (5 ms).
             thread.start()
         return wait
 
     try:
-        _pipeline(len(groups), free, submit, lambda i, k: work.put((groups[i], k)), errors)
+        _pipeline(len(groups), free, submit, lambda i, k: work.put((i, k)), errors)
         stats.read_seconds = time.perf_counter() - t0
     finally:
         work.put(None)
@@ -272,7 +516,6 @@ def load_compressed(
     stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds
     if errors:
         raise errors[0]
-    return stats
 
 
 _WARNED: set[int] = set()

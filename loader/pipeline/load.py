@@ -132,7 +132,9 @@ def load_rank(
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
         clock.lap("setup")
 
-        reader.read(plan.extents, dsts, progress)
+        # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the decode stage).
+        reader.read(plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
+                    dsts, progress)
         tail, busy, staged = 0.0, 0.0, 0
         if plan.compressed:  # the codecs are imported by the loads that need them
             from gdsload.loader.pipeline.decode import load_compressed
