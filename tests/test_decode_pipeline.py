@@ -262,13 +262,60 @@ def _zstd_rank(tmp_path, shapes):
     return tmp_path / "z", tensors
 
 
+def _outputs(run):
+    """The arena ranges a group of the in-place schedule decodes or copies into, from its pieces alone."""
+    out = []
+    for p, _ in run.pieces:
+        if p.first == 0 and p.stop is None:  # the whole tensor
+            out.append((p.tensor.offset, p.tensor.offset + p.tensor.entry.nbytes))
+            continue
+        _, _, dec_at, dec_len = p.tensor.entry.chunk_table()
+        stop = len(dec_at) if p.stop is None else p.stop
+        out.append((p.tensor.offset + int(dec_at[p.first]), p.tensor.offset + int(dec_at[stop - 1] + dec_len[stop - 1])))
+    out += [(e.offset, e.offset + e.length) for e, _ in run.copies]
+    return out
+
+
+def _assert_in_place_holds(plan, layout) -> None:
+    """What the in-place schedule promises, checked from the groups' pieces (not from what it computed): no
+    group writes over the stored bytes of itself or of a later group in the arena, nor below what the
+    uncompressed files hold; the stored bytes fit in the arena or the spill buffer, every chunk's address
+    aligned as its codec needs."""
+    stored = []  # (group, lo, hi) of each piece and raw tensor read into the arena
+    for k, r in enumerate(layout.runs):
+        base, top = (layout.base, plan.arena_bytes) if k < layout.split else (-layout.spill_from, layout.spill)
+        for p, s in r.pieces:  # each tensor from a 256-byte boundary, each chunk as its codec needs
+            assert (base + s - p.start) % 256 == 0 and (base + s) % p.tensor.entry.chunk_align == 0
+            assert 0 <= base + s and base + s + p.nbytes <= top
+            if k < layout.split:
+                stored.append((k, base + s, base + s + p.nbytes))
+        for e, s in r.copies:
+            assert 0 <= base + s and base + s + e.length <= top
+            if k < layout.split:
+                stored.append((k, base + s, base + s + e.length))
+    floor = max((e.offset + e.length for f in plan.files if not f.compressed for e in f.extents), default=0)
+    assert all(lo >= floor for _, lo, _ in stored)
+    for k, r in enumerate(layout.runs):
+        for lo, hi in _outputs(r):
+            assert lo >= floor
+            clash = [(j, a, b) for j, a, b in stored if j >= k and a < hi and lo < b]
+            assert not clash, (k, lo, hi, clash[:3])
+
+
 def _emulate_in_place(plan, layout, decode_as_read: bool) -> bytearray:
-    """Run the in-place schedule on host memory: each group read from its file into the arena's top (or the
-    spill buffer), then decoded chunk by chunk with ``zstandard`` into its places; either every read first and
-    then every decode (``decode_as_read`` False), or each group decoded as soon as it is read."""
+    """Run the in-place schedule on host memory after the uncompressed files' reads: each group read from its
+    file into the arena's top (or the spill buffer), then decoded chunk by chunk with ``zstandard`` into its
+    places; either every read first and then every decode (``decode_as_read`` False), or each group decoded as
+    soon as it is read."""
     import zstandard
 
     arena, spill = bytearray(plan.arena_bytes), bytearray(layout.spill)
+    for f in plan.files:  # the uncompressed files, read by the load before the decode stage
+        if not f.compressed:
+            for e in f.extents:
+                with open(f.path, "rb") as fh:
+                    fh.seek(e.file_offset)
+                    arena[e.offset : e.offset + e.length] = fh.read(e.length)
 
     def where(k, s):
         return (arena, layout.base + s) if k < layout.split else (spill, s - layout.spill_from)
@@ -276,13 +323,17 @@ def _emulate_in_place(plan, layout, decode_as_read: bool) -> bytearray:
     def read(k):
         r = layout.runs[k]
         buf, at = where(k, r.start)
-        for e in r.reads(r.start - at):
+        for e in r.reads(at):
             with open(plan.files[e.file_index].path, "rb") as f:
                 f.seek(e.file_offset)
                 buf[e.offset : e.offset + e.length] = f.read(e.length)
 
     def decode(k):
         r = layout.runs[k]
+        # On a GPU a group's chunks decode at once: spoil every byte it writes first, so that reading any of
+        # them as stored bytes (of this group or a later one) shows.
+        for lo, hi in _outputs(r):
+            arena[lo:hi] = b"\xee" * (hi - lo)
         for p, s in r.pieces:
             src, o = where(k, s)
             starts, sizes, dec_at, dec_len = p.tensor.entry.chunk_table()
@@ -309,40 +360,113 @@ def _emulate_in_place(plan, layout, decode_as_read: bool) -> bytearray:
     return arena
 
 
+_SHAPES = {
+    "mixed": [(384, 1024), (16,), (1400, 512), (64,), (2048, 1024), (8,), (600, 256), (1024, 700), (32,), (512, 256)],
+    # the second file's tensors all stay raw: an uncompressed file the stored bytes must stay above
+    "one file plain": [(2048, 1024), (0, 16), (1400, 512), (1024, 700), (16,), (64,), (32,), (8, 8)],
+    "one tensor": [(2048, 1024), (8,)],
+}
+
+
 @pytest.mark.parametrize("decode_as_read", [False, True])
-def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(tmp_path, monkeypatch, decode_as_read):
+@pytest.mark.parametrize("shapes", _SHAPES)
+@pytest.mark.parametrize("min_run, staging", [(256 << 10, 3 << 20), (64 << 10, 1 << 20), (16 << 20, 960 << 20)])
+def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(tmp_path, monkeypatch, decode_as_read, shapes,
+                                                                      min_run, staging):
     """On a GPU the compressed files are read into the top of the arena and decode from there into the
-    tensors' places below. Emulated on host memory: whether every read lands before any decode or each group
-    decodes as soon as it is read, every tensor comes out bit-identical; every chunk is decoded once, every raw
-    tensor copied once; groups get smaller towards the end, and only the last ones spill."""
+    tensors' places below. No group writes over stored bytes of its own or of a later group, whatever the
+    groups' sizes; emulated on host memory (a group's writes spoil their bytes before it decodes), whether
+    every read lands before any decode or each group decodes as soon as it is read, every tensor comes out
+    bit-identical; every chunk is decoded once, every raw tensor copied once."""
     import torch
 
     from gdsload.loader import discover, plan_rank
 
-    monkeypatch.setattr(decode, "_MIN_RUN", 256 << 10)
-    shapes = [(384, 1024), (16,), (1400, 512), (64,), (2048, 1024), (8,), (600, 256), (1024, 700), (32,), (512, 256)]
-    model, ref = _zstd_rank(tmp_path, shapes)
+    monkeypatch.setattr(decode, "_MIN_RUN", min_run)
+    model, ref = _zstd_rank(tmp_path, _SHAPES[shapes])
     with plan_rank(discover(model, 0)) as plan:
         assert plan.compressed and any(f.extents for f in plan.files)  # compressed tensors and raw ones
-        layout = decode.in_place(plan, 3 * (1 << 20))
-        assert layout is not None and 0 < layout.split <= len(layout.runs)
-        assert layout.spill <= 3 * (1 << 20)
+        assert (shapes != "mixed") == any(not f.compressed for f in plan.files)
+        layout = decode.in_place(plan, staging)
+        if layout is None:  # the spill would exceed the staging allowed
+            assert staging < 3 << 20
+            return
+        assert layout.spill <= staging
+        _assert_in_place_holds(plan, layout)
         runs = layout.runs
-        assert len(runs) > 4 and runs[-1].end - runs[-1].start < runs[0].end - runs[0].start
-        for k, r in enumerate(runs[: layout.split]):  # decoded bytes end below the group's own stored bytes
-            assert r.out_end <= layout.base + r.start
-        assert layout.base + (runs[layout.split].start if layout.split < len(runs) else runs[-1].end) <= plan.arena_bytes
         chunks = collections.Counter()
         for r in runs:
             for p, _ in r.pieces:
                 stop = len(p.tensor.entry.chunks) if p.stop is None else p.stop
                 chunks.update((p.tensor.entry.name, j) for j in range(p.first, stop))
         assert sorted(chunks.values()) == [1] * sum(len(t.entry.chunks) for t in plan.compressed)
-        assert sorted(e.offset for r in runs for e, _ in r.copies) == sorted(e.offset for f in plan.files for e in f.extents)
+        assert sorted(e.offset for r in runs for e, _ in r.copies) == sorted(
+            e.offset for f in plan.files if f.compressed for e in f.extents)
         arena = _emulate_in_place(plan, layout, decode_as_read)
         for p in plan.placements:
-            got = torch.frombuffer(arena[p.offset : p.offset + p.nbytes], dtype=torch.uint8)
-            assert torch.equal(got, ref[p.name].contiguous().view(torch.uint8).flatten()), p.name
+            want = ref[p.name].contiguous().view(torch.uint8).numpy().tobytes()
+            assert bytes(arena[p.offset : p.offset + p.nbytes]) == want, p.name
+
+
+def _random_plan(rng):
+    """A plan as ``plan_rank`` lays one out, without files: uncompressed files first, then compressed ones whose
+    tensors (raw, ANS chunks of several sizes and ratios, nvCOMP containers, empty) get slots in file order,
+    then slots for misaligned tensors at the arena's end."""
+    from types import SimpleNamespace
+
+    from gdsload.loader.format.compression import CompressedEntry
+    from gdsload.loader.plan import CompressedTensor, Extent, align_up
+
+    files, compressed, cursor = [], [], 0
+    for i in range(rng.randint(0, 2)):
+        n = rng.randint(0, 5 << 20)
+        files.append(SimpleNamespace(compressed=0, extents=(Extent(i, 4096, n, cursor),) if n else ()))
+        cursor = align_up(cursor + n, 4096)
+    for i in range(len(files), len(files) + rng.randint(1, 3)):
+        raw, at = [], 4096
+        for j in range(rng.randint(1, 12)):
+            cursor = align_up(cursor, 256)
+            kind, n = rng.choice(["raw", "chunks", "chunks", "native", "empty"]), rng.randint(1, 12 << 20)
+            if kind == "raw":
+                raw.append(Extent(i, at, n, cursor))
+                cursor, at = cursor + n, at + n
+                continue
+            if kind == "empty":
+                continue
+            ratio = rng.uniform(0.3, 1.05)
+            if kind == "chunks":
+                cb = rng.choice([64 << 10, 256 << 10, 1 << 20])
+                sizes = tuple(max(1, int(min(cb, n - c) * ratio)) for c in range(0, n, cb))
+                e = CompressedEntry(f"t{i}.{j}", "BF16", (n // 2,), n - n % 2, "ans", "chunks", 0, chunk_bytes=cb,
+                                    chunks=sizes, chunk_align=16)
+                starts, lens, _, _ = e.chunk_table()
+                e = e._replace(nbytes=n, shape=(n,), dtype="U8", stored_bytes=int(starts[-1] + lens[-1]))
+            else:
+                e = CompressedEntry(f"t{i}.{j}", "U8", (n,), n, "gdeflate", "native", max(1, int(n * ratio)))
+            compressed.append(CompressedTensor(i, at, cursor, e))
+            cursor, at = cursor + n, at + e.stored_bytes
+        files.append(SimpleNamespace(compressed=1, extents=tuple(raw)))
+    cursor += sum(rng.randint(0, 2 << 20) for _ in range(rng.randint(0, 3)))
+    return SimpleNamespace(files=files, compressed=tuple(compressed), arena_bytes=cursor)
+
+
+def test_in_place_holds_for_random_plans(monkeypatch):
+    """The in-place promises (see ``_assert_in_place_holds``) for 400 random plans and group sizes."""
+    import random
+
+    rng = random.Random(29)
+    used = 0
+    for _ in range(400):
+        monkeypatch.setattr(decode, "_MIN_RUN", rng.choice([1 << 20, 4 << 20, 64 << 20]))
+        plan = _random_plan(rng)
+        if not plan.compressed:
+            continue
+        layout = decode.in_place(plan, rng.choice([3 << 20, 12 << 20, 960 << 20]))
+        if layout is not None:
+            used += 1
+            _assert_in_place_holds(plan, layout)
+            assert layout.spill == 0 or layout.split < len(layout.runs)
+    assert used > 200
 
 
 def test_in_place_reads_only_what_is_loaded_and_leaves_the_callers_buffers_to_staging(tmp_path):
@@ -483,3 +607,36 @@ def test_the_gpu_schedules_put_every_tensor_in_its_place(tmp_path, monkeypatch, 
         for p in plan.placements:
             got = torch.from_numpy(arena[p.offset : p.offset + p.nbytes].copy())
             assert torch.equal(got, ref[p.name].contiguous().view(torch.uint8).flatten()), p.name
+
+
+def test_a_failed_kvikio_read_is_raised_after_every_other_read_is_done():
+    """kvikio's reads of a group write into the load's buffers until each is done: the waiter waits for all
+    of them before it raises the first failure (an error, or a short read naming the file)."""
+    from types import SimpleNamespace
+
+    from gdsload.loader import TruncatedFileError
+    from gdsload.loader.io import wait_preads
+    from gdsload.loader.plan import Extent
+
+    waited = []
+
+    class Future:
+        def __init__(self, i, result):
+            self.i, self.result = i, result
+
+        def get(self):
+            waited.append(self.i)
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+
+    plan = SimpleNamespace(files=[SimpleNamespace(path="/m/a.safetensors")])
+    extents = [Extent(0, 4096 * i, 4096, 4096 * i) for i in range(4)]
+    with pytest.raises(OSError, match="disk gone"):
+        wait_preads(plan, [(e, Future(i, OSError("disk gone") if i == 1 else 4096)) for i, e in enumerate(extents)], None)
+    assert waited == [0, 1, 2, 3]
+    waited.clear()
+    done = []
+    with pytest.raises(TruncatedFileError, match="a.safetensors.*read 100 of 4096"):
+        wait_preads(plan, [(e, Future(i, 100 if i == 2 else 4096)) for i, e in enumerate(extents)], done.append)
+    assert waited == [0, 1, 2, 3] and done == [4096, 4096]

@@ -247,13 +247,22 @@ def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Bac
 
 
 def wait_preads(plan: LoadPlan, futures: Sequence[tuple[Extent, object]], progress: Progress | None) -> None:
-    """Wait for kvikio ``pread`` futures, one per extent; a short read means the file shrank."""
+    """Wait for kvikio ``pread`` futures, one per extent; a short read means the file shrank. Every read is
+    waited for, even after one failed (they write into the load's buffers until done); then the first error
+    is raised."""
+    first: Exception | None = None
     for e, fut in futures:
-        got = fut.get()  # type: ignore[attr-defined]
+        try:
+            got = fut.get()  # type: ignore[attr-defined]
+        except Exception as err:
+            first = first or err
+            continue
         if got != e.length:
-            raise TruncatedFileError(
+            first = first or TruncatedFileError(
                 f"{plan.files[e.file_index].path!r}: read {got} of {e.length} bytes at "
                 f"{e.file_offset}; the file shrank while it was being loaded"
             )
-        if progress is not None:
+        elif progress is not None and first is None:
             progress(e.length)
+    if first is not None:
+        raise first

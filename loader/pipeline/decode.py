@@ -1,21 +1,23 @@
 """The decode stage: compressed bytes are read to the device and decode into their places.
 
-On a GPU, in place where it can (:func:`in_place`): the compressed files' tensors are read, in groups in
-file order, into the top of the arena and decode from there into the tensors' places below. Every read is
-queued at once and the decoder follows them, group by group; a group never decodes over stored bytes still
-to decode, and the last groups, which would, are read into a spill buffer of their own.
+On a GPU, a decoder thread decodes group after group with nvCOMP, on its own stream, as the reader
+finishes them; each group's CRC-32 check (ANS) runs beside the next decode and is read back a group
+later. Where the bytes wait between read and decode:
 
-Otherwise (loads into the caller's tensors, or a spill larger than ``staging_bytes``), three device
-staging buffers take turns: while nvCOMP decodes group *i* from one (on
-a decode thread, on its own stream), the backend reads groups *i+1* and *i+2* into the others. A
-buffer takes the next reads as soon as its group is decoded; the group's CRC-32 check (ANS) runs on
-beside the next decode, and is read back a group later.
-Each buffer holds a third of ``staging_bytes``; a tensor stored in chunks (``layout: chunks``, what
-``gdsload compress`` writes) that does not fit in what is left of a group is read and decoded a run
-of chunks at a time, over as many groups as it takes, so GPU memory peaks at the tensors plus
-``staging_bytes`` whatever their sizes (a ``layout: native`` tensor larger than a buffer makes every
-buffer its size). With two buffers the reader would wait for each group's decode before it could
-start the group after next. On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool
+- **in place** (:func:`in_place`, where it applies): the compressed files' tensors are read, in groups in
+  file order, into the top of the arena and decode from there into the tensors' places below. Every read
+  is queued at once and the decoder follows; a group never decodes over stored bytes still to decode, and
+  the last groups, which would, are read into a spill buffer of their own.
+- **staging buffers** (loads into the caller's tensors, or a spill larger than ``staging_bytes``): three
+  device buffers take turns. While the decoder works on group *i* in one, the backend reads groups *i+1*
+  and *i+2* into the others; a buffer takes the next reads as soon as its group is decoded. With two
+  buffers the reader would wait for each group's decode before it could start the group after next.
+
+Groups hold at most a third of ``staging_bytes``; a tensor stored in chunks (``layout: chunks``, what
+``gdsload compress`` writes) that does not fit in what is left of a group is read and decoded a run of
+chunks at a time, over as many groups as it takes, so GPU memory peaks at the tensors plus at most
+``staging_bytes`` whatever their sizes (a ``layout: native`` tensor larger than a group makes every
+staging buffer its size). On the CPU, Zstd frames are decoded by ``zstandard`` in a thread pool
 straight into place, from one buffer holding whole tensors. A tensor's place is its arena slot, or
 the caller's own target (``into``).
 """
@@ -152,9 +154,11 @@ class _Run:
         self.out_end = max(self.out_end, out_end)
 
     def reads(self, at: int) -> list[Extent]:
-        """Its reads, into a buffer that holds stream offset ``s`` at ``s - at``."""
-        return [*(Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, s - at) for p, s in self.pieces),
-                *(Extent(e.file_index, e.file_offset, e.length, s - at) for e, s in self.copies)]
+        """Its reads, into a buffer where its first byte (stream offset ``start``) lies at ``at``."""
+        shift = at - self.start
+        return [*(Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, s + shift)
+                  for p, s in self.pieces),
+                *(Extent(e.file_index, e.file_offset, e.length, s + shift) for e, s in self.copies)]
 
 
 class _InPlace(NamedTuple):
@@ -173,16 +177,18 @@ _MIN_RUN = 64 << 20
 the rank (a quarter of what is left), so that little is left to decode after the last read. Not smaller: a
 group costs the decoder about a millisecond besides its decode, and 64 MiB takes about as long to read."""
 _STREAM_ALIGN = 256
-"""Each tensor's stored bytes start at a multiple of this in the in-place stream (nvCOMP's ANS chunks need 16)."""
+"""Each tensor's stored bytes start at a multiple of this in the in-place stream, or of its chunks' alignment
+where that is more (nvCOMP's ANS chunks need 16 bytes)."""
 
 
-def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int) -> list[_Run]:
+def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int, align: int) -> list[_Run]:
     """Cut the compressed files of ``plan`` (``files``, every tensor of each going to the arena) into groups
     of whole tensors and runs of chunks, in file order, at most ``group_bytes`` each, smaller towards the end
-    (see :data:`_MIN_RUN`); a tensor that cannot be split is a group of its own where it does not fit."""
+    (see :data:`_MIN_RUN`); a tensor that cannot be split is a group of its own where it does not fit. Each
+    tensor starts at a multiple of ``align`` in the stream."""
     items: list[Any] = sorted([*(e for i in files for e in plan.files[i].extents), *plan.compressed],
                               key=lambda x: (x.file_index, x.file_offset))
-    total = sum(align_up(x.length if isinstance(x, Extent) else x.entry.stored_bytes, _STREAM_ALIGN) for x in items)
+    total = sum(align_up(x.length if isinstance(x, Extent) else x.entry.stored_bytes, align) for x in items)
     runs: list[_Run] = []
     at = 0  # the stream offset of the next tensor
 
@@ -197,7 +203,7 @@ def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int) -> list[_Ru
         return runs[-1]
 
     for x in items:
-        at = align_up(at, _STREAM_ALIGN)
+        at = align_up(at, align)
         if isinstance(x, Extent):  # stored raw: copied from the stream into its slot
             r = group_for(at, x.length)
             r.copies.append((x, at))
@@ -243,10 +249,14 @@ def in_place(plan: LoadPlan, staging_bytes: int) -> _InPlace | None:
     if any(t.buffer for t in plan.compressed) or any(e.buffer for f in plan.files if f.compressed for e in f.extents):
         return None
     files = [i for i, f in enumerate(plan.files) if f.compressed]
-    runs = _stream_runs(plan, files, max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN))
+    # Stored bytes keep their chunks' alignment in the arena and the spill buffer, whose starts are multiples of it.
+    align = max(_STREAM_ALIGN, *(t.entry.chunk_align for t in plan.compressed))
+    page = max(_ALIGN, align)
+    runs = _stream_runs(plan, files, max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN), align)
     if not runs:
         return None
-    # The arena below the stored bytes must stay clear of what the uncompressed files read into it.
+    # The arena below the stored bytes must stay clear of what the uncompressed files read into it. Above it lie
+    # the slots of tensors a foreign file holds misaligned: the load copies them there after the decode stage.
     floor = max((e.offset + e.length for f in plan.files if not f.compressed for e in f.extents if e.buffer == 0),
                 default=0)
     top = plan.arena_bytes
@@ -254,16 +264,17 @@ def in_place(plan: LoadPlan, staging_bytes: int) -> _InPlace | None:
     best: tuple[int, int] = (0, 0)  # (groups in the arena, base)
     for k in range(len(runs) + 1):
         end = runs[k].start if k < len(runs) else runs[-1].end
-        base = (top - end) // _ALIGN * _ALIGN
+        base = (top - end) // page * page
         if base < max(floor, need):
             break
         best = (k, base)
         if k < len(runs):
             need = max(need, runs[k].out_end - runs[k].start)
     split, base = best
-    # The spill buffer starts at a 4 KiB boundary of the stream, so its bytes keep their alignment there.
-    spill_from = (runs[split].start if split < len(runs) else runs[-1].end) // _ALIGN * _ALIGN
-    spill = align_up(runs[-1].end - spill_from, _ALIGN)
+    if split == len(runs):
+        return _InPlace(runs, base, split, 0, 0)
+    spill_from = runs[split].start // page * page
+    spill = align_up(runs[-1].end - spill_from, page)
     if spill > staging_bytes:
         return None
     return _InPlace(runs, base, split, spill, spill_from)
@@ -325,16 +336,26 @@ def _staging(reader: Backend, nbytes: int, path: str, what: str) -> Any:
                                 f"{str(e)[:200]}); free memory on the device") from None
 
 
+def _read_raw(plan: LoadPlan, reader: Backend, dsts: list[Any], progress: Callable[[int], None] | None) -> None:
+    """Read the tensors the compressed files store raw straight into their places (the staging schedules)."""
+    raw = [e for f in plan.files if f.compressed for e in f.extents]
+    if raw:
+        reader.read(raw, dsts, progress)
+
+
+def _buffer_bytes(plan: LoadPlan, staging_bytes: int, split: bool) -> int:
+    """The size of each staging buffer: a third of ``staging_bytes``, or what the largest tensor needs at once."""
+    return max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, split) for t in plan.compressed))
+
+
 def _decode_on_cpu(plan: LoadPlan, reader: Backend, dsts: list[Any], stats: DecodeStats, *, verify: bool,
                    staging_bytes: int, progress: Callable[[int], None] | None, threads: int, t0: float) -> None:
     """Zstd on the CPU: whole tensors read into one buffer, then decoded straight into place, in turns."""
     from gdsload.loader.codecs import cpu_decode
 
     device = reader.device
-    raw = [e for f in plan.files if f.compressed for e in f.extents]
-    if raw:
-        reader.read(raw, dsts, progress)
-    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, False) for t in plan.compressed))
+    _read_raw(plan, reader, dsts, progress)
+    staging = _buffer_bytes(plan, staging_bytes, False)
     buf = reader.allocate(staging)
     stats.staging_bytes = staging
     view = device.host_memoryview(buf)
@@ -379,7 +400,7 @@ def _in_place_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _
                       for e, o in ((e, where(k, s)[1]) for e, s in r.copies)]
             return out, copies
 
-        return _Group(r.reads(r.start - at), [buf], jobs)
+        return _Group(r.reads(at), [buf], jobs)
 
     return [group(k) for k in range(len(layout.runs))], len(layout.runs)
 
@@ -388,11 +409,9 @@ def _staged_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], staging_byt
                    progress: Callable[[int], None] | None) -> tuple[list[_Group], int]:
     """The groups of the staging schedule, group ``i`` in staging buffer ``i % 3``, the buffers allocated and
     the compressed files' raw tensors read."""
-    raw = [e for f in plan.files if f.compressed for e in f.extents]
-    if raw:
-        reader.read(raw, dsts, progress)
+    _read_raw(plan, reader, dsts, progress)
     paths = [f.path for f in plan.files]
-    staging = max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, True) for t in plan.compressed))
+    staging = _buffer_bytes(plan, staging_bytes, True)
     groups = _groups(plan.compressed, staging, split=True)
     nslots = min(STAGING_SLOTS, len(groups))
     slots = [_staging(reader, staging, paths[0], f"{STAGING_SLOTS} staging buffers of {staging} bytes")
@@ -419,8 +438,10 @@ IN_PLACE = True
 
 def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: int, stats: DecodeStats, *,
                 verify: bool, progress: Callable[[int], None] | None, t0: float) -> None:
-    """Read ``groups`` through ``nslots`` buffers, group ``i`` in buffer ``i % nslots`` (see :func:`_pipeline`),
-    and decode each on a GPU decoder thread once read."""
+    """Read ``groups`` and decode each on a GPU decoder thread once read. Group ``i`` reads into buffer
+    ``i % nslots`` (see :func:`_pipeline`), which it may take only once the decoder is done with the group
+    before it there: staging buffers take turns (three), while in place every group has its own place
+    (``nslots`` is the number of groups), so every read is queued at once."""
     device = reader.device
     paths = [f.path for f in plan.files]
     free = [threading.Event() for _ in range(nslots)]
@@ -503,7 +524,11 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
         if i == nslots - 1:
             # The decoder sets up while the first groups are read. It starts once they are all queued:
             # its imports hold the GIL, and would hold up the submits for up to a switch interval (5 ms).
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:
+                wait()  # not yet among the reads _pipeline waits for
+                raise
         return wait
 
     try:
@@ -551,15 +576,17 @@ def _pipeline(
     the slot (and appends to ``errors`` when decoding fails). Up to ``len(free) - 1`` groups stay
     in flight while the oldest is waited for (with two slots: group ``i + 1`` is submitted before
     group ``i`` is waited for), so reads never drain at a group boundary; a slot is reused only
-    once the decoder has finished with it. Every submitted read is waited for before this
-    returns or raises: reads in flight write into staging until they are done.
+    once the decoder has finished with it. With a slot per group (``len(free) == n``, the in-place
+    schedule), every group is submitted before the first is waited for, and a decode error can stop
+    no read. Every submitted read is waited for before this returns or raises: reads in flight write
+    into their buffers until they are done.
     """
     slots = len(free)
     pending: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
 
     def oldest_to_decoder() -> None:
         j, wait = pending.popleft()
-        wait()  # raises only once that group's reads are over
+        wait()  # raises only once that group's reads are over (every backend's waiter waits for all of them)
         hand_off(j, j % slots)
 
     try:
