@@ -91,6 +91,14 @@ def _unit(t: CompressedTensor, split: bool) -> int:
     return align_up(t.entry.stored_bytes, _ALIGN)
 
 
+def _chunk_run(t: CompressedTensor, starts: np.ndarray, ends: np.ndarray, first: int, limit: int) -> _Piece:
+    """The run of ``t``'s chunks from ``first`` on whose stored bytes end by ``limit`` (offsets within the
+    tensor's stored bytes, from its :meth:`chunk_table`), at least one chunk."""
+    stop = max(first + 1, int(np.searchsorted(ends, limit, side="right")))
+    start, end = int(starts[first]), int(ends[stop - 1])
+    return _Piece(t, start, end - start, first, None if stop == len(ends) else stop)
+
+
 def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool = False
             ) -> list[list[tuple[_Piece, int]]]:
     """Pack tensors (in file order) into groups of at most ``staging`` bytes, each piece with its staging
@@ -118,12 +126,10 @@ def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool 
         first = 0
         while first < len(sizes):
             room_for(align_up(int(sizes[first]), _ALIGN))
-            # the most chunks from ``first`` on whose stored bytes fit in the room left
-            stop = int(np.searchsorted(ends, starts[first] + staging - used, side="right"))
-            start, end = int(starts[first]), int(ends[stop - 1])
-            groups[-1].append((_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), used))
-            used += align_up(end - start, _ALIGN)
-            first = stop
+            piece = _chunk_run(t, starts, ends, first, int(starts[first]) + staging - used)  # what fits in the room left
+            groups[-1].append((piece, used))
+            used += align_up(piece.nbytes, _ALIGN)
+            first = len(sizes) if piece.stop is None else piece.stop
     return [g for g in groups if g]
 
 
@@ -223,11 +229,10 @@ def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int, align: int)
         first = 0
         while first < len(sizes):
             r = group_for(at + int(starts[first]), int(sizes[first]))
-            # the most chunks from ``first`` on that end within the group's room (at least one)
-            stop = max(first + 1, int(np.searchsorted(ends, r.start + room(r.start) - at, side="right")))
-            start, end = int(starts[first]), int(ends[stop - 1])
-            r.pieces.append((_Piece(t, start, end - start, first, None if stop == len(sizes) else stop), at + start))
-            r.add(at + start, end - start, t.offset + int(dec_at[stop - 1] + dec_len[stop - 1]))
+            piece = _chunk_run(t, starts, ends, first, r.start + room(r.start) - at)  # what ends within its room
+            stop = len(sizes) if piece.stop is None else piece.stop
+            r.pieces.append((piece, at + piece.start))
+            r.add(at + piece.start, piece.nbytes, t.offset + int(dec_at[stop - 1] + dec_len[stop - 1]))
             first = stop
         at += n
     return runs
