@@ -86,6 +86,25 @@ def test_zstd_frames_decode_with_the_reference_zstandard(zfile):
     assert out == _bits(tensors["w.bf16"])
 
 
+def test_parsed_chunk_sizes_are_the_files_as_one_read_only_array(zfile):
+    """Each entry's chunk sizes are a read-only int64 view of what the file records, which the packers and
+    nvCOMP's chunk tables take without a copy."""
+    import base64
+
+    dst, _ = zfile
+    raw = json.loads(read_header(dst).metadata[METADATA_KEY])["tensors"]
+    entries = parse_compression(read_header(dst))
+    for name, e in entries.items():
+        if e.layout != "chunks":
+            continue
+        recorded = np.frombuffer(base64.b64decode(raw[name]["chunks"]), dtype="<u4")
+        assert e.chunks.dtype == np.int64 and e.chunks.tolist() == recorded.tolist()
+        assert not e.chunks.flags.writeable
+        starts, sizes, _, _ = e.chunk_table()
+        assert sizes.tolist() == recorded.tolist() and int(starts[-1] + sizes[-1]) == e.stored_bytes
+    assert any(e.layout == "chunks" and len(e.chunks) > 1 for e in entries.values())
+
+
 def _rewrite_metadata(path: Path, mutate) -> None:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])

@@ -92,8 +92,9 @@ class CompressedEntry(NamedTuple):
     stored_bytes: int
     params: Mapping[str, Any] = MappingProxyType({})
     chunk_bytes: int = 0
-    chunks: tuple[int, ...] = ()
-    """Compressed size of each chunk (``layout == "chunks"``)."""
+    chunks: np.ndarray | tuple[int, ...] = ()
+    """Compressed size of each chunk (``layout == "chunks"``); a read-only int64 array in a parsed file's entries
+    (the loader's group packers and nvCOMP's chunk tables take it as it is)."""
     crc32: int | None = None
     chunk_align: int = 1
     """Each chunk starts at a multiple of this within the stored bytes (``layout == "chunks"``)."""
@@ -148,7 +149,7 @@ class _Chunked(NamedTuple):
     where: str
 
 
-def _chunk_sizes(tensors: list[_Chunked]) -> list[tuple[int, ...]]:
+def _chunk_sizes(tensors: list[_Chunked]) -> list[np.ndarray]:
     """Each tensor's chunk sizes, checked to add up (each chunk but the last padded to the tensor's
     ``chunk_align``) to its stored bytes; all the file's tensors in a few numpy passes."""
     counts = np.array([len(t.raw) // 4 for t in tensors], dtype=np.int64)
@@ -162,8 +163,8 @@ def _chunk_sizes(tensors: list[_Chunked]) -> list[tuple[int, ...]]:
     for t, got in zip(tensors, stored_by_sizes.tolist()):
         if got != t.stored:
             raise CodecError(f"{t.where}: chunk sizes add up to {got} but {t.stored} bytes are stored")
-    flat = sizes.tolist()
-    return [tuple(flat[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+    sizes.flags.writeable = False  # each tensor's sizes are a view of these, shared by the entries
+    return [sizes[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
 
 def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:

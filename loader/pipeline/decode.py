@@ -87,7 +87,7 @@ def _splits(t: CompressedTensor, split: bool) -> bool:
 def _unit(t: CompressedTensor, split: bool) -> int:
     """The most staging ``t`` needs at once: its largest chunk when it splits, else all of it."""
     if _splits(t, split):
-        return align_up(max(t.entry.chunks), _ALIGN)
+        return align_up(int(np.max(t.entry.chunks)), _ALIGN)
     return align_up(t.entry.stored_bytes, _ALIGN)
 
 
