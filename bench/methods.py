@@ -11,7 +11,7 @@ torch-free method, only the CUDA context, through the driver); that start-up is 
 before the load; the GPU memory the load took at its peak (``gpu_peak_from`` says how it is known).
 
 Methods: ``gdsload:BACKEND`` (cpu, pinned, cufile, fastsafetensors, auto), ``gdsload:torch-free`` (the
-sidecar workers' path: ``load_rank`` onto a ``CupyDevice``, no torch in the process), ``safetensors``
+sidecar workers' path: ``load_rank`` onto a ``DriverDevice``, no torch in the process), ``safetensors``
 (load on CPU, then ``.to(device)``), ``safetensors-device`` (``device=`` straight to the GPU),
 ``fastsafetensors``, ``instanttensor``, ``runai`` (Run:ai model streamer).
 """
@@ -52,13 +52,11 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
     in ``model_dir``). The caller times it; the caller's imports and CUDA context come first.
     """
     if method == BARE:
-        import cupy
-
-        from gdsload.loader.devices import CupyDevice
+        from gdsload.loader.devices import DriverDevice
         from gdsload.loader.pipeline.load import load_rank
 
-        res = load_rank(model_dir, rank, device=CupyDevice(_index(device)))
-        cupy.cuda.runtime.deviceSynchronize()
+        res = load_rank(model_dir, rank, device=DriverDevice(_index(device)))
+        res.device.synchronize()
         return res, res.report.logical_bytes, _report_extras(res.report)
 
     import torch

@@ -4,12 +4,14 @@ The pipeline (:mod:`gdsload.loader.pipeline.load`) and the readers, codecs and h
 kind of array they hold. They call a :class:`Device`:
 
 - :class:`TorchDevice` — a torch device, ``cpu`` or ``cuda:N``: buffers are 1-D ``uint8`` tensors;
-- :class:`CupyDevice` — a GPU driven without torch (the sidecar's workers: ``import torch`` costs
-  seconds in a fresh process): buffers are 1-D ``uint8`` cupy arrays over their own ``cudaMalloc``,
-  so a buffer is the base of its allocation and its CUDA IPC handle maps exactly that buffer.
+- :class:`DriverDevice` — a GPU driven through the CUDA driver API alone (the sidecar's workers: ``import
+  torch`` costs seconds in a fresh process, ``import cupy`` with numpy half a second): buffers are
+  :class:`~gdsload.loader.driver.DeviceBuffer` objects over their own ``cuMemAlloc``, so a buffer is the base
+  of its allocation and its CUDA IPC handle maps exactly that buffer;
+- :class:`CupyDevice` — the same through cupy, whose arrays the offline GPU compressor computes on.
 
-A buffer supports slicing (``buf[a:b]`` is a view) on both. Tensors are made from buffers only by
-:meth:`Device.view`, which torch devices support and cupy ones do not (cupy has no bfloat16).
+A buffer supports slicing (``buf[a:b]`` is a view) on every device. Tensors are made from buffers only by
+:meth:`Device.view`, which torch devices support and the others do not (cupy has no bfloat16).
 
 >>> dev = as_device("cpu")
 >>> buf = dev.empty(8)
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "PrimaryContext", "as_device", "cuda_error_name",
+__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "DriverDevice", "PrimaryContext", "as_device", "cuda_error_name",
            "device_uuid", "start_primary_context", "torch_free_unavailable"]
 
 
@@ -369,6 +371,100 @@ class CupyDevice(Device):
             return bytes(self.cupy.cuda.runtime.ipcGetMemHandle(self.address(buf)))
 
 
+class DriverDevice(Device):
+    """GPU ``index`` driven through the CUDA driver API (:mod:`gdsload.loader.driver`), without torch, cupy or numpy.
+
+    Buffers are :class:`~gdsload.loader.driver.DeviceBuffer` objects over their own ``cuMemAlloc``; the
+    sidecar's GPU workers load into it, so a worker imports neither torch (seconds) nor cupy (0.4-0.6 s with
+    the numpy it imports, on an H200 host) before its load.
+    """
+
+    kind = "cuda"
+    uses_torch = False
+
+    def __init__(self, index: int = 0):
+        import gdsload.loader.driver as driver
+
+        self.driver = driver
+        self.index = index
+
+    def empty(self, nbytes: int) -> Any:
+        return self.driver.allocate(self.index, nbytes)
+
+    def address(self, buf: Any) -> int:
+        return int(buf.ptr)
+
+    def activate(self) -> None:
+        self.driver.current(self.index)
+
+    def synchronize(self) -> None:
+        self.activate()
+        self.driver.check(self.driver.lib().cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def stream(self, which: int = 0) -> Stream:
+        import ctypes
+
+        self.activate()
+        with _KEPT_LOCK:
+            handle = _KEPT.get((type(self), self.index, which))
+            if handle is None:
+                s = ctypes.c_void_p()
+                self.driver.check(self.driver.lib().cuStreamCreate(ctypes.byref(s), self.driver.CU_STREAM_NON_BLOCKING),
+                                  "cuStreamCreate")
+                handle = _KEPT[type(self), self.index, which] = int(s.value or 0)
+
+        def synchronize() -> None:
+            self.activate()
+            self.driver.check(self.driver.lib().cuStreamSynchronize(handle), "cuStreamSynchronize")
+
+        return Stream(handle, synchronize, contextlib.nullcontext)
+
+    def to_host(self, buf: Any) -> np.ndarray:
+        import numpy as np
+
+        out = np.empty(buf.nbytes, dtype=np.uint8)
+        if buf.nbytes:
+            self.activate()
+            self.driver.check(self.driver.lib().cuMemcpyDtoH_v2(out.ctypes.data, buf.ptr, buf.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+        if src.nbytes:
+            self.activate()  # queued on the context's default stream; synchronize() waits for it
+            self.driver.check(self.driver.lib().cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, src.nbytes, None),
+                              "cuMemcpyDtoDAsync")
+
+    def facts(self) -> dict[str, Any]:
+        """Name, UUID (formatted as torch formats it) and memory of this GPU, from the driver."""
+        import ctypes
+
+        cuda, name, total = self.driver.lib(), ctypes.create_string_buffer(256), ctypes.c_size_t()
+        self.driver.check(cuda.cuDeviceGetName(name, 256, self.index), "cuDeviceGetName")
+        self.driver.check(cuda.cuDeviceTotalMem_v2(ctypes.byref(total), self.index), "cuDeviceTotalMem")
+        return {"name": name.value.decode(errors="replace"), "uuid": device_uuid(self.index),
+                "total_memory": int(total.value)}
+
+    def ipc_handle(self, buf: Any) -> bytes:
+        """The CUDA IPC handle of a buffer this device allocated (the base of its own ``cuMemAlloc``)."""
+        import ctypes
+
+        self.activate()
+        handle = ctypes.create_string_buffer(64)
+        self.driver.check(self.driver.lib().cuIpcGetMemHandle(handle, buf.ptr), "cuIpcGetMemHandle")
+        return handle.raw
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of this GPU's memory (``cuMemGetInfo``)."""
+        import ctypes
+
+        self.activate()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.driver.check(self.driver.lib().cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return int(free.value), int(total.value)
+
+
 def device_uuid(index: int = 0) -> str:
     """The GPU's UUID from the driver (``cuDeviceGetUuid``), as ``str(torch...props.uuid)`` prints it.
 
@@ -424,30 +520,26 @@ def as_device(device: str | torch.device | Device) -> Device:
 def torch_free_unavailable(backend: str = "auto", *, probe: bool = True) -> str | None:
     """Why a GPU rank cannot load without torch here (None when it can): the one place this is decided.
 
-    The torch-free path reads with kvikio (the ``cufile`` backend) into :class:`CupyDevice` memory;
-    it needs cupy, an importable kvikio and a CUDA device, and runs for ``backend`` ``auto`` or ``cufile``.
-    With ``probe=False`` only the backend and the installed packages are looked at (nothing is imported:
-    what a server decides before its workers start).
+    The torch-free path loads into a :class:`DriverDevice` with the ``cufile`` backend (cached files through the
+    staged engine, others through kvikio: GDS where present); it needs kvikio installed and a CUDA device, and
+    runs for ``backend`` ``auto`` or ``cufile``. With ``probe=False`` only the backend and the installed packages
+    are looked at (what a server decides before its workers start); ``probe`` also asks the CUDA driver for a
+    device. Neither imports kvikio: a rank whose files are cached never does.
     """
     import importlib.util
 
     if backend not in ("auto", "cufile"):
         return f"backend {backend!r} runs with torch (the torch-free path reads with kvikio, as 'cufile' does)"
-    for module, package in (("cupy", "cupy-cuda12x or cupy-cuda13x"), ("kvikio", "kvikio-cu12 or kvikio-cu13")):
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({package}; gdsload[cu12] or gdsload[cu13] bring it)"
+    if importlib.util.find_spec("kvikio") is None:
+        return "kvikio is not installed (kvikio-cu12 or kvikio-cu13; gdsload[cu12] or gdsload[cu13] bring it)"
     if not probe:
         return None
-    from gdsload.loader.io.iomode import kvikio_state
+    import gdsload.loader.driver as driver
 
-    state = kvikio_state()
-    if not state.importable:
-        return f"kvikio cannot be imported: {state.error}"
     try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "CUDA reports no device"
-    except Exception as e:  # no driver, or a broken CUDA install
-        return f"CUDA is not usable through cupy ({type(e).__name__}: {e})"
+        driver.lib()
+    except BackendUnavailableError as e:  # no driver, or one that does not initialize
+        return str(e)
+    if driver.device_count() < 1:
+        return "the CUDA driver reports no device"
     return None

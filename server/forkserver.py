@@ -1,7 +1,8 @@
 """Where worker processes come from: a fork server that has imported their libraries once.
 
-A GPU worker needs cupy, kvikio and nvCOMP before it loads, a worker that loads with torch needs
-torch; a fresh interpreter spends 0.6-0.9 s (GPU) or 2-6 s (torch) importing them. With the
+A GPU worker needs kvikio, nvCOMP and numpy before it loads a compressed rank (a cached uncompressed rank needs
+none of them), a worker that loads with torch needs torch; a fresh interpreter spends a few hundred
+milliseconds (GPU) or 2-6 s (torch) importing them. With the
 ``forkserver`` start method, one helper process imports them as soon as ``serve`` starts, and each
 worker is a fork of it: it starts in milliseconds, every rank at the same moment, and again at once
 on reload and restart. With ``spawn`` each worker is a fresh interpreter that imports for itself.
@@ -46,9 +47,9 @@ START_METHODS = ("auto", "forkserver", "spawn")
 """How worker processes start: ``auto`` (see :func:`resolve`), forked from a helper with the libraries
 imported, or a fresh interpreter."""
 
-GPU_MODULES = ("numpy", "cupy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
+GPU_MODULES = ("numpy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
                "gdsload.loader.pipeline.decode", "gdsload.server.workers", "gdsload.server.worker_main")
-"""What a GPU worker on the torch-free path imports (a :class:`~gdsload.loader.devices.CupyDevice` load)."""
+"""What a GPU worker on the torch-free path may import (a :class:`~gdsload.loader.devices.DriverDevice` load)."""
 TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.pipeline.decode",
                  "gdsload.loader.io.cpu", "gdsload.server.workers", "gdsload.server.worker_main")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""

@@ -126,14 +126,11 @@ class _Worker:
         marks: dict[str, float] = {"entered_at": self.entered_at}
         target: Any = device
         if bare:
-            import cupy
-
-            from gdsload.loader.devices import CupyDevice
+            from gdsload.loader.devices import DriverDevice
 
             marks["imported_at"] = time.time()
-            target = CupyDevice(0)
-            target.activate()
-            cupy.empty(1, dtype=cupy.uint8)  # the CUDA context now, so the load's timings are the load's
+            target = DriverDevice(0)
+            target.activate()  # the CUDA context now, so the load's timings are the load's
             marks["cuda_ready_at"] = time.time()
             gpu = target.facts()
         elif device.startswith("cuda"):
@@ -168,9 +165,9 @@ class _Worker:
                          confine=self.spec.confine or None, progress=_Progress(self.channel), on_plan=loading)
 
     def _device(self) -> tuple[str, bool]:
-        """Where this rank loads, and whether it loads without torch (a ``CupyDevice``).
+        """Where this rank loads, and whether it loads without torch (a ``DriverDevice``).
 
-        A GPU rank loads without torch when cupy and kvikio can (``import torch`` alone takes
+        A GPU rank loads without torch when the CUDA driver and kvikio can (``import torch`` alone takes
         seconds, longer than the load); otherwise, and for CPU ranks, with torch.
         """
         if not self.spec.cuda_visible_devices:

@@ -290,7 +290,7 @@ def test_corrupt_ans_stream_is_caught_with_verify(tmp_path):
         load_rank(dst, device="cuda", verify=True)
 
 
-@pytest.mark.parametrize("where", ["torch", "cupy"])
+@pytest.mark.parametrize("where", ["torch", "cupy", "driver"])
 def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
     """ANS bitstreams carry no checksum of their own: a flipped byte decodes, into wrong values.
     The decoded tensors' CRC-32 is checked on the device on every load, verify or not."""
@@ -307,6 +307,10 @@ def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
         from gdsload.loader.devices import CupyDevice
 
         device = CupyDevice(0)
+    elif where == "driver":
+        from gdsload.loader.devices import DriverDevice
+
+        device = DriverDevice(0)
     else:
         device = "cuda"
     assert load_rank(good, device=device, verify=False).report.logical_bytes == 3 * 2 * 1024 * 1024
@@ -321,7 +325,7 @@ def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
             load_rank(bad, device=device, verify=False)
 
 
-@pytest.mark.parametrize("where", ["torch", "cupy"])
+@pytest.mark.parametrize("where", ["torch", "cupy", "driver"])
 def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatch, where):
     """A group's CRC-32 check is read back while later groups decode: a bad tensor in the first, a
     middle or the last group still fails the load, naming it, and a good load passes; so does a bad
@@ -334,6 +338,10 @@ def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatc
         from gdsload.loader.devices import CupyDevice
 
         device = CupyDevice(0)
+    elif where == "driver":
+        from gdsload.loader.devices import DriverDevice
+
+        device = DriverDevice(0)
     else:
         device = "cuda"
     good = tmp_path / "z" / "model.safetensors"
@@ -470,7 +478,7 @@ def test_backends_agree_on_compressed_and_plain_rank(tmp_path, sharded_dir):
 
 
 # A compressed load onto GPU 1 in a process that sees every GPU (as an engine's tensor-parallel
-# worker does), then: does GPU 0 hold a context? Through torch and without (a CupyDevice).
+# worker does), then: does GPU 0 hold a context? Through torch and without (a DriverDevice).
 _OTHER_GPU_CHILD = r"""
 import ctypes, sys
 cuda = ctypes.CDLL("libcuda.so.1")
@@ -485,11 +493,10 @@ if sys.argv[2] == "torch":
     res = load_rank(sys.argv[1], device="cuda:1", backend="pinned")
     torch.cuda.synchronize()
 else:
-    import cupy
-    from gdsload.loader.devices import CupyDevice
+    from gdsload.loader.devices import DriverDevice
     from gdsload.loader.pipeline.load import load_rank
-    res = load_rank(sys.argv[1], device=CupyDevice(1))
-    cupy.cuda.runtime.deviceSynchronize()  # on GPU 1, which the load left current
+    res = load_rank(sys.argv[1], device=DriverDevice(1))
+    res.device.synchronize()
 print(active(0), active(1))
 """
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # layer of each package or module (lower may not import higher)
 LAYERS = {
-    "gdsload.loader.errors": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0,
+    "gdsload.loader.errors": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0, "gdsload.loader.driver": 0,
     "gdsload.loader.devices": 1,
     "gdsload.loader.format": 2,
     "gdsload.loader.plan": 3,
@@ -31,7 +31,6 @@ LAYERS = {
 }
 # Known, deliberate exceptions: (importer, imported) with the reason.
 ALLOWED = {
-    ("gdsload.loader.devices", "gdsload.loader.io"): "torch_free_unavailable reads kvikio's state (io.iomode)",
     ("gdsload.loader.format", "gdsload.loader"): "the manifest records __version__, which the package root defines",
 }
 

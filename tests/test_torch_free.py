@@ -1,4 +1,4 @@
-"""The torch-free load path of sidecar workers: ``load_rank`` onto a ``CupyDevice``, read by ``cufile``.
+"""The torch-free load path of sidecar workers: ``load_rank`` onto a ``DriverDevice``, read by ``cufile``.
 
 CPU tests drive the ``cufile`` backend's kvikio logic against a stand-in kvikio and host memory.
 GPU tests run the torch-free load in a child process (so "no torch" can be checked) and compare
@@ -26,22 +26,22 @@ from gdsload.loader.devices import TorchDevice, torch_free_unavailable
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.handoff.ipc import IpcError, import_rank
 
-# Load one rank without torch; print digests, the report, torch's absence, and GPU memory figures.
+# Load one rank without torch; print digests, the report, which heavy libraries the load imported, and GPU memory.
 CHILD = r"""
 import gc, hashlib, json, sys
-import cupy
-from gdsload.loader.devices import CupyDevice
+from gdsload.loader.devices import DriverDevice
 from gdsload.loader.handoff.ipc import export_rank
 from gdsload.loader.pipeline.load import load_rank
 path, rank, verify, export = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-cupy.cuda.Device(0).use()
-free0 = cupy.cuda.runtime.memGetInfo()[0]
-res = load_rank(path, rank, device=CupyDevice(0), verify=verify)
-loaded = cupy.cuda.runtime.memGetInfo()[0]
-host = res.arena.get()
+dev = DriverDevice(0)
+free0 = dev.memory_info()[0]
+res = load_rank(path, rank, device=dev, verify=verify)
+imported = sorted(m for m in ("torch", "cupy", "numpy", "kvikio") if m in sys.modules)
+loaded = dev.memory_info()[0]
+host = dev.to_host(res.arena)
 out = {"digests": {s.name: [s.dtype, list(s.shape), hashlib.sha256(host[s.offset:s.offset + s.nbytes].tobytes()).hexdigest()]
                    for s in res.slots},
-       "torch_imported": "torch" in sys.modules, "report": res.report.to_dict(), "arena_bytes": res.arena.nbytes}
+       "imported": imported, "report": res.report.to_dict(), "arena_bytes": res.arena.nbytes}
 if export:
     out["doc"] = export_rank(res)
 print(json.dumps(out), flush=True)
@@ -50,7 +50,7 @@ if export:
 res.close()
 del res, host
 gc.collect()
-print(json.dumps({"free0": free0, "loaded": loaded, "closed": cupy.cuda.runtime.memGetInfo()[0]}), flush=True)
+print(json.dumps({"free0": free0, "loaded": loaded, "closed": dev.memory_info()[0]}), flush=True)
 """
 
 
@@ -86,15 +86,53 @@ def test_bare_path_is_only_for_kvikio_backends():
     assert "runs with torch" in torch_free_unavailable("fastsafetensors")
 
 
-def test_bare_path_names_what_is_missing():
+def test_bare_path_names_what_is_missing(monkeypatch):
     import importlib.util
 
-    for module in ("cupy", "kvikio"):
-        if importlib.util.find_spec(module) is None:
-            why = torch_free_unavailable("auto")
-            assert module in why and "gdsload[cu12]" in why
-            return
-    pytest.skip("cupy and kvikio are both installed here")
+    from gdsload.loader import driver
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kvikio" else real(name, *a))
+    why = torch_free_unavailable("auto")
+    assert "kvikio is not installed" in why and "gdsload[cu12]" in why
+    monkeypatch.undo()
+    if importlib.util.find_spec("kvikio") is not None and driver.device_count() == 0:
+        assert "CUDA" in torch_free_unavailable("auto")  # no driver, or no device: the driver's answer
+    assert torch_free_unavailable("auto", probe=False) == (None if importlib.util.find_spec("kvikio") else why)
+
+
+def test_device_buffers_slice_like_byte_arrays_and_show_their_address():
+    from gdsload.loader.driver import DeviceBuffer
+
+    owner = object()
+    buf = DeviceBuffer(1 << 40, 1000, owner)
+    part = buf[100:300]
+    assert (part.ptr, part.nbytes, len(part)) == ((1 << 40) + 100, 200, 200)
+    assert part[50:].ptr == (1 << 40) + 150 and part[50:].nbytes == 150
+    assert buf[990:2000].nbytes == 10 and buf[500:400].nbytes == 0 and buf[-10:].ptr == (1 << 40) + 990
+    assert part.__cuda_array_interface__ == {"shape": (200,), "typestr": "|u1", "data": ((1 << 40) + 100, False),
+                                            "strides": None, "version": 3}
+    assert part._mem is owner  # a slice keeps the allocation alive
+    with pytest.raises(ValueError, match="step 1"):
+        buf[::2]
+    with pytest.raises(TypeError, match=r"sliced with \[start:stop\]"):
+        buf[3]
+
+
+def test_no_cuda_driver_is_a_typed_error_that_says_what_to_do(monkeypatch):
+    import ctypes
+
+    from gdsload.loader import driver
+    from gdsload.loader.errors import BackendUnavailableError
+
+    def missing(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(driver, "_lib", None)
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    with pytest.raises(BackendUnavailableError, match=r"libcuda.so.1\) does not load: .*install the NVIDIA driver"):
+        driver.lib()
+    assert driver.device_count() == 0
 
 
 def test_cuda_ipc_document_with_a_damaged_handle_is_a_typed_error():
@@ -366,7 +404,7 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
     _needs_bare()
     for rank in (0, 1):
         out, _ = _run(sharded_dir, rank, verify=True)
-        assert not out["torch_imported"]
+        assert "torch" not in out["imported"] and "cupy" not in out["imported"]
         assert out["digests"] == _oracle(sorted(sharded_dir.glob(f"model-rank-{rank}-part-*.safetensors")))
         r = out["report"]
         assert r["backend"] == "cufile" and r["verified"] and r["device"] == "cuda:0"
@@ -374,8 +412,10 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
         from gdsload.loader.io import staged
 
         if staged.unavailable() is None and not any(f["io_mode"] in ("gds", "p2pdma") for f in r["files"]):
-            # cached files without GDS: the staged engine reads them, and the report names it
+            # cached files without GDS: the staged engine reads them, and the report names it; an uncompressed
+            # rank then needs no numpy and no kvikio (their imports cost a fresh worker 0.2-0.3 s)
             assert {f["engine"] for f in r["files"]} == {"staged"} and {f["io_mode"] for f in r["files"]} == {"posix"}
+            assert out["imported"] == [], out["imported"]
 
 
 @pytest.mark.gpu

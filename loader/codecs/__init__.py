@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ import numpy as np
 
 from gdsload.loader.codecs.registry import codec, codec_names
 from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.devices import Device, as_device
+from gdsload.loader.devices import CupyDevice, Device, as_device
 from gdsload.loader.errors import CodecError
 from gdsload.loader.config import usable_cores
 
@@ -44,14 +45,13 @@ def default_params(codec_name: str, dtype: str) -> dict[str, Any]:
 
 
 def cuda_device_count() -> int:
-    """CUDA devices this process sees, asked of cupy unless torch is already loaded (torch costs seconds)."""
+    """CUDA devices this process sees, asked of the CUDA driver unless torch is already loaded (torch costs seconds)."""
     if "torch" not in sys.modules:
-        try:
-            import cupy
+        import gdsload.loader.driver as driver
 
-            return int(cupy.cuda.runtime.getDeviceCount())
-        except Exception:  # no cupy, or no driver: torch gives the answer (and its reason) below
-            pass
+        n = driver.device_count()
+        if n:
+            return n  # none: torch gives the answer (and its reason) below
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -255,9 +255,10 @@ class DecodeJob:
 class GpuCodecs:
     """nvCOMP codecs for one GPU and stream, created once and reused.
 
-    ``device`` is where the bytes live (:class:`~gdsload.loader.devices.Device`: torch's or cupy's
-    memory); ``stream`` the raw ``cudaStream_t`` (torch's ``Stream.cuda_stream``, cupy's
-    ``Stream.ptr``), None for the default stream.
+    ``device`` is where the bytes live (:class:`~gdsload.loader.devices.Device`: torch's memory, or memory
+    allocated through the CUDA driver or cupy); ``stream`` the raw ``cudaStream_t`` (torch's
+    ``Stream.cuda_stream``, a device's :meth:`~gdsload.loader.devices.Device.stream` handle), None for the
+    default stream.
     """
 
     def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False,
@@ -268,7 +269,7 @@ class GpuCodecs:
         self._encode, self._verify = encode, verify
         self._cache: dict[Any, Any] = {}
         self._ans: Any = None  # nvcomp_c.AnsDecoder, made on the first ANS chunks
-        self._bytes: _TorchStreamBytes | _CupyStreamBytes | None = None
+        self._bytes: _TorchStreamBytes | _CupyStreamBytes | _DriverStreamBytes | None = None
 
     @functools.cached_property
     def nv(self) -> Any:
@@ -316,10 +317,14 @@ class GpuCodecs:
                                         bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
         return self._cache[key]
 
-    def _stream_bytes(self) -> _TorchStreamBytes | _CupyStreamBytes:
+    def _stream_bytes(self) -> _TorchStreamBytes | _CupyStreamBytes | _DriverStreamBytes:
         if self._bytes is None:
-            self._bytes = (_TorchStreamBytes(self.device, self.stream or 0) if self.device.uses_torch
-                           else _CupyStreamBytes(self.stream or 0))
+            if self.device.uses_torch:
+                self._bytes = _TorchStreamBytes(self.device, self.stream or 0)
+            elif isinstance(self.device, CupyDevice):  # the offline compressor works on cupy arrays
+                self._bytes = _CupyStreamBytes(self.stream or 0)
+            else:
+                self._bytes = _DriverStreamBytes(self.device, self.stream or 0)
         return self._bytes
 
     def crc32(self, array: Any, where: str) -> int:
@@ -337,7 +342,7 @@ class GpuCodecs:
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
         """Decode ``entry`` from device bytes ``src`` into device bytes ``dst``.
 
-        ``src`` and ``dst`` are 1-D uint8 device arrays: torch tensors or cupy arrays. Returns
+        ``src`` and ``dst`` are 1-D uint8 buffers of ``device``. Returns
         with the decode queued on the stream, except for ANS chunks, which are checked here
         (the stream synchronized); :meth:`decode_many` batches them.
         """
@@ -512,3 +517,71 @@ class _CupyStreamBytes:
 
     def wait_event(self, event: Any) -> None:
         event.synchronize()
+
+
+class _DriverStreamBytes:
+    """Device bytes for :class:`~gdsload.loader.codecs.nvcomp_c.AnsDecoder` through the CUDA driver, on ``stream``
+    (a raw handle): loads onto a :class:`~gdsload.loader.devices.DriverDevice`, which import no cupy."""
+
+    def __init__(self, device: Device, stream: int):
+        import gdsload.loader.driver as driver
+
+        self.driver, self.cuda = driver, driver.lib()
+        self._owner = device
+        self.index = device.index or 0
+        self.stream = stream
+
+    def _call(self, what: str, fn: Any, *args: Any) -> None:
+        self.driver.current(self.index)  # the decoder's thread may have no context yet
+        self.driver.check(fn(*args), what)
+
+    def empty(self, nbytes: int) -> tuple[Any, int]:
+        a = self.driver.allocate(self.index, nbytes)
+        return a, a.ptr
+
+    def put(self, array: Any, host: np.ndarray) -> None:
+        # From pageable memory: the driver has taken the bytes when the call returns.
+        self._call("cuMemcpyHtoDAsync", self.cuda.cuMemcpyHtoDAsync_v2, array.ptr, host.ctypes.data, host.nbytes,
+                   self.stream)
+
+    def get(self, array: Any, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        self._call("cuMemcpyDtoH", self.cuda.cuMemcpyDtoH_v2, out.ctypes.data, array.ptr, nbytes)
+        return out
+
+    def copy(self, dst: Any, src: Any) -> None:
+        n = self._owner.nbytes(src)
+        self._call("cuMemcpyDtoDAsync", self.cuda.cuMemcpyDtoDAsync_v2, self._owner.address(dst),
+                   self._owner.address(src), n, self.stream)
+
+    def zero(self, array: Any) -> None:
+        self._call("cuMemsetD8Async", self.cuda.cuMemsetD8Async, array.ptr, 0, array.nbytes, self.stream)
+
+    def sync(self) -> None:
+        self._call("cuStreamSynchronize", self.cuda.cuStreamSynchronize, self.stream)
+
+    def side_stream(self) -> int:
+        return self._owner.stream(1).handle  # the device's second kept stream
+
+    def record(self, stream: int) -> _Event:
+        import ctypes
+
+        handle = ctypes.c_void_p()
+        self._call("cuEventCreate", self.cuda.cuEventCreate, ctypes.byref(handle), self.driver.CU_EVENT_DISABLE_TIMING)
+        event = _Event(self.cuda, int(handle.value or 0))
+        self._call("cuEventRecord", self.cuda.cuEventRecord, event.handle, stream)
+        return event
+
+    def wait(self, stream: int, event: _Event) -> None:
+        self._call("cuStreamWaitEvent", self.cuda.cuStreamWaitEvent, stream, event.handle, 0)
+
+    def wait_event(self, event: _Event) -> None:
+        self._call("cuEventSynchronize", self.cuda.cuEventSynchronize, event.handle)
+
+
+class _Event:
+    """A CUDA event made through the driver, destroyed when dropped."""
+
+    def __init__(self, cuda: Any, handle: int):
+        self.handle = handle
+        weakref.finalize(self, cuda.cuEventDestroy_v2, handle).atexit = False

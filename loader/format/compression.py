@@ -32,13 +32,14 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.errors import CodecError
 from gdsload.loader.format.safetensors import SafetensorsHeader
+
+if TYPE_CHECKING:  # numpy is imported where chunk tables are made: an uncompressed load needs none
+    import numpy as np
 
 __all__ = [
     "METADATA_KEY",
@@ -101,6 +102,8 @@ class CompressedEntry(NamedTuple):
 
     def chunk_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Stored offsets, stored sizes, decoded offsets and decoded sizes of the chunks (int64 arrays)."""
+        import numpy as np
+
         sizes = np.asarray(self.chunks, dtype=np.int64)
         starts = np.zeros(len(sizes), dtype=np.int64)
         a = self.chunk_align
@@ -126,6 +129,8 @@ class CompressedEntry(NamedTuple):
 
 
 def encode_chunk_sizes(sizes: tuple[int, ...] | list[int]) -> str:
+    import numpy as np
+
     return base64.b64encode(np.asarray(sizes, dtype="<u4").tobytes()).decode("ascii")
 
 
@@ -152,6 +157,8 @@ class _Chunked(NamedTuple):
 def _chunk_sizes(tensors: list[_Chunked]) -> list[np.ndarray]:
     """Each tensor's chunk sizes, checked to add up (each chunk but the last padded to the tensor's
     ``chunk_align``) to its stored bytes; all the file's tensors in a few numpy passes."""
+    import numpy as np
+
     counts = np.array([len(t.raw) // 4 for t in tensors], dtype=np.int64)
     sizes = np.frombuffer(b"".join(t.raw for t in tensors), dtype="<u4").astype(np.int64)
     ends = np.cumsum(counts)

@@ -7,8 +7,8 @@ as a view — no bytes move.
 
 - CUDA arenas use CUDA IPC; the importer must run on the same GPU. A torch arena is shared
   through torch's storage sharing (kind ``cuda``); an arena loaded without torch (a
-  :class:`~gdsload.loader.devices.CupyDevice`, the sidecar worker's torch-free path) by its own
-  ``cudaIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer opens with the driver's
+  :class:`~gdsload.loader.devices.DriverDevice`, the sidecar worker's torch-free path) by its own
+  ``cuIpcGetMemHandle`` (kind ``cuda-ipc``), which the importer opens with the driver's
   ``cuIpcOpenMemHandle`` and closes when the last tensor view is gone.
 - CPU arenas are shared through ``/dev/shm`` (named as torch's shm manager names them): the
   sidecar's CPU workers load into shared memory from the start (``TorchDevice(cpu, shared=True)``),
@@ -68,7 +68,7 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
     device = result.device
     rank = result.report.rank if rank is None else rank
     if device is not None and not device.uses_torch:
-        return _export_cupy(result, rank)
+        return _export_ipc(result, rank)
     (arena,) = result.arenas
     storage = arena.untyped_storage()
     table = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
@@ -96,7 +96,7 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
     return doc
 
 
-def _export_cupy(result: LoadResult, rank: int) -> dict[str, Any]:
+def _export_ipc(result: LoadResult, rank: int) -> dict[str, Any]:
     device, arena = result.device, result.arena
     return {
         "version": IPC_VERSION, "rank": rank, "nbytes": arena.nbytes,

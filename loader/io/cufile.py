@@ -16,8 +16,9 @@ When fastsafetensors is installed, its native reader does such a cold rank's who
 arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`); a compressed
 load's staging groups stay with kvikio. It reads a cold rank faster than kvikio's shape above.
 
-It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or cupy's for the
-workers that load without torch (the only reader there, so ``auto`` takes it even without GDS).
+It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or the CUDA driver's for the
+workers that load without torch (the only reader there, so ``auto`` takes it even without GDS). A cached
+rank on a host without GDS never imports kvikio.
 Without GDS, a rank whose files are cached is read by the staged engine
 (:mod:`gdsload.loader.io.staged`) where it is built, as the ``pinned`` backend reads it; the report
 then says ``posix`` and ``engine=staged``.
@@ -25,11 +26,13 @@ then says ``posix`` and ``engine=staged``.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from gdsload.loader.devices import Device
+from gdsload.loader.errors import BackendUnavailableError
 from gdsload.loader.io.iomode import (KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, nvidia_fs_loaded,
                                      o_direct_supported, p2pdma_configured)
 from gdsload.loader.io.pagecache import is_cold
@@ -76,6 +79,12 @@ class CuFileBackend(Backend):
     def probe(cls, device: Device) -> str | None:
         if device.kind != "cuda":
             return f"it loads to CUDA devices, not {str(device)!r}"
+        if not _gds_possible() and staged_unavailable() is None:
+            # A cached rank is read by the staged engine and never imports kvikio (about 30 ms, and numpy's
+            # 0.2-0.3 s in a process without it); a cold one imports it at open, which reports a broken install.
+            if importlib.util.find_spec("kvikio") is None:
+                return "kvikio is not installed; install gdsload[cu12] or gdsload[cu13]"
+            return None
         state = kvikio_state()
         if not state.importable:
             return f"kvikio is not importable ({state.error}); install gdsload[cu12] or gdsload[cu13]"
@@ -86,7 +95,7 @@ class CuFileBackend(Backend):
         """Why ``auto`` prefers another backend even though this one can run."""
         if not device.uses_torch:
             return None  # without torch, kvikio is the only reader (GDS or its compat mode)
-        if not nvidia_fs_loaded() and not p2pdma_configured():
+        if not _gds_possible():
             # Known without importing kvikio (about 65 ms on an H200 host) or opening the cuFile driver.
             return ("no GPUDirect Storage here (no nvidia-fs module, and cufile.json does not turn on P2PDMA); "
                     "it would bounce through host memory")
@@ -98,15 +107,37 @@ class CuFileBackend(Backend):
         return None
 
     def prepare(self, paths: Sequence[str]) -> None:
-        if not nvidia_fs_loaded() and not p2pdma_configured():  # no GDS: a cached rank goes through the staged engine
+        if not _gds_possible():  # no GDS: a cached rank goes through the staged engine
             staged_prepare(self.device, paths, threads=self.options.num_threads, chunk=self.options.chunk_bytes)
 
     def open(self, plan: LoadPlan) -> None:
-        import kvikio
-        import kvikio.defaults
-
         super().open(plan)
         self.device.activate()
+        self._ran: list[set[str]] = [set() for _ in plan.files]
+        self._files = []
+        self._settings = None
+        self.cold_reader = None
+        self.staged = None
+        self.cold_direct = False
+        why = staged_unavailable()
+        if why is None and not _gds_possible() and not is_cold(*plan.open_paths):
+            # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory; the staged
+            # engine does that faster (see loader/io/staged.py), and the report says so. kvikio is not imported.
+            try:
+                self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
+                                           chunk=self.options.chunk_bytes)
+            except StagedEngineError as e:
+                why = str(e)
+            else:
+                self._modes = ["posix"] * len(plan.files)
+                self._direct = [False] * len(plan.files)
+                return
+        try:
+            import kvikio
+            import kvikio.defaults
+        except Exception as e:  # installed but broken: say so, as the probe would have
+            raise BackendUnavailableError(f"{self.name}: kvikio cannot be imported ({type(e).__name__}: {e}); "
+                                          "reinstall gdsload[cu12] or gdsload[cu13]") from None
         self._state: KvikioState = kvikio_state()
         direct_ok = [o_direct_supported(f.path) for f in plan.files]
         self._modes = [cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path))
@@ -116,17 +147,12 @@ class CuFileBackend(Backend):
         has_switch = has_direct_switch(kvikio)
         self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
             and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and is_cold(*plan.open_paths)
-        self._ran: list[set[str]] = [set() for _ in plan.files]
-        self._files = []
-        self._settings = None
-        self.cold_reader = None
-        self.staged = None
-        why = "the rank is cold" if self.cold_direct else staged_unavailable()
+        why = "the rank is cold" if self.cold_direct else why
         if why is None and not all(m in ("posix", "compat") for m in self._modes):
             why = "GPUDirect Storage serves some of the files"
         if why is None:
-            # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory too;
-            # the staged engine does that faster (see loader/io/staged.py), and the report says so.
+            # Bounce buffers either way (a cold rank without O_DIRECT, or kvikio's compat mode where GDS could
+            # run): the staged engine reads through the page cache faster, as above.
             try:
                 self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
                                            chunk=self.options.chunk_bytes)
@@ -231,6 +257,12 @@ class CuFileBackend(Backend):
         if getattr(self, "_settings", None) is not None:
             self._settings.__exit__(None, None, None)  # kvikio's settings as they were before open
             self._settings = None
+
+
+def _gds_possible() -> bool:
+    """Whether this host could read with GPUDirect Storage (nvidia-fs loaded, or P2PDMA in cufile.json),
+    known without importing kvikio."""
+    return nvidia_fs_loaded() or p2pdma_configured()
 
 
 def kvikio_reads_direct(f: Any) -> bool:

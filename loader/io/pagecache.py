@@ -7,8 +7,6 @@ import mmap
 import os
 from collections.abc import Iterable
 
-import numpy as np
-
 from gdsload.loader.io.iomode import mount_of
 
 __all__ = ["evict", "resident_fraction", "is_cold", "COLD_RESIDENCY", "RESIDENCY_SAMPLES", "MEMORY_FILESYSTEMS"]
@@ -21,6 +19,12 @@ per 9 GB on tmpfs, a third of a load from there)."""
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the C library the process already has (find_library runs ldconfig)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RESIDENT_BIT = bytes(b & 1 for b in range(256))
+"""Each byte ``mincore`` writes, as its lowest bit (the page is resident; the other bits are reserved)."""
 
 
 def evict(paths: Iterable[str]) -> str:
@@ -62,19 +66,24 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
         else:
             spans = [(0, pages)]
         seen = probed = 0
-        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-            arr = np.frombuffer(m, dtype=np.uint8)  # a read-only mmap's address, via numpy
-            base = arr.ctypes.data
-            try:
-                for offset, n in spans:
-                    vec = (ctypes.c_ubyte * n)()
-                    if _libc.mincore(base + offset, min(n * page, size - offset), vec) != 0:
-                        err = ctypes.get_errno()
-                        raise OSError(err, f"mincore failed on {p!r}: {os.strerror(err)}")
-                    seen += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
-                    probed += n
-            finally:
-                del arr
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            base = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        if base in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap failed on {p!r}: {os.strerror(err)}")
+        try:
+            for offset, n in spans:
+                vec = (ctypes.c_ubyte * n)()
+                if _libc.mincore(base + offset, min(n * page, size - offset), vec) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"mincore failed on {p!r}: {os.strerror(err)}")
+                seen += bytes(vec).translate(_RESIDENT_BIT).count(1)
+                probed += n
+        finally:
+            _libc.munmap(base, size)
         # Each file weighs by its size, however few of its pages were probed.
         resident += pages * seen / probed
         total += pages

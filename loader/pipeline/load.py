@@ -1,7 +1,7 @@
 """``load_rank``: the one load pipeline — plan → set up → read → decode → place → verify → tear down.
 
 Every load runs through it: ``load_rank`` with torch (CPU or GPU), the sidecar's torch-free GPU
-workers (a :class:`~gdsload.loader.devices.CupyDevice`), engine adapters reading straight into an
+workers (a :class:`~gdsload.loader.devices.DriverDevice`), engine adapters reading straight into an
 engine's parameters (``into``), and training-checkpoint loads. What differs is only the
 :class:`~gdsload.loader.devices.Device` and the reader backend the call picks.
 
@@ -93,7 +93,7 @@ def load_rank(
     ``path`` is a model directory (``gdsload.json``, vLLM ``model-rank-R-part-P``, TRT-LLM
     ``rankR`` or plain ``*.safetensors``) or one ``.safetensors`` file. ``device`` is a torch
     device (``"cpu"``, ``"cuda:1"``) or a :class:`~gdsload.loader.devices.Device`
-    (``CupyDevice(0)`` loads without torch). Options left as None come from ``GDSLOAD_*``
+    (``DriverDevice(0)`` loads without torch). Options left as None come from ``GDSLOAD_*``
     environment variables, then defaults (see :class:`LoadConfig`).
 
     ``into`` maps tensor names to contiguous tensors of the same dtype and shape on ``device``

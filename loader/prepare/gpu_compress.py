@@ -69,7 +69,7 @@ def torch_free_gpu(codec_name: str, device: Any) -> int | None:
     from gdsload.loader.devices import torch_free_unavailable
     from gdsload.loader.pipeline.config import LoadConfig
 
-    if torch_free_unavailable(LoadConfig.resolve().backend) is not None:  # cupy, kvikio, a GPU, the backend
+    if torch_free_unavailable(LoadConfig.resolve().backend) is not None:  # kvikio, a GPU, the backend (cupy below)
         return None
     try:
         import cupy
