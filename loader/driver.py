@@ -6,7 +6,8 @@ the numpy it imports) took 0.4-0.6 s in a fresh process on an H200 host, several
 from tmpfs. :class:`~gdsload.loader.devices.DriverDevice` drives the GPU through this module instead.
 
 Every call that needs a context makes GPU ``index``'s primary context current on the calling thread
-first (:func:`current`): the loader's reader and decoder threads call in without one.
+first (:func:`current`): the loader's reader and decoder threads call in without one. A buffer is freed
+in its own context, pushed for the call, whatever thread collects it.
 
 >>> buf = DeviceBuffer(0x7F0000000000, 4096, None)
 >>> buf[1024:2048].nbytes, hex(buf[1024:].ptr)
@@ -22,7 +23,7 @@ from typing import Any
 
 from gdsload.loader.errors import BackendUnavailableError, DeviceMemoryError
 
-__all__ = ["DeviceBuffer", "lib", "check", "current", "allocate", "device_count", "error_name"]
+__all__ = ["DeviceBuffer", "lib", "check", "primary", "current", "allocate", "device_count", "error_name"]
 
 _u64, _size, _vp, _int, _uint = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
 _SIGNATURES: dict[str, list[Any]] = {
@@ -34,6 +35,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_vp), _int],
     "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
     "cuCtxSetCurrent": [_vp],
+    "cuCtxPushCurrent_v2": [_vp],
+    "cuCtxPopCurrent_v2": [ctypes.POINTER(_vp)],
     "cuCtxSynchronize": [],
     "cuMemAlloc_v2": [ctypes.POINTER(_u64), _size],
     "cuMemFree_v2": [_u64],
@@ -59,7 +62,6 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 _lib: ctypes.CDLL | None = None
 _contexts: dict[int, int] = {}
 _lock = threading.RLock()  # check() inside it may load the driver for the error name
-_local = threading.local()
 
 
 def lib() -> ctypes.CDLL:
@@ -104,9 +106,8 @@ def device_count() -> int:
     return n.value if cuda.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
 
 
-def current(index: int) -> int:
-    """Make GPU ``index``'s primary context current on the calling thread (retained once per process, as torch
-    and cupy retain it); its handle."""
+def primary(index: int) -> int:
+    """GPU ``index``'s primary context, retained once per process (as torch and cupy retain it)."""
     ctx = _contexts.get(index)
     if ctx is None:
         cuda = lib()
@@ -117,9 +118,15 @@ def current(index: int) -> int:
                 check(cuda.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
                 check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev), f"cuDevicePrimaryCtxRetain({index})")
                 ctx = _contexts[index] = int(handle.value or 0)
-    if getattr(_local, "ctx", None) != ctx:
-        check(lib().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        _local.ctx = ctx
+    return ctx
+
+
+def current(index: int) -> int:
+    """Make GPU ``index``'s primary context current on the calling thread (asked of the driver each time:
+    another library may have made another GPU's current); its handle."""
+    ctx, cuda, now = primary(index), lib(), _vp()
+    if cuda.cuCtxGetCurrent(ctypes.byref(now)) != 0 or (now.value or 0) != ctx:
+        check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     return ctx
 
 
@@ -140,8 +147,11 @@ class _Allocation:
 
 
 def _free(index: int, ptr: int) -> None:
-    current(index)
-    lib().cuMemFree_v2(ptr)
+    # Any thread may collect a buffer: its context is pushed for the call and the thread's own restored.
+    cuda, popped = lib(), _vp()
+    if cuda.cuCtxPushCurrent_v2(primary(index)) == 0:
+        cuda.cuMemFree_v2(ptr)
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(popped))
 
 
 class DeviceBuffer:

@@ -521,3 +521,32 @@ def test_bare_export_maps_as_torch_tensors_in_another_process(sharded_dir):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.gpu
+def test_a_buffer_dropped_on_another_thread_is_freed_without_touching_that_threads_context():
+    import ctypes
+    import threading
+
+    from gdsload.loader import driver
+    from gdsload.loader.devices import DriverDevice
+
+    if driver.device_count() < 1:
+        pytest.skip("the CUDA driver reports no device")
+    dev = DriverDevice(0)
+    free0 = dev.memory_info()[0]
+    held = {"buf": dev.empty(256 << 20)}
+    assert dev.memory_info()[0] <= free0 - (256 << 20)
+    seen = []
+
+    def drop() -> None:
+        held.pop("buf")  # the last reference: the allocation is freed here, on a thread with no context
+        now = ctypes.c_void_p()
+        assert driver.lib().cuCtxGetCurrent(ctypes.byref(now)) == 0
+        seen.append(now.value)
+
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    assert seen == [None]
+    assert dev.memory_info()[0] >= free0 - (8 << 20)
