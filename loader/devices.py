@@ -183,16 +183,9 @@ def start_primary_context(index: int = 0) -> None:
 
 def cuda_error_name(result: int, lib: Any = None) -> str:
     """``CUDA_ERROR_...`` for a CUresult (``lib``: the loaded driver, else it is loaded here)."""
-    import ctypes
+    import gdsload.loader.driver as driver
 
-    try:
-        lib = lib or ctypes.CDLL("libcuda.so.1")
-        name = ctypes.c_char_p()
-        if lib.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
-            return f"{name.value.decode()} ({result})"
-    except OSError:
-        pass
-    return f"CUresult {result}"
+    return driver.error_name(result, lib)
 
 
 def _driver_stream(index: int | None) -> int | None:

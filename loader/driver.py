@@ -83,9 +83,14 @@ def lib() -> ctypes.CDLL:
 
 
 def error_name(result: int, cuda: ctypes.CDLL | None = None) -> str:
-    """``CUDA_ERROR_...`` for a CUresult."""
+    """``CUDA_ERROR_...`` for a CUresult (``cuda``: the loaded driver, else :func:`lib`); ``CUresult N`` where
+    no driver loads."""
+    try:
+        cuda = cuda or lib()
+    except BackendUnavailableError:
+        return f"CUresult {result}"
     name = ctypes.c_char_p()
-    if (cuda or lib()).cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
+    if cuda.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value:
         return f"{name.value.decode()} ({result})"
     return f"CUresult {result}"
 

@@ -133,6 +133,7 @@ def test_no_cuda_driver_is_a_typed_error_that_says_what_to_do(monkeypatch):
     with pytest.raises(BackendUnavailableError, match=r"libcuda.so.1\) does not load: .*install the NVIDIA driver"):
         driver.lib()
     assert driver.device_count() == 0
+    assert driver.error_name(2) == "CUresult 2"  # an error still gets its number where no driver loads
 
 
 def test_cuda_ipc_document_with_a_damaged_handle_is_a_typed_error():
