@@ -86,9 +86,9 @@ def test_zstd_frames_decode_with_the_reference_zstandard(zfile):
     assert out == _bits(tensors["w.bf16"])
 
 
-def test_parsed_chunk_sizes_are_the_files_as_one_read_only_array(zfile):
-    """Each entry's chunk sizes are a read-only int64 view of what the file records, which the packers and
-    nvCOMP's chunk tables take without a copy."""
+def test_parsed_chunk_sizes_are_read_only_views_of_what_the_file_records(zfile):
+    """Each entry's chunk sizes are a read-only view of the uint32 sizes the file records (no copy, no numpy),
+    and its chunk table agrees with numpy's arithmetic on them."""
     import base64
 
     dst, _ = zfile
@@ -97,12 +97,29 @@ def test_parsed_chunk_sizes_are_the_files_as_one_read_only_array(zfile):
     for name, e in entries.items():
         if e.layout != "chunks":
             continue
-        recorded = np.frombuffer(base64.b64decode(raw[name]["chunks"]), dtype="<u4")
-        assert e.chunks.dtype == np.int64 and e.chunks.tolist() == recorded.tolist()
-        assert not e.chunks.flags.writeable
-        starts, sizes, _, _ = e.chunk_table()
-        assert sizes.tolist() == recorded.tolist() and int(starts[-1] + sizes[-1]) == e.stored_bytes
+        recorded = np.frombuffer(base64.b64decode(raw[name]["chunks"]), dtype="<u4").astype(np.int64)
+        assert isinstance(e.chunks, memoryview) and e.chunks.readonly and e.chunks.tolist() == recorded.tolist()
+        starts, sizes, dec_at, dec_len = e.chunk_table()
+        a = e.chunk_align
+        want = np.concatenate(([0], np.cumsum((recorded[:-1] + a - 1) // a * a)))
+        assert list(starts) == want.tolist() and list(sizes) == recorded.tolist()
+        assert starts[-1] + sizes[-1] == e.stored_bytes
+        assert list(dec_at) == [i * e.chunk_bytes for i in range(len(recorded))]
+        assert sum(dec_len) == e.nbytes and set(dec_len[:-1]) <= {e.chunk_bytes}
     assert any(e.layout == "chunks" and len(e.chunks) > 1 for e in entries.values())
+
+
+def test_chunk_offsets_of_a_run_start_from_its_first_chunk():
+    from gdsload.loader.format.compression import CompressedEntry, encode_chunk_sizes
+
+    e = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), None, 16)
+    assert list(e.chunk_offsets()) == [0, 1008, 3024]
+    assert list(e.chunk_offsets(1, 3, 100)) == [100, 2116]
+    assert list(e.chunk_offsets(2, None, 7)) == [7] and list(e.chunk_offsets(3)) == []
+    assert e.chunk_spans() == [(0, 1000, 0, 262144), (1008, 2001, 262144, 262144), (3024, 5, 524288, 600_000 - 524288)]
+    assert encode_chunk_sizes([1, 2**32 - 1]) == "AQAAAP////8="
+    with pytest.raises(OverflowError):
+        encode_chunk_sizes([2**32])
 
 
 def _rewrite_metadata(path: Path, mutate) -> None:
@@ -194,7 +211,7 @@ def _realign(src: Path, dst: Path, align: int, codec: str | None = None) -> None
         moved = e._replace(chunk_align=align)
         starts, sizes, _, _ = moved.chunk_table()
         blob = np.zeros(int(starts[-1] + sizes[-1]), dtype=np.uint8)
-        for (old, n, _, _), new in zip(e.chunk_spans(), starts.tolist()):
+        for (old, n, _, _), new in zip(e.chunk_spans(), starts):
             blob[new : new + n] = tensors[name][old : old + n].numpy()
         tensors[name] = torch.from_numpy(blob)
         doc["tensors"][name]["chunk_align"] = align
@@ -212,7 +229,7 @@ def test_chunks_at_aligned_offsets_decode(zfile, tmp_path):
     entries = parse_compression(read_header(dst))
     assert {e.chunk_align for e in entries.values()} == {64}
     starts = entries["w.bf16"].chunk_table()[0]
-    assert len(starts) > 1 and not (starts % 64).any()
+    assert len(starts) > 1 and all(s % 64 == 0 for s in starts)
     res = load_rank(dst, verify=True)
     for k, v in tensors.items():
         assert _bits(res.tensors[k]) == _bits(v), k
@@ -252,8 +269,9 @@ def test_ans_chunk_tables_point_at_every_chunk():
     assert c.src_bytes.tolist() == [1000, 2001, 5, 30]
     assert c.dst.tolist() == [1 << 30, (1 << 30) + 262144, (1 << 30) + 524288, 7 << 30]
     assert c.dst_bytes.tolist() == [262144, 262144, 600_000 - 524288, 20]
-    assert c.owner.tolist() == [0, 0, 0, 1] and c.names == ["f: a", "f: b"]
-    assert c.crc_dst.size == 0  # neither records a crc32: nothing to check on the device
+    assert list(c.counts) == [3, 1] and c.names == ["f: a", "f: b"] and c.decoded_bytes == 600_020
+    assert [c.owner(i) for i in range(4)] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert len(c.crc_dst) == 0  # neither records a crc32: nothing to check on the device
 
 
 def test_ans_chunk_tables_name_each_tensor_checked_by_crc32():
@@ -268,7 +286,7 @@ def test_ans_chunk_tables_name_each_tensor_checked_by_crc32():
     c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, None), (b, 5 << 20, 7 << 30, "f: b", 0, None),
                          (e, 9 << 20, 9 << 30, "f: e", 0, None)])
     assert c.crc_dst.tolist() == [1 << 30] and c.crc_bytes.tolist() == [600_000]
-    assert c.crc_expected.tolist() == [0xDEADBEEF] and c.crc_owner.tolist() == [0]
+    assert c.crc_expected.tolist() == [0xDEADBEEF] and list(c.crc_owner) == [0]
 
 
 def test_ans_chunk_tables_for_a_tensor_decoded_a_run_of_chunks_at_a_time():
@@ -280,14 +298,49 @@ def test_ans_chunk_tables_for_a_tensor_decoded_a_run_of_chunks_at_a_time():
 
     a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
     head = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, 1)])
-    assert head.src.tolist() == [1 << 20] and head.dst.tolist() == [1 << 30] and head.crc_dst.size == 0
+    assert head.src.tolist() == [1 << 20] and head.dst.tolist() == [1 << 30] and len(head.crc_dst) == 0
+    assert head.dst_bytes.tolist() == [262144] and head.decoded_bytes == 262144
     tail = AnsChunks.build([(a, 3 << 20, 1 << 30, "f: a", 1, 3)])
     assert tail.src.tolist() == [3 << 20, (3 << 20) + 2016]  # the second chunk's offset less the first's
     assert tail.src_bytes.tolist() == [2001, 5]
     assert tail.dst.tolist() == [(1 << 30) + 262144, (1 << 30) + 524288]
     assert tail.dst_bytes.tolist() == [262144, 600_000 - 524288]
     assert tail.crc_dst.tolist() == [1 << 30] and tail.crc_bytes.tolist() == [600_000]
-    assert list(tail.first_chunk) == [1]
+    assert list(tail.first_chunk) == [1] and tail.decoded_bytes == 600_000 - 262144
+    assert tail.owner(1) == (0, 2)  # named in messages by its index within the tensor
+
+
+def test_ans_batch_results_name_the_chunk_or_tensor_that_failed():
+    """What comes back from a batch (nvCOMP's sizes and statuses, the CRC-32 kernel's results) is checked byte for
+    byte, and a failure names the tensor, the chunk within it, and why."""
+    import struct
+
+    from gdsload.loader.codecs.nvcomp_c import AnsChunks, _check_results
+    from gdsload.loader.format.compression import CompressedEntry
+
+    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), 0x12345678, 16)
+    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 1, None), (b, 5 << 20, 7 << 30, "f: b", 0, None)])
+    n, m = 3, 2
+    crc_at = 8 * 5 * n + 4 * n + (4 * n) % 8
+
+    def table(sizes, statuses, crcs):
+        t = bytearray(crc_at + 20 * m)
+        t[32 * n : 40 * n] = struct.pack(f"<{n}Q", *sizes)
+        t[40 * n : 44 * n] = struct.pack(f"<{n}i", *statuses)
+        t[crc_at + 16 * m : crc_at + 20 * m] = struct.pack(f"<{m}I", *crcs)
+        return t
+
+    good = [262144, 600_000 - 524288, 20]
+    _check_results(c, table(good, [0, 0, 0], [0xDEADBEEF, 0x12345678]), crc_at, m)
+    with pytest.raises(CodecError, match=r"f: a: chunk 2 does not decode \(status 15 \(output buffer too small\); "
+                                         r"2 bad chunk\(s\)"):
+        _check_results(c, table(good, [0, 15, 12], [0xDEADBEEF, 0x12345678]), crc_at, m)
+    with pytest.raises(CodecError, match=r"f: b: chunk 0 does not decode \(19 bytes decoded where 20 were expected"):
+        _check_results(c, table([262144, 600_000 - 524288, 19], [0, 0, 0], [0, 0]), crc_at, m)
+    with pytest.raises(CodecError, match=r"f: b: decoded bytes have CRC-32 0x00000001 where the file records "
+                                         r"0x12345678 \(1 tensor"):
+        _check_results(c, table(good, [0, 0, 0], [0xDEADBEEF, 1]), crc_at, m)
 
 
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import sys
@@ -17,15 +18,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from gdsload.loader.codecs.registry import codec, codec_names
 from gdsload.loader.format.compression import CompressedEntry
 from gdsload.loader.devices import CupyDevice, Device, as_device
 from gdsload.loader.errors import CodecError
 from gdsload.loader.config import usable_cores
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # numpy is imported by the encoders: decoding imports none
+    import numpy as np
     import torch
 
 __all__ = [
@@ -84,6 +84,7 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, 
     """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once and put one
     after the other into one array (also by the threads, a run of frames each); returns it, the frames'
     sizes and, with ``checksum``, zlib's CRC-32 of ``data`` computed beside them (all let go of the GIL)."""
+    import numpy as np
     import zstandard
 
     def one(i: int) -> bytes:
@@ -416,6 +417,13 @@ class GpuCodecs:
             raise CodecError(f"{where}: nvCOMP could not decode it ({type(e).__name__}: {e})") from None
 
 
+def _host_bytes(host: Any) -> ctypes.Array[ctypes.c_char]:
+    """A writable host buffer (a ``bytearray``, a numpy array) as ctypes bytes, for its address (the buffer stays
+    alive as long as they do)."""
+    view = memoryview(host).cast("B")
+    return (ctypes.c_char * view.nbytes).from_buffer(view)
+
+
 class _TorchStreamBytes:
     """Device bytes for :class:`~gdsload.loader.codecs.nvcomp_c.AnsDecoder`, as torch tensors on ``stream``."""
 
@@ -432,11 +440,12 @@ class _TorchStreamBytes:
         a = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
         return a, a.data_ptr()
 
-    def put(self, array: Any, host: np.ndarray) -> None:
+    def put(self, array: Any, host: Any) -> None:
+        src = self.torch.frombuffer(memoryview(host).cast("B"), dtype=self.torch.uint8)
         with self.torch.cuda.stream(self.stream):
-            array[: host.size].copy_(self.torch.from_numpy(host), non_blocking=True)
+            array[: src.numel()].copy_(src, non_blocking=True)
 
-    def get(self, array: Any, nbytes: int) -> np.ndarray:
+    def get(self, array: Any, nbytes: int) -> Any:
         return array[:nbytes].cpu().numpy()
 
     def copy(self, dst: Any, src: Any) -> None:
@@ -484,12 +493,13 @@ class _CupyStreamBytes:
         a = self.cupy.empty(nbytes, dtype=self.cupy.uint8)
         return a, a.data.ptr
 
-    def put(self, array: Any, host: np.ndarray) -> None:
+    def put(self, array: Any, host: Any) -> None:
         # From pageable memory: the runtime has taken the bytes when the call returns.
-        self.cupy.cuda.runtime.memcpyAsync(array.data.ptr, host.ctypes.data, host.nbytes,
+        buf = _host_bytes(host)
+        self.cupy.cuda.runtime.memcpyAsync(array.data.ptr, ctypes.addressof(buf), len(buf),
                                            self.cupy.cuda.runtime.memcpyHostToDevice, self.stream)
 
-    def get(self, array: Any, nbytes: int) -> np.ndarray:
+    def get(self, array: Any, nbytes: int) -> Any:
         return array[:nbytes].get()
 
     def copy(self, dst: Any, src: Any) -> None:
@@ -539,14 +549,17 @@ class _DriverStreamBytes:
         a = self.driver.allocate(self.index, nbytes)
         return a, a.ptr
 
-    def put(self, array: Any, host: np.ndarray) -> None:
+    def put(self, array: Any, host: Any) -> None:
         # From pageable memory: the driver has taken the bytes when the call returns.
-        self._call("cuMemcpyHtoDAsync", self.cuda.cuMemcpyHtoDAsync_v2, array.ptr, host.ctypes.data, host.nbytes,
+        buf = _host_bytes(host)
+        self._call("cuMemcpyHtoDAsync", self.cuda.cuMemcpyHtoDAsync_v2, array.ptr, ctypes.addressof(buf), len(buf),
                    self.stream)
 
-    def get(self, array: Any, nbytes: int) -> np.ndarray:
-        out = np.empty(nbytes, dtype=np.uint8)
-        self._call("cuMemcpyDtoH", self.cuda.cuMemcpyDtoH_v2, out.ctypes.data, array.ptr, nbytes)
+    def get(self, array: Any, nbytes: int) -> bytearray:
+        out = bytearray(nbytes)
+        if nbytes:
+            self._call("cuMemcpyDtoH", self.cuda.cuMemcpyDtoH_v2, ctypes.addressof(_host_bytes(out)), array.ptr,
+                       nbytes)
         return out
 
     def copy(self, dst: Any, src: Any) -> None:
@@ -564,8 +577,6 @@ class _DriverStreamBytes:
         return self._owner.stream(1).handle  # the device's second kept stream
 
     def record(self, stream: int) -> _Event:
-        import ctypes
-
         handle = ctypes.c_void_p()
         self._call("cuEventCreate", self.cuda.cuEventCreate, ctypes.byref(handle), self.driver.CU_EVENT_DISABLE_TIMING)
         event = _Event(self.cuda, int(handle.value or 0))

@@ -28,18 +28,19 @@ metadata sees U8 tensors of the wrong shape and fails loudly rather than reading
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
-from collections.abc import Callable, Mapping
+import operator
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.errors import CodecError
 from gdsload.loader.format.safetensors import SafetensorsHeader
-
-if TYPE_CHECKING:  # numpy is imported where chunk tables are made: an uncompressed load needs none
-    import numpy as np
 
 __all__ = [
     "METADATA_KEY",
@@ -93,27 +94,32 @@ class CompressedEntry(NamedTuple):
     stored_bytes: int
     params: Mapping[str, Any] = MappingProxyType({})
     chunk_bytes: int = 0
-    chunks: np.ndarray | tuple[int, ...] = ()
-    """Compressed size of each chunk (``layout == "chunks"``); a read-only int64 array in a parsed file's entries
-    (the loader's group packers and nvCOMP's chunk tables take it as it is)."""
+    chunks: Sequence[int] = ()
+    """Compressed size of each chunk (``layout == "chunks"``); in a parsed file's entries a read-only
+    ``memoryview`` of the uint32 sizes the file records (nothing is copied)."""
     crc32: int | None = None
     chunk_align: int = 1
     """Each chunk starts at a multiple of this within the stored bytes (``layout == "chunks"``)."""
 
-    def chunk_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Stored offsets, stored sizes, decoded offsets and decoded sizes of the chunks (int64 arrays)."""
-        import numpy as np
+    def chunk_offsets(self, first: int = 0, stop: int | None = None, base: int = 0) -> Iterator[int]:
+        """Where chunks ``first:stop`` (``stop=None``: through the last) start in the stored bytes, ``base`` plus
+        their distance from chunk ``first``'s start."""
+        stop = len(self.chunks) if stop is None else min(stop, len(self.chunks))
+        if stop <= first:
+            return iter(())
+        return itertools.accumulate(_padded(self.chunks[first : stop - 1], self.chunk_align), initial=base)
 
-        sizes = np.asarray(self.chunks, dtype=np.int64)
-        starts = np.zeros(len(sizes), dtype=np.int64)
-        a = self.chunk_align
-        np.cumsum((sizes[:-1] + a - 1) // a * a, out=starts[1:])
-        decoded = np.arange(len(sizes), dtype=np.int64) * self.chunk_bytes
-        return starts, sizes, decoded, np.minimum(self.chunk_bytes, self.nbytes - decoded)
+    def chunk_table(self) -> tuple[array[int], Sequence[int], range, array[int]]:
+        """Stored offsets, stored sizes, decoded offsets and decoded sizes of the chunks."""
+        n, step = len(self.chunks), self.chunk_bytes
+        decoded_len = array("q", (step,)) * n
+        if n:
+            decoded_len[-1] = self.nbytes - (n - 1) * step
+        return array("q", self.chunk_offsets()), self.chunks, range(0, n * step, step), decoded_len
 
     def chunk_spans(self) -> list[tuple[int, int, int, int]]:
         """``(stored_offset, stored_len, decoded_offset, decoded_len)`` per chunk."""
-        return list(zip(*(a.tolist() for a in self.chunk_table())))
+        return list(zip(*self.chunk_table()))
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
@@ -128,10 +134,33 @@ class CompressedEntry(NamedTuple):
         return doc
 
 
-def encode_chunk_sizes(sizes: tuple[int, ...] | list[int]) -> str:
-    import numpy as np
+def _padded(sizes: Sequence[int], align: int) -> Iterable[int]:
+    """Each of ``sizes`` rounded up to a multiple of ``align`` (a power of two): the room a chunk takes before
+    the next one starts. In C loops (``map``): a file's tens of thousands of chunks in a millisecond or two."""
+    if align == 1:
+        return sizes
+    return map(operator.and_, map(operator.add, sizes, itertools.repeat(align - 1)), itertools.repeat(-align))
 
-    return base64.b64encode(np.asarray(sizes, dtype="<u4").tobytes()).decode("ascii")
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
+def encode_chunk_sizes(sizes: Iterable[int]) -> str:
+    """The ``chunks`` field: base64 of the sizes as little-endian uint32."""
+    raw = array(_U32, sizes)
+    if sys.byteorder != "little":
+        raw.byteswap()
+    return base64.b64encode(raw.tobytes()).decode("ascii")
+
+
+def _uint32s(raw: bytes) -> Sequence[int]:
+    """The little-endian uint32 ``raw`` as a read-only sequence of ints, without a copy where the host is
+    little-endian."""
+    if sys.byteorder == "little":
+        return memoryview(raw).cast(_U32)
+    swapped = array(_U32, raw)
+    swapped.byteswap()
+    return memoryview(swapped).toreadonly()
 
 
 def _chunk_bytes(text: Any, where: str) -> bytes:
@@ -145,33 +174,14 @@ def _chunk_bytes(text: Any, where: str) -> bytes:
     return raw
 
 
-class _Chunked(NamedTuple):
-    """A ``layout: chunks`` tensor whose chunk sizes are still to be checked against its stored bytes."""
-
-    raw: bytes
-    align: int
-    stored: int
-    where: str
-
-
-def _chunk_sizes(tensors: list[_Chunked]) -> list[np.ndarray]:
-    """Each tensor's chunk sizes, checked to add up (each chunk but the last padded to the tensor's
-    ``chunk_align``) to its stored bytes; all the file's tensors in a few numpy passes."""
-    import numpy as np
-
-    counts = np.array([len(t.raw) // 4 for t in tensors], dtype=np.int64)
-    sizes = np.frombuffer(b"".join(t.raw for t in tensors), dtype="<u4").astype(np.int64)
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    pad = -sizes & np.repeat(np.array([t.align - 1 for t in tensors], dtype=np.int64), counts)
-    pad[ends[counts > 0] - 1] = 0  # the last chunk of a tensor is not padded
-    total = np.concatenate(([0], np.cumsum(sizes + pad)))
-    stored_by_sizes = total[ends] - total[starts]
-    for t, got in zip(tensors, stored_by_sizes.tolist()):
-        if got != t.stored:
-            raise CodecError(f"{t.where}: chunk sizes add up to {got} but {t.stored} bytes are stored")
-    sizes.flags.writeable = False  # each tensor's sizes are a view of these, shared by the entries
-    return [sizes[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+def _chunk_sizes(raw: bytes, align: int, stored: int, where: str) -> Sequence[int]:
+    """A tensor's chunk sizes (``raw``, the bytes of its ``chunks`` field), checked to add up to its ``stored``
+    bytes, each chunk but the last padded to ``align``."""
+    sizes = _uint32s(raw)
+    got = sum(_padded(sizes[:-1], align)) + (sizes[-1] if len(sizes) else 0)
+    if got != stored:
+        raise CodecError(f"{where}: chunk sizes add up to {got} but {stored} bytes are stored")
+    return sizes
 
 
 def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
@@ -196,7 +206,6 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         )
     stored = {t.name: t for t in header.tensors}
     out: dict[str, CompressedEntry] = {}
-    chunked: dict[str, _Chunked] = {}
     for name, e in doc["tensors"].items():
         where = f"{path!r}: compressed tensor {name!r}"
         if name not in stored:
@@ -222,7 +231,7 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")
         if codec not in CODECS or layout not in CODECS[codec]:
             raise CodecError(f"{where}: codec {codec!r} with layout {layout!r} is not one of {CODECS}")
-        chunk_bytes, align = 0, 1
+        chunk_bytes, align, chunks = 0, 1, ()
         if layout == "chunks":
             chunk_bytes, align = e.get("chunk_bytes"), e.get("chunk_align", 1)
             if type(chunk_bytes) is not int or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -237,13 +246,10 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
                 raise CodecError(
                     f"{where}: {len(sizes) // 4} chunks cannot hold {nbytes} bytes in chunks of {chunk_bytes}"
                 )
-            chunked[name] = _Chunked(sizes, align, t.nbytes, where)
+            chunks = _chunk_sizes(sizes, align, t.nbytes, where)
         crc = e.get("crc32")
         if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
             raise CodecError(f"{where}: crc32 {crc!r} is not a 32-bit unsigned integer")
-        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, (),
+        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, chunks,
                                     crc, align)
-    if chunked:  # every tensor's chunk sizes at once: one tensor at a time cost a millisecond or more a file
-        for name, sizes in zip(chunked, _chunk_sizes(list(chunked.values()))):
-            out[name] = out[name]._replace(chunks=sizes)
     return out

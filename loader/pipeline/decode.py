@@ -24,16 +24,17 @@ the caller's own target (``into``).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
+import operator
 import queue
 import threading
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-import numpy as np
 
 from gdsload.loader.io import Backend
 from gdsload.loader.devices import Device, Stream
@@ -87,15 +88,20 @@ def _splits(t: CompressedTensor, split: bool) -> bool:
 def _unit(t: CompressedTensor, split: bool) -> int:
     """The most staging ``t`` needs at once: its largest chunk when it splits, else all of it."""
     if _splits(t, split):
-        return align_up(int(np.max(t.entry.chunks)), _ALIGN)
+        return align_up(max(t.entry.chunks), _ALIGN)
     return align_up(t.entry.stored_bytes, _ALIGN)
 
 
-def _chunk_run(t: CompressedTensor, starts: np.ndarray, ends: np.ndarray, first: int, limit: int) -> _Piece:
+def _chunk_ends(starts: Sequence[int], sizes: Sequence[int]) -> array[int]:
+    """Where each chunk's stored bytes end, from a :meth:`chunk_table`'s offsets and sizes."""
+    return array("q", map(operator.add, starts, sizes))
+
+
+def _chunk_run(t: CompressedTensor, starts: Sequence[int], ends: Sequence[int], first: int, limit: int) -> _Piece:
     """The run of ``t``'s chunks from ``first`` on whose stored bytes end by ``limit`` (offsets within the
     tensor's stored bytes, from its :meth:`chunk_table`), at least one chunk."""
-    stop = max(first + 1, int(np.searchsorted(ends, limit, side="right")))
-    start, end = int(starts[first]), int(ends[stop - 1])
+    stop = max(first + 1, bisect.bisect_right(ends, limit))
+    start, end = starts[first], ends[stop - 1]
     return _Piece(t, start, end - start, first, None if stop == len(ends) else stop)
 
 
@@ -122,11 +128,11 @@ def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool 
             used += n
             continue
         starts, sizes, _, _ = t.entry.chunk_table()
-        ends = starts + sizes
+        ends = _chunk_ends(starts, sizes)
         first = 0
         while first < len(sizes):
-            room_for(align_up(int(sizes[first]), _ALIGN))
-            piece = _chunk_run(t, starts, ends, first, int(starts[first]) + staging - used)  # what fits in the room left
+            room_for(align_up(sizes[first], _ALIGN))
+            piece = _chunk_run(t, starts, ends, first, starts[first] + staging - used)  # what fits in the room left
             groups[-1].append((piece, used))
             used += align_up(piece.nbytes, _ALIGN)
             first = len(sizes) if piece.stop is None else piece.stop
@@ -225,14 +231,14 @@ def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int, align: int)
             at += n
             continue
         starts, sizes, dec_at, dec_len = t.entry.chunk_table()
-        ends = starts + sizes
+        ends = _chunk_ends(starts, sizes)
         first = 0
         while first < len(sizes):
-            r = group_for(at + int(starts[first]), int(sizes[first]))
+            r = group_for(at + starts[first], sizes[first])
             piece = _chunk_run(t, starts, ends, first, r.start + room(r.start) - at)  # what ends within its room
             stop = len(sizes) if piece.stop is None else piece.stop
             r.pieces.append((piece, at + piece.start))
-            r.add(at + piece.start, piece.nbytes, t.offset + int(dec_at[stop - 1] + dec_len[stop - 1]))
+            r.add(at + piece.start, piece.nbytes, t.offset + dec_at[stop - 1] + dec_len[stop - 1])
             first = stop
         at += n
     return runs

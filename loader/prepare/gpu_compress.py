@@ -244,7 +244,7 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
             elif entry is not None:
                 slots, first_slot = chunk_at[spec.name]
                 starts, sizes, _, _ = entry.chunk_table()
-                for i, (at, n) in enumerate(zip(starts.tolist(), sizes.tolist())):
+                for i, (at, n) in enumerate(zip(starts, sizes)):
                     memcpy(base + offset + at, first_slot + i * slots.slot_bytes, n, 3, stream.ptr)
             offset += spec.nbytes
         stream.synchronize()
