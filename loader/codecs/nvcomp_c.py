@@ -213,11 +213,8 @@ class AnsChunks:
             src.extend(entry.chunk_offsets(first, stop, s))
             src_bytes.extend(entry.chunks[first:stop])
             dst.extend(range(d + first * step, d + stop * step, step))
-            last = entry.nbytes - (n - 1) * step  # the tensor's last chunk holds what is left
-            dst_bytes.extend(_u64((step,)) * (k - 1 if stop == n else k))
-            if stop == n:
-                dst_bytes.append(last)
-            decoded += (k - 1) * step + last if stop == n else k * step
+            dst_bytes.extend(entry.decoded_lengths()[first:stop])
+            decoded += min(stop * step, entry.nbytes) - first * step
         checked = [(i, dst, entry.nbytes, entry.crc32) for i, (entry, _, dst, _, _, stop) in enumerate(jobs)
                    if entry.crc32 is not None and entry.nbytes and (stop is None or stop >= len(entry.chunks))]
         return cls(src, src_bytes, dst, dst_bytes, counts, [j[3] for j in jobs], [j[4] for j in jobs],

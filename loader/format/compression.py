@@ -109,13 +109,18 @@ class CompressedEntry(NamedTuple):
             return iter(())
         return itertools.accumulate(_padded(self.chunks[first : stop - 1], self.chunk_align), initial=base)
 
+    def decoded_lengths(self) -> array[int]:
+        """What each chunk decodes to: ``chunk_bytes``, but the last, which holds what is left."""
+        n, step = len(self.chunks), self.chunk_bytes
+        lengths = array("Q", (step,)) * n
+        if n:
+            lengths[-1] = self.nbytes - (n - 1) * step
+        return lengths
+
     def chunk_table(self) -> tuple[array[int], Sequence[int], range, array[int]]:
         """Stored offsets, stored sizes, decoded offsets and decoded sizes of the chunks."""
         n, step = len(self.chunks), self.chunk_bytes
-        decoded_len = array("q", (step,)) * n
-        if n:
-            decoded_len[-1] = self.nbytes - (n - 1) * step
-        return array("q", self.chunk_offsets()), self.chunks, range(0, n * step, step), decoded_len
+        return array("q", self.chunk_offsets()), self.chunks, range(0, n * step, step), self.decoded_lengths()
 
     def chunk_spans(self) -> list[tuple[int, int, int, int]]:
         """``(stored_offset, stored_len, decoded_offset, decoded_len)`` per chunk."""
