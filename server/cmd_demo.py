@@ -20,7 +20,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +83,7 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
 
 
 def _report_from_dict(d: dict[str, Any]) -> LoadReport:
-    names = {f.name for f in fields(LoadReport)}
+    names = set(LoadReport.FIELDS)
     file_names = set(FileReport._fields)
     values = {k: v for k, v in d.items() if k in names and k != "files"}
     files = [FileReport(**{k: v for k, v in f.items() if k in file_names}) for f in d["files"]]

@@ -361,7 +361,6 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
     """ANS now goes to disk as raw nvCOMP chunks, each 16-byte aligned, decoded many tensors per call;
     files written before that (one nvCOMP container per tensor) keep loading, bit-identical."""
     from gdsload.loader import read_header
-    import dataclasses
 
     from gdsload.loader.codecs import registry
     from gdsload.loader.format.compression import parse_compression
@@ -370,7 +369,7 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
     ref = _reference(sorted(src.glob("*.safetensors")))
     compress_dir(src, tmp_path / "chunks", codec="ans", device="cuda")
     # What compress wrote before: the first layout is the one written.
-    monkeypatch.setitem(registry._CODECS, "ans", dataclasses.replace(registry.codec("ans"), layouts=("native", "chunks")))
+    monkeypatch.setitem(registry._CODECS, "ans", registry.codec("ans")._replace(layouts=("native", "chunks")))
     compress_dir(src, tmp_path / "native", codec="ans", device="cuda")
     for name, layout in (("chunks", "chunks"), ("native", "native")):
         files = sorted((tmp_path / name).glob("*.safetensors"))

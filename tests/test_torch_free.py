@@ -81,6 +81,30 @@ def _needs_bare() -> None:
 # ---------------------------------------------------------------------------------------------- CPU
 
 
+# What a torch-free GPU load imports (the load path, its reader, decode stage and codecs); prints the standard
+# library's heavier modules that came in with it, beside what the interpreter's start had already imported.
+IMPORTS = r"""
+import json, sys
+before = set(sys.modules)
+import gdsload.loader.devices, gdsload.loader.pipeline.load, gdsload.loader.io.cufile, gdsload.loader.pipeline.decode
+import gdsload.loader.codecs.nvcomp_c
+from gdsload.loader.codecs.registry import codec
+codec("ans"), codec("zstd")
+heavy = ("torch", "numpy", "dataclasses", "inspect", "hashlib", "shutil", "platform", "concurrent.futures",
+         "importlib.metadata", "subprocess", "tempfile")
+print(json.dumps(sorted(m for m in heavy if m in sys.modules and m not in before)))
+"""
+
+
+def test_the_load_path_imports_nothing_a_load_does_not_run():
+    """A fresh process pays for every module its first load imports: a torch-free load brings in neither
+    torch nor numpy, nor the standard library's modules that only writing, hashing or describing code needs
+    (what torch imports anyway, a torch-free process would pay for)."""
+    p = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == []
+
+
 def test_bare_path_is_only_for_kvikio_backends():
     assert "runs with torch" in torch_free_unavailable("pinned")
     assert "runs with torch" in torch_free_unavailable("fastsafetensors")

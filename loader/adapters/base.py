@@ -344,7 +344,7 @@ class AdapterOptions:
 
     def __post_init__(self) -> None:
         if self.backend is not None:
-            LoadConfig(backend=self.backend)  # raises ConfigError naming the allowed backends
+            LoadConfig(backend=self.backend).check()  # raises ConfigError naming the allowed backends
         if self.sidecar_url is not None and not (
             isinstance(self.sidecar_url, str) and self.sidecar_url.startswith(("http://", "https://"))
         ):

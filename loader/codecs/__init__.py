@@ -10,13 +10,11 @@ only when a GPU codec is used, so the CPU path works on hosts without CUDA.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import sys
 import weakref
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.codecs.registry import codec, codec_names
 from gdsload.loader.format.compression import CompressedEntry
@@ -84,6 +82,8 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, 
     """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once and put one
     after the other into one array (also by the threads, a run of frames each); returns it, the frames'
     sizes and, with ``checksum``, zlib's CRC-32 of ``data`` computed beside them (all let go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
     import zstandard
 
@@ -205,6 +205,8 @@ def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, veri
             f"{where} is compressed with {entry.codec!r}, which only a GPU decodes (nvCOMP); load it with "
             "device='cuda' on a GPU host, or re-compress with `gdsload compress --codec zstd` for CPU hosts"
         )
+    from concurrent.futures import ThreadPoolExecutor
+
     import zstandard
 
     def one(span: tuple[int, int, int, int]) -> None:
@@ -233,8 +235,7 @@ def check_crc32(entry: CompressedEntry, decoded: Any, where: str) -> None:
                              f"{entry.crc32:#010x}; the file is corrupt")
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeJob:
+class DecodeJob(NamedTuple):
     """Chunks of one tensor for :meth:`GpuCodecs.decode_many`: ``src`` holds its stored chunks
     ``first:stop`` (``stop=None``: through the last), ``dst`` its whole decoded bytes, where each chunk
     lands at its own offset. A tensor can so be decoded a run of chunks at a time, from a staging

@@ -26,14 +26,12 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
-import glob
 import itertools
 import os
 import threading
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.errors import CodecError
 
@@ -97,6 +95,8 @@ _LIB_LOCK = threading.Lock()
 
 def _find_library() -> str:
     """libnvcomp from the nvidia-libnvcomp wheel (which nvidia-nvcomp depends on), else the system's."""
+    import glob
+
     try:
         from nvidia import libnvcomp
 
@@ -168,8 +168,7 @@ def _u64(values: Any = ()) -> array[int]:
     return array("Q", values)
 
 
-@dataclass
-class AnsChunks:
+class AnsChunks(NamedTuple):
     """A batch of chunks to decode: device addresses and sizes, one entry per chunk (uint64 arrays, as nvCOMP
     takes them), and for error messages which tensor each chunk belongs to.
 
@@ -184,15 +183,15 @@ class AnsChunks:
     """How many chunks of each tensor, in the order of ``names``."""
     names: Sequence[str]
     """``path: tensor`` of each tensor, for messages."""
-    first_chunk: Sequence[int] = ()
+    first_chunk: Sequence[int]
     """Per tensor, the index within it of its first chunk here (for messages)."""
-    crc_dst: array[int] = field(default_factory=_u64)
-    crc_bytes: array[int] = field(default_factory=_u64)
-    crc_expected: array[int] = field(default_factory=lambda: array("I"))
-    crc_owner: Sequence[int] = ()
+    crc_dst: array[int]
+    crc_bytes: array[int]
+    crc_expected: array[int]
+    crc_owner: Sequence[int]
     """Per tensor that records a ``crc32``: its decoded bytes (address, length), the CRC-32 the file
     records, and its index into ``names``."""
-    decoded_bytes: int = 0
+    decoded_bytes: int
     """The sum of ``dst_bytes``."""
 
     @classmethod
@@ -230,17 +229,17 @@ class AnsChunks:
         return t, i - (ends[t] - self.counts[t]) + first
 
 
-@dataclass
 class _Batch:
     """A launched batch: its chunks, the device table nvCOMP writes its results into, and where the
     CRC-32 part of that table starts (``crcs`` tensors checked; 0: none)."""
 
-    chunks: AnsChunks
-    tables: tuple[Any, int, int]
-    crc_at: int
-    crcs: int
-    checked: Any
-    """Event recorded on the check stream after the batch's CRC-32 kernel (None without one)."""
+    __slots__ = ("chunks", "tables", "crc_at", "crcs", "checked")
+
+    def __init__(self, chunks: AnsChunks, tables: tuple[Any, int, int], crc_at: int) -> None:
+        self.chunks, self.tables, self.crc_at = chunks, tables, crc_at
+        self.crcs = 0
+        self.checked: Any = None
+        """Event recorded on the check stream after the batch's CRC-32 kernel (None without one)."""
 
 
 class AnsDecoder:
@@ -320,7 +319,7 @@ class AnsDecoder:
         if status:
             self._spare.append(tables)
         _raise_on(status, f"launching the decode of {n} chunks", chunks.names[0])
-        batch = _Batch(chunks, tables, crc_at, 0, None)
+        batch = _Batch(chunks, tables, crc_at)
         self._pending.append(batch)  # from here on, check() or close() waits for what was queued
         if m:
             check = self._check_stream
@@ -394,8 +393,7 @@ def _check_results(chunks: AnsChunks, table: Any, crc_at: int, m: int) -> None:
                              "of this batch); the file is corrupt")
 
 
-@dataclass
-class AnsSlots:
+class AnsSlots(NamedTuple):
     """What :func:`ans_encode` made: chunk *i*'s compressed bytes are the first ``sizes[i]`` bytes at
     ``address + i * slot_bytes`` of the device array ``array``."""
 

@@ -12,9 +12,9 @@ True
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from gdsload.loader.errors import CodecError
 from gdsload.loader.format.compression import add_codec_lookup, register_stream_format
@@ -28,8 +28,7 @@ CPU_DEFAULT = "zstd"
 """What ``auto`` compresses with elsewhere (it must encode and decode on the CPU)."""
 
 
-@dataclass(frozen=True)
-class CodecSpec:
+class CodecSpec(NamedTuple):
     name: str
     layouts: tuple[str, ...]
     """Stream layouts files may use (``chunks``, ``native``); ``gdsload compress`` writes the first."""
@@ -49,7 +48,7 @@ class CodecSpec:
     GPU 0 left alone); others go through nvCOMP's Python package, one call per tensor."""
     self_checked: bool = False
     """Whether its ``native`` streams carry checksums of their own (no crc32 needed beside them)."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = MappingProxyType({})
 
 
 _CODECS: dict[str, CodecSpec] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import platform
 import stat
 from collections.abc import Sequence
 
@@ -23,7 +22,7 @@ from gdsload.loader.errors import FileUnreadableError, GdsloadError
 
 __all__ = ["open_beneath", "PathEscapesRootError"]
 
-_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_BENEATH = 0x08
 

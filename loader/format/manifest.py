@@ -22,11 +22,9 @@ tensors occupy once decoded (larger than ``stored_bytes`` for compressed files).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -147,6 +145,8 @@ class Manifest(NamedTuple):
 
 def file_digest(path: str | os.PathLike[str]) -> str:
     """``"sha256:<hex>"`` of a whole file, read in 8 MiB chunks."""
+    import hashlib  # here, as the thread pool below: a load that checks no digest imports neither
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_DIGEST_CHUNK):
@@ -185,6 +185,8 @@ def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterabl
                   known: Mapping[str, str]) -> dict[int, tuple[ManifestFile, ...]]:
     """:func:`describe_file` of every rank's files, those without a ``known`` digest hashed up to a file per
     core at once (hashlib lets go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     listed = {r: list(paths) for r, paths in ranks.items()}
     every = [p for paths in listed.values() for p in paths]
     with ThreadPoolExecutor(max(1, min(len(every), os.cpu_count() or 1, _HASH_THREADS))) as pool:

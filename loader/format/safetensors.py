@@ -19,17 +19,13 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
-import glob
-import hashlib
 import json
 import math
 import os
-import shutil
 import struct
 import time
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
@@ -90,15 +86,24 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
 class SafetensorsHeader:
     """A validated header: every tensor's byte range is known to lie inside the file."""
 
-    path: str
-    header_len: int
-    file_size: int
-    tensors: tuple[TensorInfo, ...]
-    metadata: dict[str, str] = field(default_factory=dict)
+    __slots__ = ("path", "header_len", "file_size", "tensors", "metadata")
+
+    def __init__(self, path: str, header_len: int, file_size: int, tensors: tuple[TensorInfo, ...],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = path
+        self.header_len = header_len
+        """Bytes of the JSON header (after the 8-byte length)."""
+        self.file_size = file_size
+        self.tensors = tensors
+        self.metadata: dict[str, str] = {} if metadata is None else metadata
+        """The header's ``__metadata__``."""
+
+    def __repr__(self) -> str:
+        return (f"SafetensorsHeader(path={self.path!r}, header_len={self.header_len}, file_size={self.file_size}, "
+                f"{len(self.tensors)} tensors)")
 
     @property
     def data_offset(self) -> int:
@@ -429,6 +434,9 @@ def create_locked(stem: str, parent: Path, *, directory: bool = False) -> tuple[
 def remove_dead_leftovers(parent: Path, stem: str) -> None:
     """Best effort: delete ``parent``'s entries named ``STEM*`` (made by :func:`create_locked`) that no process
     holds locked any more (their writer was killed), and entries left under their creating name."""
+    import glob
+    import shutil
+
     try:
         leftovers = list(parent.glob(f"{glob.escape(stem)}*"))
         making = list(parent.glob(f"{glob.escape(_creating_stem(stem))}*"))
@@ -552,6 +560,8 @@ class AlignedWriter:
         self.order, self.header, self.data_len = aligned_header(specs, metadata, alignment)
         self.digest: str | None = None
         """``"sha256:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
+        import hashlib  # here, as the writers' imports: loading a file imports none of them
+
         self._hash = hashlib.sha256() if digest else None
         self._threads = threads or min(8, usable_cores())
         self._out = atomic_output(path)

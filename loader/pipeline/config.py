@@ -1,4 +1,4 @@
-"""Load options: one frozen dataclass, ``GDSLOAD_*`` environment variables parsed in one place.
+"""Load options: one named tuple, ``GDSLOAD_*`` environment variables parsed and checked in one place.
 
 Precedence: explicit argument > environment variable > default.
 
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from gdsload.loader.config import parse_bool, parse_size
 from gdsload.loader.errors import ConfigError
@@ -29,9 +28,9 @@ DEFAULT_STAGING_BYTES = 960 << 20
 beyond its tensors (nvCOMP's scratch and tables add a few MB), under 1 GiB in all."""
 
 
-@dataclass(frozen=True)
-class LoadConfig:
-    """How ``load_rank`` reads. Build with :meth:`resolve` to apply the environment."""
+class LoadConfig(NamedTuple):
+    """How ``load_rank`` reads. Build with :meth:`resolve`, which applies the environment and checks every
+    value (:meth:`check`)."""
 
     backend: str = "auto"
     """Reader backend: ``auto`` (try cufile, pinned, cpu in order; see ``auto_order()``) or one name."""
@@ -50,7 +49,8 @@ class LoadConfig:
     verify: bool = False
     """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> LoadConfig:
+        """This config, once every value is known to be usable; :class:`ConfigError` naming the first that is not."""
         from gdsload.loader.io import backend_names, is_backend
 
         if self.backend != "auto" and not is_backend(self.backend):
@@ -65,6 +65,7 @@ class LoadConfig:
             raise ConfigError(f"pinned_bytes={self.pinned_bytes!r} must be at least 1 MiB")
         if type(self.staging_bytes) is not int or self.staging_bytes < 1 << 20:
             raise ConfigError(f"staging_bytes={self.staging_bytes!r} must be at least 1 MiB")
+        return self
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> LoadConfig:
@@ -87,7 +88,7 @@ class LoadConfig:
         if "GDSLOAD_VERIFY" in env:
             values["verify"] = parse_bool(env["GDSLOAD_VERIFY"], "GDSLOAD_VERIFY")
         from_env = {k: f"GDSLOAD_{k.upper()}" for k in values}
-        known = {f.name for f in fields(cls)}
+        known = set(cls._fields)
         for k, v in overrides.items():
             if k not in known:
                 raise TypeError(f"unknown load option {k!r}; known: {sorted(known)}")
@@ -95,7 +96,7 @@ class LoadConfig:
                 values[k] = v
                 from_env.pop(k, None)
         try:
-            return replace(cls(), **values)
+            return cls(**values).check()
         except ConfigError as e:  # say which variable to fix when the value came from the environment
             var = next((var for k, var in from_env.items() if str(e).startswith(f"{k}=")), None)
             if var is None:

@@ -33,7 +33,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.io import Backend
@@ -56,16 +55,21 @@ DEFAULT_STAGING = DEFAULT_STAGING_BYTES
 _ALIGN = 4096
 
 
-@dataclass
 class DecodeStats:
-    read_seconds: float = 0.0
-    """Wall time until the last compressed byte was read."""
-    tail_seconds: float = 0.0
-    """Wall time after that until the last decode finished (the part not hidden behind reads)."""
-    decode_busy_seconds: float = 0.0
-    """Time the decoder spent decoding (mostly overlapped with reads)."""
-    stored_bytes: int = 0
-    staging_bytes: int = 0
+    """What the decode stage measured; filled in as it runs."""
+
+    __slots__ = ("read_seconds", "tail_seconds", "decode_busy_seconds", "stored_bytes", "staging_bytes")
+
+    def __init__(self, stored_bytes: int = 0) -> None:
+        self.read_seconds = 0.0
+        """Wall time until the last compressed byte was read."""
+        self.tail_seconds = 0.0
+        """Wall time after that until the last decode finished (the part not hidden behind reads)."""
+        self.decode_busy_seconds = 0.0
+        """Time the decoder spent decoding (mostly overlapped with reads)."""
+        self.stored_bytes = stored_bytes
+        self.staging_bytes = 0
+        """GPU memory the stored bytes took besides the arena (spill or staging buffers)."""
 
 
 class _Piece(NamedTuple):

@@ -15,7 +15,6 @@ rank 1: 8.03 GB in 0.410 s (19.59 GB/s) backend=pinned io=posix files=2
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -257,6 +256,8 @@ def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any, device: De
         assert entry is not None and entry.digest is not None
         if device.kind == "cpu" and f.mirror_offset >= 0:
             # The arena mirrors the data section: hash the header from disk and the data from memory.
+            import hashlib  # here: a load that verifies nothing imports no hashing
+
             h = hashlib.sha256()
             with open(f.path, "rb") as fh:
                 h.update(fh.read(f.header.data_offset))

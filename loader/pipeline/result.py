@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.config import format_bytes
@@ -42,21 +41,33 @@ class FileReport(NamedTuple):
     ``fastsafetensors`` (its reader), ``cufile``, or the backend's name for backends with one way to read."""
 
 
-@dataclass
 class LoadReport:
-    rank: int
-    device: str
-    backend: str
-    source: str
-    files: list[FileReport]
-    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    verified: bool = False
-    decode_busy_seconds: float = 0.0
-    """Time spent decoding compressed tensors, most of it hidden behind reads."""
-    staging_bytes: int = 0
-    """Staging memory used for compressed bytes (on the target device)."""
-    direct_tensors: int = 0
-    """Tensors read (or decoded) straight into the caller's own destinations (``into``)."""
+    """How one rank's load went: its files, and the wall time of each phase (:data:`PHASES`)."""
+
+    FIELDS = ("rank", "device", "backend", "source", "files", "phases", "verified", "decode_busy_seconds",
+              "staging_bytes", "direct_tensors")
+    """The constructor's arguments, which are also the report's attributes."""
+
+    def __init__(self, rank: int, device: str, backend: str, source: str, files: list[FileReport],
+                 phases: dict[str, float] | None = None, verified: bool = False, decode_busy_seconds: float = 0.0,
+                 staging_bytes: int = 0, direct_tensors: int = 0) -> None:
+        self.rank = rank
+        self.device = device
+        self.backend = backend
+        self.source = source
+        """How the rank's files were found (``manifest``, ``vllm``, ``trtllm``, ``plain``, ...)."""
+        self.files = files
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0) if phases is None else phases
+        self.verified = verified
+        self.decode_busy_seconds = decode_busy_seconds
+        """Time spent decoding compressed tensors, most of it hidden behind reads."""
+        self.staging_bytes = staging_bytes
+        """Staging memory used for compressed bytes (on the target device)."""
+        self.direct_tensors = direct_tensors
+        """Tensors read (or decoded) straight into the caller's own destinations (``into``)."""
+
+    def __repr__(self) -> str:
+        return f"LoadReport({self.summary()})"
 
     @property
     def logical_bytes(self) -> int:
@@ -134,7 +145,6 @@ class Slot(NamedTuple):
     buffer: int = 0
 
 
-@dataclass
 class LoadResult:
     """The tensors of one rank and how they got there.
 
@@ -144,12 +154,17 @@ class LoadResult:
     :meth:`close` drops every reference the result holds.
     """
 
-    tensors: dict[str, torch.Tensor]
-    arenas: list[Any]
-    report: LoadReport
-    slots: list[Slot] = field(default_factory=list)
-    device: Any = None
-    """The :class:`~gdsload.loader.devices.Device` the rank was loaded to."""
+    def __init__(self, tensors: dict[str, torch.Tensor], arenas: list[Any], report: LoadReport,
+                 slots: list[Slot] | None = None, device: Any = None) -> None:
+        self.tensors = tensors
+        self.arenas = arenas
+        self.report = report
+        self.slots: list[Slot] = [] if slots is None else slots
+        self.device = device
+        """The :class:`~gdsload.loader.devices.Device` the rank was loaded to."""
+
+    def __repr__(self) -> str:
+        return f"LoadResult({len(self.tensors)} tensors, {len(self.slots)} slots, {self.report!r})"
 
     @property
     def arena(self) -> Any:
