@@ -307,6 +307,7 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),
                    "min_gbps": min(rates), "max_gbps": max(rates), "seconds": statistics.median(r["seconds"] for r in runs),
                    "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
+                   "backend": runs[0].get("backend"), "engines": runs[0].get("engines"),
                    "max_resident_before": max(r["resident_before"] for r in runs),
                    "rss_peak_bytes": _most(runs, "rss_peak_bytes"), "gpu_peak_bytes": _most(runs, "gpu_peak_bytes"),
                    "gpu_peak_from": runs[0].get("gpu_peak_from"),
@@ -333,6 +334,14 @@ def _most(runs: list[dict[str, Any]], key: str) -> int | None:
     return max(values) if values else None
 
 
+def _io(row: dict[str, Any]) -> str:
+    """The I/O modes that ran, and what read the files where the load names another reader than its backend
+    (``posix via fastsafetensors``)."""
+    modes = ",".join(sorted(set(row.get("io_modes") or []))) or "-"
+    engines = ",".join(sorted({e for e in row.get("engines") or [] if e and e != row.get("backend")}))
+    return f"{modes} via {engines}" if engines else modes
+
+
 def format_table(doc: dict[str, Any]) -> str:
     lines = [f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'s':>7} "
              f"{'/raw':>6} {'/h2d':>6} {'/peer':>6} {'RSS GB':>6} {'GPU GB':>6}  io"]
@@ -347,7 +356,7 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
                      f"{r['max_gbps']:7.2f} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
                      f"{f(r['vs_best_peer'])} {gb(r.get('rss_peak_bytes'))} {gb(r.get('gpu_peak_bytes'))}  "
-                     f"{','.join(sorted(set(r['io_modes'] or []))) or '-'}{failed}")
+                     f"{_io(r)}{failed}")
     for r in doc.get("ttr", []):
         what = f"{r['condition']:9} {'serve:' + r['dir']:34}"
         if "error" in r:

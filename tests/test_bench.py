@@ -85,6 +85,9 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
         assert 0 < t["load_seconds_max"] < t["time_to_ready_s"] < 120
     table = format_table(doc)
     assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
+    # gdsload's runs say what read each file, as their load report does
+    assert all(len(r["engines"]) == len(r["io_modes"]) for r in doc["runs"] if r["method"].startswith("gdsload"))
+    assert " via " not in table  # the cpu backend reads its files itself
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     p = subprocess.run([*GDSLOAD, "bench", "--plot", str(out / "results.json"), "--out", str(tmp_path / "charts")],
                        capture_output=True, text=True, timeout=120)
@@ -441,3 +444,13 @@ def test_fresh_profile_times_steps_a_load_really_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     calls = json.loads(out.stdout)
     assert calls["discover"] == calls["plan_rank"] == calls["select_backend"] == calls["load_compressed"] == 1
+
+
+def test_the_table_names_what_read_the_files():
+    from gdsload.bench.coldstart import _io
+
+    assert _io({"io_modes": ["posix", "posix"], "engines": ["fastsafetensors", "fastsafetensors"]}) \
+        == "posix via fastsafetensors"
+    assert _io({"io_modes": ["posix", "posix"], "engines": ["kvikio", "staged"]}) == "posix via kvikio,staged"
+    assert _io({"io_modes": ["posix"], "backend": "cpu", "engines": ["cpu"]}) == "posix"  # the backend itself
+    assert _io({"io_modes": None}) == "-"  # a peer: no report

@@ -53,6 +53,18 @@ def _cold_model(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return d, ref
 
 
+def _cold_copy(tmp_path: Path, d: Path, codec: str) -> Path:
+    """``d`` compressed with ``codec`` on the GPU, the copy evicted from the page cache."""
+    from gdsload.loader.prepare.compress import compress_dir
+
+    compress_dir(d, tmp_path / codec, codec=codec, device="cuda")
+    files = [str(p) for p in sorted((tmp_path / codec).glob("*.safetensors"))]
+    evict(files)
+    if resident_fraction(files) > 0.1:
+        pytest.skip("could not evict the files from the page cache here")
+    return tmp_path / codec
+
+
 def _spy(monkeypatch, module) -> list:
     """Record what make_fst_reader gave the backend (the real reader, observed)."""
     made: list = []
@@ -67,17 +79,23 @@ def _spy(monkeypatch, module) -> list:
 
 
 @pytest.mark.gpu
-def test_cold_rank_through_the_pinned_backend(tmp_path, monkeypatch):
+@pytest.mark.parametrize("codec,in_place", [(None, True), ("ans", True), ("ans", False)])
+def test_cold_rank_through_the_pinned_backend(tmp_path, monkeypatch, codec, in_place):
     pytest.importorskip("fastsafetensors")
     import gdsload.loader.io.pinned as pinned
+    import gdsload.loader.pipeline.decode as decode
     from gdsload.loader import load_rank
 
     d, ref = _cold_model(tmp_path)
+    if codec:
+        d = _cold_copy(tmp_path, d, codec)
+    monkeypatch.setattr(decode, "IN_PLACE", in_place)  # compressed: read in place, or through staging buffers
     made = _spy(monkeypatch, pinned)
     files = [str(p) for p in sorted(d.glob("*.safetensors"))]
     res = load_rank(d, device="cuda", backend="pinned")
     assert made and made[0][0] is not None, made
     assert all(f.direct_io for f in res.report.files) and resident_fraction(files) < 0.5  # O_DIRECT ran
+    assert {f.engine for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
     for k, v in ref.items():
         got = res.tensors[k]
         assert got.is_cuda and torch.equal(got.cpu(), v), k
@@ -94,18 +112,12 @@ def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
 
     d, ref = _cold_model(tmp_path)
     if codec:
-        from gdsload.loader.prepare.compress import compress_dir
-
-        compress_dir(d, tmp_path / codec, codec=codec, device="cuda")
-        d = tmp_path / codec
-        files = [str(p) for p in sorted(d.glob("*.safetensors"))]
-        evict(files)
-        if resident_fraction(files) > 0.1:
-            pytest.skip("could not evict the files from the page cache here")
+        d = _cold_copy(tmp_path, d, codec)
     made = _spy(monkeypatch, cufile)
     res = load_rank(str(d), 0, device=DriverDevice(0))
     assert made and made[0][0] is not None, made
     assert all(f.direct_io for f in res.report.files)
+    assert {f.engine for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
     arena = res.device.to_host(res.arena)
     for s in res.slots:
         want = ref[s.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

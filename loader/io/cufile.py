@@ -12,9 +12,10 @@ Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in
 (:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit a virtio disk
 best: with 16 MiB reads, 11-24 requests waited at the disk, 15-25 ms each, and loads were slower.
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
-When fastsafetensors is installed, its native reader does such a cold rank's whole reads (into the
-arena) instead of kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`); a compressed
-load's staging groups stay with kvikio. It reads a cold rank faster than kvikio's shape above.
+When fastsafetensors is installed, its native reader does all of such a cold rank's reads instead of
+kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`): the whole reads into the arena, and a
+compressed load's groups, queued while the decoder runs. It reads a cold rank faster than kvikio's
+shape above.
 
 It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or the CUDA driver's for the
 workers that load without torch (the only reader there, so ``auto`` takes it even without GDS). A cached
@@ -199,6 +200,11 @@ class CuFileBackend(Backend):
                ) -> Callable[[], None]:
         assert self.plan is not None
         self.device.activate()
+        if self.cold_reader is not None:
+            for e in extents:
+                self._ran[e.file_index].add("fastsafetensors")
+            return self.cold_reader.submit(extents, [(self.device.address(d), self.device.nbytes(d)) for d in dsts],
+                                           progress)
         engine = "staged" if self.staged is not None else "kvikio"
         for e in extents:
             self._ran[e.file_index].add(engine)
@@ -222,15 +228,6 @@ class CuFileBackend(Backend):
         return wait
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
-        if self.cold_reader is not None:
-            # Whole reads only (the arena and targets): a compressed load's staging groups, submitted while
-            # the decoder runs, stay with kvikio, since the native reader synchronizes the device per request.
-            buffers = [(self.device.address(d), self.device.nbytes(d)) for d in dsts]
-            for e in extents:
-                self._ran[e.file_index].add("fastsafetensors")
-            self.cold_reader.submit(extents, buffers, progress)()
-            self.device.synchronize()
-            return
         self.submit(extents, dsts, progress)()
         self.device.synchronize()
 

@@ -88,8 +88,10 @@ class FstReader:
         """Start reading ``extents`` into device memory; returns the waiter.
 
         ``buffers[i]`` is ``(address, nbytes)`` of the extents' buffer ``i``. Each submission
-        synchronizes the device first (fastsafetensors fences framework allocations that way), so
-        neighbouring extents go as one request.
+        synchronizes the device first (fastsafetensors fences framework allocations that way; during a
+        compressed load it also waits for the decoder's kernels in flight), so neighbouring extents go
+        as one request. The waiter returns once every byte is on the device (each piece's copy is
+        synchronized before its request counts as done).
         """
         dsts: dict[int, Any] = {}
         runs = file_runs(extents)

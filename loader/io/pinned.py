@@ -17,9 +17,8 @@ chosen per file from its page-cache residency (``mincore``):
   O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
   as one sequential stream per thread (see ``cufile``'s module doc); on a virtio disk this beat the
   ring below, taking turns in fresh processes.
-- **cold ranks, when fastsafetensors is installed**: its native reader reads what goes straight
-  into the arena, as in ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`;
-  ``CuFileBackend.COLD_READER``); a compressed load's staging groups stay with the engines below.
+- **cold ranks, when fastsafetensors is installed**: its native reader does every read, as in
+  ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`; ``CuFileBackend.COLD_READER``).
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
@@ -204,6 +203,10 @@ class PinnedBackend(Backend):
                ) -> Callable[[], None]:
         assert self.plan is not None
         self.device.activate()
+        if self._fst is not None:  # a cold rank: every read, whole or a compressed load's group (see cufile)
+            for e in extents:
+                self._ran[e.file_index].add("fastsafetensors")
+            return self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
             kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
@@ -232,13 +235,9 @@ class PinnedBackend(Backend):
         return wait
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
-        if self._fst is not None:  # whole reads of the cold rank; staging groups stay with submit (see cufile)
-            for e in extents:
-                self._ran[e.file_index].add("fastsafetensors")
-            self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)()
-            self.device.synchronize()
-            return
         self.submit(extents, dsts, progress)()
+        if self._fst is not None:
+            self.device.synchronize()
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None
