@@ -336,6 +336,54 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
                                  "auto_direct_io_read": False}]
 
 
+def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touched(sharded_dir, monkeypatch):
+    import ctypes
+
+    from gdsload.loader.io import cufile
+
+    seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
+    done: list = []
+
+    class Reader:  # stands in for fastsafetensors' reader: copies the file bytes where the extents say
+        def submit(self, extents, buffers, progress):
+            for e in extents:
+                with open(paths[e.file_index], "rb") as f:
+                    f.seek(e.file_offset)
+                    data = f.read(e.length)
+                ctypes.memmove(buffers[e.buffer][0] + e.offset, data, len(data))
+                done.append(e)
+            return lambda: None
+
+        def close(self):
+            done.append("closed")
+
+    monkeypatch.setattr(cufile.CuFileBackend, "COLD_READER", "fastsafetensors")
+    monkeypatch.setattr(cufile, "make_fst_reader", lambda paths, index, open_paths=None: (Reader(), None))
+    reader = _host_reader(chunk=8192)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, [arena])
+    assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
+    assert reader.file_engines() == ["fastsafetensors", "fastsafetensors"]
+    reader.close()
+    assert done[-1] == "closed" and len(done) > 1
+    assert seen["settings"] == [] and seen["opened"] == []  # kvikio was neither set up nor handed a file
+    _assert_oracle_bytes(plan, arena)
+
+    # Where the reader cannot start (no fastsafetensors, or its set-up refused), kvikio reads the rank.
+    from gdsload.loader.io.pagecache import evict
+
+    evict(paths)  # the stand-in read through the page cache
+    monkeypatch.setattr(cufile, "make_fst_reader", lambda paths, index, open_paths=None: (None, "not here"))
+    reader = _host_reader(chunk=8192)
+    arena = reader.allocate(plan.arena_bytes)
+    reader.open(plan)
+    reader.read(plan.extents, [arena])
+    reader.close()
+    assert reader.cold_direct and reader.file_engines() == ["kvikio", "kvikio"] and seen["settings"]
+    _assert_oracle_bytes(plan, arena)
+
+
 def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any]:
     """:func:`_cold_rank`, then one read of it with 8 KiB reads; also returns the arena."""
     seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
@@ -509,6 +557,35 @@ def test_bare_load_decodes_compressed_files(tmp_path, codec):
         out, _ = _run(out_dir)
         assert out["digests"] == _oracle(sorted(src.glob("*.safetensors")))
         assert "numpy" not in out["imported"] and "torch" not in out["imported"], out["imported"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", [None, "ans"])
+def test_a_cold_rank_is_read_by_fastsafetensors_without_importing_kvikio(tmp_path, codec):
+    _needs_bare()
+    pytest.importorskip("fastsafetensors")
+    from gdsload.loader.io.pagecache import evict, resident_fraction
+    from gdsload.loader.prepare.compress import compress_dir
+
+    src = tmp_path / "src"  # tmp_path lies on the machine's disk, which accepts O_DIRECT
+    src.mkdir()
+    g = torch.Generator().manual_seed(4)
+    for part in range(2):
+        save_file({f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+                   f"p{part}.odd": torch.randn(333, 17, generator=g)}, src / f"model-rank-0-part-{part}.safetensors")
+    d = src
+    if codec:
+        d = tmp_path / codec
+        compress_dir(src, d, codec=codec, device="cuda")
+    files = [str(p) for p in sorted(d.glob("*.safetensors"))]
+    evict(files)
+    if resident_fraction(files) > 0.1:
+        pytest.skip("could not evict the files from the page cache here")
+    out, _ = _run(d)
+    assert out["digests"] == _oracle(sorted(src.glob("*.safetensors")))
+    files_said = out["report"]["files"]
+    assert {f["engine"] for f in files_said} == {"fastsafetensors"} and all(f["direct_io"] for f in files_said)
+    assert not {"kvikio", "numpy", "torch"} & set(out["imported"]), out["imported"]
 
 
 @pytest.mark.gpu

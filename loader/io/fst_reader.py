@@ -82,6 +82,13 @@ class FstReader:
         except BaseException:
             self.close()
             raise
+        # Its waits hold the GIL unless told otherwise (a process-wide switch, off by default), and a compressed
+        # load's decoder thread, which runs Python between its kernels, would stall while the reads are waited
+        # for. On while this reader lives; set back as it was at close().
+        self._gil_was: bool | None = None
+        if hasattr(cpp, "set_gil_release") and hasattr(cpp, "get_gil_release"):
+            self._gil_was = bool(cpp.get_gil_release())
+            cpp.set_gil_release(True)
 
     def submit(self, extents: Sequence[Extent], buffers: Sequence[tuple[int, int]], progress: Progress | None
                ) -> Callable[[], None]:
@@ -122,6 +129,9 @@ class FstReader:
             os.close(fd)
         self._fds = []
         self._reader = None
+        if getattr(self, "_gil_was", None) is not None:
+            self._cpp.set_gil_release(self._gil_was)
+            self._gil_was = None
 
 
 def make_fst_reader(paths: Sequence[str], device_index: Callable[[], int], *,

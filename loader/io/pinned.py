@@ -18,7 +18,8 @@ chosen per file from its page-cache residency (``mincore``):
   as one sequential stream per thread (see ``cufile``'s module doc); on a virtio disk this beat the
   ring below, taking turns in fresh processes.
 - **cold ranks, when fastsafetensors is installed**: its native reader does every read, as in
-  ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`; ``CuFileBackend.COLD_READER``).
+  ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`; ``CuFileBackend.COLD_READER``), and no other
+  engine is set up.
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
@@ -106,6 +107,12 @@ class PinnedBackend(Backend):
             self._fds.append(fd)
             self._direct.append(direct)
         self._fd_direct = list(self._direct)  # how the ring's descriptors were opened
+        self._fst = None
+        fst_why = None
+        if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
+            # fastsafetensors' reader does every read of a cold rank (see cufile): no other engine is set up
+            self._fst, fst_why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
+                                                 open_paths=[fd_path(fd) for fd in plan.fds])
         staged_why = staged_unavailable() if not all(self._direct) else "no cached files"
         if staged_why is None:
             try:
@@ -114,22 +121,18 @@ class PinnedBackend(Backend):
             except StagedEngineError as e:
                 staged_why = str(e)
         # kvikio only where it reads something: cold files, or cached ones without the staged engine.
-        self._kv = _kvikio() if any(self._direct) or staged_why is not None else None
+        self._kv = _kvikio() if self._fst is None and (any(self._direct) or staged_why is not None) else None
         self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
         self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
                               and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
         self._engine = [("kvikio" if self.kvikio_direct else "ring") if d
                         else "staged" if staged_why is None else "kvikio" if self._kv is not None else "ring"
-                        for d in self._direct]
+                        for d in self._direct] if self._fst is None else ["fastsafetensors"] * len(plan.files)
         if staged_why is not None and not all(self._direct):
             log.debug("pinned: cached files through %s: %s", "kvikio" if self._kv is not None else "the ring",
                       staged_why)
-        self._fst = None
-        if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
-            self._fst, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
-                                             open_paths=[fd_path(fd) for fd in plan.fds])
-            if self._fst is None:
-                log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", why)
+        if fst_why is not None:
+            log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", fst_why)
         self._cufiles: dict[int, Any] = {}
         self._kv_settings: Any = None
         if "kvikio" in self._engine:
