@@ -1,7 +1,7 @@
 """Where worker processes come from: a fork server that has imported their libraries once.
 
-A GPU worker needs kvikio (and the numpy it imports) for a cold rank and nvCOMP for a compressed one (a cached
-uncompressed rank needs neither), a worker that loads with torch needs torch; a fresh interpreter spends a few hundred
+A GPU worker needs kvikio (and the numpy it imports) for a cold rank where fastsafetensors' reader is not installed,
+and nvCOMP for a compressed rank (a cached uncompressed rank needs neither), a worker that loads with torch needs torch; a fresh interpreter spends a few hundred
 milliseconds (GPU) or 2-6 s (torch) importing them. With the
 ``forkserver`` start method, one helper process imports them as soon as ``serve`` starts, and each
 worker is a fork of it: it starts in milliseconds, every rank at the same moment, and again at once
