@@ -121,10 +121,11 @@ class CuFileBackend(Backend):
         self.staged = None
         self.cold_direct = False
         why = staged_unavailable()
+        gds = _gds_possible()
         cold = bool(plan.files) and is_cold(*plan.open_paths)
-        if not _gds_possible() and cold and self._open_cold_reader(plan):
+        if not gds and cold and self._open_cold_reader(plan):
             return
-        if why is None and not _gds_possible() and not cold:
+        if why is None and not gds and not cold:
             # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory; the staged
             # engine does that faster (see loader/io/staged.py), and the report says so. kvikio is not imported.
             try:
