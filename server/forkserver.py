@@ -1,8 +1,9 @@
 """Where worker processes come from: a fork server that has imported their libraries once.
 
-A GPU worker needs kvikio (and the numpy it imports) for a cold rank where fastsafetensors' reader is not installed,
-and nvCOMP for a compressed rank (a cached uncompressed rank needs neither), a worker that loads with torch needs torch; a fresh interpreter spends a few hundred
-milliseconds (GPU) or 2-6 s (torch) importing them. With the
+A GPU worker needs a cold rank's reader (fastsafetensors' where installed, else kvikio and the numpy it
+imports; kvikio also wherever GPUDirect Storage may run) and nvCOMP for a compressed rank (a cached
+uncompressed rank needs neither); a worker that loads with torch needs torch. A fresh interpreter spends a
+few hundred milliseconds (GPU) or 2-6 s (torch) importing them. With the
 ``forkserver`` start method, one helper process imports them as soon as ``serve`` starts, and each
 worker is a fork of it: it starts in milliseconds, every rank at the same moment, and again at once
 on reload and restart. With ``spawn`` each worker is a fresh interpreter that imports for itself.
@@ -38,7 +39,7 @@ import os
 import time
 from typing import Any
 
-__all__ = ["START_METHODS", "GPU_MODULES", "TORCH_MODULES", "STATE", "context", "resolve", "start", "preload",
+__all__ = ["START_METHODS", "GPU_MODULES", "FST_MODULES", "KVIKIO_MODULES", "TORCH_MODULES", "gpu_modules", "STATE", "context", "resolve", "start", "preload",
            "preload_modules", "inherited_problem"]
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,14 @@ START_METHODS = ("auto", "forkserver", "spawn")
 """How worker processes start: ``auto`` (see :func:`resolve`), forked from a helper with the libraries
 imported, or a fresh interpreter."""
 
-GPU_MODULES = ("numpy", "kvikio", "nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
+GPU_MODULES = ("nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
                "gdsload.loader.pipeline.decode", "gdsload.server.workers", "gdsload.server.worker_main")
-"""What a GPU worker on the torch-free path may import (a :class:`~gdsload.loader.devices.DriverDevice` load)."""
+"""What every GPU worker on the torch-free path may import (a :class:`~gdsload.loader.devices.DriverDevice`
+load); :func:`gpu_modules` adds the cold reader this host will use."""
+FST_MODULES = ("fastsafetensors", "gdsload.loader.io.fst_reader")
+"""fastsafetensors' reader, which reads a cold rank where it is installed and GPUDirect Storage is not possible."""
+KVIKIO_MODULES = ("numpy", "kvikio")
+"""kvikio, which reads a cold rank otherwise, and every read where GPUDirect Storage may run."""
 TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.pipeline.decode",
                  "gdsload.loader.io.cpu", "gdsload.server.workers", "gdsload.server.worker_main")
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
@@ -87,6 +93,19 @@ def preload(names: tuple[str, ...]) -> None:
     STATE["cuda_initialised"] = _cuda_initialised()
     STATE["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
     STATE["seconds"] = round(STATE.get("seconds", 0.0) + time.perf_counter() - t0, 4)
+
+
+def gpu_modules() -> tuple[str, ...]:
+    """The GPU worker's preload list on this host: :data:`GPU_MODULES` and the cold reader a load will pick
+    (fastsafetensors' where it is installed and GPUDirect Storage is not possible, else kvikio); neither
+    library is imported to decide."""
+    import importlib.util
+
+    from gdsload.loader.io.cufile import _gds_possible
+
+    gds = _gds_possible()
+    fst = importlib.util.find_spec("fastsafetensors") is not None
+    return GPU_MODULES + (FST_MODULES if fst else ()) + (KVIKIO_MODULES if gds or not fst else ())
 
 
 def _cuda_initialised() -> bool | None:

@@ -1,5 +1,5 @@
 """Imported by the worker fork server: the GPU worker's libraries (see :mod:`gdsload.server.forkserver`)."""
 
-from .forkserver import GPU_MODULES, preload
+from .forkserver import gpu_modules, preload
 
-preload(GPU_MODULES)
+preload(gpu_modules())

@@ -83,6 +83,10 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
         assert "error" not in t, t
         assert t["backends"] == ["cpu"] and t["logical_bytes"] == logical
         assert 0 < t["load_seconds_max"] < t["time_to_ready_s"] < 120
+    # Bytes read from the files per second: fewer than the logical ones for the compressed copy only.
+    for row in doc["summary"]:
+        ratio = row["median_gbps"] / row["read_gbps"]
+        assert ratio > 1.0 if row["method"].endswith(":compressed") else ratio == pytest.approx(1.0), row
     table = format_table(doc)
     assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
     # gdsload's runs say what read each file, as their load report does

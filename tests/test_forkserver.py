@@ -55,6 +55,32 @@ def test_preload_modules(gpu: bool, torch: bool, names: list[str]):
     assert forkserver.preload_modules(gpu, torch) == names
 
 
+@pytest.mark.parametrize("fst, gds, reader", [
+    (True, False, forkserver.FST_MODULES),  # fastsafetensors reads every cold rank: kvikio and numpy not needed
+    (True, True, forkserver.FST_MODULES + forkserver.KVIKIO_MODULES),  # GPUDirect Storage reads go through kvikio
+    (False, False, forkserver.KVIKIO_MODULES),
+])
+def test_the_gpu_preload_names_the_cold_reader_this_host_uses(monkeypatch: pytest.MonkeyPatch, fst: bool, gds: bool,
+                                                              reader: tuple[str, ...]):
+    import importlib.util
+
+    from gdsload.loader.io import cufile
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if fst else None) if name == "fastsafetensors" else find_spec(name, *a))
+    monkeypatch.setattr(cufile, "_gds_possible", lambda: gds)
+    assert forkserver.gpu_modules() == forkserver.GPU_MODULES + reader
+
+
+def test_choosing_the_gpu_preload_imports_neither_reader():
+    code = ("import sys; from gdsload.server.forkserver import gpu_modules; names = gpu_modules(); "
+            "print(names, [m for m in ('fastsafetensors', 'kvikio', 'numpy') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.rstrip().endswith(" []"), out
+    assert "'gdsload.loader.pipeline.load'" in out
+
+
 def test_context_names_the_start_method():
     assert forkserver.context("spawn").get_start_method() == "spawn"
     assert forkserver.context("forkserver").get_start_method() == "forkserver"

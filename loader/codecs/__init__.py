@@ -520,11 +520,11 @@ class _CupyStreamBytes:
 
     def record(self, stream: int) -> Any:
         event = self.cupy.cuda.Event(disable_timing=True)
-        event.record(self.cupy.cuda.ExternalStream(stream))
+        self.cupy.cuda.runtime.eventRecord(event.ptr, stream)  # raw handles: no stream object to wrap
         return event
 
     def wait(self, stream: int, event: Any) -> None:
-        self.cupy.cuda.ExternalStream(stream).wait_event(event)
+        self.cupy.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
 
     def wait_event(self, event: Any) -> None:
         event.synchronize()
