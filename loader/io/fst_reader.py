@@ -1,7 +1,7 @@
 """Cold O_DIRECT reads through fastsafetensors' native reader, into our own buffers.
 
 fastsafetensors ships a C++ reader (``fastsafetensors.cpp.nogds_file_reader``): its own threads
-``pread`` 512 KiB O_DIRECT pieces into one ``cudaHostAlloc`` block placed on the GPU's NUMA node
+``pread`` O_DIRECT pieces (256 KiB as we shape it) into one ``cudaHostAlloc`` block placed on the GPU's NUMA node
 and copy each to the GPU asynchronously, waiting for a copy only when its buffer comes round
 again. From a cold virtio disk it read a 9 GB rank faster than every reader driven from Python:
 kvikio's POSIX path (which waits for each copy before the next read), a ring of pinned buffers, and
@@ -30,9 +30,11 @@ __all__ = ["FstReader", "fst_reader_unavailable", "file_runs", "make_fst_reader"
 log = logging.getLogger(__name__)
 
 THREADS = 16
-"""fastsafetensors' default: 16 threads..."""
-BOUNCE_KIB = 16 << 10
-"""... sharing one 16 MiB pinned block (two 512 KiB buffers each)."""
+"""Reader threads (fastsafetensors' default)..."""
+BOUNCE_KIB = 8 << 10
+"""... sharing one 8 MiB pinned block: two 256 KiB buffers each. From a cold virtio disk, 256 KiB pieces loaded a
+9 GB rank 6-9 % sooner than fastsafetensors' default 16 MiB block (512 KiB pieces), and 1-2 MiB pieces, or 8, 24,
+32 or 64 threads, later (bench/RESULTS.md, 2026-12-06)."""
 
 
 def fst_reader_unavailable() -> str | None:
