@@ -39,8 +39,8 @@ import os
 import time
 from typing import Any
 
-__all__ = ["START_METHODS", "GPU_MODULES", "FST_MODULES", "KVIKIO_MODULES", "TORCH_MODULES", "gpu_modules", "STATE", "context", "resolve", "start", "preload",
-           "preload_modules", "inherited_problem"]
+__all__ = ["START_METHODS", "GPU_MODULES", "FST_MODULES", "KVIKIO_MODULES", "TORCH_MODULES", "STATE", "context",
+           "resolve", "start", "preload", "gpu_modules", "preload_modules", "inherited_problem"]
 
 log = logging.getLogger(__name__)
 
