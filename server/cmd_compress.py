@@ -9,6 +9,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from gdsload.loader import format_bytes
 from gdsload.loader.codecs.registry import GPU_DEFAULT, codec_names
+from gdsload.loader.format.digests import ALGORITHMS, DEFAULT
 from gdsload.server.cli import DEVICE
 
 
@@ -27,9 +28,11 @@ def _total_bytes(src: Path) -> int:
 @click.option("--device", type=DEVICE, default=None,
               help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works).")
 @click.option("--digest/--no-digest", default=True, show_default=True,
-              help="Record each file's sha256 in gdsload.json (a directory's output; hashed on the way to disk, "
-                   "one thread per file).")
-def compress(src: str, out: str, codec: str, min_gain: float, device: str | None, digest: bool) -> None:
+              help="Record each file's digest in gdsload.json (a directory's output; hashed on the way to disk).")
+@click.option("--digest-algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT, show_default=True,
+              help="blake3 (fast, on every core); sha256 matches the LFS object ids Hugging Face records.")
+def compress(src: str, out: str, codec: str, min_gain: float, device: str | None, digest: bool,
+             digest_algorithm: str) -> None:
     """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""
     src_p = Path(src)
     if Path(out).exists():  # a file as well as a directory: nothing is overwritten, the source least of all
@@ -48,8 +51,8 @@ def compress(src: str, out: str, codec: str, min_gain: float, device: str | None
             stats = compress_file(src_p, out, codec=codec, min_gain=min_gain, device=device, progress=step,
                                   digest=False)
         else:
-            stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device, digest=digest,
-                                 progress=step)
+            stats = compress_dir(src_p, out, codec=codec, min_gain=min_gain, device=device,
+                                 digest=digest_algorithm if digest else False, progress=step)
     click.echo(f"{out}: {stats.compressed} of {stats.tensors} tensors compressed with {codec}; "
                f"{format_bytes(stats.logical_bytes)} -> {format_bytes(stats.stored_bytes)} "
                f"(ratio {stats.ratio:.3f}) in {stats.seconds:.1f} s")

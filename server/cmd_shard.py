@@ -23,12 +23,18 @@ from gdsload.loader.codecs.registry import codec_names
 from gdsload.loader.prepare.compress import compress_device, compress_dir
 from gdsload.loader.config import format_bytes
 from gdsload.loader.devices import start_primary_context
+from gdsload.loader.format.digests import ALGORITHMS, DEFAULT
 from gdsload.loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
 from gdsload.loader.prepare.shard import PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
 
 __all__ = ["shard"]
+
+
+def _digest_option(digest: bool, algorithm: str) -> bool | str:
+    """``ShardOptions.digest`` for the flags: True for the default algorithm, its name for another, False for none."""
+    return False if not digest else True if algorithm == DEFAULT else algorithm
 
 
 @click.command("shard")
@@ -45,12 +51,14 @@ __all__ = ["shard"]
               help="Compress the files (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
                    "--quantize is built and compressed on the GPU, without torch.")
 @click.option("--digest/--no-digest", default=True, show_default=True,
-              help="Record each file's sha256 in gdsload.json.")
+              help="Record each file's digest in gdsload.json (hashed on the way to disk).")
+@click.option("--digest-algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT, show_default=True,
+              help="blake3 (fast, on every core); sha256 matches the LFS object ids Hugging Face records.")
 @click.option("--progress/--no-progress", "show_progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_file_bytes: int, codec: str | None,
-          digest: bool, show_progress: bool | None, as_json: bool) -> None:
+          digest: bool, digest_algorithm: str, show_progress: bool | None, as_json: bool) -> None:
     """Pre-shard the Hugging Face checkpoint SRC (Llama, Mistral, Qwen2) into OUT by TP rank.
 
     Streams tensor by tensor; rerunning after an interruption resumes.
@@ -60,8 +68,8 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     """
     if codec == "ans":  # the GPU's context is made while the headers are read and cupy imports
         start_primary_context(0)
-    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest,
-                           compress=codec)
+    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
+                           digest=_digest_option(digest, digest_algorithm), compress=codec)
     plan = plan_shard(src, options)
     uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
     # A rerun continues the way its run began: shards beside OUT (through torch), or files built on the GPU.
@@ -98,7 +106,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
         result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n), files_writer=writer)
     compression = None
     if two_step:
-        stats = compress_dir(target, out, codec=codec, digest=digest)
+        stats = compress_dir(target, out, codec=codec, digest=options.digest)
         shutil.rmtree(target)
         result.out = str(out)  # the uncompressed shards it reports were a step on the way
         compression = {"codec": codec, "ratio": stats.ratio, "stored_bytes": stats.stored_bytes,

@@ -346,19 +346,19 @@ def test_ans_batch_results_name_the_chunk_or_tensor_that_failed():
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):
     src = make_checkpoint(tmp_path / "m", "tiny", tp=2)
     out = tmp_path / "mz"
-    import gdsload.loader.format.manifest as manifest_mod
+    import gdsload.loader.format.digests as digests_mod
 
-    def no_reread(path):  # the writer hashes the bytes on their way to disk
+    def no_reread(path, *algorithm):  # the writer hashes the bytes on their way to disk
         raise AssertionError(f"{path} was read back to hash it")
 
-    monkeypatch.setattr(manifest_mod, "file_digest", no_reread)
+    monkeypatch.setattr(digests_mod, "file_digest", no_reread)
     stats = compress_dir(src, out, codec="zstd", device="cpu")
     monkeypatch.undo()
     assert stats.files == 2 and 1.1 < stats.ratio < 1.5
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
     manifest = json.loads((out / "gdsload.json").read_text())
     assert manifest["tp_size"] == 2 and manifest["extra"]["compression"]["codec"] == "zstd"
-    from gdsload.loader.format.manifest import file_digest
+    from gdsload.loader.format.digests import file_digest
 
     files = [f for fs in manifest["ranks"].values() for f in fs]
     assert len(files) == 2 and all(f["digest"] == file_digest(out / f["path"]) for f in files)

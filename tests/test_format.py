@@ -102,11 +102,50 @@ def test_writer_streams_in_declared_order_and_checks_each_tensor(tmp_path):
     assert safetensors.torch.load_file(str(tmp_path / "s.safetensors"))["big"].dtype == torch.float64
 
 
+def test_a_manifest_digest_gdsload_cannot_check_is_named_with_its_file(tmp_path):
+    """A digest of an unknown algorithm (or no algorithm) stops a verifying load with the manifest, the file,
+    the value and the fix; a load that does not verify is not stopped by it."""
+    from gdsload.loader import write_manifest
+    from gdsload.loader.errors import ManifestError
+
+    save_file({"x": torch.ones(8)}, tmp_path / "model.safetensors")
+    write_manifest(tmp_path, {0: ["model.safetensors"]}, tp_size=1, layout="hf")
+    doc = json.loads((tmp_path / "gdsload.json").read_text())
+    for bad in ("md5:d41d8cd98f00b204e9800998ecf8427e", "9f86d081884c7d65", "blake3:"):
+        doc["ranks"]["0"][0]["digest"] = bad
+        (tmp_path / "gdsload.json").write_text(json.dumps(doc))
+        with pytest.raises(ManifestError) as e:
+            load_rank(tmp_path, verify=True)
+        assert str(tmp_path / "gdsload.json") in str(e.value) and "'model.safetensors'" in str(e.value)
+        assert repr(bad) in str(e.value) and "blake3, sha256" in str(e.value)
+        assert torch.equal(load_rank(tmp_path).tensors["x"], torch.ones(8))
+
+
+def test_without_the_blake3_package_a_digest_asks_for_it_or_for_sha256(tmp_path, monkeypatch):
+    from gdsload.loader.errors import ConfigError
+    from gdsload.loader.format import digests
+
+    monkeypatch.setitem(__import__("sys").modules, "blake3", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"pip install blake3.*--digest-algorithm sha256"):
+        AlignedWriter(tmp_path / "w.safetensors", [TensorSpec("w", "F32", (2,))])
+    assert not (tmp_path / "w.safetensors").exists()
+    with AlignedWriter(tmp_path / "w.safetensors", [TensorSpec("w", "F32", (2,))], digest="sha256") as w:
+        w.write("w", torch.ones(2))
+    assert w.digest == digests.file_digest(tmp_path / "w.safetensors", "sha256")
+    with pytest.raises(ConfigError, match="unknown digest algorithm 'md5'"):
+        digests.hasher("md5")
+
+
 def test_writer_writes_in_pieces_from_threads_and_hashes_on_the_way(tmp_path, monkeypatch):
     """Tensors split into many pieces written at once by several threads, with a small in-flight
-    bound: safetensors reads every tensor back bit-identical, and the writer's digest is the file's sha256."""
+    bound: safetensors reads every tensor back bit-identical, and the writer's digest is the file's blake3
+    (sha256 when asked for), as the hash libraries compute them over the file's bytes."""
+    import hashlib
+
+    import blake3
+
     import gdsload.loader.format.safetensors as fmt
-    from gdsload.loader.format.manifest import file_digest
+    from gdsload.loader.format.digests import file_digest
 
     monkeypatch.setattr(fmt, "WRITE_PIECE", 4096)
     monkeypatch.setattr(fmt, "WRITE_IN_FLIGHT", 3 * 4096)
@@ -115,7 +154,13 @@ def test_writer_writes_in_pieces_from_threads_and_hashes_on_the_way(tmp_path, mo
     with AlignedWriter(path, [TensorSpec.of(n, t) for n, t in tensors.items()], {"k": "v"}, threads=3) as w:
         for spec in w.order:
             w.write(spec.name, tensors[spec.name])
-    assert w.digest is not None and w.digest == file_digest(path)
+    assert w.digest == file_digest(path) == "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
+    with AlignedWriter(tmp_path / "s.safetensors", [TensorSpec.of(n, t) for n, t in tensors.items()], {"k": "v"},
+                       threads=3, digest="sha256") as w2:
+        for spec in w2.order:
+            w2.write(spec.name, tensors[spec.name])
+    assert (tmp_path / "s.safetensors").read_bytes() == path.read_bytes()
+    assert w2.digest == file_digest(path, "sha256") == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
     back = safetensors.torch.load_file(str(path))
     assert set(back) == set(tensors) and all(_bit_equal(back[n], t) for n, t in tensors.items())
     with AlignedWriter(tmp_path / "q.safetensors", [TensorSpec.of("large", tensors["large"])], digest=False) as w:

@@ -168,7 +168,8 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
     from gdsload.loader import read_header
     from gdsload.loader.codecs import encode_tensor
     from gdsload.loader.format.compression import parse_compression
-    from gdsload.loader.format.manifest import Manifest, file_digest
+    from gdsload.loader.format.digests import file_digest
+    from gdsload.loader.format.manifest import Manifest
 
     src = tmp_path / "w"
     src.mkdir()

@@ -452,7 +452,7 @@ def test_manifest_round_trip(tmp_path):
     m = write_manifest(tmp_path, {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf", extra={"k": 1})
     (entry,) = m.ranks[0]
     assert entry.bytes == (tmp_path / "model-rank-0-part-0.safetensors").stat().st_size
-    assert entry.stored_bytes == entry.logical_bytes == 32 and entry.digest.startswith("sha256:")
+    assert entry.stored_bytes == entry.logical_bytes == 32 and entry.digest.startswith("blake3:")
     from gdsload.loader import Manifest
     assert Manifest.read(tmp_path) == m
 

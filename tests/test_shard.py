@@ -317,10 +317,10 @@ def test_vllm_files_follow_the_sharded_state_pattern_and_alignment(checkpoints, 
 
 def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_path):
     src, _ = checkpoints["llama-gqa-tied"]
-    import gdsload.loader.format.manifest as manifest_mod
+    import gdsload.loader.format.digests as digests_mod
 
     with pytest.MonkeyPatch.context() as mp:  # the writer hashes the files as it writes them: none is read back
-        mp.setattr(manifest_mod, "file_digest", lambda path: pytest.fail(f"{path} was read back to hash it"))
+        mp.setattr(digests_mod, "file_digest", lambda path, *a: pytest.fail(f"{path} was read back to hash it"))
         shard_checkpoint(src, tmp_path / "out", tp=4, layout="hf")
     out = tmp_path / "out"
     manifest = Manifest.read(out)
@@ -337,7 +337,7 @@ def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_pat
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert not (out / "pytorch_model.bin.md").exists() and not (out / PARTIAL_DIR).exists()
-    assert all(f.digest == manifest_mod.file_digest(out / f.path) for fs in manifest.ranks.values() for f in fs)
+    assert all(f.digest == digests_mod.file_digest(out / f.path) for fs in manifest.ranks.values() for f in fs)
     load_rank(out, 3, verify=True)
 
 
@@ -729,7 +729,8 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         assert p.returncode == 0, p.stderr
     assert "compressed with zstd" in p.stdout and f"sharded -> {str(packed)!r}" in p.stdout
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
-    from gdsload.loader.format.manifest import Manifest, file_digest
+    from gdsload.loader.format.digests import file_digest
+    from gdsload.loader.format.manifest import Manifest
 
     packed_files = [f for fs in Manifest.read(packed).ranks.values() for f in fs]  # digests of what is there
     assert len(packed_files) == 2 and all(f.digest == file_digest(packed / f.path) for f in packed_files)
@@ -896,3 +897,45 @@ def test_an_unfinished_gpu_run_is_not_continued_through_torch(checkpoints, tmp_p
     assert exit_info.value.code != 0 and "built its files on a GPU" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == [PARTIAL_DIR]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, checkpoints):
+    """blake3 by default; ``--digest-algorithm sha256`` records each file's sha256 as hashlib computes it, and
+    the loader checks either kind (a corrupt byte fails the check, naming the algorithm)."""
+    import hashlib
+
+    import blake3
+
+    from gdsload.loader.errors import IntegrityError
+
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0 or not ok, p.stderr
+        return p
+
+    model = tmp_path / "plain"
+    run("bench", "--make-model", "8MB", "--out", str(model))
+    src, _ = checkpoints["llama-gqa-tied"]
+    run("compress", str(model), str(tmp_path / "z-b3"), "--codec", "zstd", "--device", "cpu")
+    run("shard", str(src), str(tmp_path / "s-b3"), "--tp", "2", "--no-progress")
+    run("compress", str(model), str(tmp_path / "z-sha"), "--codec", "zstd", "--device", "cpu",
+        "--digest-algorithm", "sha256")
+    run("shard", str(src), str(tmp_path / "s-sha"), "--tp", "2", "--no-progress", "--digest-algorithm", "sha256")
+    oracle = {"blake3": lambda b: blake3.blake3(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
+    for algorithm, suffix in (("blake3", "b3"), ("sha256", "sha")):
+        for out in (tmp_path / f"z-{suffix}", tmp_path / f"s-{suffix}"):
+            files = [f for fs in Manifest.read(out).ranks.values() for f in fs]
+            assert files and all(f.digest == f"{algorithm}:" + oracle[algorithm]((out / f.path).read_bytes())
+                                 for f in files), out
+        assert load_rank(tmp_path / f"s-{suffix}", 1, verify=True).report.verified
+        victim = tmp_path / f"s-{suffix}" / Manifest.read(tmp_path / f"s-{suffix}").ranks[1][0].path
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0x01
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError, match=f"{algorithm} digest"):
+            load_rank(tmp_path / f"s-{suffix}", 1, verify=True)
+    assert "--digest-algorithm" in run("compress", "--help").stdout
+    bad = run("compress", str(model), str(tmp_path / "z-md5"), "--digest-algorithm", "md5", ok=False)
+    assert bad.returncode == 2 and "'md5' is not one of 'blake3', 'sha256'" in bad.stderr
+    assert not (tmp_path / "z-md5").exists()

@@ -10,14 +10,15 @@ Example::
       "created_by": "gdsload 0.1.0",
       "ranks": {
         "0": [{"path": "model-rank-0-part-0.safetensors", "bytes": 1052672,
-               "stored_bytes": 1048576, "logical_bytes": 1048576, "digest": "sha256:..."}],
+               "stored_bytes": 1048576, "logical_bytes": 1048576, "digest": "blake3:..."}],
         "1": [...]
       },
       "extra": {}
     }
 
 ``bytes`` is the file size, ``stored_bytes`` its data section, ``logical_bytes`` what the
-tensors occupy once decoded (larger than ``stored_bytes`` for compressed files).
+tensors occupy once decoded (larger than ``stored_bytes`` for compressed files), ``digest`` the
+whole file's ``"blake3:<hex>"`` or ``"sha256:<hex>"`` (:mod:`~gdsload.loader.format.digests`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ __all__ = [
     "LAYOUTS",
     "ManifestFile",
     "Manifest",
-    "file_digest",
     "logical_bytes",
     "describe_file",
     "write_manifest",
@@ -48,7 +48,6 @@ __all__ = [
 MANIFEST_NAME = "gdsload.json"
 MANIFEST_VERSION = 1
 LAYOUTS = ("vllm", "hf", "trtllm", "plain")
-_DIGEST_CHUNK = 8 << 20
 
 
 class ManifestFile(NamedTuple):
@@ -60,7 +59,7 @@ class ManifestFile(NamedTuple):
     stored_bytes: int
     logical_bytes: int
     digest: str | None = None
-    """``"sha256:<hex>"`` of the whole file, or None when not recorded."""
+    """``"blake3:<hex>"`` or ``"sha256:<hex>"`` of the whole file, or None when not recorded."""
 
 
 class Manifest(NamedTuple):
@@ -143,17 +142,6 @@ class Manifest(NamedTuple):
         }
 
 
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """``"sha256:<hex>"`` of a whole file, read in 8 MiB chunks."""
-    import hashlib  # here, as the thread pool below: a load that checks no digest imports neither
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_DIGEST_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 def logical_bytes(header: SafetensorsHeader) -> int:
     """Bytes the file's tensors occupy once decoded."""
     from gdsload.loader.format.compression import parse_compression
@@ -162,18 +150,22 @@ def logical_bytes(header: SafetensorsHeader) -> int:
     return sum(compressed[t.name].nbytes if t.name in compressed else t.nbytes for t in header.tensors)
 
 
-def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool = True,
+def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool | str = True,
                   known_digest: str | None = None) -> ManifestFile:
     """Build the manifest entry of an existing file (reads its header, and its bytes for the digest
-    unless ``known_digest``, the one its writer computed, is given)."""
+    unless ``known_digest``, the one its writer computed, is given). ``digest``: True (blake3),
+    ``"sha256"``, or False for none."""
+    from gdsload.loader.format import digests  # here: a load imports no hashing
+
     full = Path(directory) / relpath
     header = read_header(full)
+    algorithm = digests.digest_algorithm(digest)
     return ManifestFile(
         path=relpath,
         bytes=header.file_size,
         stored_bytes=header.data_len,
         logical_bytes=logical_bytes(header),
-        digest=(known_digest or file_digest(full)) if digest else None,
+        digest=(known_digest or digests.file_digest(full, algorithm)) if algorithm else None,
     )
 
 
@@ -181,10 +173,10 @@ _HASH_THREADS = 8
 """Files hashed at once, at most."""
 
 
-def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool,
+def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool | str,
                   known: Mapping[str, str]) -> dict[int, tuple[ManifestFile, ...]]:
     """:func:`describe_file` of every rank's files, those without a ``known`` digest hashed up to a file per
-    core at once (hashlib lets go of the GIL)."""
+    core at once (the hashes let go of the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     listed = {r: list(paths) for r, paths in ranks.items()}
@@ -202,13 +194,14 @@ def write_manifest(
     tp_size: int,
     layout: str,
     extra: Mapping[str, Any] | None = None,
-    digest: bool = True,
+    digest: bool | str = True,
     digests: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Describe the files of every rank and write ``directory/gdsload.json`` atomically.
 
-    With ``digest``, each file's sha256 is taken from ``digests`` (relative path -> ``"sha256:<hex>"``,
-    as :class:`~.safetensors.AlignedWriter` computes while writing) or else read from the file.
+    With ``digest`` (True: blake3; or ``"sha256"``), each file's digest is taken from ``digests`` (relative
+    path -> ``"<algorithm>:<hex>"``, as :class:`~.safetensors.AlignedWriter` computes while writing) or else
+    read from the file.
 
     >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP
     """

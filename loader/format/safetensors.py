@@ -532,9 +532,9 @@ class AlignedWriter:
     Every offset is known from the header, so :meth:`write` hands the tensor's bytes to ``threads``
     threads that write its pieces in place at once (``pwrite``) and returns; at most
     ``WRITE_IN_FLIGHT`` bytes wait (the writer keeps them alive), and leaving the ``with`` block
-    waits for every write. With ``digest`` the file's sha256 is computed from the same bytes on the
-    way (one more thread, in file order), and ``digest`` holds ``"sha256:<hex>"`` once the block has
-    ended: no second read of the file to hash it. A failed write raises ``OSError`` naming the file
+    waits for every write. With ``digest`` (True: blake3; or ``"sha256"``) the file's digest is computed
+    from the same bytes on the way (one more thread, in file order), and ``digest`` holds
+    ``"<algorithm>:<hex>"`` once the block has ended: no second read of the file to hash it. A failed write raises ``OSError`` naming the file
     and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
 
     >>> specs = [TensorSpec("w", "BF16", (4, 4)), TensorSpec("b", "F32", (4,))]
@@ -542,7 +542,7 @@ class AlignedWriter:
     ...     for spec in w.order:
     ...         w.write(spec.name, tensors[spec.name])
     >>> w.digest  # doctest: +SKIP
-    'sha256:9f86d08...'
+    'blake3:6437b3a...'
     """
 
     def __init__(
@@ -552,17 +552,18 @@ class AlignedWriter:
         metadata: Mapping[str, str] | None = None,
         *,
         alignment: int = DATA_ALIGNMENT,
-        digest: bool = True,
+        digest: bool | str = True,
         threads: int | None = None,
     ):
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads!r} must be at least 1")
         self.order, self.header, self.data_len = aligned_header(specs, metadata, alignment)
         self.digest: str | None = None
-        """``"sha256:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
-        import hashlib  # here, as the writers' imports: loading a file imports none of them
+        """``"<algorithm>:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
+        from gdsload.loader.format.digests import digest_algorithm, hasher  # here: loading a file hashes nothing
 
-        self._hash = hashlib.sha256() if digest else None
+        algorithm = digest_algorithm(digest)
+        self._hash = hasher(algorithm) if algorithm else None
         self._threads = threads or min(8, usable_cores())
         self._out = atomic_output(path)
         self._next = 0
@@ -660,7 +661,7 @@ class AlignedWriter:
             raise ValueError(f"{self._out.path}: {len(missing)} declared tensors were never written: {missing[:5]}")
         self._out.__exit__(exc_type, exc, tb)
         if exc_type is None and self._hash is not None:
-            self.digest = "sha256:" + self._hash.hexdigest()
+            self.digest = self._hash.text()
 
 
 def save_file(

@@ -29,7 +29,6 @@ from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.config import format_bytes, gc_paused
 from gdsload.loader.errors import ConfigError, DeviceMemoryError, IntegrityError
-from gdsload.loader.format.manifest import file_digest
 from gdsload.loader.plan import FilePlan, LoadPlan, plan_rank
 from gdsload.loader.pipeline.result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
@@ -252,22 +251,22 @@ def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any, device: De
             "verify requested but %s has no digests for rank %d; %s", rank_files.root, rank_files.rank,
             "only the compressed tensors' checksums were checked" if checked else "nothing verified")
         return False
+    from gdsload.loader.format.digests import algorithm_of, file_digest, hasher  # a load that verifies nothing hashes nothing
+
     for f, entry in zip(plan.files, entries):
         assert entry is not None and entry.digest is not None
+        algorithm = algorithm_of(entry.digest, f"{os.path.join(rank_files.root, 'gdsload.json')!r}, file {entry.path!r}")
         if device.kind == "cpu" and f.mirror_offset >= 0:
             # The arena mirrors the data section: hash the header from disk and the data from memory.
-            import hashlib  # here: a load that verifies nothing imports no hashing
-
-            h = hashlib.sha256()
             with open(f.path, "rb") as fh:
-                h.update(fh.read(f.header.data_offset))
+                h = hasher(algorithm, fh.read(f.header.data_offset))
             h.update(device.to_host(arena[f.mirror_offset : f.mirror_offset + f.stored_bytes]))
-            got = "sha256:" + h.hexdigest()
+            got = h.text()
         else:
-            got = file_digest(f.path)
+            got = file_digest(f.path, algorithm)
         if got != entry.digest:
             raise IntegrityError(
-                f"{f.path!r}: sha256 digest {got!r} does not match the manifest's {entry.digest!r}; "
+                f"{f.path!r}: {algorithm} digest {got!r} does not match the manifest's {entry.digest!r}; "
                 "the file is corrupt or was replaced — re-copy it or rewrite the manifest"
             )
     return True

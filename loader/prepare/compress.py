@@ -61,7 +61,7 @@ class CompressStats:
     per_dtype: dict[str, list[int]] = field(default_factory=dict)
     """dtype -> [logical bytes, stored bytes] of the compressed tensors."""
     digests: dict[str, str] = field(default_factory=dict)
-    """Written file -> its ``"sha256:<hex>"``, computed on the way to disk (when asked for)."""
+    """Written file -> its ``"<algorithm>:<hex>"`` digest, computed on the way to disk (when asked for)."""
 
     @property
     def ratio(self) -> float:
@@ -103,10 +103,10 @@ def compress_file(
     checksum: bool = True,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,
     progress: Callable[[int], None] | None = None,
-    digest: bool = True,
+    digest: bool | str = True,
 ) -> CompressStats:
-    """Compress one safetensors file into ``dst`` (written atomically); with ``digest`` the stats hold
-    its sha256, computed from the bytes as they are written.
+    """Compress one safetensors file into ``dst`` (written atomically); with ``digest`` (True: blake3; or
+    ``"sha256"``) the stats hold its digest, computed from the bytes as they are written.
 
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
@@ -202,14 +202,14 @@ def compress_dir(
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,
-    digest: bool = True,
+    digest: bool | str = True,
     progress: Callable[[int], None] | None = None,
 ) -> CompressStats:
     """Compress every safetensors file of a model directory into ``out`` with the same names.
 
     Other files (config, tokenizer, generation config) are copied; ``gdsload.json`` is
-    rewritten for the new files (and written if the source had none), with each file's sha256 when
-    ``digest`` (computed from the bytes as they are written). ``out`` must not exist;
+    rewritten for the new files (and written if the source had none), with each file's digest when
+    ``digest`` (True: blake3; or ``"sha256"``; computed from the bytes as they are written). ``out`` must not exist;
     it appears only once complete. The stats' ``seconds`` is the whole call.
 
     >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP

@@ -11,8 +11,8 @@ For each file:
 4. it goes to disk through a few pinned buffers: a piece is copied out, written by several threads
    at once and hashed, in file order, on the way (:func:`write_file`).
 
-The GPU work of the next file runs while a file is written. A file's sha256 is one thread's work
-that cannot be split, so with digests the largest file's hash bounds the run.
+The GPU work of the next file runs while a file is written, and its digest (blake3 by default) is
+computed on the way, in file order, by one thread.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import errno
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -262,8 +261,8 @@ def _host_crc32(cupy: Any, address: int, nbytes: int) -> int:
     return zlib.crc32(host)
 
 
-def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None] | None = None) -> str | None:
-    """Write ``enc`` to its destination (atomically); returns its ``"sha256:<hex>"`` with ``digest``.
+def write_file(enc: EncodedFile, *, digest: bool | str, progress: Callable[[int], None] | None = None) -> str | None:
+    """Write ``enc`` to its destination (atomically); returns its ``"<algorithm>:<hex>"`` with ``digest``.
 
     The data leaves the GPU ``WINDOW`` bytes at a time into pinned buffers; ``WRITE_THREADS`` threads
     write each window's pieces in place while this thread hashes it. ``progress`` gets the file's
@@ -272,11 +271,13 @@ def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None
     """
     import cupy
 
+    from gdsload.loader.format.digests import digest_algorithm, hasher
     from gdsload.loader.format.safetensors import WRITE_PIECE, atomic_output, pwrite_all
 
     t0 = time.perf_counter()
     cupy.cuda.Device(enc.index).use()
-    h = hashlib.sha256(enc.header) if digest else None
+    algorithm = digest_algorithm(digest)
+    h = hasher(algorithm, enc.header) if algorithm else None
     total = int(enc.data.nbytes)
     logical, told = enc.stats.logical_bytes, 0
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -319,7 +320,7 @@ def write_file(enc: EncodedFile, *, digest: bool, progress: Callable[[int], None
         shutil.copymode(enc.src, enc.dst)  # private weights stay private
     log.info("%s: %d bytes written%s in %.2f s", enc.dst, len(enc.header) + total, " and hashed" if h else "",
              time.perf_counter() - t0)
-    return "sha256:" + h.hexdigest() if h is not None else None
+    return h.text() if h is not None else None
 
 
 def _preallocate(fd: int, nbytes: int) -> None:
@@ -345,7 +346,7 @@ class Job(NamedTuple):
 
 
 def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]], *, index: int,
-                   min_gain: float, checksum: bool, min_tensor_bytes: int, digest: bool,
+                   min_gain: float, checksum: bool, min_tensor_bytes: int, digest: bool | str,
                    progress: Callable[[int], None] | None = None) -> list[Any]:
     """Compress each ``(src, dst)`` with ANS on GPU ``index`` without torch; the stats of each, in order.
 
@@ -360,7 +361,7 @@ def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     return write_encoded(jobs, sizes, index=index, digest=digest, progress=progress)
 
 
-def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, digest: bool,
+def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, digest: bool | str,
                   progress: Callable[[int], None] | None = None) -> list[Any]:
     """Encode each job on GPU ``index`` and write it; the stats of each (with its digest), in order.
 

@@ -152,8 +152,9 @@ class ShardOptions:
     """None, or ``fp8`` / ``fp8:per-tensor`` / ``fp8:per-channel`` for the linear-layer weights."""
     max_file_bytes: int = 5 << 30
     """Start a new part file before one would exceed this (a single larger tensor gets its own file)."""
-    digest: bool = True
-    """Record each file's sha256 in gdsload.json (computed as the files are written)."""
+    digest: bool | str = True
+    """Record each file's digest in gdsload.json (computed as the files are written): True for blake3,
+    ``"sha256"``, or False for none."""
     compress: str | None = None
     """The codec the files end up compressed with (``gdsload shard --compress``), or None. Part of the
     command, so a run with it never resumes from one without; the compressing itself is done by the
@@ -213,7 +214,7 @@ class FilesWriter(Protocol):
 
     def write(self, todo: Sequence[tuple[PlannedFile, Path]], progress: Callable[[int], None] | None) -> dict[str, str]:
         """Write each planned file at its path (atomically, with :func:`file_metadata`); returns the
-        ``"sha256:<hex>"`` of those hashed on the way, by relpath. ``progress`` gets logical bytes."""
+        ``"<algorithm>:<hex>"`` of those hashed on the way, by relpath. ``progress`` gets logical bytes."""
         ...
 
     def manifest_extra(self, paths: Sequence[Path]) -> dict[str, Any]:
@@ -875,7 +876,7 @@ def _run(
                 progress(f.nbytes)
             continue
         todo.append((f, staged))
-    # Files written by this run -> the sha256 computed as they were written; files kept from a run before
+    # Files written by this run -> the digest computed as they were written; files kept from a run before
     # are read to hash.
     if files_writer is not None:
         try:
@@ -888,8 +889,8 @@ def _run(
     else:
         digests = {}
         builder = _Builder(plan._src, plan.options.scheme)
-        if writer_factory is AlignedWriter and not plan.options.digest:
-            writer_factory = functools.partial(AlignedWriter, digest=False)
+        if writer_factory is AlignedWriter and plan.options.digest is not True:
+            writer_factory = functools.partial(AlignedWriter, digest=plan.options.digest)
         for f, staged in todo:
             digest = _write_file(staged, plan, f, builder, result, progress, writer_factory)
             if digest is not None:
@@ -930,7 +931,7 @@ def _write_file(
     progress: Callable[[int], None] | None,
     writer_factory: WriterFactory,
 ) -> str | None:
-    """Write one planned file; returns the sha256 its writer computed on the way, if it did."""
+    """Write one planned file; returns the digest its writer computed on the way, if it did."""
     by_name = {t.name: t for t in f.tensors}
     current = "the header"
     try:
@@ -985,7 +986,7 @@ def shard_checkpoint(
     layout: str = "vllm",
     quantize: str | None = None,
     max_file_bytes: int = 5 << 30,
-    digest: bool = True,
+    digest: bool | str = True,
     progress: Callable[[int], None] | None = None,
     writer_factory: WriterFactory = AlignedWriter,
 ) -> ShardResult:
