@@ -71,13 +71,16 @@ def _generator_device(device: str) -> str:
               help="With --make-model: start a new part file before one would exceed this.")
 @click.option("--compress", "compress_codec", type=click.Choice(codec_names()), default=None,
               help="With --make-model: also write OUT-CODEC compressed.")
+@click.option("--writer", type=click.Choice(["gdsload", "safetensors"]), default="gdsload", show_default=True,
+              help="With --make-model: gdsload's aligned files and manifest, or the safetensors library's "
+                   "save_file with Hugging Face's part names and index (the same values; tp=1).")
 @click.option("--ttr/--no-ttr", default=True, show_default=True,
               help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")
 @click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Only draw chart.png from an existing results.json.")
 def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
           repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
-          compress_codec: str | None, ttr: bool,
+          compress_codec: str | None, writer: str, ttr: bool,
           plot_json: str | None) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
@@ -111,7 +114,11 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {device} but torch sees no CUDA device here; use --device cpu")
     if make_model:
-        from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
+        from gdsload.loader.prepare.synthetic import make_checkpoint, make_hf_checkpoint, shape_for_size
+
+        if writer == "safetensors" and tp != 1:
+            raise click.UsageError(f"--writer safetensors writes a whole checkpoint, as published; --tp {tp} needs "
+                                   "--writer gdsload")
 
         for target in [Path(out)] + ([Path(f"{out.rstrip('/')}-{compress_codec}")] if compress_codec else []):
             if target.exists() and any(target.iterdir()):  # old part files would sit beside the new model
@@ -123,7 +130,10 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
         shape = shape_for_size(parse_size(make_model))
         gen = _generator_device(device)
         click.echo(f"synthetic Llama: {shape} (values drawn on {gen})")
-        make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
+        if writer == "safetensors":
+            make_hf_checkpoint(out, shape, max_file_bytes=parse_size(max_file_bytes), device=gen)
+        else:
+            make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
         if compress_codec:
             from gdsload.loader.prepare.compress import compress_dir
 

@@ -98,6 +98,36 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     assert p.returncode == 0 and (tmp_path / "charts" / "chart.png").read_bytes()[:4] == b"\x89PNG", p.stderr
 
 
+def test_a_model_made_as_hugging_face_publishes_it_holds_the_same_tensors(tmp_path):
+    """``--writer safetensors``: the safetensors library's own files, HF's part names and index, no manifest;
+    the same values as the aligned model, and gdsload loads them."""
+    import safetensors.torch
+    import torch
+
+    from gdsload.loader import read_header
+
+    a, b = tmp_path / "aligned", tmp_path / "hf"
+    for out, extra in ((a, []), (b, ["--writer", "safetensors"])):
+        p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--max-file-size", "3MB", "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+    parts = sorted(x.name for x in b.glob("*.safetensors"))
+    assert len(parts) >= 3 and parts[0] == f"model-00001-of-{len(parts):05d}.safetensors"
+    assert not (b / "gdsload.json").exists() and (b / "config.json").read_text() == (a / "config.json").read_text()
+    index = json.loads((b / "model.safetensors.index.json").read_text())
+    ref = {k: v for f in parts for k, v in safetensors.torch.load_file(str(b / f)).items()}
+    assert set(index["weight_map"]) == set(ref) and index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in ref.values())
+    assert any(read_header(b / f).data_offset % 4096 for f in parts)  # the library's layout, not gdsload's
+    ours = load_rank(a).tensors
+    assert set(ours) == set(ref) and all(torch.equal(ours[k], v) for k, v in ref.items())
+    got = load_rank(b).tensors
+    assert all(torch.equal(got[k], v) for k, v in ref.items())
+    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--writer", "safetensors", "--tp", "2", "--out",
+                        str(tmp_path / "t2")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--tp 2 needs --writer gdsload" in p.stderr and not (tmp_path / "t2").exists()
+
+
 def test_tmpfs_condition_copies_afresh_and_removes_only_its_copy(tmp_path):
     from gdsload.bench.coldstart import BenchConfig, run_bench
     from gdsload.loader.prepare.synthetic import make_checkpoint

@@ -28,7 +28,7 @@ from gdsload.loader.errors import ConfigError
 from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import write_manifest
 
-__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint"]
+__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -208,4 +208,53 @@ def make_checkpoint(
                 digests[fname] = w.digest
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
     write_manifest(out, ranks, tp_size=tp, layout="hf", digests=digests, extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
+    return out
+
+
+def make_hf_checkpoint(
+    out: str | os.PathLike[str],
+    shape: LlamaShape | str | int,
+    *,
+    max_file_bytes: int = 5 << 30,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write the same model as :func:`make_checkpoint` (tp=1, the same values) the way Hugging Face publishes
+    checkpoints: the ``safetensors`` library's ``save_file``, in model order, into
+    ``model-0000K-of-0000N.safetensors`` parts with a ``model.safetensors.index.json``, and no ``gdsload.json``.
+    The data sections start wherever the library's headers end, not at 4 KiB.
+
+    >>> make_hf_checkpoint("/tmp/hf", "tiny", max_file_bytes=1 << 20)  # doctest: +SKIP
+    """
+    import safetensors.torch
+
+    if isinstance(shape, str):
+        shape = PRESETS[shape]
+    elif isinstance(shape, int):
+        shape = shape_for_size(shape)
+    parts: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, full, _ in tensor_shapes(shape):
+        nbytes = math.prod(full) * 2
+        if parts[-1] and size + nbytes > max_file_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, full))
+        size += nbytes
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, group in enumerate(parts, start=1):
+        fname = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        tensors = {name: _full_tensor(name, full, device).cpu() for name, full in group}
+        safetensors.torch.save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * 2
+            if progress is not None:
+                progress(t.numel() * 2)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
     return out
