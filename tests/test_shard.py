@@ -939,3 +939,6 @@ def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, chec
     bad = run("compress", str(model), str(tmp_path / "z-md5"), "--digest-algorithm", "md5", ok=False)
     assert bad.returncode == 2 and "'md5' is not one of 'blake3', 'sha256'" in bad.stderr
     assert not (tmp_path / "z-md5").exists()
+    with pytest.raises(ConfigError, match="unknown digest algorithm 'md5'; use one of blake3, sha256"):
+        shard_checkpoint(src, tmp_path / "s-md5", tp=2, digest="md5")
+    assert not (tmp_path / "s-md5").exists()

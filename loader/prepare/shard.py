@@ -170,6 +170,10 @@ class ShardOptions:
             QuantScheme.parse(self.quantize)
         if type(self.max_file_bytes) is not int or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} must be a positive number of bytes")
+        if not isinstance(self.digest, bool):
+            from gdsload.loader.format.digests import digest_algorithm
+
+            digest_algorithm(self.digest)  # ConfigError naming the algorithms
         if self.compress is not None:
             from gdsload.loader.codecs.registry import codec_names
 
