@@ -30,7 +30,7 @@ def _total_bytes(src: Path) -> int:
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's digest in gdsload.json (a directory's output; hashed on the way to disk).")
 @click.option("--digest-algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT, show_default=True,
-              help="blake3 (fast, on every core); sha256 matches the LFS object ids Hugging Face records.")
+              help="blake3 (fast, on every core), or sha256: the id Hugging Face's LFS would record for these files.")
 def compress(src: str, out: str, codec: str, min_gain: float, device: str | None, digest: bool,
              digest_algorithm: str) -> None:
     """Re-pack a safetensors directory (or file) as compressed, aligned safetensors with the same names."""

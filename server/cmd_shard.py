@@ -24,6 +24,7 @@ from gdsload.loader.prepare.compress import compress_device, compress_dir
 from gdsload.loader.config import format_bytes
 from gdsload.loader.devices import start_primary_context
 from gdsload.loader.format.digests import ALGORITHMS, DEFAULT
+from gdsload.loader.format.manifest import redigest
 from gdsload.loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
 from gdsload.loader.prepare.shard import PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
 
@@ -53,7 +54,7 @@ def _digest_option(digest: bool, algorithm: str) -> bool | str:
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's digest in gdsload.json (hashed on the way to disk).")
 @click.option("--digest-algorithm", type=click.Choice(ALGORITHMS), default=DEFAULT, show_default=True,
-              help="blake3 (fast, on every core); sha256 matches the LFS object ids Hugging Face records.")
+              help="blake3 (fast, on every core), or sha256: the id Hugging Face's LFS would record for these files.")
 @click.option("--progress/--no-progress", "show_progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -89,6 +90,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
                 raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
             # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
             shutil.rmtree(uncompressed, ignore_errors=True)
+            redigest(Path(out), options.digest)  # the same files, the digests this run asks for
             click.echo(f"{out!r} already holds this command's compressed output; nothing to do")
             return
     console = Console(stderr=True)

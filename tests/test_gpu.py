@@ -160,7 +160,7 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
 def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_writes(tmp_path, monkeypatch):
     """`gdsload compress --codec ans` on a GPU imports no torch: cupy and nvCOMP's C API. Its files hold,
     tensor for tensor, the entries and bytes the torch encoder (nvCOMP's Python codec) makes; the
-    manifest's digests are the files' sha256; every tensor loads bit-identical to safetensors, from a
+    manifest's digests are the files' blake3; every tensor loads bit-identical to safetensors, from a
     file the safetensors library wrote (tensors at offsets that are not 16-byte aligned)."""
     import subprocess
     import sys
@@ -205,6 +205,13 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
     manifest = Manifest.read(out)
     assert [m.digest for m in manifest.ranks[0]] == [file_digest(f)]
     _check(load_rank(out, device="cuda", verify=True), tensors)
+    # sha256 when asked for: the same file, its digest as hashlib computes it.
+    import hashlib
+
+    compress_dir(src, tmp_path / "z-sha", codec="ans", device="cuda", digest="sha256")
+    assert (tmp_path / "z-sha" / "model.safetensors").read_bytes() == f.read_bytes()
+    assert [m.digest for m in Manifest.read(tmp_path / "z-sha").ranks[0]] == [
+        "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()]
     # A backend the torch-free load cannot run (it reads with kvikio) sends ANS through torch.
     from gdsload.loader.prepare.gpu_compress import torch_free_gpu
 
@@ -681,6 +688,19 @@ def test_shard_compress_ans_builds_on_the_gpu_without_torch_what_shard_then_comp
         assert res.report.verified
         _check(res, dict(load_rank(tmp_path / "fallback", rank, device="cuda", backend="pinned").tensors))
         _check(res, dict(load_rank(tmp_path / "plain", rank, device="cuda", backend="pinned").tensors))
+    # sha256 digests when asked for: the same files, each digest as hashlib computes it.
+    import hashlib
+
+    cmd[7] = str(tmp_path / "sha")
+    done = subprocess.run([*cmd, "--digest-algorithm", "sha256"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and json.loads(done.stdout)["compression"]["gpu_without_torch"], done.stderr[-2000:]
+    from gdsload.loader.format.manifest import Manifest
+
+    listed = [m for ms in Manifest.read(tmp_path / "sha").ranks.values() for m in ms]
+    assert len(listed) == tp
+    for m in listed:
+        data = (tmp_path / "sha" / m.path).read_bytes()
+        assert m.digest == "sha256:" + hashlib.sha256(data).hexdigest() and data == (gpu / m.path).read_bytes()
     # The same command again finds its output complete.
     cmd[7] = str(gpu)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -939,6 +939,34 @@ def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, chec
     bad = run("compress", str(model), str(tmp_path / "z-md5"), "--digest-algorithm", "md5", ok=False)
     assert bad.returncode == 2 and "'md5' is not one of 'blake3', 'sha256'" in bad.stderr
     assert not (tmp_path / "z-md5").exists()
-    with pytest.raises(ConfigError, match="unknown digest algorithm 'md5'; use one of blake3, sha256"):
+    with pytest.raises(ConfigError, match="digest='md5' names no digest algorithm gdsload knows; give True"):
         shard_checkpoint(src, tmp_path / "s-md5", tp=2, digest="md5")
     assert not (tmp_path / "s-md5").exists()
+
+
+def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_can_change_it(checkpoints,
+                                                                                                tmp_path):
+    """A writer that computes another digest (or none) than the one asked for: the manifest still records the
+    one asked for, hashed from the file. A finished output rerun with another digest option keeps its files
+    and records the digests asked for."""
+    import functools
+    import hashlib
+
+    import blake3
+
+    from gdsload.loader.format.safetensors import AlignedWriter
+
+    src, _ = checkpoints["llama-gqa-tied"]
+    out = tmp_path / "sha"
+    shard_checkpoint(src, out, tp=2, digest="sha256", writer_factory=functools.partial(AlignedWriter, threads=2))
+    listed = [f for fs in Manifest.read(out).ranks.values() for f in fs]
+    data = {f.path: (out / f.path).read_bytes() for f in listed}
+    assert listed and all(f.digest == "sha256:" + hashlib.sha256(data[f.path]).hexdigest() for f in listed)
+    extra = Manifest.read(out).extra
+    for digest, want in ((True, lambda b: "blake3:" + blake3.blake3(b).hexdigest()), (False, lambda b: None),
+                         ("sha256", lambda b: "sha256:" + hashlib.sha256(b).hexdigest())):
+        assert shard_checkpoint(src, out, tp=2, digest=digest).already_complete
+        again = Manifest.read(out)
+        assert [(f.path, f.digest) for fs in again.ranks.values() for f in fs] == [
+            (f.path, want(data[f.path])) for f in listed]
+        assert again.extra == extra and all((out / p).read_bytes() == b for p, b in data.items())

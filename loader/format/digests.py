@@ -21,7 +21,7 @@ from typing import Any
 
 from gdsload.loader.errors import ConfigError, ManifestError
 
-__all__ = ["ALGORITHMS", "DEFAULT", "Hasher", "hasher", "algorithm_of", "digest_algorithm", "file_digest"]
+__all__ = ["ALGORITHMS", "DEFAULT", "Hasher", "hasher", "algorithm_of", "digest_algorithm", "require", "file_digest"]
 
 ALGORITHMS = ("blake3", "sha256")
 DEFAULT = "blake3"
@@ -47,8 +47,10 @@ def _blake3() -> Any:
     try:
         import blake3
     except ImportError:
-        raise ConfigError("blake3 digests need the blake3 package, which is not installed: `pip install blake3`, "
-                          "or write sha256 digests (--digest-algorithm sha256)") from None
+        raise ConfigError("blake3 digests need the blake3 package, which is not installed (gdsload depends on it): "
+                          "`pip install blake3`; or write sha256 digests (--digest-algorithm sha256, "
+                          "digest='sha256'), or load a model whose manifest records blake3 digests without verify"
+                          ) from None
     return blake3
 
 
@@ -68,15 +70,25 @@ def hasher(algorithm: str = DEFAULT, initial: bytes = b"") -> Hasher:
     return h
 
 
-def digest_algorithm(digest: bool | str) -> str | None:
-    """The algorithm a writer's ``digest`` option asks for: True is :data:`DEFAULT`, False none, a name itself."""
+def digest_algorithm(digest: bool | str | None) -> str | None:
+    """The algorithm a writer's ``digest`` option asks for: True is :data:`DEFAULT`, False (or None) none, a name
+    of :data:`ALGORITHMS` itself."""
     if digest is True:
         return DEFAULT
     if digest is False or digest is None:
         return None
     if digest not in ALGORITHMS:
-        raise ConfigError(f"unknown digest algorithm {digest!r}; use one of {', '.join(ALGORITHMS)}")
+        raise ConfigError(f"digest={digest!r} names no digest algorithm gdsload knows; give True (blake3), "
+                          "'blake3', 'sha256', or False for none")
     return digest
+
+
+def require(digest: bool | str | None) -> str | None:
+    """:func:`digest_algorithm`, and its package imported: a writer calls it before it makes any file."""
+    algorithm = digest_algorithm(digest)
+    if algorithm == "blake3":
+        _blake3()
+    return algorithm
 
 
 def algorithm_of(digest: str, where: str = "the manifest") -> str:

@@ -43,6 +43,7 @@ __all__ = [
     "logical_bytes",
     "describe_file",
     "write_manifest",
+    "redigest",
 ]
 
 MANIFEST_NAME = "gdsload.json"
@@ -153,8 +154,8 @@ def logical_bytes(header: SafetensorsHeader) -> int:
 def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool | str = True,
                   known_digest: str | None = None) -> ManifestFile:
     """Build the manifest entry of an existing file (reads its header, and its bytes for the digest
-    unless ``known_digest``, the one its writer computed, is given). ``digest``: True (blake3),
-    ``"sha256"``, or False for none."""
+    unless ``known_digest``, the one its writer computed, is given and of the algorithm asked for).
+    ``digest``: True or ``"blake3"``, ``"sha256"``, or False for none."""
     from gdsload.loader.format import digests  # here: a load imports no hashing
 
     full = Path(directory) / relpath
@@ -165,7 +166,8 @@ def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bo
         bytes=header.file_size,
         stored_bytes=header.data_len,
         logical_bytes=logical_bytes(header),
-        digest=(known_digest or digests.file_digest(full, algorithm)) if algorithm else None,
+        digest=(known_digest if known_digest and known_digest.startswith(f"{algorithm}:")
+                else digests.file_digest(full, algorithm)) if algorithm else None,
     )
 
 
@@ -218,3 +220,24 @@ def write_manifest(
     with atomic_output(Path(directory) / MANIFEST_NAME) as f:
         f.write(json.dumps(manifest.to_dict(), indent=2).encode("utf-8") + b"\n")
     return manifest
+
+
+def redigest(directory: str | os.PathLike[str], digest: bool | str = True) -> bool:
+    """Rewrite ``directory``'s manifest when the digests it records are not the kind ``digest`` asks for (True or
+    ``"blake3"``, ``"sha256"``, False for none), hashing its files; True when it did. What else the manifest
+    says is kept.
+
+    >>> redigest("llama3-tp2", "sha256")  # doctest: +SKIP
+    True
+    """
+    from gdsload.loader.format.digests import digest_algorithm
+
+    algorithm = digest_algorithm(digest)
+    manifest = Manifest.read(directory)
+    recorded = [f.digest for files in manifest.ranks.values() for f in files]
+    if all(d is None if algorithm is None else (d or "").startswith(f"{algorithm}:") for d in recorded):
+        return False
+    write_manifest(directory, {r: [f.path for f in files] for r, files in manifest.ranks.items()},
+                   tp_size=manifest.tp_size, layout=manifest.layout, extra=manifest.extra, digest=digest)
+    return True
+

@@ -47,7 +47,7 @@ class LoadConfig(NamedTuple):
     take memory of their own; loads into the caller's tensors use three buffers of a third each (on the
     CPU, one)."""
     verify: bool = False
-    """Check each file against the manifest's sha256 digest after loading (costs a hash pass)."""
+    """Check each file against the manifest's digest (blake3 or sha256) after loading (costs a hash pass)."""
 
     def check(self) -> LoadConfig:
         """This config, once every value is known to be usable; :class:`ConfigError` naming the first that is not."""

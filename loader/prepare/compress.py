@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
 from gdsload.loader.codecs.registry import GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
+from gdsload.loader.format.digests import require
 from gdsload.loader.format.discovery import list_ranks
 from gdsload.loader.errors import CodecError, ConfigError
 from gdsload.loader.format.safetensors import (
@@ -111,6 +112,7 @@ def compress_file(
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
     _check_options(codec, min_gain)
+    require(digest)  # the digest asked for can be made: checked before any file is encoded
     t0 = time.perf_counter()
     index = torch_free_gpu(codec, device)
     if index is not None:
@@ -216,6 +218,7 @@ def compress_dir(
     """
     t0 = time.perf_counter()
     _check_options(codec, min_gain)
+    require(digest)  # the digest asked for can be made: checked before any file is encoded
     src_p, out_p = Path(src), Path(out)
     if not src_p.is_dir():
         raise ConfigError(f"source {str(src)!r} is not a directory; use compress_file for single files")

@@ -12,7 +12,7 @@ For each file:
    at once and hashed, in file order, on the way (:func:`write_file`).
 
 The GPU work of the next file runs while a file is written, and its digest (blake3 by default) is
-computed on the way, in file order, by one thread.
+computed on the way: fed in file order by one thread, hashed on every core.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE, to_torch
 from gdsload.loader.errors import ConfigError, FormatError, GdsloadError, ManifestError
 from gdsload.loader.format.safetensors import AlignedWriter, TensorInfo, TensorSpec, atomic_output, read_header
-from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manifest
+from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, redigest, write_manifest
 from gdsload.loader.prepare.quantize import QuantScheme, compute_scale, quantization_config, quantize_into
 from gdsload.loader.prepare.shard_rules import (
     LAYOUTS,
@@ -153,7 +153,7 @@ class ShardOptions:
     max_file_bytes: int = 5 << 30
     """Start a new part file before one would exceed this (a single larger tensor gets its own file)."""
     digest: bool | str = True
-    """Record each file's digest in gdsload.json (computed as the files are written): True for blake3,
+    """Record each file's digest in gdsload.json (computed as the files are written): True or ``"blake3"``,
     ``"sha256"``, or False for none."""
     compress: str | None = None
     """The codec the files end up compressed with (``gdsload shard --compress``), or None. Part of the
@@ -170,10 +170,9 @@ class ShardOptions:
             QuantScheme.parse(self.quantize)
         if type(self.max_file_bytes) is not int or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} must be a positive number of bytes")
-        if not isinstance(self.digest, bool):
-            from gdsload.loader.format.digests import digest_algorithm
+        from gdsload.loader.format.digests import require
 
-            digest_algorithm(self.digest)  # ConfigError naming the algorithms
+        require(self.digest)  # a ConfigError naming the choices, or the package to install, before any file
         if self.compress is not None:
             from gdsload.loader.codecs.registry import codec_names
 
@@ -832,6 +831,8 @@ def execute_plan(
         if (out / PARTIAL_DIR).exists():  # killed after its manifest, before its last rename
             _publish(out, out / PARTIAL_DIR)
         shutil.rmtree(out / FINISHED_DIR, ignore_errors=True)
+        if redigest(out, plan.options.digest):  # the same files, the digests this run asks for
+            log.info("%s: the manifest's digests rewritten (%s)", out, plan.options.digest)
         log.info("%s", result.summary())
         return result
     partial = out / PARTIAL_DIR
