@@ -36,19 +36,11 @@ def build_source(path: Path, size: int, max_file_bytes: int = 1 << 30) -> dict[s
     import torch
 
     from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
-    from gdsload.loader.prepare.synthetic import shape_for_size, tensor_shapes
+    from gdsload.loader.prepare.synthetic import file_groups, shape_for_size, tensor_shapes
 
     shape = shape_for_size(size)
     entries = [(name, s) for name, s, _ in tensor_shapes(shape)]
-    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    acc = 0
-    for name, s in entries:
-        n = math.prod(s) * 2
-        if groups[-1] and acc + n > max_file_bytes:
-            groups.append([])
-            acc = 0
-        groups[-1].append((name, s))
-        acc += n
+    groups = file_groups(entries, max_file_bytes)
     path.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     gen = torch.Generator().manual_seed(0)

@@ -28,7 +28,8 @@ from gdsload.loader.errors import ConfigError
 from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import write_manifest
 
-__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint"]
+__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint",
+           "file_groups"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,22 @@ def make_checkpoint(
     return out
 
 
+def file_groups(shapes: list[tuple[str, tuple[int, ...]]], max_file_bytes: int
+                ) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """bf16 ``(name, shape)`` pairs grouped, in order, into files of at most ``max_file_bytes`` (a larger tensor
+    alone in its file)."""
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * 2
+        if groups[-1] and size + nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    return groups
+
+
 def make_hf_checkpoint(
     out: str | os.PathLike[str],
     shape: LlamaShape | str | int,
@@ -232,15 +249,7 @@ def make_hf_checkpoint(
         shape = PRESETS[shape]
     elif isinstance(shape, int):
         shape = shape_for_size(shape)
-    parts: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, full, _ in tensor_shapes(shape):
-        nbytes = math.prod(full) * 2
-        if parts[-1] and size + nbytes > max_file_bytes:
-            parts.append([])
-            size = 0
-        parts[-1].append((name, full))
-        size += nbytes
+    parts = file_groups([(name, full) for name, full, _ in tensor_shapes(shape)], max_file_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
