@@ -97,11 +97,14 @@ def cli(verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: str, tensors: bool, as_json: bool) -> None:
     """Show ranks, files, tensors, dtypes, bytes, alignment and compression of a checkpoint."""
-    from gdsload.loader import list_ranks, read_header
+    from gdsload.loader import read_header
     from gdsload.loader.format.compression import parse_compression
+    from gdsload.loader.format.discovery import scan_layout
 
-    source, tp, ranks = list_ranks(path)
-    doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": tp, "ranks": {}}
+    scanned = scan_layout(path)
+    source, ranks = scanned.source, scanned.ranks
+    doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": scanned.tp_size,
+                           "pp_size": scanned.pp_size, "ep_size": scanned.ep_size, "ranks": {}}
     for rank, files in sorted(ranks.items()):
         out = []
         for f in files:
@@ -138,7 +141,8 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(f"{doc['path']}: {source} layout, tp={tp}, {len(ranks)} rank(s)")
+    click.echo(f"{doc['path']}: {source} layout, tp={scanned.tp_size} pp={scanned.pp_size} ep={scanned.ep_size}, "
+               f"{len(ranks)} rank(s)")
     for rank, files in doc["ranks"].items():
         for e in files:
             dtypes = ", ".join(f"{k}×{v}" for k, v in sorted(e["dtypes"].items()))
@@ -158,7 +162,8 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Tensor-parallel rank to load.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The rank to load (global: pipeline stage x tensor-parallel size + tensor-parallel rank).")
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Target device: cpu, cuda, cuda:N.")
 @click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")

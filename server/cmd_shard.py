@@ -26,7 +26,7 @@ from gdsload.loader.devices import start_primary_context
 from gdsload.loader.format.digests import ALGORITHMS, DEFAULT
 from gdsload.loader.format.manifest import redigest
 from gdsload.loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
-from gdsload.loader.prepare.shard import PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
+from gdsload.loader.prepare.shard import LAYOUT_SOURCES, PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
 
@@ -41,13 +41,31 @@ def _digest_option(digest: bool, algorithm: str) -> bool | str:
 @click.command("shard")
 @click.argument("src", type=click.Path(file_okay=False, exists=True))
 @click.argument("out", type=click.Path(dir_okay=True, file_okay=False))
-@click.option("--tp", type=int, required=True, help="Tensor-parallel size: write files for ranks 0..N-1.")
+@click.option("--tp", "--tensor-parallel-size", "tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size.")
+@click.option("--pp", "--pipeline-parallel-size", "pp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline-parallel size (stages); files are named model-pp-P-tp-T-part-N as vLLM names them.")
+@click.option("--ep", "--expert-parallel-size", "ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Expert-parallel size: 1, or the tensor-parallel size (vLLM's --enable-expert-parallel).")
+@click.option("--enable-expert-parallel", "enable_ep", is_flag=True,
+              help="Spread the experts over the tensor-parallel ranks (the same as --ep TP).")
 @click.option("--layout", type=click.Choice(["vllm", "hf"]), default="vllm", show_default=True,
-              help="vllm: fused per-rank parameters for vLLM's sharded_state loader; hf: HF names, per-rank slices.")
-@click.option("--quantize", default=None, metavar="fp8[:per-tensor|per-channel]",
-              help="Quantize linear-layer weights to float8_e4m3fn with fp32 scales.")
+              help="vllm: each rank's state dict as vLLM builds it (its sharded_state loader reads it too); "
+                   "hf: HF names, per-rank slices (Llama family, tensor parallel).")
+@click.option("--layout-source", type=click.Choice(LAYOUT_SOURCES), default="auto", show_default=True,
+              help="Where a vllm layout comes from: vLLM's own model code when vLLM is installed (auto), vLLM "
+                   "(required), or gdsload's built-in Llama-family rules.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="The python of an environment with vLLM, when vLLM is not installed next to gdsload.")
+@click.option("--quantize", "--quantization", "quantize", default=None, metavar="fp8[:per-tensor|per-channel]",
+              help="Quantize the weights vLLM's fp8 method covers to float8_e4m3fn with fp32 scales.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="The parameters' dtype, as vLLM's --dtype (auto: as vLLM picks it for the checkpoint).")
+@click.option("--trust-remote-code", is_flag=True, help="Let vLLM run the model repository's configuration code.")
 @click.option("--max-file-size", "max_file_bytes", type=SIZE, default="5GiB", show_default=True,
               help="Start a new part file before one would exceed this.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Files written at once, each by its own process (default: one per core, as memory allows).")
 @click.option("--compress", "codec", type=click.Choice(codec_names()), default=None,
               help="Compress the files (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
                    "--quantize is built and compressed on the GPU, without torch.")
@@ -58,19 +76,31 @@ def _digest_option(digest: bool, algorithm: str) -> bool | str:
 @click.option("--progress/--no-progress", "show_progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_file_bytes: int, codec: str | None,
-          digest: bool, digest_algorithm: str, show_progress: bool | None, as_json: bool) -> None:
-    """Pre-shard the Hugging Face checkpoint SRC (Llama, Mistral, Qwen2) into OUT by TP rank.
+def shard(src: str, out: str, tp: int, pp: int, ep: int, enable_ep: bool, layout: str, layout_source: str,
+          vllm_python: str | None, quantize: str | None, dtype: str, trust_remote_code: bool, max_file_bytes: int,
+          workers: int | None, codec: str | None, digest: bool, digest_algorithm: str, show_progress: bool | None,
+          as_json: bool) -> None:
+    """Pre-shard the Hugging Face checkpoint SRC into OUT, one set of files per rank.
 
-    Streams tensor by tensor; rerunning after an interruption resumes.
+    With vLLM installed, each rank holds exactly what vLLM's own model code places on it, for every
+    architecture vLLM serves and any tensor x pipeline x expert layout; without it, Llama-family
+    models shard by gdsload's built-in tensor-parallel rules. Reads each rank's regions of the
+    source once, files in parallel; rerunning after an interruption resumes.
 
     \b
+        gdsload shard /models/Mixtral-8x7B /models/mixtral-tp4-ep --tp 4 --enable-expert-parallel
         gdsload shard /models/Llama-3-8B /models/llama3-tp2-fp8 --tp 2 --quantize fp8
     """
+    if enable_ep and ep not in (1, tp):
+        raise click.UsageError(f"--enable-expert-parallel spreads the experts over the {tp} tensor-parallel ranks; "
+                               f"it cannot be combined with --ep {ep}")
+    ep = tp if enable_ep else ep
     if codec == "ans":  # the GPU's context is made while the headers are read and cupy imports
         start_primary_context(0)
-    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
-                           digest=_digest_option(digest, digest_algorithm), compress=codec)
+    options = ShardOptions(tp=tp, pp=pp, ep=ep, layout=layout, layout_source=layout_source, quantize=quantize,
+                           max_file_bytes=max_file_bytes, digest=_digest_option(digest, digest_algorithm),
+                           compress=codec, dtype=dtype, vllm_python=vllm_python,
+                           trust_remote_code=trust_remote_code, workers=workers)
     plan = plan_shard(src, options)
     uncompressed = Path(out).with_name(f".{Path(out).name}.uncompressed")
     # A rerun continues the way its run began: shards beside OUT (through torch), or files built on the GPU.
@@ -95,7 +125,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
             return
     console = Console(stderr=True)
     enabled = console.is_terminal if show_progress is None else show_progress
-    columns = (TextColumn("[bold]shard[/] tp={task.fields[tp]}"), BarColumn(), DownloadColumn(),
+    columns = (TextColumn("[bold]shard[/] {task.fields[layout]}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
     # On a GPU, ANS files are built and compressed there and written into OUT (resumable as usual).
     # Otherwise the shards are written beside OUT first (resumable), then compressed into OUT, which
@@ -104,7 +134,7 @@ def shard(src: str, out: str, tp: int, layout: str, quantize: str | None, max_fi
     target = uncompressed if two_step else Path(out)
     writer = GpuShardWriter(plan, gpu) if gpu is not None else None
     with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
-        task = bar.add_task("shard", total=plan.total_bytes, tp=tp)
+        task = bar.add_task("shard", total=plan.total_bytes, layout=str(options.parallel))
         result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n), files_writer=writer)
     compression = None
     if two_step:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "gdsload.loader.errors": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0, "gdsload.loader.driver": 0,
     "gdsload.loader.devices": 1,
-    "gdsload.loader.format": 2,
+    "gdsload.loader.format": 2, "gdsload.loader.model_config": 2,
     "gdsload.loader.plan": 3,
     "gdsload.loader.io": 4,
     "gdsload.loader.codecs": 5,

@@ -129,59 +129,53 @@ def read_rank(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def dequantized(t: torch.Tensor, scale: torch.Tensor, k: int, rows: tuple[int, int] | None) -> torch.Tensor:
-    """Piece ``k`` of rank tensor ``t`` (already narrowed) in fp32, with its scale."""
-    if scale.dim() == 0:
-        s = scale
-    elif scale.dim() == 1:  # vLLM per-tensor: one scale per fused piece
-        s = scale[k]
-    else:  # per-channel [rows, 1]
-        s = scale if rows is None else scale[rows[0] : rows[1]]
-    return t.float() * s
-
-
 def reassemble(out: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Rebuild every source tensor from the rank files, following the plan in gdsload.json.
+    """Rebuild every source tensor from the rank files, following the recipes the plan wrote them from.
 
-    Checks on the way: every element is covered, replicas agree, padding rows are zero. FP8
-    weights come back dequantized to fp32.
+    The plan is made again from the source and the options the manifest records; each part's piece of
+    a rank tensor goes back to its region of the source. Checks on the way: every element is covered,
+    replicas agree, filled regions (vocabulary padding) hold their constant. FP8 weights come back
+    dequantized to fp32, with the scales the ``*_scale`` tensors hold.
     """
     manifest = Manifest.read(out)
-    plan = manifest.extra["shard"]["tensors"]
-    ranks = [load_rank(out, r).tensors for r in range(manifest.tp_size)]
+    rec = manifest.extra["shard"]
+    options = ShardOptions(tp=rec["tp"], pp=rec.get("pp", 1), ep=rec.get("ep", 1), layout=rec["layout"],
+                           quantize=rec["quantize"], max_file_bytes=rec["max_file_bytes"])
+    plan = plan_shard(rec["source"], options)
+    results = [load_rank(out, r) for r in range(manifest.world_size)]  # kept: the tensors are views of their arenas
+    loaded = [r.tensors for r in results]
     full: dict[str, torch.Tensor] = {}
     seen: dict[str, torch.Tensor] = {}
-    for name, entry in plan.items():
-        if entry["op"] not in ("copy", "fp8"):
-            continue
-        dim = entry["dim"]
-        for r, pieces in enumerate(entry["ranks"]):
-            t = ranks[r][name]
-            scale = ranks[r][name + "_scale"] if entry["op"] == "fp8" else None
-            offset = 0
-            for k, (si, a, b) in enumerate(pieces):
-                src = entry["sources"][si]
-                if dim is None:
-                    piece, rows, place = t, None, (slice(None),)
-                else:
-                    piece = t.narrow(dim, offset, b - a)
-                    rows = (offset, offset + b - a) if dim == 0 else None
-                    place = (slice(a, b),) if dim == 0 else (slice(None), slice(a, b))
-                if scale is not None:
-                    piece = dequantized(piece, scale, k, rows)
+    scales: dict[str, torch.Tensor] = {}
+    per_channel = options.scheme is not None and options.scheme.per_channel
+    for f in plan.files:
+        for recipe in f.tensors:
+            t = loaded[f.rank][recipe.name]
+            for part in recipe.parts:
+                piece = torch.as_strided(t, part.dst.shape, part.dst.strides, t.storage_offset() + part.dst.offset)
+                if part.kind == "fill":
+                    assert (piece.float() == part.value).all(), f"{recipe.name} rank {f.rank}: fill not {part.value}"
+                    continue
+                if part.kind == "scale":
+                    shape = (shapes[part.source][0], 1) if per_channel else ()
+                    v = scales.setdefault(part.source, torch.full(shape, float("nan")))
+                    torch.as_strided(v, part.src.shape, part.src.strides, part.src.offset).copy_(piece)
+                    continue
+                src = part.source
                 if src not in full:
                     full[src] = torch.zeros(shapes[src], dtype=piece.dtype)
                     seen[src] = torch.zeros(shapes[src], dtype=torch.bool)
-                prev = seen[src][place]
-                assert torch.equal(full[src][place][prev], piece[prev]), f"replicas of {src} differ (rank {r})"
-                full[src][place] = piece
-                seen[src][place] = True
-                offset += b - a
-            pad = entry.get("pad", [0] * len(entry["ranks"]))[r]
-            if pad:
-                assert not t.narrow(0, t.shape[0] - pad, pad).float().any(), f"{name} rank {r}: padding not zero"
+                region = torch.as_strided(full[src], part.src.shape, part.src.strides, part.src.offset)
+                mask = torch.as_strided(seen[src], part.src.shape, part.src.strides, part.src.offset)
+                prev = mask.clone()
+                assert torch.equal(region[prev].float(), piece[prev].float()), f"replicas of {src} differ (rank {f.rank})"
+                region.copy_(piece)
+                mask.fill_(True)
     for src, mask in seen.items():
         assert mask.all(), f"{src}: not every element was written by some rank"
+    for src, scale in scales.items():
+        assert not scale.isnan().any(), f"{src}: not every scale was written"
+        full[src] = full[src].float() * scale
     return full
 
 
@@ -315,7 +309,7 @@ def test_vllm_files_follow_the_sharded_state_pattern_and_alignment(checkpoints, 
     assert found.source == "vllm" and found.tp_size == 2 and len(found.files) == len(result.files[1])
 
 
-def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_path):
+def test_manifest_records_the_layout_and_aux_files_are_copied(checkpoints, tmp_path):
     src, _ = checkpoints["llama-gqa-tied"]
     import gdsload.loader.format.digests as digests_mod
 
@@ -325,14 +319,10 @@ def test_manifest_records_the_plan_and_aux_files_are_copied(checkpoints, tmp_pat
     out = tmp_path / "out"
     manifest = Manifest.read(out)
     shard = manifest.extra["shard"]
-    assert manifest.layout == "hf" and manifest.tp_size == 4
-    assert shard["padded_vocab_size"] == 1024 and shard["kv_head_replicas"] == 2 and shard["quantize"] is None
-    k = shard["tensors"]["model.layers.0.self_attn.k_proj.weight"]
-    assert k["split"] == "column" and k["ranks"] == [[[0, 0, 8]], [[0, 0, 8]], [[0, 8, 16]], [[0, 8, 16]]]
-    emb = shard["tensors"]["model.embed_tokens.weight"]
-    # hf layout: the real rows of each rank's range, no padding (at tp=1, the source's own shape)
-    assert emb["split"] == "vocab" and "pad" not in emb and emb["ranks"][3] == [[0, 768, 1000]]
-    assert "lm_head.weight" not in shard["tensors"]  # tied: HF names keep only the embedding
+    assert manifest.layout == "hf" and manifest.tp_size == 4 and manifest.pp_size == 1 and manifest.world_size == 4
+    assert shard["architecture"] == "LlamaForCausalLM" and shard["layout_from"] == "builtin rules"
+    assert shard["quantize"] is None and shard["source"] == str(src.resolve())
+    assert shard["parallel"]["world"] == 4 and shard["parallel"]["ranks"]["3"] == {"pp_rank": 0, "tp_rank": 3}
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
@@ -549,7 +539,7 @@ def _bytes_written(src: Path, out: Path, **kw: Any) -> int:
     return sum(p.stat().st_size for p in out.iterdir())
 
 
-@pytest.mark.parametrize("fraction, stage", [(0.0, "state.json"), (0.5, "(tensor '"), (0.999, "gdsload.json")])
+@pytest.mark.parametrize("fraction, stage", [(0.0, "state.json"), (0.3, "(tensor '"), (0.999, "gdsload.json")])
 @pytest.mark.parametrize("out_exists", [False, True])
 def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, stage,
                                                        out_exists):

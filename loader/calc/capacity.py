@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gdsload.loader.errors import ConfigError
+from gdsload.loader.model_config import ModelConfig, ModelConfigError
 
 __all__ = [
     "MIB",
@@ -67,8 +68,6 @@ GATED_MLP_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "
                                 "internlm2", "olmo2", "phi3"})
 """``model_type``s whose weights the planner counts right: dense decoders with a gated MLP (gate, up, down) and
 grouped-query attention. A config without ``model_type`` is counted the same way."""
-TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "cohere"})
-"""``model_type``s whose transformers config ties lm_head to the embeddings unless it says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -128,13 +127,11 @@ class ModelSpec:
         ...                           "intermediate_size": 128, "vocab_size": 1000}).kv_heads
         4
         """
-        wrapper = ""
-        if "num_hidden_layers" not in doc and isinstance(doc.get("text_config"), Mapping):
-            # Multimodal wrappers keep the language model's dims here; keys it lacks (tie_word_embeddings)
-            # come from the wrapper. Only the language model is counted.
-            wrapper = str(doc.get("model_type") or "multimodal")
-            text = doc["text_config"]
-            doc = {**{k: v for k, v in doc.items() if k not in ("text_config", "model_type")}, **text}
+        try:
+            cfg = ModelConfig.from_dict(doc, where=name)
+        except ModelConfigError as e:
+            raise ConfigError(str(e)) from None
+        doc = cfg.raw
         moe = sorted(k for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
                      if doc.get(k))
         if moe:
@@ -145,37 +142,33 @@ class ModelSpec:
         if missing:
             raise ConfigError(f"{name}: missing {missing}; expected a Hugging Face config.json of a dense decoder "
                               "(Llama, Mistral, Qwen2)")
-        heads = doc["num_attention_heads"]
-        hidden = doc["hidden_size"]
-        model_type = str(doc.get("model_type", ""))
+        model_type = cfg.model_type or ""
         if model_type and model_type not in GATED_MLP_DECODERS:
             raise ConfigError(f"{name}: model_type {model_type!r} is not one the planner counts: it assumes a dense "
                               "decoder with a gated MLP (gate, up and down projections) and grouped-query "
                               f"attention, as in {', '.join(sorted(GATED_MLP_DECODERS))}")
-        tied = doc.get("tie_word_embeddings")
-        tied_note = "" if tied is not None else (
-            f"; tie_word_embeddings absent, taken as {str(model_type in TIED_BY_DEFAULT).lower()} "
+        tied_note = "" if not cfg.tie_is_default else (
+            f"; tie_word_embeddings absent, taken as {str(cfg.tie_word_embeddings).lower()} "
             f"(transformers' default for {model_type or 'a config without model_type'})")
         attention_bias = bool(doc.get("attention_bias", False))
         return cls(
             name=name,
             layers=doc["num_hidden_layers"],
-            hidden=hidden,
-            heads=heads,
-            kv_heads=doc.get("num_key_value_heads") or heads,
-            head_dim=doc.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                             and heads else 0),
+            hidden=doc["hidden_size"],
+            heads=doc["num_attention_heads"],
+            kv_heads=doc.get("num_key_value_heads") or doc["num_attention_heads"],
+            head_dim=doc.get("head_dim") or cfg.head_dim or 0,
             intermediate=doc["intermediate_size"],
             vocab=doc["vocab_size"],
-            tied_embeddings=bool(tied) if tied is not None else model_type in TIED_BY_DEFAULT,
+            tied_embeddings=cfg.tie_word_embeddings,
             max_position=doc.get("max_position_embeddings"),
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias,
             mlp_bias=bool(doc.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             source=f"{name} (model_type={model_type or '?'}{tied_note}"
-                   + (f"; the language model of a {wrapper} config: its vision or audio encoder is not counted"
-                      if wrapper else "") + ")",
+                   + (f"; the language model of a {cfg.wrapper} config: its vision or audio encoder is not counted"
+                      if cfg.wrapper else "") + ")",
         )
 
 

@@ -1,9 +1,10 @@
-"""Find the files one tensor-parallel rank loads.
+"""Find the files one rank loads.
 
-Order: ``gdsload.json`` if present; else vLLM's ``model-rank-{rank}-part-{part}.safetensors``
-(what ``save_sharded_state`` writes); else TensorRT-LLM's ``rank{rank}.safetensors``; else, for
-rank 0 only, every ``*.safetensors`` (an ordinary TP=1 checkpoint). A path to a single
-``.safetensors`` file is a TP=1 checkpoint of one file.
+Order: ``gdsload.json`` if present; else vLLM's ``model-rank-{rank}-part-{part}.safetensors`` or, with
+pipeline parallel, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors`` (what ``save_sharded_state``
+writes); else TensorRT-LLM's ``rank{rank}.safetensors``; else, for rank 0 only, every ``*.safetensors``
+(an ordinary TP=1 checkpoint). A path to a single ``.safetensors`` file is a TP=1 checkpoint of one file.
+Ranks are global ranks, numbered as the engine numbers them (:mod:`~gdsload.loader.format.ranks`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from pathlib import Path
 
 from gdsload.loader.errors import ConfigError, FileUnreadableError, ManifestError, NoFilesForRankError, UnfinishedOutputError
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile
+from gdsload.loader.format.ranks import PP_TP_PATTERN, parse_rank_file
 
-__all__ = ["RankFiles", "discover", "list_ranks", "VLLM_PATTERN", "TRTLLM_PATTERN"]
+__all__ = ["RankFiles", "ScannedLayout", "discover", "list_ranks", "scan_layout", "VLLM_PATTERN", "TRTLLM_PATTERN"]
 
 VLLM_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 TRTLLM_PATTERN = "rank{rank}.safetensors"
-_VLLM_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _TRTLLM_RE = re.compile(r"^rank(\d+)\.safetensors$")
 
 
@@ -35,6 +36,7 @@ class RankFiles(NamedTuple):
     files: tuple[str, ...]
     """Absolute paths."""
     manifest: Manifest | None = None
+    pp_size: int = 1
 
     def manifest_entry(self, path: str) -> ManifestFile | None:
         if self.manifest is None:
@@ -69,18 +71,39 @@ def _safetensors_in(root: Path) -> list[str]:
                                   "permissions") from None
 
 
+class ScannedLayout(NamedTuple):
+    """What a model path holds: how its files were found, the parallel sizes, and each rank's files."""
+
+    source: str
+    tp_size: int
+    pp_size: int
+    ep_size: int
+    ranks: dict[int, tuple[str, ...]]
+    """Global rank -> absolute paths."""
+    manifest: Manifest | None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
 def list_ranks(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[str, ...]]]:
-    """Every rank a model directory holds: ``(source, tp_size, {rank: absolute paths})``."""
-    source, tp, files, _ = _scan(path)
-    return source, tp, files
+    """Every rank a model directory holds: ``(source, number of ranks, {rank: absolute paths})``."""
+    scanned = scan_layout(path)
+    return scanned.source, scanned.world_size, scanned.ranks
 
 
-def _scan(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[str, ...]], Manifest | None]:
+def scan_layout(path: str | os.PathLike[str]) -> ScannedLayout:
+    """The layout of a model path (see the module docstring for the order of lookups).
+
+    >>> scan_layout("/models/mixtral-tp2-pp2")  # doctest: +SKIP
+    ScannedLayout(source='manifest', tp_size=2, pp_size=2, ep_size=1, ranks={0: (...), ...}, manifest=...)
+    """
     root = Path(path).resolve()
     if root.is_file():
         if root.suffix != ".safetensors":
             raise NoFilesForRankError(f"{str(path)!r} is not a .safetensors file or a model directory")
-        return "plain", 1, {0: (str(root),)}, None
+        return ScannedLayout("plain", 1, 1, 1, {0: (str(root),)}, None)
     if not root.is_dir():
         raise NoFilesForRankError(f"model path {str(path)!r} does not exist")
     for marker, command in UNFINISHED_MARKERS.items():
@@ -111,32 +134,48 @@ def _scan(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[str, 
                         f"{str(root / MANIFEST_NAME)!r} records {f.bytes} bytes for {f.path!r} (rank {r}), the file "
                         f"has {size}; it was cut short or replaced — re-copy the directory"
                     )
-        return "manifest", manifest.tp_size, files, manifest
+        return ScannedLayout("manifest", manifest.tp_size, manifest.pp_size, manifest.ep_size, files, manifest)
 
     names = _safetensors_in(root)
-    vllm: dict[int, dict[int, str]] = {}
+    vllm: dict[tuple[int | None, int], dict[int, str]] = {}
     trt: dict[int, str] = {}
     for name in names:
-        if m := _VLLM_RE.match(name):
-            vllm.setdefault(int(m[1]), {})[int(m[2])] = str(root / name)
+        if parsed := parse_rank_file(name):
+            pp_rank, tp_rank, part = parsed
+            vllm.setdefault((pp_rank, tp_rank), {})[part] = str(root / name)
         elif m := _TRTLLM_RE.match(name):
             trt[int(m[1])] = str(root / name)
     if vllm:
-        out = {}
-        for r, parts in vllm.items():
-            gaps = sorted(set(range(max(parts) + 1)) - set(parts))
-            if gaps:
-                raise NoFilesForRankError(
-                    f"rank {r} under {str(root)!r} has parts {sorted(parts)} but not {gaps} "
-                    f"('{VLLM_PATTERN}'); the copy is incomplete"
-                )
-            out[r] = tuple(parts[p] for p in sorted(parts))
-        return "vllm", max(out) + 1, out, None
+        return _vllm_layout(root, vllm)
     if trt:
-        return "trtllm", max(trt) + 1, {r: (p,) for r, p in trt.items()}, None
+        return ScannedLayout("trtllm", max(trt) + 1, 1, 1, {r: (p,) for r, p in trt.items()}, None)
     if names:
-        return "plain", 1, {0: tuple(str(root / n) for n in names)}, None
+        return ScannedLayout("plain", 1, 1, 1, {0: tuple(str(root / n) for n in names)}, None)
     raise NoFilesForRankError(f"no .safetensors files under {str(path)!r}")
+
+
+def _vllm_layout(root: Path, found: dict[tuple[int | None, int], dict[int, str]]) -> ScannedLayout:
+    """The ranks of a directory of vLLM ``sharded_state`` files (no manifest)."""
+    staged = {pp for pp, _ in found if pp is not None}
+    if staged and any(pp is None for pp, _ in found):
+        raise NoFilesForRankError(
+            f"{str(root)!r} mixes {VLLM_PATTERN!r} and {PP_TP_PATTERN!r} files: two shardings in one directory; "
+            "keep one of them"
+        )
+    tp = max(t for _, t in found) + 1
+    pp = max(staged) + 1 if staged else 1
+    out: dict[int, tuple[str, ...]] = {}
+    for (pp_rank, tp_rank), parts in found.items():
+        rank = (pp_rank or 0) * tp + tp_rank
+        gaps = sorted(set(range(max(parts) + 1)) - set(parts))
+        if gaps:
+            pattern = VLLM_PATTERN if pp_rank is None else PP_TP_PATTERN
+            raise NoFilesForRankError(
+                f"rank {rank} under {str(root)!r} has parts {sorted(parts)} but not {gaps} "
+                f"({pattern!r}); the copy is incomplete"
+            )
+        out[rank] = tuple(parts[p] for p in sorted(parts))
+    return ScannedLayout("vllm", tp, pp, 1, out, None)
 
 
 def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
@@ -147,7 +186,8 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
     """
     if type(rank) is not int or rank < 0:
         raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
-    source, tp, ranks, manifest = _scan(path)
+    scanned = scan_layout(path)
+    source, ranks, manifest = scanned.source, scanned.ranks, scanned.manifest
     root = Path(path).resolve()
     root_dir = str(root if root.is_dir() else root.parent)
     if rank not in ranks:
@@ -163,9 +203,11 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
             hint = (f"rank {rank}'s files are missing although higher ranks are here; the copy is incomplete "
                     "(re-copy it), or this host was given only some of the ranks")
         else:
-            hint = f"was it sharded for tp={max(ranks) + 1}?"
+            layout = f"tp={scanned.tp_size}" + (f" x pp={scanned.pp_size}" if scanned.pp_size > 1 else "")
+            hint = f"was it sharded for {layout}?"
         raise NoFilesForRankError(
             f"No files for rank {rank} under {str(path)!r} matching {pattern!r}; "
             f"the directory holds rank{'s' if len(ranks) > 1 else ''} {_ranges(list(ranks))} — {hint}"
         )
-    return RankFiles(root=root_dir, rank=rank, tp_size=tp, source=source, files=ranks[rank], manifest=manifest)
+    return RankFiles(root=root_dir, rank=rank, tp_size=scanned.tp_size, source=source, files=ranks[rank],
+                     manifest=manifest, pp_size=scanned.pp_size)

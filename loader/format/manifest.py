@@ -6,6 +6,8 @@ Example::
       "format": "gdsload-manifest",
       "format_version": 1,
       "tp_size": 2,
+      "pp_size": 1,
+      "ep_size": 1,
       "layout": "vllm",
       "created_by": "gdsload 0.1.0",
       "ranks": {
@@ -16,6 +18,9 @@ Example::
       "extra": {}
     }
 
+Ranks are global ranks of a tensor × pipeline layout, numbered as the engine numbers them
+(:mod:`~gdsload.loader.format.ranks`): ``tp_size * pp_size`` of them; ``ep_size`` (1, or ``tp_size``) says
+whether the experts are spread over each stage's ranks. A manifest without ``pp_size`` / ``ep_size`` has 1.
 ``bytes`` is the file size, ``stored_bytes`` its data section, ``logical_bytes`` what the
 tensors occupy once decoded (larger than ``stored_bytes`` for compressed files), ``digest`` the
 whole file's ``"blake3:<hex>"`` or ``"sha256:<hex>"`` (:mod:`~gdsload.loader.format.digests`).
@@ -48,6 +53,8 @@ __all__ = [
 
 MANIFEST_NAME = "gdsload.json"
 MANIFEST_VERSION = 1
+MAX_RANKS = 4096
+"""More ranks than any deployment has: a manifest claiming more is damaged (refused before any allocation)."""
 LAYOUTS = ("vllm", "hf", "trtllm", "plain")
 
 
@@ -71,6 +78,13 @@ class Manifest(NamedTuple):
     ranks: dict[int, tuple[ManifestFile, ...]]
     created_by: str = ""
     extra: Mapping[str, Any] = MappingProxyType({})
+    pp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``tp_size * pp_size``."""
+        return self.tp_size * self.pp_size
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Manifest:
@@ -92,9 +106,18 @@ class Manifest(NamedTuple):
         version = doc.get("format_version")
         if version != MANIFEST_VERSION:
             raise bad(f"format_version {version!r} is not supported (this gdsload reads {MANIFEST_VERSION}); upgrade gdsload")
-        tp = doc.get("tp_size")
-        if type(tp) is not int or tp < 1:
-            raise bad(f"tp_size must be a positive integer, got {tp!r}")
+        sizes = {}
+        for key in ("tp_size", "pp_size", "ep_size"):
+            value = doc.get(key, 1 if key != "tp_size" else None)
+            if type(value) is not int or not 1 <= value <= MAX_RANKS:
+                raise bad(f"{key} must be an integer in 1..{MAX_RANKS}, got {value!r:.40}")
+            sizes[key] = value
+        tp, pp, ep = sizes["tp_size"], sizes["pp_size"], sizes["ep_size"]
+        world = tp * pp
+        if world > MAX_RANKS:
+            raise bad(f"tp_size={tp} x pp_size={pp} is more than {MAX_RANKS} ranks")
+        if ep not in (1, tp):
+            raise bad(f"ep_size={ep} must be 1 or tp_size={tp} (experts spread over a stage's tensor-parallel ranks)")
         layout = doc.get("layout")
         if layout not in LAYOUTS:
             raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
@@ -103,8 +126,8 @@ class Manifest(NamedTuple):
             raise bad("'ranks' must map rank numbers to lists of files")
         ranks: dict[int, tuple[ManifestFile, ...]] = {}
         for key, files in raw_ranks.items():
-            if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]*", key)) or int(key) >= tp:
-                raise bad(f"rank key {key!r} is not a rank in 0..{tp - 1} (written without leading zeros)")
+            if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key)) or int(key) >= world:
+                raise bad(f"rank key {key!r:.40} is not a rank in 0..{world - 1} (written without leading zeros)")
             if not isinstance(files, list) or not files:
                 raise bad(f"rank {key} must list at least one file")
             entries = []
@@ -117,9 +140,9 @@ class Manifest(NamedTuple):
                     raise bad(f"rank {key}: file path {entry.path!r} must be relative and stay inside the directory")
                 entries.append(entry._replace(path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
             ranks[int(key)] = tuple(entries)
-        missing = sorted(set(range(tp)) - set(ranks))
+        missing = sorted(set(range(world)) - set(ranks))
         if missing:
-            raise bad(f"tp_size is {tp} but ranks {missing} have no files")
+            raise bad(f"the layout has {world} ranks (tp_size={tp} x pp_size={pp}) but ranks {missing[:8]} have no files")
         extra = doc.get("extra") or {}
         if not isinstance(extra, dict):
             raise bad(f"'extra' must be an object, got {extra!r:.200}; fix or remove it")
@@ -129,6 +152,8 @@ class Manifest(NamedTuple):
             ranks=ranks,
             created_by=str(doc.get("created_by", "")),
             extra=dict(extra),
+            pp_size=pp,
+            ep_size=ep,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +161,8 @@ class Manifest(NamedTuple):
             "format": "gdsload-manifest",
             "format_version": MANIFEST_VERSION,
             "tp_size": self.tp_size,
+            **({"pp_size": self.pp_size} if self.pp_size != 1 else {}),
+            **({"ep_size": self.ep_size} if self.ep_size != 1 else {}),
             "layout": self.layout,
             "created_by": self.created_by,
             "ranks": {str(r): [f._asdict() for f in files] for r, files in sorted(self.ranks.items())},
@@ -198,6 +225,8 @@ def write_manifest(
     extra: Mapping[str, Any] | None = None,
     digest: bool | str = True,
     digests: Mapping[str, str] | None = None,
+    pp_size: int = 1,
+    ep_size: int = 1,
 ) -> Manifest:
     """Describe the files of every rank and write ``directory/gdsload.json`` atomically.
 
@@ -215,6 +244,8 @@ def write_manifest(
         ranks=_describe_all(directory, ranks, digest=digest, known=digests or {}),
         created_by=f"gdsload {__version__}",
         extra=dict(extra or {}),
+        pp_size=pp_size,
+        ep_size=ep_size,
     )
     Manifest.from_dict(manifest.to_dict())  # validate what we are about to write
     with atomic_output(Path(directory) / MANIFEST_NAME) as f:
@@ -238,6 +269,7 @@ def redigest(directory: str | os.PathLike[str], digest: bool | str = True) -> bo
     if all(d is None if algorithm is None else (d or "").startswith(f"{algorithm}:") for d in recorded):
         return False
     write_manifest(directory, {r: [f.path for f in files] for r, files in manifest.ranks.items()},
-                   tp_size=manifest.tp_size, layout=manifest.layout, extra=manifest.extra, digest=digest)
+                   tp_size=manifest.tp_size, layout=manifest.layout, extra=manifest.extra, digest=digest,
+                   pp_size=manifest.pp_size, ep_size=manifest.ep_size)
     return True
 

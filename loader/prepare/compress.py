@@ -23,7 +23,7 @@ from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_availabl
 from gdsload.loader.codecs.registry import GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
 from gdsload.loader.format.digests import require
-from gdsload.loader.format.discovery import list_ranks
+from gdsload.loader.format.discovery import scan_layout
 from gdsload.loader.errors import CodecError, ConfigError
 from gdsload.loader.format.safetensors import (
     AlignedWriter,
@@ -32,7 +32,7 @@ from gdsload.loader.format.safetensors import (
     read_header,
     remove_dead_leftovers,
 )
-from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, write_manifest
+from gdsload.loader.format.manifest import MANIFEST_NAME, write_manifest
 from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
 
 if TYPE_CHECKING:
@@ -224,8 +224,8 @@ def compress_dir(
         raise ConfigError(f"source {str(src)!r} is not a directory; use compress_file for single files")
     if out_p.exists():
         raise ConfigError(f"output {str(out)!r} already exists; choose a new directory (nothing was written)")
-    source, tp, ranks = list_ranks(src_p)
-    manifest = Manifest.read(src_p) if source == "manifest" else None
+    scanned = scan_layout(src_p)
+    source, ranks, manifest = scanned.source, scanned.ranks, scanned.manifest
     out_p.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_leftovers(out_p.parent, f".{out_p.name}.partial-")  # a run killed outright left these
     staging, lock = create_locked(f".{out_p.name}.partial-", out_p.parent, directory=True)
@@ -262,7 +262,8 @@ def compress_dir(
         extra = dict(manifest.extra) if manifest else {}
         extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
         digests = {os.path.relpath(p, staging): d for p, d in total.digests.items()}
-        write_manifest(staging, rel, tp_size=tp, layout=layout, extra=extra, digest=digest, digests=digests)
+        write_manifest(staging, rel, tp_size=scanned.tp_size, pp_size=scanned.pp_size, ep_size=scanned.ep_size,
+                       layout=layout, extra=extra, digest=digest, digests=digests)
         writing.unlink()
         os.rename(staging, out_p)  # OUT appears complete, in one step
         total.digests = {str(out_p / rel): d for rel, d in digests.items()}

