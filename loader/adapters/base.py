@@ -37,9 +37,8 @@ import torch
 
 from gdsload.loader.config import format_bytes
 from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.format.discovery import list_ranks
+from gdsload.loader.format.discovery import scan_layout
 from gdsload.loader.errors import BackendUnavailableError, ConfigError, GdsloadError
-from gdsload.loader.format.manifest import Manifest
 from gdsload.loader.pipeline.result import LoadReport, LoadResult
 
 __all__ = [
@@ -403,25 +402,31 @@ class CheckpointLayout:
     tp_size: int
     source: str
     """How discovery found the files: ``manifest``, ``vllm``, ``trtllm``, ``plain``, or ``option`` (given, not read)."""
+    pp_size: int = 1
+    ep_size: int | None = 1
+    """1, ``tp_size`` (experts spread over each stage's ranks), or None: not recorded (vLLM's own files)."""
 
 
 def describe_checkpoint(path: str | os.PathLike[str]) -> CheckpointLayout:
-    """The layout and tensor-parallel size of a model directory (or one ``.safetensors`` file).
+    """The layout and parallel sizes of a model directory (or one ``.safetensors`` file).
 
-    The manifest's ``layout`` wins; without one, vLLM's ``model-rank-R-part-P`` names mean
-    ``vllm`` (what ``save_sharded_state`` writes), ``rankR.safetensors`` means ``trtllm``, and
+    The manifest's ``layout`` wins; without one, vLLM's ``model-rank-R-part-P`` (or ``model-pp-P-tp-T-part-N``)
+    names mean ``vllm`` (what ``save_sharded_state`` writes), ``rankR.safetensors`` means ``trtllm``, and
     anything else is an ordinary TP=1 HF checkpoint.
 
     >>> describe_checkpoint("/models/llama-tp2")  # doctest: +SKIP
-    CheckpointLayout(layout='vllm', tp_size=2, source='manifest')
+    CheckpointLayout(layout='vllm', tp_size=2, source='manifest', pp_size=1, ep_size=1)
     """
-    source, tp, _ = list_ranks(path)
-    if source == "manifest":
-        manifest = Manifest.read(Path(path))
+    scanned = scan_layout(path)
+    if scanned.manifest is not None:
+        manifest = scanned.manifest
         layout = "hf" if manifest.layout == "plain" else manifest.layout
-        return CheckpointLayout(layout=layout, tp_size=manifest.tp_size, source=source)
-    layout = {"vllm": "vllm", "trtllm": "trtllm", "plain": "hf"}[source]
-    return CheckpointLayout(layout=layout, tp_size=tp, source=source)
+        return CheckpointLayout(layout=layout, tp_size=manifest.tp_size, source=scanned.source,
+                                pp_size=manifest.pp_size, ep_size=manifest.ep_size)
+    layout = {"vllm": "vllm", "trtllm": "trtllm", "plain": "hf"}[scanned.source]
+    tp = scanned.world_size if scanned.source == "trtllm" else scanned.tp_size
+    return CheckpointLayout(layout=layout, tp_size=tp, source=scanned.source, pp_size=scanned.pp_size,
+                            ep_size=None if scanned.source == "vllm" else 1)
 
 
 @dataclass

@@ -11,11 +11,12 @@ gdsload = "gdsload.loader.adapters.vllm:register"``; vLLM calls :func:`register`
 process and in every worker, which registers :class:`GdsloadModelLoader` as load format
 ``gdsload`` (a ``BaseModelLoader`` subclass, built lazily so this module imports without vLLM).
 
-What the loader does, per worker (tensor-parallel rank ``r`` of ``tp``):
+What the loader does, per worker (global rank ``r`` = pipeline stage x tensor-parallel size +
+tensor-parallel rank, as vLLM numbers its workers):
 
 - ``vllm`` layout (vLLM's own parameter names and per-rank shapes, what ``save_sharded_state``
-  and ``gdsload shard --layout vllm`` write), sharded for exactly ``tp`` ranks: rank ``r``'s
-  tensors go into ``model.state_dict()`` by name, with vLLM's sharded_state rules — tensors that
+  and ``gdsload shard --layout vllm`` write), sharded for exactly this tensor x pipeline layout (and
+  expert parallel on or off as the engine runs): rank ``r``'s tensors go into ``model.state_dict()`` by name, with vLLM's sharded_state rules — tensors that
   share memory with another state-dict entry are not targets, and a parameter larger than its
   checkpoint tensor (LoRA padding) is written only in its leading part. Names and shapes are
   checked from the headers before anything is read; then the files are read (and decoded)
@@ -341,14 +342,19 @@ def choose_route(
     tp_size: int,
     options: AdapterOptions,
     engine: str = "vLLM",
+    pp_size: int = 1,
+    ep_size: int | None = None,
 ) -> LoadRoute:
-    """Decide how tensor-parallel rank ``rank`` of ``tp_size`` loads ``path``; :class:`LayoutError` if it can't.
+    """Decide how global rank ``rank`` of a ``tp_size`` x ``pp_size`` engine loads ``path``; :class:`LayoutError` if
+    it can't. ``ep_size`` is the engine's expert-parallel size (None: not known, not checked).
 
     >>> choose_route("/models/llama-tp2", rank=1, tp_size=2, options=AdapterOptions()).kind  # doctest: +SKIP
     'sharded_state'
     """
     if options.layout is not None:
-        layout = CheckpointLayout(options.layout, tp_size if options.layout == "vllm" else 1, "option")
+        vllm_layout = options.layout == "vllm"
+        layout = CheckpointLayout(options.layout, tp_size if vllm_layout else 1, "option",
+                                  pp_size=pp_size if vllm_layout else 1, ep_size=ep_size)
     elif path is None or not os.path.exists(path):
         raise LayoutError(
             f"{engine}: model path {str(path)!r} is not readable here, so its layout is unknown; give "
@@ -358,11 +364,19 @@ def choose_route(
         layout = describe_checkpoint(path)
     where = f"{str(path)!r}"
     if layout.layout == "vllm":
-        if layout.tp_size != tp_size:
+        if (layout.tp_size, layout.pp_size) != (tp_size, pp_size):
             raise LayoutError(
-                f"{engine}: {where} was sharded for tensor-parallel size {layout.tp_size} (vllm layout) but the "
-                f"engine runs tp={tp_size}; start it with --tensor-parallel-size {layout.tp_size}, or re-shard "
-                f"with `gdsload shard SRC OUT --tp {tp_size} --layout vllm`"
+                f"{engine}: {where} was sharded for tensor-parallel size {layout.tp_size} x pipeline-parallel size "
+                f"{layout.pp_size} (vllm layout) but the engine runs tp={tp_size} x pp={pp_size}; start it with "
+                f"--tensor-parallel-size {layout.tp_size} --pipeline-parallel-size {layout.pp_size}, or re-shard "
+                f"with `gdsload shard SRC OUT --tp {tp_size} --pp {pp_size}`"
+            )
+        if ep_size is not None and layout.ep_size is not None and layout.ep_size != ep_size:
+            how = "with" if layout.ep_size > 1 else "without"
+            raise LayoutError(
+                f"{engine}: {where} was sharded {how} expert parallel (ep={layout.ep_size}) but the engine runs "
+                f"ep={ep_size}; start it {how} --enable-expert-parallel, or re-shard with "
+                f"`gdsload shard SRC OUT --tp {tp_size} --pp {pp_size} --ep {ep_size}`"
             )
         return LoadRoute("sharded_state", rank, layout)
     if layout.layout == "hf":
@@ -372,7 +386,7 @@ def choose_route(
                 "full HF tensors itself, so it needs the unsharded (TP=1) checkpoint — point it there, or write "
                 f"engine-native shards with `gdsload shard SRC OUT --tp {tp_size} --layout vllm`"
             )
-        if options.sidecar_url is not None and tp_size > 1:
+        if options.sidecar_url is not None and tp_size * pp_size > 1:
             raise LayoutError(
                 f"{engine}: with a sidecar, an hf-layout checkpoint serves tp=1 only (every rank would map rank 0's "
                 f"arena from one GPU); run tp=1, load from storage, or shard with `--tp {tp_size} --layout vllm`"
@@ -395,8 +409,10 @@ def load_into_model(
     route: LoadRoute | None = None,
     check_unfilled: bool = True,
     adopt_cuda: bool = True,
+    pp_size: int = 1,
+    ep_size: int | None = None,
 ) -> InjectReport:
-    """Load tensor-parallel rank ``rank``'s weights from ``path`` (or the sidecar) into an engine's ``model``.
+    """Load global rank ``rank``'s weights from ``path`` (or the sidecar) into an engine's ``model``.
 
     This is what the registered loader runs in each worker; it needs no engine import, so it
     also serves engine-shaped plain torch modules. ``check_unfilled=False`` skips the
@@ -412,7 +428,8 @@ def load_into_model(
     >>> load_into_model(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
     options = options or AdapterOptions()
-    route = route or choose_route(path, rank=rank, tp_size=tp_size, options=options, engine=engine)
+    route = route or choose_route(path, rank=rank, tp_size=tp_size, options=options, engine=engine, pp_size=pp_size,
+                                  ep_size=ep_size)
     device = _model_device(model)
     if route.kind == "sharded_state" and options.sidecar_url is None and path is not None:
         sharded = ShardedStateInjector(model, engine=engine)
@@ -484,20 +501,25 @@ def loader_class() -> type:
                 )
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+            from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, \
+                get_tensor_model_parallel_world_size
 
             start = time.perf_counter()
             self.download_model(model_config)
-            rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            pp_rank, pp = get_pp_group().rank_in_group, get_pp_group().world_size
+            rank = pp_rank * tp + tp_rank  # vLLM's own numbering: tensor parallel innermost
             # vLLM checks for unfilled parameters only when the model is not quantized; so do we. A
             # quantized model's weights may be rewritten in place after loading: on a GPU, those are
             # copied from a sidecar rather than adopted (its memory is shared).
             unquantized = getattr(model_config, "quantization", None) is None
             report = load_into_model(model, _weights_path(model_config), rank=rank, tp_size=tp, options=self.options,
-                                     engine="vllm", check_unfilled=unquantized, adopt_cuda=unquantized)
+                                     engine="vllm", check_unfilled=unquantized, adopt_cuda=unquantized, pp_size=pp,
+                                     ep_size=_expert_parallel_size(tp))
             # One line per worker in vLLM's own log, as vLLM's loaders write it, with what gdsload did.
-            vllm_log.info("Loading weights took %.2f seconds (gdsload, tp rank %d of %d): %s; %s",
-                          time.perf_counter() - start, rank, tp, report.source, report.summary())
+            stage = f", pp stage {pp_rank} of {pp}" if pp > 1 else ""
+            vllm_log.info("Loading weights took %.2f seconds (gdsload, tp rank %d of %d%s): %s; %s",
+                          time.perf_counter() - start, tp_rank, tp, stage, report.source, report.summary())
 
     GdsloadModelLoader.__module__ = __name__
     GdsloadModelLoader.__qualname__ = "GdsloadModelLoader"  # picklable by name (module __getattr__)
@@ -550,6 +572,20 @@ def _route_warnings_to_vllm() -> None:
         return
     lib.addHandler(_ToVllmLog())
     lib.setLevel(logging.WARNING)
+
+
+def _expert_parallel_size(tp: int) -> int | None:
+    """The engine's expert-parallel size over one stage (``tp`` with ``--enable-expert-parallel``, else 1), or None
+    when this vLLM does not say (or runs data parallel, which gdsload's layouts do not describe)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        parallel = get_current_vllm_config().parallel_config
+        if getattr(parallel, "data_parallel_size", 1) != 1:
+            return None
+        return tp if parallel.enable_expert_parallel else 1
+    except (ImportError, AttributeError):
+        return None
 
 
 def _weights_path(model_config: Any) -> str:

@@ -3,7 +3,9 @@
 Values are N(0, 0.02) in bf16 (what trained weights look like to a codec), each tensor seeded
 from its name so every rank and every run sees the same numbers. Shapes follow the Llama
 family; the number of layers is chosen to reach the requested size (9.08 GB at Llama-3-8B
-widths with 16 layers).
+widths with 16 layers). With ``experts``, each layer's MLP is a Mixtral mixture of experts
+(``block_sparse_moe.gate`` and ``experts.{e}.w1/w2/w3``, top-2 routing) and the config a
+``MixtralForCausalLM``'s.
 
 Rank files split column-parallel weights (q/k/v, gate/up, embedding, lm_head) along dim 0 and
 row-parallel ones (o, down) along dim 1, with norms replicated: a plain ``hf``-layout split, by whole
@@ -40,16 +42,21 @@ class LlamaShape:
     kv_heads: int
     vocab: int
     layers: int
+    experts: int = 0
+    """Experts of each layer's mixture-of-experts MLP (Mixtral); 0: a dense MLP (Llama)."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def config_json(self) -> dict[str, object]:
-        """A transformers ``LlamaConfig`` for these shapes."""
+        """A transformers ``LlamaConfig`` (``MixtralConfig`` with experts) for these shapes."""
+        moe = {"num_local_experts": self.experts, "num_experts_per_tok": 2, "sliding_window": None} \
+            if self.experts else {}
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["MixtralForCausalLM" if self.experts else "LlamaForCausalLM"],
+            "model_type": "mixtral" if self.experts else "llama",
+            **moe,
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
             "num_attention_heads": self.heads,
@@ -82,9 +89,17 @@ def tensor_shapes(s: LlamaShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield p + "self_attn.k_proj.weight", (s.kv_heads * d, s.hidden), "kv"
         yield p + "self_attn.v_proj.weight", (s.kv_heads * d, s.hidden), "kv"
         yield p + "self_attn.o_proj.weight", (s.hidden, s.heads * d), "row"
-        yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), "col"
-        yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), "col"
-        yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate), "row"
+        if s.experts:
+            yield p + "block_sparse_moe.gate.weight", (s.experts, s.hidden), "rep"
+            for e in range(s.experts):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                yield q + "w1.weight", (s.intermediate, s.hidden), "col"
+                yield q + "w2.weight", (s.hidden, s.intermediate), "row"
+                yield q + "w3.weight", (s.intermediate, s.hidden), "col"
+        else:
+            yield p + "mlp.gate_proj.weight", (s.intermediate, s.hidden), "col"
+            yield p + "mlp.up_proj.weight", (s.intermediate, s.hidden), "col"
+            yield p + "mlp.down_proj.weight", (s.hidden, s.intermediate), "row"
         yield p + "input_layernorm.weight", (s.hidden,), "rep"
         yield p + "post_attention_layernorm.weight", (s.hidden,), "rep"
     yield "model.norm.weight", (s.hidden,), "rep"
@@ -95,11 +110,16 @@ def _bytes(s: LlamaShape) -> int:
     return sum(math.prod(shape) for _, shape, _ in tensor_shapes(s)) * 2
 
 
-def shape_for_size(nbytes: int) -> LlamaShape:
+def shape_for_size(nbytes: int, experts: int = 0) -> LlamaShape:
     """The widest preset whose embedding and head stay under a third of ``nbytes``, with as many
-    layers as fit (at least one)."""
-    best = PRESETS["tiny"]
+    layers as fit (at least one); with ``experts``, a Mixtral of that width.
+
+    >>> shape_for_size(2 << 30, experts=8).experts
+    8
+    """
+    best = LlamaShape(**{**asdict(PRESETS["tiny"]), "experts": experts})
     for shape in PRESETS.values():
+        shape = LlamaShape(**{**asdict(shape), "experts": experts})
         fixed = _bytes(LlamaShape(**{**asdict(shape), "layers": 0}))
         if fixed <= nbytes / 3:
             best = shape

@@ -430,9 +430,11 @@ def _rank_entries(model: Any, built: Any, trace: Any, where: str) -> list[dict[s
         state_of = built.state.get(k)
         mine = parts[name]
         done = _covered(mine, t.numel())
+        if done is None:  # too many runs to union: trust the element count of what was written
+            done = min(t.numel(), sum(math.prod(p["dst"][1]) for p in mine))
         entry: dict[str, Any] = {"name": name, "dtype": _st_dtype(t.dtype), "shape": list(t.shape), "init": None,
                                  "parts": mine}
-        if done is None or done < t.numel():
+        if done < t.numel():
             if state_of is None:  # real values from construction underneath what the loaders write
                 entry["init"] = _encode(t.detach().to("cpu"))
             elif state_of == "filled":
@@ -440,11 +442,11 @@ def _rank_entries(model: Any, built: Any, trace: Any, where: str) -> list[dict[s
                 fills = [{"dst": [off - start, sizes, strides], "fill": value}
                          for off, sizes, strides, value in built.fills[k]]
                 entry["parts"] = fills + mine
-                if done is not None and _covered(entry["parts"], t.numel()) < t.numel():
+                if (_covered(entry["parts"], t.numel()) or t.numel()) < t.numel():
                     raise TraceError(f"{where}: {name!r} is partly never written (neither by the weight loaders "
                                      "nor at construction)")
             else:
-                what = "none" if not mine else f"{done if done is not None else 'part'} of {t.numel()} elements"
+                what = "none" if not mine else f"{done} of {t.numel()} elements"
                 raise TraceError(
                     f"{where}: the weight loaders fill {what} of {name!r} {list(t.shape)} and construction gives it no "
                     "value; the checkpoint lacks this tensor (vLLM's own loader would fail the same way: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,3 +45,28 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every tiny model of :data:`tiny_models.MODELS`, as an ordinary HF directory."""
     root = tmp_path_factory.mktemp("tiny")
     return {kind: build_model(root / kind, kind) for kind in MODELS}
+
+
+def gdsload_cli(*args: str) -> None:
+    """Run the ``gdsload`` command line of this environment (what a user types)."""
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True,
+                       timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")})
+    assert p.returncode == 0, f"gdsload {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
+
+
+@pytest.fixture(scope="session")
+def made(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """``made(kind, *gdsload shard flags)``: the sharded directory, built once per flag set, by the ``gdsload`` of
+    this environment, which has no vLLM: a Llama-family layout from the built-in rules."""
+    root = tmp_path_factory.mktemp("sharded")
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def make(kind: str, *flags: str) -> Path:
+        key = (kind, *flags)
+        if key not in cache:
+            out = root / "-".join([kind, *(f.strip("-").replace(":", "") for f in flags)])
+            gdsload_cli("shard", str(tiny[kind]), str(out), *flags)
+            cache[key] = out
+        return cache[key]
+
+    return make

@@ -109,7 +109,7 @@ class Engine:
     _refs: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     _count: int = 0
 
-    def env(self, tp: int) -> dict[str, str]:
+    def env(self, workers: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GDSLOAD_", "VLLM_"))}
         env.update({
             "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -120,22 +120,24 @@ class Engine:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         })
-        if tp > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        if workers > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(workers))
         return env
 
     def run(self, mode: str, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None,
-            *, expect_ok: bool = True) -> tuple[dict[str, Any] | None, str]:
+            *, expect_ok: bool = True, pp: int = 1, ep: int = 1) -> tuple[dict[str, Any] | None, str]:
         """One engine in a fresh process; returns (result JSON or None, the engine's log)."""
         self._count += 1
-        name = f"{self._count:02d}-{mode}-{model.name}-{load_format}-tp{tp}"
+        name = f"{self._count:02d}-{mode}-{model.name}-{load_format}-tp{tp}-pp{pp}-ep{ep}"
         spec_path, out_path, log_path = (self.logs / f"{name}.{x}" for x in ("spec.json", "out.json", "log"))
-        spec = {"model": str(model), "load_format": load_format, "tp": tp, "extra": extra,
+        spec = {"model": str(model), "load_format": load_format, "tp": tp, "pp": pp, "ep": ep, "extra": extra,
                 "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        if mode == "state-values":
+            spec |= {"out": (extra or {})["out"], "extra": None}
         spec_path.write_text(json.dumps(spec))
         with open(log_path, "wb") as log:
             p = subprocess.run([str(self.python), str(HERE / "vllm_run.py"), mode, str(spec_path), str(out_path)],
-                               stdout=log, stderr=subprocess.STDOUT, env=self.env(tp), timeout=RUN_TIMEOUT,
+                               stdout=log, stderr=subprocess.STDOUT, env=self.env(tp * pp), timeout=RUN_TIMEOUT,
                                cwd=self.logs)
         text = log_path.read_text(errors="replace")
         if p.returncode or not out_path.exists():
@@ -162,6 +164,25 @@ class Engine:
         result, _ = self.run("state-dict", model, "state-dict-probe", tp)
         assert result is not None
         return {int(r): sd for r, sd in result["state_dict"].items()}
+
+    def state_values(self, model: Path, out: Path, *, tp: int, pp: int = 1, ep: int = 1,
+                     load_format: str = "auto") -> dict[int, Path]:
+        """Every rank's state as vLLM's own loader (``auto``, or ``sharded_state``) fills it: global rank -> file.
+
+        vLLM's CPU build loads pipeline- and expert-parallel layouts but cannot run them; the state is taken
+        right after loading."""
+        out.mkdir(parents=True, exist_ok=True)
+        result, _ = self.run("state-values", model, load_format, tp, {"out": str(out)}, pp=pp, ep=ep)
+        assert result is not None
+        return {int(Path(f).stem.removeprefix("rank")): Path(f) for f in result["files"]}
+
+    def shard(self, src: Path, out: Path, *flags: str) -> dict[str, Any]:
+        """``gdsload shard SRC OUT FLAGS --json`` with vLLM installed (the layout from vLLM's own model code)."""
+        env = {k: v for k, v in self.env(1).items() if not k.startswith("VLLM_CPU_OMP")}
+        p = subprocess.run([str(self.python), "-m", "gdsload.server.cli", "shard", str(src), str(out), *flags, "--json"],
+                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
+        assert p.returncode == 0, f"gdsload shard {src.name} {' '.join(flags)} failed:\n{p.stdout}\n{p.stderr[-4000:]}"
+        return json.loads(p.stdout)
 
 
 def _error_lines(log: str, limit: int = 6000) -> str:

@@ -8,12 +8,10 @@ same tensor-parallel size. Directories come from the ``gdsload`` command line, a
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,30 +27,6 @@ from tiny_models import PROMPTS
 TOKEN = "engine-tier-token-8c1f4e2a"
 _LOAD_LINE = re.compile(r"Loading weights took (\d+\.\d+) seconds \(gdsload, tp rank (\d+) of \d+\): "
                         r"rank \d+: .*? backend=(\S+) io=(\S+)")
-
-
-def gdsload_cli(*args: str) -> None:
-    """Run the ``gdsload`` command line of this environment (what a user types)."""
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True,
-                       timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")})
-    assert p.returncode == 0, f"gdsload {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
-
-
-@pytest.fixture(scope="session")
-def made(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    """``made(kind, *gdsload shard flags)``: the sharded directory, built once per flag set."""
-    root = tmp_path_factory.mktemp("sharded")
-    cache: dict[tuple[str, ...], Path] = {}
-
-    def make(kind: str, *flags: str) -> Path:
-        key = (kind, *flags)
-        if key not in cache:
-            out = root / "-".join([kind, *(f.strip("-").replace(":", "") for f in flags)])
-            gdsload_cli("shard", str(tiny[kind]), str(out), *flags)
-            cache[key] = out
-        return cache[key]
-
-    return make
 
 
 def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:

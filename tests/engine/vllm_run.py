@@ -2,12 +2,15 @@
 
     python vllm_run.py generate SPEC.json OUT.json     # greedy tokens and logprobs of PROMPTS
     python vllm_run.py state-dict SPEC.json OUT.json   # the state dict vLLM builds per rank, before loading
+    python vllm_run.py state-values SPEC.json OUT.json # every rank's state after vLLM's own loader filled it
+                                                       # (load_format "auto", or "sharded_state")
 
 The engine environment also lists :func:`register_probe` as a ``vllm.general_plugins`` entry point,
 so every vLLM process (workers included) knows the probe's load format.
 
-SPEC holds ``model``, ``load_format``, ``tp``, ``extra`` (model_loader_extra_config, optional),
-``prompts`` and ``max_tokens``. Nothing here imports the test suite: it runs in another environment.
+SPEC holds ``model``, ``load_format``, ``tp``, ``pp`` and ``ep`` (optional, 1), ``extra``
+(model_loader_extra_config, optional), ``prompts`` and ``max_tokens``. Nothing here imports the test
+suite: it runs in another environment.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ def _engine(spec: dict[str, Any], load_format: str | None = None) -> Any:
     kwargs: dict[str, Any] = {}
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
+    if spec.get("pp", 1) > 1:
+        kwargs |= {"pipeline_parallel_size": spec["pp"], "distributed_executor_backend": "mp"}
+    if spec.get("ep", 1) > 1:
+        kwargs["enable_expert_parallel"] = True
     return LLM(model=spec["model"], load_format=load_format or spec["load_format"],
                tensor_parallel_size=spec["tp"], dtype="bfloat16", max_model_len=256, enforce_eager=True, gpu_memory_utilization=0.5,
                seed=0, **kwargs)
@@ -47,13 +54,17 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 PROBE_FORMAT = "state-dict-probe"
+VALUES_FORMAT = "state-values-probe"
+SHARDED_VALUES_FORMAT = "sharded-state-values-probe"
 
 
 def register_probe() -> None:
-    """vLLM plugin (entry point of the engine environment): load format ``state-dict-probe``.
+    """vLLM plugin (entry point of the engine environment): the probes' load formats.
 
-    Each worker writes the state dict vLLM's sharded_state loader would fill (names, shapes,
-    dtypes, after vLLM's own shared-tensor filter) to ``OUT/rank{R}.json`` and stops the engine.
+    ``state-dict-probe``: each worker writes the state dict vLLM's sharded_state loader would fill (names,
+    shapes, dtypes, after vLLM's own shared-tensor filter) to ``OUT/rank{R}.json`` and stops the engine.
+    ``state-values-probe`` / ``sharded-state-values-probe``: vLLM's default (or sharded_state) loader fills the
+    state, which each worker writes to ``OUT/rank{R}.safetensors`` before stopping the engine.
     """
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import register_model_loader
@@ -78,6 +89,37 @@ def register_probe() -> None:
 
     register_model_loader(PROBE_FORMAT)(StateDictProbe)
 
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    def values_probe(base: type, load_format: str) -> type:
+        class StateValuesProbe(base):  # type: ignore[misc,valid-type]
+            """vLLM's own loader (``base``); then each worker writes the state it filled, as vLLM's sharded_state
+            keeps it (shared tensors filtered), to ``OUT/rank{global rank}.safetensors``, and stops the engine."""
+
+            def __init__(self, load_config: Any):
+                import dataclasses
+
+                self.out = load_config.model_loader_extra_config["out"]
+                super().__init__(dataclasses.replace(load_config, load_format=load_format,
+                                                     model_loader_extra_config={}))
+
+            def load_weights(self, model: Any, model_config: Any) -> None:
+                from safetensors.torch import save_file
+
+                super().load_weights(model, model_config)
+                kept = ShardedStateLoader._filter_subtensors(model.state_dict())
+                rank = get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + \
+                    get_tensor_model_parallel_rank()
+                save_file({k: v.detach().contiguous().clone() for k, v in kept.items()},
+                          f"{self.out}/rank{rank}.safetensors")
+                raise RuntimeError("state-values-probe: state written, engine stopped on purpose")
+
+        return StateValuesProbe
+
+    register_model_loader(VALUES_FORMAT)(values_probe(DefaultModelLoader, "auto"))
+    register_model_loader(SHARDED_VALUES_FORMAT)(values_probe(ShardedStateLoader, "sharded_state"))
+
 
 def state_dict(spec: dict[str, Any]) -> dict[str, Any]:
     """The state dict every worker's model holds before loading (see :func:`register_probe`)."""
@@ -98,11 +140,28 @@ def state_dict(spec: dict[str, Any]) -> dict[str, Any]:
     return {"state_dict": ranks}
 
 
+def state_values(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's state as vLLM's own loader fills it (see :func:`register_probe`), in ``spec["out"]``."""
+    import glob
+
+    out = spec["out"]
+    fmt = SHARDED_VALUES_FORMAT if spec.get("load_format") == "sharded_state" else VALUES_FORMAT
+    try:
+        _engine({**spec, "extra": {"out": out}}, fmt)
+    except Exception:  # vLLM wraps the probe's stop; what counts is that every rank wrote its file
+        pass
+    world = spec["tp"] * spec.get("pp", 1)
+    files = sorted(glob.glob(f"{out}/rank*.safetensors"))
+    if len(files) != world:
+        raise SystemExit(f"state-values-probe: {len(files)} of {world} ranks wrote their state")
+    return {"files": files}
+
+
 def main() -> None:
     mode, spec_path, out_path = sys.argv[1:4]
     with open(spec_path) as f:
         spec = json.load(f)
-    result = {"generate": generate, "state-dict": state_dict}[mode](spec)
+    result = {"generate": generate, "state-dict": state_dict, "state-values": state_values}[mode](spec)
     with open(out_path, "w") as f:
         json.dump(result, f)
 
