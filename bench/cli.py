@@ -8,7 +8,7 @@ import click
 
 from gdsload.loader import parse_size
 from gdsload.loader.codecs.registry import codec_names
-from gdsload.server.cli import DEVICE
+from gdsload.server.cli import DEVICE_OR_AUTO
 
 
 def _given(name: str) -> bool:
@@ -60,7 +60,8 @@ def _generator_device(device: str) -> str:
 @click.option("--tmpfs", "conditions", flag_value="tmpfs", multiple=True, help="A copy of the files in /dev/shm.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs per method and condition (median, min, max shown).")
-@click.option("--device", type=DEVICE, default="cuda", show_default=True, help="Where the loads go: cuda, cuda:N or cpu.")
+@click.option("--device", type=DEVICE_OR_AUTO, default="auto", show_default=True,
+              help="Where the loads go: auto (cuda when torch sees a CUDA device, else cpu), cuda, cuda:N or cpu.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="Where results.json and chart.png go (with --make-model: where the model goes).")
 @click.option("--make-model", "make_model", default=None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 from collections import Counter
@@ -42,17 +43,26 @@ SIZE = _Size()
 
 
 class _Device(click.ParamType):
-    """A device name a load can target: ``cpu``, ``cuda`` or ``cuda:N``."""
+    """A device name a load can target: ``cpu``, ``cuda`` or ``cuda:N`` (and ``auto`` where allowed: cuda when torch
+    sees a CUDA device, else cpu)."""
 
     name = "device"
 
+    def __init__(self, auto: bool = False):
+        self.auto = auto
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if self.auto and value == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(value)):
-            self.fail(f"{value!r} is not a device; use cpu, cuda or cuda:N", param, ctx)
+            self.fail(f"{value!r} is not a device; use {'auto, ' if self.auto else ''}cpu, cuda or cuda:N", param, ctx)
         return str(value)
 
 
 DEVICE = _Device()
+DEVICE_OR_AUTO = _Device(auto=True)
 
 
 # Subcommands that live in their own modules: name -> "module:attr", imported when used.
@@ -169,14 +179,20 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
 @click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
 @click.option("--verify/--no-verify", default=None, help="Check manifest digests; env GDSLOAD_VERIFY.")
+@click.option("--progress/--no-progress", "show_progress", default=None,
+              help="Progress on stderr (a bar on a terminal, a line every few seconds otherwise).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def load(path: str, rank: int, device: str, backend: str | None, num_threads: int | None,
-         chunk_bytes: int | None, verify: bool | None, as_json: bool) -> None:
+         chunk_bytes: int | None, verify: bool | None, show_progress: bool | None, as_json: bool) -> None:
     """Load one rank and print the load report."""
-    from gdsload.loader import load_rank
+    from gdsload.loader import discover, load_rank
 
-    result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
-                       chunk_bytes=chunk_bytes, verify=verify)
+    from .progress import progress_bar
+
+    total = sum(os.path.getsize(f) for f in discover(path, rank).files)
+    with progress_bar(f"load rank {rank}", total, enabled=show_progress) as step:
+        result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
+                           chunk_bytes=chunk_bytes, verify=verify, progress=step)
     print_report(result.report, as_json)
 
 
@@ -199,17 +215,26 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] != ["serve"]:  # serve stops its workers in order on SIGTERM; the rest unwind as on Ctrl-C
         stop_on_sigterm()
+    as_json = "--json" in args
     try:
         cli.main(args=args, prog_name="gdsload", standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
+        _fail("aborted", "Abort", 130, as_json)
     except click.ClickException as e:
+        if as_json:
+            _fail(e.format_message(), type(e).__name__, e.exit_code, True)
         e.show()
         sys.exit(e.exit_code)
     except (GdsloadError, OSError) as e:  # OSError: an unwritable output, a path that vanished, ...
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        _fail(str(e), type(e).__name__, 1, as_json)
+
+
+def _fail(message: str, kind: str, code: int, as_json: bool) -> None:
+    """The one line a failed command leaves: on stderr, and with ``--json`` as a JSON object on stdout too."""
+    if as_json:
+        click.echo(json.dumps({"error": {"type": kind, "message": message, "exit_code": code}}))
+    click.echo(f"error: {message}" if kind != "Abort" else message, err=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def _epilog() -> str:
 
 @click.command("plan", epilog=_epilog())
 @click.argument("model", required=False)
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (GPUs per model copy).")
+@click.option("--tp", "--tensor-parallel-size", "tp", type=int, default=1, show_default=True,
+              help="Tensor-parallel size (GPUs per model copy).")
 @click.option("--gpu-memory", type=SIZE, default=f"{BudgetInputs.gpu_memory // MIB}MiB", show_default=True,
               help="Total memory of ONE GPU as nvidia-smi reports it, e.g. 143771MiB (H200), 81559MiB (H100 80GB).")
 @click.option("--weights", default="bf16", show_default=True,
@@ -75,7 +76,7 @@ def _epilog() -> str:
               show_default=True, help="Per GPU: peak activations + non-PyTorch memory (from vLLM's start-up log).")
 @click.option("--cuda-graph-reserve", type=SIZE, default=f"{BudgetInputs.cuda_graph_reserve // GIB}GiB",
               show_default=True, help="Per GPU: memory of captured CUDA graphs (0 with --enforce-eager).")
-@click.option("--context", "--max-seq-len", "context", type=int, default=None,
+@click.option("--context", "--max-model-len", "--max-seq-len", "context", type=int, default=None,
               help="Tokens per request for the concurrency figure [default: the model's max_position_embeddings].")
 @click.option("--kv-group-size", type=int, default=BudgetInputs.kv_group_size, show_default=True,
               help="Quantized KV: elements sharing one scale.")

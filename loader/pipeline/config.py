@@ -60,7 +60,8 @@ class LoadConfig(NamedTuple):
         if self.chunk_bytes is not None and (
             type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30 or self.chunk_bytes % 4096
         ):
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of 4 KiB between 4 KiB and 1 GiB")
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of 4 KiB between 4 KiB and 1 GiB; "
+                              "write binary units, e.g. 4MiB (4M and 4MB mean 4,000,000 bytes)")
         if type(self.pinned_bytes) is not int or self.pinned_bytes < 1 << 20:
             raise ConfigError(f"pinned_bytes={self.pinned_bytes!r} must be at least 1 MiB")
         if type(self.staging_bytes) is not int or self.staging_bytes < 1 << 20:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
-from gdsload.loader.codecs.registry import GPU_DEFAULT, codec as codec_spec, codec_names
+from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
 from gdsload.loader.format.digests import require
 from gdsload.loader.format.discovery import scan_layout
@@ -38,7 +38,7 @@ from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompressStats", "compress_file", "compress_dir", "MIN_TENSOR_BYTES"]
+__all__ = ["CompressStats", "compress_file", "compress_dir", "resolve_codec", "MIN_TENSOR_BYTES"]
 
 
 WRITING_MARKER = ".gdsload-writing"
@@ -98,7 +98,7 @@ def compress_file(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    codec: str = GPU_DEFAULT,
+    codec: str = "auto",
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     checksum: bool = True,
@@ -111,6 +111,7 @@ def compress_file(
 
     >>> compress_file("model.safetensors", "model.z.safetensors", codec="zstd", device="cpu")  # doctest: +SKIP
     """
+    codec = resolve_codec(codec, device)
     _check_options(codec, min_gain)
     require(digest)  # the digest asked for can be made: checked before any file is encoded
     t0 = time.perf_counter()
@@ -176,9 +177,23 @@ def compress_file(
     return stats
 
 
+def resolve_codec(codec: str, device: str | torch.device | None = None) -> str:
+    """``auto``: ANS where nvCOMP runs (and ``device`` is not the CPU), else Zstd, which the CPU encodes and decodes.
+    Any other name is returned as it is.
+
+    >>> resolve_codec("auto", "cpu")
+    'zstd'
+    """
+    if codec != "auto":
+        return codec
+    if device is not None and str(device) == "cpu":
+        return CPU_DEFAULT
+    return GPU_DEFAULT if nvcomp_available() is None else CPU_DEFAULT
+
+
 def _check_options(codec: str, min_gain: float) -> None:
     if codec not in codec_names():
-        raise ConfigError(f"codec={codec!r} is not one of {codec_names()}")
+        raise ConfigError(f"codec={codec!r} is not one of {['auto', *codec_names()]}")
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be in [0, 1)")
 
@@ -200,7 +215,7 @@ def compress_dir(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    codec: str = GPU_DEFAULT,
+    codec: str = "auto",
     min_gain: float = 0.02,
     device: str | torch.device | None = None,
     min_tensor_bytes: int = MIN_TENSOR_BYTES,
@@ -217,6 +232,7 @@ def compress_dir(
     >>> compress_dir("llama-tp2", "llama-tp2-ans", codec="ans")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    codec = resolve_codec(codec, device)
     _check_options(codec, min_gain)
     require(digest)  # the digest asked for can be made: checked before any file is encoded
     src_p, out_p = Path(src), Path(out)
