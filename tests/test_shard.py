@@ -960,3 +960,23 @@ def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_
         assert [(f.path, f.digest) for fs in again.ranks.values() for f in fs] == [
             (f.path, want(data[f.path])) for f in listed]
         assert again.extra == extra and all((out / p).read_bytes() == b for p, b in data.items())
+
+
+def test_shard_follows_no_link_out_of_the_source_and_keeps_private_files_private(checkpoints, tmp_path):
+    src = _copy(checkpoints["llama-gqa-tied"][0], tmp_path / "src")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    _fails(lambda: plan_shard(src, ShardOptions(tp=2)), SourceCheckpointError, "outside the source directory",
+           "does not follow links out of SRC")
+    assert not (tmp_path / "out").exists()
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").write_text("{}")
+    (src / "tokenizer.json").chmod(0o600)
+    for f in src.glob("*.safetensors"):
+        f.chmod(0o640)
+    shard_checkpoint(src, tmp_path / "out", tp=2)
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").stat().st_mode & 0o777 == 0o600
+    assert all(f.stat().st_mode & 0o007 == 0 for f in out.glob("*.safetensors")), "private weights became readable"

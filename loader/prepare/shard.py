@@ -56,6 +56,7 @@ from gdsload.loader.prepare.quantize import QuantScheme, quantization_config
 from gdsload.loader.prepare.recipe import Recipe
 from gdsload.loader.prepare.source import (
     SourceCheckpoint,
+    inside_source,
     SourceCheckpointError,
     SourceNotFoundError,
     SourceReadError,
@@ -370,8 +371,11 @@ def plan_shard(src: str | os.PathLike[str] | SourceCheckpoint, options: ShardOpt
         for part, group in enumerate(groups):
             files.append(PlannedFile(rank, part, layout.file_name(rank, part),
                                      tuple(t for t, _ in group), tuple(s for _, s in group)))
-    return ShardPlan(source=source, options=options, architecture=architecture, layout_from=layout_from, files=files,
+    plan = ShardPlan(source=source, options=options, architecture=architecture, layout_from=layout_from, files=files,
                      fingerprint=fp, seconds=time.perf_counter() - start)
+    for name in plan.aux_files():  # a link out of SRC is refused before anything is written
+        inside_source(source.root, source.root / name)
+    return plan
 
 
 # --------------------------------------------------------------------------- writing
@@ -510,6 +514,7 @@ def _run(
             writer_factory = functools.partial(AlignedWriter, digest=plan.options.digest)
         digests, result.workers = _write_files(plan, todo, progress, writer_factory)
     result.written_bytes += sum(f.nbytes for f, _ in todo)
+    _restrict_modes(plan, [staged for _, staged in todo])
     _stage_aux(plan, partial)
     # While the partial directory is in OUT, OUT does not load (discovery refuses it): the files move in
     # one by one and the manifest comes last, then the partial directory goes in one rename.
@@ -630,17 +635,30 @@ def _worker_write(recipes: Sequence[Recipe], specs: Sequence[TensorSpec], path: 
 
 
 def _stage_aux(plan: ShardPlan, partial: Path) -> None:
+    """config.json (rewritten) and the tokenizer and other files copied from the source, with their modes."""
     for name in plan.aux_files():
         dst = partial / name
+        src_path = inside_source(plan.source.root, plan.source.root / name)
         try:
             with atomic_output(dst) as fh:
                 if name == "config.json":
                     fh.write((json.dumps(plan.output_config(), indent=2) + "\n").encode())
                 else:
-                    with open(plan.source.root / name, "rb") as src:
+                    fd = os.open(src_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                    with open(fd, "rb") as src:
                         shutil.copyfileobj(src, fh, 8 << 20)
+            os.chmod(dst, src_path.stat().st_mode & 0o777)
         except OSError as e:
             raise write_error(e, dst, f"copy of {name}") from e
+
+
+def _restrict_modes(plan: ShardPlan, paths: Sequence[Path]) -> None:
+    """Weight files allow no more than the source's weight files do (private weights stay private)."""
+    mode = plan.source.mode
+    for path in paths:
+        current = path.stat().st_mode & 0o777
+        if current & ~mode:
+            os.chmod(path, current & mode)
 
 
 def shard_checkpoint(

@@ -32,6 +32,7 @@ __all__ = [
     "SourceCheckpointError",
     "SourceReadError",
     "UnsupportedModelError",
+    "inside_source",
 ]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf", ".h5", ".msgpack")
@@ -55,6 +56,22 @@ class SourceCheckpointError(GdsloadError, ValueError):
 
 class SourceReadError(GdsloadError, OSError):
     """A source file became unreadable (or changed) after planning."""
+
+
+def inside_source(root: Path, path: Path) -> Path:
+    """``path`` resolved, when it stays inside ``root`` (or, for a Hugging Face cache snapshot, inside that
+    repository's ``blobs``); else :class:`SourceCheckpointError`: ``gdsload shard`` never follows a link out of
+    its source, so a link planted in a model directory cannot copy another file into OUT."""
+    real = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":  # models--org--name/snapshots/REV/file -> ../../blobs/HASH
+        allowed.append(root.parent.parent / "blobs")
+    if not any(real == a or a in real.parents for a in allowed):
+        raise SourceCheckpointError(
+            f"{str(path)!r} is a link to {str(real)!r}, outside the source directory {str(root)!r}; gdsload shard does "
+            "not follow links out of SRC — copy the file into SRC, or remove the link"
+        )
+    return real
 
 
 class Located(NamedTuple):
@@ -98,6 +115,8 @@ class SourceCheckpoint:
             raise UnsupportedModelError(str(e)) from None
         self.files = sorted(p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file()
                             and not p.name.startswith("."))
+        for p in [cfg_path, *self.files]:
+            inside_source(root, p)
         if not self.files:
             pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
             if pickles:
@@ -152,6 +171,14 @@ class SourceCheckpoint:
             st = p.stat()
             files.append([p.name, st.st_size, st.st_mtime_ns])
         return {"config_sha256": hashlib.sha256(self.config_bytes).hexdigest(), "files": files}
+
+    @property
+    def mode(self) -> int:
+        """Permission bits every weight file allows (their intersection): what OUT's files may allow at most."""
+        mode = 0o777
+        for p in self.files:
+            mode &= p.stat().st_mode & 0o777
+        return mode
 
     def dtype(self, name: str) -> str:
         return self.tensors[name].info.dtype
