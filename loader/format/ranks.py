@@ -16,8 +16,7 @@ one pipeline stage, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}`` with several
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gdsload.loader.errors import ConfigError
 
@@ -34,29 +33,34 @@ MAX_WORLD = 4096
 """More ranks than any deployment has: a larger layout is a mistake in the input, refused before any work."""
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """``tp`` × ``pp`` ranks, experts spread over ``ep`` of each stage's ranks (1: every rank holds every expert)."""
-
+class _Sizes(NamedTuple):
     tp: int = 1
-    """Tensor-parallel size (``--tensor-parallel-size``)."""
     pp: int = 1
-    """Pipeline-parallel size: stages (``--pipeline-parallel-size``)."""
     ep: int = 1
-    """Expert-parallel size: 1, or ``tp`` (vLLM's ``--enable-expert-parallel`` with data parallel 1)."""
 
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
-            value = getattr(self, name)
+
+class ParallelLayout(_Sizes):
+    """``tp`` × ``pp`` ranks, experts spread over ``ep`` of each stage's ranks (1: every rank holds every expert).
+
+    ``tp``: tensor-parallel size (``--tensor-parallel-size``); ``pp``: pipeline stages
+    (``--pipeline-parallel-size``); ``ep``: expert-parallel size, 1 or ``tp`` (vLLM's
+    ``--enable-expert-parallel`` with data parallel 1). A named tuple (the load path imports no dataclasses).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelLayout:
+        for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.ep not in (1, self.tp):
+        if ep not in (1, tp):
             raise ConfigError(
-                f"ep={self.ep} with tp={self.tp}: expert parallel spreads the experts over a stage's "
-                f"tensor-parallel ranks (vLLM's --enable-expert-parallel), so ep is 1 or {self.tp}; pass --ep {self.tp}"
+                f"ep={ep} with tp={tp}: expert parallel spreads the experts over a stage's "
+                f"tensor-parallel ranks (vLLM's --enable-expert-parallel), so ep is 1 or {tp}; pass --ep {tp}"
             )
-        if self.world > MAX_WORLD:
-            raise ConfigError(f"tp={self.tp} x pp={self.pp} = {self.world} ranks is more than {MAX_WORLD}; check the sizes")
+        if tp * pp > MAX_WORLD:
+            raise ConfigError(f"tp={tp} x pp={pp} = {tp * pp} ranks is more than {MAX_WORLD}; check the sizes")
+        return super().__new__(cls, tp, pp, ep)
 
     @property
     def world(self) -> int:
