@@ -184,7 +184,7 @@ def _free_port() -> int:
 
 def _complete(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_tokens_as_token_ids": True}
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]

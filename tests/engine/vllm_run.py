@@ -42,7 +42,8 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = _engine(spec)
     ready = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=1)
+    # Every prompt runs to max_tokens: a tiny random model may pick its end-of-sequence token early.
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=1, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     cases = []
