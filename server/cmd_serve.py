@@ -18,9 +18,12 @@ from gdsload.loader.errors import GdsloadError
 from .forkserver import START_METHODS
 from .settings import ENV_VARS, LOG_FORMATS, LOG_LEVELS, TOKEN_ENV, ServeConfig, configure_logging
 
-__all__ = ["serve", "run_server"]
+__all__ = ["serve", "run_server", "EXIT_BAD_TARGET"]
 
 log = logging.getLogger(__name__)
+
+EXIT_BAD_TARGET = 2
+"""Exit status of ``serve`` when its model cannot be served (the one log line before it says why and the fix)."""
 
 
 def _env(name: str) -> str:
@@ -106,6 +109,15 @@ def run_server(config: ServeConfig) -> None:
     >>> run_server(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
     """
     configure_logging(config.log_format, config.log_level)
+    target = None
+    if config.model_dir is not None:  # before anything starts: a bad target is a failed start, not a failed state
+        from .target import check_target
+
+        try:
+            target = check_target(config.model_dir, config)
+        except GdsloadError as e:
+            log.error("cannot serve %s: %s: %s", config.model_dir, type(e).__name__, e)
+            raise SystemExit(EXIT_BAD_TARGET) from None
     sock = _bind(config.host, config.port)
 
     from .start import start_worker_server
@@ -119,7 +131,7 @@ def run_server(config: ServeConfig) -> None:
         log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
                  TOKEN_ENV)
 
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, target)
     # uvicorn handles SIGTERM gracefully, then re-raises it with the handler it found: make that a clean exit.
     signal.signal(signal.SIGTERM, _exit_quietly)
     supervisor.start()  # the workers start importing while the HTTP stack is imported here

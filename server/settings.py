@@ -54,6 +54,7 @@ __all__ = [
     "ServeConfig",
     "PathNotAllowedError",
     "ENV_VARS",
+
     "TOKEN_ENV",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -182,6 +183,9 @@ class ServeConfig:
     """Model directory loaded at start (absolute path). None: start empty and wait for ``POST /v1/reload``."""
     ranks: tuple[int, ...] | None = None
     """Tensor-parallel ranks served on this host, one worker process each; None: every rank the model holds."""
+    tp: int | None = None
+    """The tensor-parallel size asked for with ``--tp`` (``ranks`` is then ``0..tp-1``): the model must have been
+    sharded for it. None when ``--tp`` was not given."""
     device_map: str = "auto"
     """``auto``: the i-th served rank gets the i-th visible GPU, CPU when the host has none; ``cpu``: every rank
     loads into host memory; ``RANK:GPU,...``: explicit, a GPU that cannot be used is an error, not a fallback."""
@@ -227,6 +231,8 @@ class ServeConfig:
                     or any(type(r) is not int or not 0 <= r <= _MAX_RANK for r in self.ranks)
                     or len(set(self.ranks)) != len(self.ranks)):
                 raise ConfigError(f"ranks={self.ranks!r} must be a non-empty tuple of distinct ranks in 0..{_MAX_RANK}")
+        if self.tp is not None and (type(self.tp) is not int or self.ranks != tuple(range(self.tp))):
+            raise ConfigError(f"tp={self.tp!r} must be an integer whose ranks 0..tp-1 are the ranks served")
         dm = parse_device_map(self.device_map)
         if isinstance(dm, dict) and self.ranks is not None:
             unmapped = sorted(set(self.ranks) - set(dm))
@@ -347,7 +353,7 @@ class ServeConfig:
         if "ranks" in values and "tp" in values:
             raise ConfigError("give either --ranks or --tp (GDSLOAD_RANKS or GDSLOAD_TP), not both")
         if "tp" in values:
-            values["ranks"] = tuple(range(values.pop("tp")))
+            values["ranks"] = tuple(range(values["tp"]))
         if "model_dir" in values:
             values["model_dir"] = os.path.abspath(values["model_dir"])
         if "allow_roots" in values:
@@ -363,6 +369,8 @@ class ServeConfig:
             return cls(**values)
         except ConfigError as e:  # name the flag or variable the value came from
             origin = next((o for k, o in origins.items() if str(e).startswith(f"{k}=")), None)
+            if origin is None and "tp" in origins and str(e).startswith("ranks="):
+                origin = origins["tp"]
             if origin is None:
                 raise
             raise ConfigError(f"{origin}: {e}") from None

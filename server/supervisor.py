@@ -39,16 +39,10 @@ from typing import Any, TypeVar
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
-from .settings import ServeConfig, confine_path
+from .settings import ServeConfig
 from .start import start_worker_server, worker_start_method
-from .workers import (
-    RankNotReadyError,
-    WorkerHandle,
-    WorkerSpec,
-    assign_devices,
-    error_doc,
-    visible_gpus,
-)
+from .target import ModelUnreadableError, Target, check_target
+from .workers import RankNotReadyError, WorkerHandle, WorkerSpec, error_doc
 
 __all__ = [
     "Supervisor",
@@ -91,10 +85,6 @@ class UnknownLeaseError(GdsloadError, LookupError):
 
 class ExportsOutstandingError(GdsloadError, RuntimeError):
     """Unload or reload refused: engines still map exported tensors."""
-
-
-class ModelUnreadableError(GdsloadError, OSError):
-    """The model directory cannot be listed or read (permissions, I/O error)."""
 
 
 def process_start_time() -> float:
@@ -152,22 +142,14 @@ class _Rank:
     pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class _Target:
-    path: str
-    real_path: str
-    source: str
-    tp_size: int
-    files: dict[int, tuple[str, ...]]
-    devices: dict[int, tuple[str, bool]]
-    errors: dict[int, dict[str, str]]
-
-
 class Supervisor:
     """Runs the workers of the served ranks and keeps their state for the HTTP API."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, target: Target | None = None):
         self.config = config
+        self._target = target
+        """The model to serve at start, checked already (``gdsload serve`` checks it before it binds its port);
+        None: ``config.model_dir`` is checked when the supervisor starts."""
         self.worker_start = worker_start_method(config)
         """How this server starts its workers (``config.worker_start`` with ``auto`` resolved)."""
         self._fork_server: dict[str, Any] | None = None  # the fork server's imports, as its latest fork told
@@ -305,12 +287,12 @@ class Supervisor:
         self._await_leases(wait_s)
         return self.switch(None, force=force)
 
-    def check_target(self, model_dir: str, ranks: Sequence[int] | None = None) -> _Target:
-        """The first half of :meth:`reload`: ``model_dir`` checked (confinement, discovery, device placement)."""
-        real = confine_path(model_dir, self.config.allow_roots)
-        return self._plan(model_dir, real, ranks, strict=True)
+    def check_target(self, model_dir: str, ranks: Sequence[int] | None = None) -> Target:
+        """The first half of :meth:`reload`: ``model_dir`` checked (confinement, discovery, headers, device
+        placement; see :func:`gdsload.server.target.check_target`)."""
+        return check_target(model_dir, self.config, ranks, strict=True)
 
-    def switch(self, target: _Target | None, *, force: bool = False) -> dict[str, Any]:
+    def switch(self, target: Target | None, *, force: bool = False) -> dict[str, Any]:
         """The second half of :meth:`reload` (``target`` from :meth:`check_target`), or an unload (None)."""
         return self._call(lambda: self._switch(target, force))
 
@@ -464,63 +446,23 @@ class Supervisor:
 
     # ------------------------------------------------------------------ generations
 
-    def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
-        """What serving ``path`` takes; raises a typed error when it cannot be served.
-
-        ``strict`` (a reload): any rank that cannot be served raises, and every served file's header is
-        read, so a bad target is refused while the current model still serves.
-        """
-        try:
-            return self._plan_unchecked(path, real, ranks, strict=strict)
-        except GdsloadError:
-            raise
-        except OSError as e:
-            raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e}); check its permissions") from None
-        except Exception as e:  # a malformed file the loader's checks did not name
-            raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
-
-    def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
-        from gdsload.loader.format.discovery import discover, list_ranks
-
-        source, tp, files = list_ranks(real)
-        served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
-        errors: dict[int, dict[str, str]] = {}
-        for r in (r for r in served if r not in files):
-            try:
-                discover(real, r)  # raises NoFilesForRankError, naming the ranks the directory does hold
-            except GdsloadError as e:
-                if strict:
-                    raise
-                errors[r] = error_doc(e)
-        if self.config.allow_roots:  # a file may be a symlink out of the root even when its directory is not
-            for r in served:
-                for f in files.get(r, ()):
-                    confine_path(f, self.config.allow_roots)
-        if strict:
-            # Imported only here: planning needs numpy, which the first generation's workers should not wait for.
-            from gdsload.loader.plan import plan_rank
-
-            for r in served:
-                plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
-        devices = assign_devices(served, self.config.device_map, visible_gpus())
-        return _Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
-                     errors=errors)
-
     def _initial_load(self, path: str) -> None:
-        try:
-            plan = self._plan(path, os.path.realpath(path), None, strict=False)
-        except GdsloadError as e:  # _plan names every failure with a typed error
-            log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
-            with self._lock:
-                self._model_error = error_doc(e)
-                self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
-                for r in self.config.ranks or ():
-                    self._ranks[r] = _Rank(r, "", False, state=RankState.FAILED, error=error_doc(e))
-                self._publish()
-            return
-        self._switch(plan, force=True)
+        target = self._target
+        if target is None:
+            try:
+                target = check_target(path, self.config)
+            except GdsloadError as e:  # typed, naming the fix
+                log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
+                with self._lock:
+                    self._model_error = error_doc(e)
+                    self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
+                    for r in self.config.ranks or ():
+                        self._ranks[r] = _Rank(r, "", False, state=RankState.FAILED, error=error_doc(e))
+                    self._publish()
+                return
+        self._switch(target, force=True)
 
-    def _switch(self, plan: _Target | None, force: bool) -> dict[str, Any]:
+    def _switch(self, plan: Target | None, force: bool) -> dict[str, Any]:
         """Install ``plan`` as the next generation (None: unload); runs on the loop (or in ``start``, before it)."""
         with self._lock:
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
@@ -548,12 +490,8 @@ class Supervisor:
                                "tp_size": plan.tp_size}
                 self._ranks = {}
                 for r, (cvd, explicit) in plan.devices.items():
-                    x = _Rank(r, cvd, explicit,
-                              files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
-                    if r in plan.errors:
-                        x.state, x.error = RankState.FAILED, plan.errors[r]
-                        self._failures[r] += 1
-                    self._ranks[r] = x
+                    self._ranks[r] = _Rank(r, cvd, explicit,
+                                           files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
             self._publish()
         if leases:
             log.warning("invalidating IPC exports %s (force)", leases)
@@ -635,6 +573,7 @@ class Supervisor:
 
     def _on_event(self, h: WorkerHandle, kind: str, payload: dict[str, Any]) -> None:
         note: str | None = None
+        failure: str | None = None
         with self._lock:
             x = self._rank_of(h)
             if x is None:
@@ -663,6 +602,8 @@ class Supervisor:
             elif kind == "failed":
                 x.state, x.error, x.error_reported = RankState.FAILED, payload["error"], True
                 self._failures[x.rank] += 1
+                failure = (f"rank {x.rank} failed to load: {payload['error']['type']}: {payload['error']['message']}"
+                           " (the rank stays failed until POST /v1/reload)")
             elif kind == "reply":
                 fut, lease = x.pending.pop(payload["id"], (None, None))
                 if fut is not None:
@@ -678,6 +619,8 @@ class Supervisor:
             self._publish()
         if note:
             log.info("%s", note)
+        if failure:
+            log.error("%s", failure)
 
     def _reap(self, h: WorkerHandle) -> None:
         for kind, payload in h.receive():  # its last words may still be in the pipe

@@ -98,8 +98,8 @@ class _Worker:
         try:
             result = self._load()
         except Exception as e:  # the process boundary: every load error goes to the parent, typed
-            if isinstance(e, GdsloadError):
-                log.error("load failed: %s: %s", type(e).__name__, e)
+            if isinstance(e, GdsloadError):  # the server logs it as an error, with its rank
+                log.info("load failed: %s: %s", type(e).__name__, e)
             else:
                 log.exception("load failed")
             self.channel.send("failed", error=error_doc(e))

@@ -428,6 +428,11 @@ def test_corrupt_rank_fails_typed_and_is_not_restarted(server: Server, models: M
     r1 = s["ranks"]["1"]
     assert r1["state"] == "failed" and s["state"] == "failed"
     assert r1["error"]["type"] == "IntegrityError", r1["error"]
+    # The server's log says it at ERROR, in one line with the rank, the type and the error's own fix.
+    errors = [json.loads(line) for line in server.log().splitlines()
+              if line.startswith("{") and '"level": "error"' in line and "rank 1 failed to load" in line]
+    assert len(errors) == 1 and errors[0]["message"].startswith(f"rank 1 failed to load: IntegrityError: "
+                                                                f"{r1['error']['message']}"), errors
     assert "model-rank-1-part-0.safetensors" in r1["error"]["message"]
     assert r1["restarts"] == 1 and r1["failures"] == 2 and r1["pid"] is None  # counts from the earlier kill
     r = server.http.get("/readyz")
@@ -473,20 +478,72 @@ def test_sigterm_stops_workers_and_exits_cleanly(server: Server):
 # ---------------------------------------------------------------------------------------------- bad models
 
 
-def test_bad_model_dir_is_a_failed_state_not_a_dead_server(tmp_path: Path):
-    srv = Server([str(tmp_path / "no-such-model"), "--tp", "2"], tmp_path / "serve.log")
+def _serve_once(args: list[str], log_path: Path, timeout: float = 60) -> tuple[int, str]:
+    """``gdsload serve ARGS`` to its end: exit status and everything it wrote."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+    with open(log_path, "wb") as log:
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--port", "0"], stdout=log,
+                           stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
+    return p.returncode, log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One unsharded checkpoint, as Hugging Face publishes one (tp=1, no manifest)."""
+    import torch
+    from safetensors.torch import save_file as st_save
+
+    root = tmp_path_factory.mktemp("hf")
+    st_save({"w": torch.ones(4, 4)}, str(root / "model.safetensors"))
+    return root
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["ModelNotFoundError", "does not exist", "give the directory"]),
+    ("empty", ["NoFilesForRankError", "no .safetensors files", "gdsload shard"]),
+    ("a file", ["ModelNotFoundError", "is not a directory or a .safetensors file"]),
+    ("--tp 4", ["TensorParallelMismatchError", "--tp 4", "holds ranks 0-1", "tp=2", "serve it with --tp 2"]),
+    ("--tp 1", ["TensorParallelMismatchError", "serve it with --tp 2", "use --ranks"]),
+    ("--ranks 5", ["NoFilesForRankError", "--ranks 5", "No files for rank 5", "holds ranks 0-1"]),
+    ("hf --tp 2", ["TensorParallelMismatchError", "one unsharded checkpoint", "gdsload shard", "--tp 2"]),
+    ("--device-map 0:3,1:3", ["ConfigError", "puts rank 0 on GPU 3", "fix the map"]),
+])
+def test_serve_refuses_a_bad_target_before_it_starts(models: Models, hf_model: Path, tmp_path: Path, case: str,
+                                                      words: list[str]):
+    """A target that cannot be served ends ``serve`` at once: status 2, one ERROR line naming the fix, no port
+    bound, no worker started."""
+    args = {
+        "missing": [str(tmp_path / "no-such-model"), "--tp", "2"],
+        "empty": [str(models.empty)],
+        "a file": [str(models.a / "gdsload.json")],
+        "--tp 4": [str(models.a), "--tp", "4"],
+        "--tp 1": [str(models.a), "--tp", "1"],
+        "--ranks 5": [str(models.a), "--ranks", "5"],
+        "hf --tp 2": [str(hf_model), "--tp", "2"],
+        "--device-map 0:3,1:3": [str(models.a), "--device-map", "0:3,1:3"],
+    }[case]
+    code, out = _serve_once(args, tmp_path / "serve.log")
+    lines = out.splitlines()
+    assert code == 2 and len(lines) == 1, out
+    assert " ERROR " in lines[0] and "cannot serve" in lines[0], lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert "listening on" not in out and "started worker" not in out
+
+
+def test_a_bad_target_in_json_logs_is_one_json_error(tmp_path: Path):
+    code, out = _serve_once([str(tmp_path / "nothing"), "--log-format", "json"], tmp_path / "serve.log")
+    (line,) = out.splitlines()
+    doc = json.loads(line)
+    assert code == 2 and doc["level"] == "error" and "does not exist" in doc["message"], doc
+
+
+def test_started_without_a_model_says_how_to_configure_a_token(tmp_path: Path):
+    srv = Server([], tmp_path / "serve.log")
     try:
         assert srv.http.get("/healthz").status_code == 200
         r = srv.http.get("/readyz")
-        deadline = time.monotonic() + 30
-        while r.json().get("reason") == "starting" and time.monotonic() < deadline:  # discovery not yet run
-            time.sleep(0.05)
-            r = srv.http.get("/readyz")
-        assert r.status_code == 503 and "NoFilesForRankError" in r.json()["reason"]
-        s = srv.status()
-        assert s["state"] == "failed" and s["error"]["type"] == "NoFilesForRankError"
-        assert "does not exist" in s["error"]["message"] and "no-such-model" in s["error"]["message"]
-        assert {k: v["state"] for k, v in s["ranks"].items()} == {"0": "failed", "1": "failed"}
+        assert r.status_code == 503 and r.json()["reason"] == "no model loaded; POST /v1/reload"
         # Without a token, mutating and hand-off endpoints say how to configure one.
         for method, path, body in PROTECTED:
             r = srv.http.request(method, path, json=body, headers=auth())
