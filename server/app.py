@@ -12,9 +12,9 @@
 | ``POST /v1/ipc/{rank}/release`` | yes   | the engine is done with a lease                                 |
 | ``GET /v1/ipc/{rank}/hold``     | yes   | streams while an engine holds a lease; released when it closes  |
 
-The server answers from its first second: the supervisor loads in the background, and the
-lifespan only starts it (returning at once) and stops it at shutdown. The probes also answer
-``HEAD``. Every error, of any status, is ``{"error": {"type": ..., "message": ...}}``: 400 bad
+``gdsload serve`` answers the probes before this application is built (:mod:`gdsload.server.probes`);
+in-process, the lifespan starts the supervisor (returning at once: the workers load in the background)
+and stops it at shutdown. The probes also answer ``HEAD``. Every error, of any status, is ``{"error": {"type": ..., "message": ...}}``: 400 bad
 model or request (a body that is not JSON too), 401 missing or wrong token, 403 no token
 configured or path outside the allowed roots, 404 unknown rank, lease or path, 405 method, 409
 rank not ready or exports outstanding, 413 body too large, 422 body or path parameter of the
@@ -48,6 +48,9 @@ from gdsload.loader.errors import GdsloadError
 
 from .http_guard import REQUEST_TIMEOUT_S
 from .metrics import make_registry, render
+from .probes import answer_probe
+from .probes import healthz as healthz_answer
+from .probes import readyz as readyz_answer
 from .settings import ENV_VARS, TOKEN_ENV
 from .supervisor import ExportsOutstandingError, RankNotReadyError, Supervisor, WorkerError
 from .workers import error_doc
@@ -322,11 +325,12 @@ def _needs_token(request: Request) -> bool:
     return any(getattr(d, "dependency", None) is _require_token for d in getattr(route, "dependencies", ()))
 
 
-class _ReadyzFastPath:
-    """ASGI wrapper: answer ``GET /readyz`` from the prebuilt body without routing or validation.
+class _ProbesFastPath:
+    """ASGI wrapper: answer ``/healthz`` and ``/readyz`` from the supervisor's state without routing or validation
+    (:mod:`gdsload.server.probes`, which ``gdsload serve`` also runs in front of this application).
 
-    Autoscalers and load balancers poll it hard; the route of the same name documents it in OpenAPI and
-    answers identically.
+    Orchestrators, autoscalers and load balancers poll them hard; the routes of the same names document
+    them in OpenAPI and answer identically.
     """
 
     def __init__(self, app: _ASGIApp, supervisor: Supervisor):
@@ -335,13 +339,8 @@ class _ReadyzFastPath:
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["path"] == "/readyz" and scope["method"] in ("GET", "HEAD"):
-            code, body = self.supervisor.readiness()
-            await send({"type": "http.response.start", "status": code,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
-            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
-            return
-        await self.app(scope, receive, send)
+        if not await answer_probe(scope, send, self.supervisor):
+            await self.app(scope, receive, send)
 
 
 def create_app(supervisor: Supervisor) -> FastAPI:
@@ -350,7 +349,6 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     >>> uvicorn.run(create_app(Supervisor(config)), host="127.0.0.1", port=8471)  # doctest: +SKIP
     """
     registry = make_registry(supervisor)
-    started = time.monotonic()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -412,19 +410,16 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["probes"],
                    summary="Liveness: 200 while the process lives and its supervisor runs",
                    responses={503: {"description": "The supervisor loop died: restart the process"}})
-    async def healthz() -> JSONResponse:
-        uptime = round(time.monotonic() - started, 3)
-        if supervisor.loop_error is not None:
-            return JSONResponse({"status": "failed", "uptime_s": uptime, "error": supervisor.loop_error},
-                                status_code=503)
-        return JSONResponse({"status": "alive", "uptime_s": uptime})
+    async def healthz() -> Response:
+        code, body = healthz_answer(supervisor)
+        return Response(body, status_code=code, media_type="application/json")
 
     @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["probes"],
                    summary="Readiness: 200 only when every served rank is loaded",
                    responses={200: {"description": "Every rank is ready"},
                               503: {"description": "Not ready: per-rank states and the reason"}})
     async def readyz() -> Response:
-        code, body = supervisor.readiness()
+        code, body = readyz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
     @app.get("/v1/status", tags=["status"], summary="Model, per-rank state, bytes, phase timings, GB/s, errors")
@@ -492,11 +487,11 @@ def create_app(supervisor: Supervisor) -> FastAPI:
 
     protected_routes = [(set(r.methods or ()), r.path_regex) for r in app.routes
                         if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))]
-    # Added innermost first: the fast /readyz, then the Host, then the token, then the body (size and time).
+    # Added innermost first: the probes, then the Host, then the token, then the body (size and time).
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, timeout=supervisor.config.request_timeout)
     app.add_middleware(_TokenFirst, protected=protected_routes, token=supervisor.config.token)
     app.add_middleware(_HostCheck, allowed=supervisor.config.http_hosts())
-    app.add_middleware(_ReadyzFastPath, supervisor=supervisor)  # added last: runs first
+    app.add_middleware(_ProbesFastPath, supervisor=supervisor)  # added last: runs first
     return app
 
 

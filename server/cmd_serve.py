@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 from types import FrameType
 from typing import Any
 
@@ -104,7 +105,12 @@ def _exit_quietly(signum: int, frame: FrameType | None) -> None:
 
 
 def run_server(config: ServeConfig) -> None:
-    """Bind, start the workers, serve HTTP until SIGTERM/SIGINT, then stop the workers (they free their memory).
+    """Check the model, bind, answer the probes, then start the workers; serve until SIGTERM/SIGINT, then stop
+    the workers (they free their memory).
+
+    The order is what an orchestrator needs: a bad target exits before anything starts; the probes are
+    answered from the moment the port is bound (:class:`~gdsload.server.probes.ProbeFront`), and the
+    fork server, the workers and the rest of the API start behind them, on a thread.
 
     >>> run_server(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
     """
@@ -120,46 +126,65 @@ def run_server(config: ServeConfig) -> None:
             raise SystemExit(EXIT_BAD_TARGET) from None
     sock = _bind(config.host, config.port)
 
-    from .start import start_worker_server
+    import uvicorn
+
+    from .http_guard import guarded_protocol
+    from .probes import ProbeFront
     from .supervisor import Supervisor
 
-    start_worker_server(config)  # now: the workers' imports overlap the rest of the server's start-up
-    if not config.is_loopback and config.token is None:
-        log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
-                    TOKEN_ENV)
-    if config.token is None:
-        log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
-                 TOKEN_ENV)
-
     supervisor = Supervisor(config, target)
+    front = ProbeFront(supervisor, on_shutdown=supervisor.stop)
     # uvicorn handles SIGTERM gracefully, then re-raises it with the handler it found: make that a clean exit.
     signal.signal(signal.SIGTERM, _exit_quietly)
-    supervisor.start()  # the workers start importing while the HTTP stack is imported here
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            supervisor.draining.set()  # held leases end now, so the connections drain at once
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:  # the probes answer: now the rest may start
+                threading.Thread(target=_start_behind, args=(config, supervisor, front), name="gdsload-start",
+                                 daemon=True).start()
+
+    server = _Server(uvicorn.Config(front, log_config=None, access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=5, server_header=False,
+                                    http=guarded_protocol(config.request_timeout)))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    # Logged at any --log-level: with --port 0 this line is the only place the port is named.
+    level = max(logging.INFO, logging.getLogger().getEffectiveLevel())
+    log.log(level, "listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
     try:
-        import uvicorn
-
-        from .app import create_app
-
-        from .http_guard import guarded_protocol
-
-        class _Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                supervisor.draining.set()  # held leases end now, so the connections drain at once
-                super().handle_exit(sig, frame)
-
-        server = _Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
-                                               lifespan="on", timeout_graceful_shutdown=5, server_header=False,
-                                               http=guarded_protocol(config.request_timeout)))
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        # Logged at any --log-level: with --port 0 this line is the only place the port is named.
-        level = max(logging.INFO, logging.getLogger().getEffectiveLevel())
-        log.log(level, "listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
         server.run(sockets=[sock])
     finally:
         supervisor.stop()
         sock.close()
         log.info("stopped")
+
+
+def _start_behind(config: ServeConfig, supervisor: Any, front: Any) -> None:
+    """What starts once the probes answer: the fork server, the workers, then the API application."""
+    from .start import start_worker_server
+
+    try:
+        start_worker_server(config)
+        supervisor.start()  # returns at once: the supervisor's thread starts the workers
+        if not config.is_loopback and config.token is None:
+            log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
+                        TOKEN_ENV)
+        if config.token is None:
+            log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
+                     TOKEN_ENV)
+        from .app import create_app
+
+        app = create_app(supervisor)
+        app.middleware_stack = app.build_middleware_stack()  # now, rather than in the first request
+        front.set_app(app)
+    except Exception as e:  # the probes go on answering; other requests get 503 naming this
+        log.exception("the server could not finish starting")
+        front.set_app(None, error=f"the server could not finish starting ({type(e).__name__}: {e}); see its log")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,9 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._readyz: tuple[int, bytes] = (503, b"")
         with self._lock:
-            if config.model_dir is not None:  # shown from the first request on, before discovery has run
+            if target is not None:  # every rank pending from the first request on
+                self._install(target)
+            elif config.model_dir is not None:  # shown from the first request on, before discovery has run
                 self._model = {"path": config.model_dir, "real_path": os.path.realpath(config.model_dir),
                                "source": None, "tp_size": None}
             self._publish()
@@ -184,23 +186,25 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the configured model's workers and the supervisor loop; returns once the workers are started.
+        """Start the supervisor's thread, which starts the configured model's workers; returns at once.
 
-        The model's files are listed and its workers started on the calling thread, before the loop: a
-        worker then starts while the caller goes on (importing the HTTP stack), instead of waiting behind
-        it for the interpreter. The loads themselves run in the workers, in the background.
+        Nothing here waits for a worker (its start included: a fork server may still be importing
+        torch), so a caller on an event loop is never held up; the loads run in the workers.
         """
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._loop, name="gdsload-supervisor", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="gdsload-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         if self.config.model_dir is not None:
             try:
                 self._initial_load(self.config.model_dir)
             except Exception as e:
                 self._failed(e)
                 self._stop.set()  # the loop starts only to stop the workers
-        self._thread.start()
+        self._loop()
 
     def stop(self) -> None:
         """Stop every worker (each frees its memory, or is killed after ``stop_timeout``); idempotent."""
@@ -448,6 +452,12 @@ class Supervisor:
 
     def _initial_load(self, path: str) -> None:
         target = self._target
+        if target is not None:  # installed by __init__: start its workers
+            log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, target.path,
+                     target.source, target.tp_size, sorted(target.devices))
+            for x in list(self._ranks.values()):
+                self._spawn(x)
+            return
         if target is None:
             try:
                 target = check_target(path, self.config)
@@ -479,20 +489,7 @@ class Supervisor:
             for x in self._ranks.values():
                 self._fail_pending(x, "the model was unloaded")
             previous = self._model["path"] if self._model else None
-            self._generation += 1
-            self._gen_started_mono, self._gen_started_wall = time.monotonic(), time.time()
-            self._gen_ready_s = None
-            self._model_error = None
-            if plan is None:
-                self._model, self._ranks = None, {}
-            else:
-                self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
-                               "tp_size": plan.tp_size}
-                self._ranks = {}
-                for r, (cvd, explicit) in plan.devices.items():
-                    self._ranks[r] = _Rank(r, cvd, explicit,
-                                           files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
-            self._publish()
+            self._install(plan)
         if leases:
             log.warning("invalidating IPC exports %s (force)", leases)
         if old:
@@ -506,6 +503,23 @@ class Supervisor:
             if x.state is RankState.PENDING:
                 self._spawn(x)
         return {"generation": self._generation, "model": plan.path, "ranks": sorted(plan.devices)}
+
+    def _install(self, plan: Target | None) -> None:
+        """Make ``plan`` the next generation, every rank pending (None: nothing served); call with the lock held."""
+        self._generation += 1
+        self._gen_started_mono, self._gen_started_wall = time.monotonic(), time.time()
+        self._gen_ready_s = None
+        self._model_error = None
+        if plan is None:
+            self._model, self._ranks = None, {}
+        else:
+            self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
+                           "tp_size": plan.tp_size}
+            self._ranks = {}
+            for r, (cvd, explicit) in plan.devices.items():
+                self._ranks[r] = _Rank(r, cvd, explicit,
+                                       files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
+        self._publish()
 
     def _spawn(self, x: _Rank) -> None:
         assert self._model is not None

@@ -176,9 +176,8 @@ def test_the_server_starts_its_first_workers_before_importing_numpy(tmp_path):
     model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
                                                        layers=1), tp=2)
     code = ("import json, os, sys; from gdsload.server.settings import ServeConfig; "
-            "from gdsload.server.supervisor import Supervisor; "
-            "sup = Supervisor(ServeConfig(model_dir=sys.argv[1], device_map='cpu')); "
-            "t = sup._plan(sys.argv[1], os.path.realpath(sys.argv[1]), None, strict=False); "
+            "from gdsload.server.target import check_target; "
+            "t = check_target(sys.argv[1], ServeConfig(model_dir=sys.argv[1], device_map='cpu')); "
             "print(json.dumps({'ranks': sorted(t.files), 'numpy': 'numpy' in sys.modules}))")
     out = json.loads(subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True,
                                     check=True).stdout)

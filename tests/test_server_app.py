@@ -105,12 +105,33 @@ def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
         assert client.get("/v1/status").json()["state"] == "failed"
 
 
-def test_start_returns_with_the_workers_started(sharded_dir: Path):
-    """The workers start before ``start`` returns, so their start-up overlaps the HTTP stack's import."""
-    supervisor = Supervisor(ServeConfig.resolve(model_dir=str(sharded_dir), device_map="cpu", env={}))
+def test_start_returns_at_once_and_the_workers_start_behind_it(sharded_dir: Path, monkeypatch):
+    """``start`` waits for no worker (an event loop calls it): the supervisor's thread starts them, even when
+    starting one takes long (a fork server still importing torch)."""
+    from gdsload.server.target import check_target
+    from gdsload.server.workers import WorkerHandle
+
+    spawn = WorkerHandle.spawn
+
+    def slow_spawn(*args, **kwargs):
+        time.sleep(1.0)
+        return spawn(*args, **kwargs)
+
+    monkeypatch.setattr(WorkerHandle, "spawn", slow_spawn)
+    config = ServeConfig.resolve(model_dir=str(sharded_dir), device_map="cpu", env={})
+    supervisor = Supervisor(config, check_target(str(sharded_dir), config))
     try:
+        assert supervisor.readiness()[0] == 503  # every rank listed, pending, before anything started
+        assert b'"ranks":{"0":"pending","1":"pending"}' in supervisor.readiness()[1]
+        t = time.monotonic()
         supervisor.start()
-        ranks = supervisor.status()["ranks"]
+        assert time.monotonic() - t < 0.5
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = supervisor.status()["ranks"]
+            if all(r["pid"] is not None for r in ranks.values()):
+                break
+            time.sleep(0.02)
         assert sorted(ranks) == ["0", "1"]
         assert all(r["pid"] is not None and r["started_at"] is not None for r in ranks.values()), ranks
     finally:
