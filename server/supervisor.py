@@ -527,7 +527,7 @@ class Supervisor:
                           cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
                           confine=self.config.allow_roots or (self._model["real_path"],),
                           generation=self._generation, log_format=self.config.log_format,
-                          log_level=self.config.log_level)
+                          log_level=self.config.log_level, stop_timeout=self.config.stop_timeout)
         started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns
         try:
             handle = self._fork(spec) if self.worker_start == "forkserver" else None
@@ -651,6 +651,14 @@ class Supervisor:
                 self._publish()
                 log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid, how)
                 return
+            if self.draining.is_set() or self._stop.is_set():  # the server is stopping: an exit is no crash
+                x.leases.clear()
+                x.holders.clear()
+                x.state = RankState.FAILED
+                x.error = {"type": "WorkerStopped", "message": f"worker pid {pid} {how} while the server stops"}
+                self._publish()
+                log.info("rank %d: worker pid %s %s while the server stops; not restarted", x.rank, pid, how)
+                return
             what = f"worker for rank {x.rank} (pid {pid}) {how}"
             if x.state is RankState.READY:
                 what += "; its tensors are gone"
@@ -678,7 +686,7 @@ class Supervisor:
         log.error("%s", what)
 
     def _restart_due(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or self.draining.is_set():
             return
         now = time.monotonic()
         with self._lock:

@@ -20,7 +20,9 @@ parent -> worker: ``export`` (IPC document of the rank, see :mod:`gdsload.loader
 ``release`` (an engine is done with an export), ``unload`` (free everything and exit).
 
 A worker whose load fails reports the error and exits with :data:`EXIT_LOAD_FAILED`; a worker
-that loses its parent exits at once.
+that loses its parent exits at once. SIGTERM does not end a worker on its own while the server lives:
+a SIGTERM to the whole process group (as Kubernetes and systemd send it) reaches the server too, which
+stops its workers in order; once asked to unload, SIGTERM ends the worker at once.
 
 >>> handle = WorkerHandle.spawn(WorkerSpec(rank=0, model_dir="/models/m", backend="auto",
 ...                                        cuda_visible_devices="", gpu_explicit=False),
@@ -60,6 +62,7 @@ __all__ = [
     "error_doc",
     "EXIT_LOAD_FAILED",
     "PROGRESS_INTERVAL_S",
+    "SIGTERM_GRACE_S",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,9 @@ EXIT_UNKNOWN = 255
 status (workers themselves exit with 0, :data:`EXIT_LOAD_FAILED`, 1 on an uncaught error, or by a signal)."""
 PROGRESS_INTERVAL_S = 0.2
 """Fewest seconds between two progress messages of one worker."""
+SIGTERM_GRACE_S = 15.0
+"""Seconds (beyond the server's graceful shutdown and ``stop_timeout``) a worker that got SIGTERM while its
+server lives waits to be stopped in order before it exits by itself (status 143)."""
 
 _ENV_LOCK = threading.Lock()
 
@@ -105,6 +111,9 @@ class WorkerSpec:
     confine: tuple[str, ...] = ()
     """Directories every file the worker opens must stay in, checked at the open (the allowed roots, or the
     model directory itself)."""
+    stop_timeout: float = 10.0
+    """The server's ``stop_timeout``: a worker that got SIGTERM waits this long and more for the server to stop
+    it in order (see :data:`SIGTERM_GRACE_S`)."""
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:

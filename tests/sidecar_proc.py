@@ -21,7 +21,7 @@ URL_RE = re.compile(r"listening on (http://[^\s\"]+:\d+)")
 class Server:
     """``gdsload serve`` in a child process, its log in a file, an httpx client on its URL."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, new_group: bool = False):
         clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
         self.log_path = log_path
         self.started = time.monotonic()
@@ -29,6 +29,7 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--host", "127.0.0.1", "--port", "0"],
                 stdout=log, stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
+                start_new_session=new_group,  # its own process group, to be signalled as a whole
             )
         self.url = self._wait_for_url(60)
         self.http = httpx.Client(base_url=self.url, timeout=10)

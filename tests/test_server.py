@@ -554,6 +554,33 @@ def test_started_without_a_model_says_how_to_configure_a_token(tmp_path: Path):
         srv.close()
 
 
+@pytest.mark.parametrize("when", ["loading", "ready"])
+@pytest.mark.parametrize("worker_start", ["forkserver", "spawn"])
+def test_a_sigterm_to_the_process_group_is_a_clean_stop(models: Models, tmp_path: Path, when: str, worker_start: str):
+    """What Kubernetes and systemd send: SIGTERM to every process of the group at once (server, fork server,
+    workers). The server stops its workers in order: exit status 0, no ERROR, no restart, nothing left running."""
+    srv = Server([str(models.a), "--device-map", "cpu", "--worker-start", worker_start], tmp_path / "serve.log",
+                 new_group=True)
+    try:
+        if when == "ready":
+            srv.poll_ready()
+        else:  # while the workers start and load
+            deadline = time.monotonic() + 60
+            while "started worker" not in srv.log() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log()
+        log = srv.log()
+        bad = [line for line in log.splitlines() if " ERROR " in line or "restarting" in line or "Traceback" in line]
+        assert not bad, log
+        assert log.rstrip().endswith("stopped"), log[-2000:]
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        srv.close()
+
+
 def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
     """The tp=8 path end to end on the CPU (the 8-GPU machine is not lent): eight workers, one per
     rank, each with its own rank's bytes, /readyz 200 only when all eight are ready."""
