@@ -324,3 +324,68 @@ def test_a_header_claiming_more_memory_than_there_is_is_a_typed_error(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(count))
     with pytest.raises(DeviceMemoryError, match=r"big.safetensors.*cannot be\s+allocated"):
         load_rank(path)
+
+
+# --------------------------------------------------------------------------------------- leases
+
+
+_FORKING_ENGINE = r"""
+import json, os, sys, time
+from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+mapped = SidecarClient(sys.argv[1], token=sys.argv[2]).map_rank(0, private=True)
+mapped.hold()
+child = os.fork()  # a compile or data worker, forked after the hold
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(json.dumps({"engine": os.getpid(), "child": child}), flush=True)
+time.sleep(120)
+"""
+
+
+def _lease_server(tmp_path: Path, *extra: str) -> Server:
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=1)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", *extra], tmp_path / "serve.log")
+    srv.poll_ready(timeout=120)
+    return srv
+
+
+def _rank0(srv: Server) -> dict:
+    return srv.http.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()["ranks"]["0"]
+
+
+def test_a_child_forked_by_the_engine_does_not_keep_its_lease(tmp_path):
+    """The engine holds its lease, forks a worker, and is killed: the lease goes with the engine, although the
+    child (which inherited the hold connection's descriptor) lives on."""
+    import subprocess
+    import sys
+
+    srv = _lease_server(tmp_path)
+    engine = subprocess.Popen([sys.executable, "-c", _FORKING_ENGINE, srv.url, TOKEN], stdout=subprocess.PIPE,
+                              text=True)
+    child = None
+    try:
+        pids = json.loads(engine.stdout.readline())
+        child = pids["child"]
+        assert [h["pid"] for h in _rank0(srv)["held_by"]] == [pids["engine"]]
+        engine.kill()
+        engine.wait(10)
+        t = time.monotonic()
+        while _rank0(srv)["leases"] and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        freed = time.monotonic() - t
+        print(f"leases: a killed engine's lease released {freed:.2f} s after its exit, its forked child alive")
+        assert os.path.exists(f"/proc/{child}") and _rank0(srv)["leases"] == 0 and freed < 5.0
+    finally:
+        for pid in (engine.pid, child):
+            if pid:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        engine.wait(10)
+        srv.close()

@@ -181,8 +181,13 @@ def _close_in_forked_children(sock: Any) -> None:
 
 def _close_hold_sockets() -> None:
     for sock in _HOLD_SOCKETS:
+        # The child's descriptor only; the parent's connection stays. ``sock.close()`` would not close it: the
+        # response's file object still refers to the socket, and a socket closes its descriptor only with the
+        # last such reference. Detached, the descriptor is closed here and the child's socket object holds none.
         try:
-            sock.close()  # the child's descriptor only; the parent's connection stays
+            fd = sock.detach()
+            if fd >= 0:
+                os.close(fd)
         except OSError:
             pass
     _HOLD_SOCKETS.clear()
