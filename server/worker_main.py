@@ -301,4 +301,5 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         log.debug("forked from the worker fork server (its imports: %s)", forkserver.STATE)
     worker = _Worker(spec, _Channel(conn), entered_at)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked by a spawning server
     worker.run()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import re
 import select
@@ -79,6 +80,7 @@ SIGTERM_GRACE_S = 15.0
 server lives waits to be stopped in order before it exits by itself (status 143)."""
 
 _ENV_LOCK = threading.Lock()
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 class GpuUnavailableError(GdsloadError, RuntimeError):
@@ -232,9 +234,19 @@ class WorkerHandle:
         with _ENV_LOCK:
             before = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+            # A spawned interpreter starts with SIGTERM and SIGINT blocked (the mask survives exec) until
+            # worker_main has its handlers: a group SIGTERM during its start-up waits for them instead of
+            # killing it. (A forked worker inherits the fork server's ignoring of both.)
+            mask = None
+            if start_method == "spawn":
+                # Started first: starting it unblocks both signals in this thread again.
+                multiprocessing.resource_tracker.ensure_running()
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
                 process.start()
             finally:
+                if mask is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 if before is None:
                     del os.environ["CUDA_VISIBLE_DEVICES"]
                 else:
