@@ -62,6 +62,8 @@ def _env(name: str) -> str:
 @click.option("--request-timeout", type=float, default=None,
               help=f"Seconds a client may take to send a request's headers, then its body (default 10); "
                    f"{_env('request_timeout')}.")
+@click.option("--lease-grace", type=float, default=None,
+              help=f"Seconds an IPC lease no engine holds stays outstanding (default 3); {_env('lease_grace')}.")
 @click.option("--worker-start", type=click.Choice(START_METHODS, case_sensitive=False), default=None,
               help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
                    f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
@@ -70,7 +72,7 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
           host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
           allowed_hosts: tuple[str, ...], log_format: str | None, log_level: str | None, restart_backoff: float | None,
           restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None,
-          request_timeout: float | None, worker_start: str | None) -> None:
+          request_timeout: float | None, lease_grace: float | None, worker_start: str | None) -> None:
     """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
     readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
     GDSLOAD_* variable; flags win."""
@@ -80,7 +82,8 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
             token_file=token_file, allow_roots=allow_roots, allowed_hosts=allowed_hosts, log_format=log_format,
             log_level=log_level,
             restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
-            stop_timeout=stop_timeout, request_timeout=request_timeout, worker_start=worker_start,
+            stop_timeout=stop_timeout, request_timeout=request_timeout, lease_grace=lease_grace,
+            worker_start=worker_start,
         )
     except GdsloadError as e:
         raise click.UsageError(str(e)) from None

@@ -23,6 +23,7 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |
 | GDSLOAD_REQUEST_TIMEOUT       | --request-timeout       | seconds 0.1..600 to send headers, then body       | 10.0        |
 | GDSLOAD_WORKER_START          | --worker-start          | ``auto``, ``forkserver``, ``spawn``               | ``auto``    |
+| GDSLOAD_LEASE_GRACE           | --lease-grace           | seconds 0.1..3600 an unheld IPC lease lasts       | 3.0         |
 
 (1) or the first delay, when only that is given and it is larger.
 (2) the loopback names (``127.0.0.1``, ``localhost``, ``::1``) when the server binds loopback, else any.
@@ -88,6 +89,7 @@ ENV_VARS: dict[str, str] = {
     "stop_timeout": "GDSLOAD_STOP_TIMEOUT",
     "request_timeout": "GDSLOAD_REQUEST_TIMEOUT",
     "worker_start": "GDSLOAD_WORKER_START",
+    "lease_grace": "GDSLOAD_LEASE_GRACE",
 }
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -222,6 +224,10 @@ class ServeConfig:
     """How workers start: ``forkserver`` forks them from a helper that imported their libraries when the server
     started (no CUDA in it; see :mod:`gdsload.server.forkserver`); ``spawn`` starts a fresh interpreter each;
     ``auto``: forkserver where workers load with torch, spawn for GPU workers that load without it."""
+    lease_grace: float = 3.0
+    """Seconds an exported IPC lease stays outstanding without an engine holding it (``GET /v1/ipc/{rank}/hold``,
+    which :class:`~gdsload.loader.handoff.sidecar_client.SidecarClient` opens as soon as it has the lease);
+    then it is released, so an engine that died between the export and the hold blocks no unload."""
 
     def __post_init__(self) -> None:
         if self.model_dir is not None and (not isinstance(self.model_dir, str) or not os.path.isabs(self.model_dir)):
@@ -286,6 +292,8 @@ class ServeConfig:
             raise ConfigError(f"stop_timeout={self.stop_timeout!r} must be a number of seconds in 0.1..600")
         if not _is_number(self.request_timeout) or not 0.1 <= self.request_timeout <= 600:
             raise ConfigError(f"request_timeout={self.request_timeout!r} must be a number of seconds in 0.1..600")
+        if not _is_number(self.lease_grace) or not 0.1 <= self.lease_grace <= 3600:
+            raise ConfigError(f"lease_grace={self.lease_grace!r} must be a number of seconds in 0.1..3600")
         from .forkserver import START_METHODS
 
         if self.worker_start not in START_METHODS:
@@ -403,7 +411,8 @@ def _convert(key: str, value: Any, origin: str) -> Any:
             if key == "tp" and (type(value) is not int or not 1 <= value <= _MAX_RANK + 1):
                 raise ConfigError(f"{origin}={value!r} must be an integer in 1..{_MAX_RANK + 1}")
             return value
-        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout"):
+        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout",
+                   "lease_grace"):
             return float(value.strip()) if isinstance(value, str) else value
         if key == "allow_roots":
             parts = value.split(os.pathsep) if isinstance(value, str) else list(value)

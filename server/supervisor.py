@@ -135,7 +135,8 @@ class _Rank:
     """When the worker had imported its GPU library, taken in the worker (None for host-memory ranks)."""
     cuda_ready_at: float | None = None
     """When the worker's CUDA context was usable, taken in the worker (None for host-memory ranks)."""
-    leases: set[str] = field(default_factory=set)
+    leases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Outstanding IPC exports: lease -> when it was exported (``time.monotonic()``, ``time.time()``)."""
     holders: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Leases an engine holds for as long as it lives (its tensors adopted the mapping): lease ->
     ``{"pid", "peer", "since"}``, what the engine said about itself and where it connected from."""
@@ -395,6 +396,7 @@ class Supervisor:
                     if h.sentinel in ready:
                         self._reap(h)
                 self._restart_due()
+                self._expire_leases()
         except Exception as e:
             self._failed(e)
         finally:
@@ -426,9 +428,30 @@ class Supervisor:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
+        grace = self.config.lease_grace
         with self._lock:
             due = [x.next_restart_at for x in self._ranks.values() if x.next_restart_at is not None]
+            due += [mono + grace for x in self._ranks.values() for lease, (mono, _) in x.leases.items()
+                    if lease not in x.holders]
         return max(0.0, min(due) - now) if due else 5.0
+
+    def _expire_leases(self) -> None:
+        """Release every lease no engine has held within ``lease_grace`` seconds of its export (the engine died
+        between the export and the hold, or does not hold): it would block unloads for nothing."""
+        now, grace = time.monotonic(), self.config.lease_grace
+        expired: list[tuple[int, str, WorkerHandle | None]] = []
+        with self._lock:
+            for x in self._ranks.values():
+                for lease, (mono, _) in list(x.leases.items()):
+                    if lease not in x.holders and now - mono >= grace:
+                        del x.leases[lease]
+                        expired.append((x.rank, lease, x.handle))
+            if expired:
+                self._publish()
+        for rank, lease, handle in expired:
+            log.info("rank %d: lease %s released: no engine held it within %.1f s of its export", rank, lease, grace)
+            if handle is not None:
+                handle.send("release", lease=lease)
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -623,7 +646,7 @@ class Supervisor:
                 if fut is not None:
                     if payload["ok"]:
                         if lease is not None:
-                            x.leases.add(lease)
+                            x.leases[lease] = (time.monotonic(), time.time())
                         fut.set_result(payload["value"])
                     else:
                         fut.set_exception(_remote_error(x.rank, payload["error"]))
@@ -735,9 +758,9 @@ class Supervisor:
                     "already, or a worker restart or reload voided it"
                 )
             # Without a lease: every lease no running engine holds (a held one goes with its engine).
-            released = [lease] if lease is not None else sorted(x.leases - set(x.holders))
-            x.leases.difference_update(released)
+            released = [lease] if lease is not None else sorted(set(x.leases) - set(x.holders))
             for one in released:
+                x.leases.pop(one, None)
                 x.holders.pop(one, None)
             left, handle = len(x.leases), x.handle
             self._publish()
@@ -822,6 +845,9 @@ class Supervisor:
             "loaded_at": x.loaded_at,
             "leases": len(x.leases),
             "held_by": sorted(x.holders.values(), key=lambda h: h["since"]),
+            "lease_table": [{"lease": lease, "age_s": round(now - mono, 3), "exported_at": wall,
+                             "held_by": x.holders.get(lease)}
+                            for lease, (mono, wall) in sorted(x.leases.items(), key=lambda kv: kv[1][0])],
             "report": x.report,
         }
 

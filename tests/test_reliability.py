@@ -173,8 +173,8 @@ def served(tmp_path):
                                                        layers=1), tp=1)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1"],
-                 tmp_path / "serve.log")
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1",
+                  "--lease-grace", "60"], tmp_path / "serve.log")
     srv.poll_ready(timeout=120)
     yield srv
     srv.close()
@@ -388,4 +388,28 @@ def test_a_child_forked_by_the_engine_does_not_keep_its_lease(tmp_path):
                 except ProcessLookupError:
                     pass
         engine.wait(10)
+        srv.close()
+
+
+def test_a_lease_no_engine_holds_is_released_within_seconds(tmp_path):
+    """An engine killed between ``GET /v1/ipc/{rank}`` and the hold leaves a lease nobody holds: it blocks an
+    unload only until it expires (default grace), and /v1/status shows its age meanwhile."""
+    srv = _lease_server(tmp_path)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        t = time.monotonic()
+        lease = srv.http.get("/v1/ipc/0", headers=auth).json()["lease"]
+        assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 409
+        (row,) = _rank0(srv)["lease_table"]
+        assert row["lease"] == lease and row["held_by"] is None and 0 <= row["age_s"] < 5
+        ages = [row["age_s"]]
+        while _rank0(srv)["leases"] and time.monotonic() - t < 10:
+            ages += [r["age_s"] for r in _rank0(srv)["lease_table"]]
+            time.sleep(0.05)
+        freed = time.monotonic() - t
+        print(f"leases: an export nobody held released {freed:.2f} s after it was made")
+        assert _rank0(srv)["leases"] == 0 and freed < 5.0 and ages == sorted(ages)
+        assert "no engine held it" in srv.log()
+        assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 200
+    finally:
         srv.close()

@@ -149,14 +149,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 @pytest.fixture(scope="module")
 def server(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Model A, token from a file, allowed root; restart backoff, JSON logs and digest checks from the environment."""
+    """Model A, token from a file, allowed root; restart backoff, JSON logs and digest checks from the environment.
+    Leases nobody holds last a minute here (the default is seconds): the tests map exports by hand."""
     tmp = tmp_path_factory.mktemp("server")
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     srv = Server([str(models.a), "--allow-root", str(models.root), "--token-file", str(token_file)], tmp / "serve.log",
                  env={"GDSLOAD_RESTART_BACKOFF": "0.2", "GDSLOAD_LOG_FORMAT": "json", "GDSLOAD_STOP_TIMEOUT": "5",
-                      "GDSLOAD_VERIFY": "1"})
+                      "GDSLOAD_VERIFY": "1", "GDSLOAD_LEASE_GRACE": "60"})
     # What an operator sees in the first moments: the process answers while the ranks still load.
     srv.first_health = srv.http.get("/healthz")
     srv.first_health_after = time.monotonic() - srv.started
