@@ -112,23 +112,25 @@ class _HoldConnection:
                     break
         except (OSError, ValueError, http.client.HTTPException) as e:  # closed mid-chunk: IncompleteRead
             why = f"the connection to the sidecar failed ({type(e).__name__}: {e})"
+        finally:  # only this thread touches the response
+            _forget_hold_socket(self._sock)
+            self._response.close()
+            self._conn.close()
+            self._sock.close()
         if self._closing:
             return
         self.ended = why
-        self.close()
         self._on_end(why)
 
     def close(self) -> None:
         """End the hold from this side (the sidecar then releases the lease, if it still holds it)."""
-        self._closing = self._closing or self.ended is None
-        _forget_hold_socket(self._sock)
+        self._closing = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # the response's file object keeps the descriptor open otherwise
+            # Wakes the reading thread, which closes the rest; close() alone would not end the connection while
+            # the response's file object refers to the socket.
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._response.close()
-        self._conn.close()
-        self._sock.close()
 
 
 @dataclass
