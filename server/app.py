@@ -129,7 +129,7 @@ class _HoldResponse(Response):
             listener.cancel()
             if sup.holds(self.rank, self.lease) and not (sup.stopping or sup.draining.is_set()):
                 try:
-                    await run_in_threadpool(sup.release, self.rank, self.lease)
+                    await sup.release_async(self.rank, self.lease)
                     log.info("rank %d: lease %s released: its engine's connection closed", self.rank, self.lease)
                 except GdsloadError as e:  # voided meanwhile, or the sidecar is stopping
                     log.debug("rank %d: lease %s not released on disconnect: %s", self.rank, self.lease, e)
@@ -447,32 +447,35 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
         4xx and the current model stays. Then stops the current workers and starts the new ones; poll
         ``/readyz`` for the result."""
-        target = await run_in_threadpool(supervisor.check_target, body.model_dir, body.ranks)
+        target = await run_in_threadpool(supervisor.check_target, body.model_dir, body.ranks)  # reads headers
         await wait_for_leases(body.wait_s)
-        return await run_in_threadpool(supervisor.switch, target, force=body.force)
+        return await supervisor.switch_async(target, force=body.force)
 
     @app.post("/v1/unload", tags=["control"], dependencies=protected, summary="Stop the workers and free memory")
     async def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
+        """Answers once the workers are asked to stop; they free their memory and exit within
+        ``--stop-timeout`` seconds, or are killed (``/v1/status`` counts those still stopping)."""
         body = body or UnloadRequest()
         await wait_for_leases(body.wait_s)
-        return await run_in_threadpool(supervisor.switch, None, force=body.force)
+        return await supervisor.switch_async(None, force=body.force)
 
     @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected,
              summary="IPC document of a rank for a local engine process")
-    def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
+    async def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
         """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
         (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.handoff.ipc.import_rank`. The memory stays
         valid until the returned ``lease`` is released or the model is unloaded."""
-        return supervisor.export(rank)
+        return await supervisor.export_async(rank)
 
     @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected,
               summary="The engine is done with an exported rank")
-    def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None) -> dict[str, Any]:
-        return supervisor.release(rank, (body or ReleaseRequest()).lease)
+    async def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)],
+                          body: ReleaseRequest | None = None) -> dict[str, Any]:
+        return await supervisor.release_async(rank, (body or ReleaseRequest()).lease)
 
     @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=Response,
              summary="Hold an exported rank for as long as the engine process lives")
-    def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
+    async def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
                  lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
                  pid: Annotated[int | None, Query(ge=1, le=2**22,
                                                   description="The engine's process id, for /v1/status.")] = None

@@ -20,11 +20,13 @@ body prebuilt at every state change.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -58,8 +60,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXPORT_TIMEOUT_S = 300.0
-"""Longest wait for a worker's export (a CPU arena is copied to shared memory on its first export)."""
+EXPORT_TIMEOUT_S = 10.0
+"""Longest wait for a worker's export (its IPC handle and tensor table): a worker that does not answer in time
+(stopped, stuck) gets a 503, not a request that holds a connection for minutes."""
+CALL_TIMEOUT_S = 10.0
+"""Longest wait for the supervisor's thread to run an operation (it never waits on a worker itself)."""
+KILL_GRACE_S = 2.0
+"""Seconds between the SIGTERM to a worker that did not exit within ``stop_timeout`` and its SIGKILL."""
 
 T = TypeVar("T")
 
@@ -141,6 +148,20 @@ class _Rank:
     """Leases an engine holds for as long as it lives (its tensors adopted the mapping): lease ->
     ``{"pid", "peer", "since"}``, what the engine said about itself and where it connected from."""
     pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
+    start_wanted: bool = False
+    """A worker is to be started (once no old worker is still stopping)."""
+    starting: bool = False
+    """A worker start is under way (on a thread of its own)."""
+
+
+@dataclass
+class _Retiring:
+    """A worker asked to stop: SIGTERM at ``term_at``, SIGKILL at ``kill_at`` (monotonic) if it has not exited."""
+
+    handle: WorkerHandle
+    term_at: float
+    kill_at: float
+    signalled: int = 0
 
 
 class Supervisor:
@@ -169,6 +190,10 @@ class Supervisor:
         self._failures: Counter[int] = Counter()
         self._restarts: Counter[int] = Counter()
         self._actions: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._internal: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._retiring: list[_Retiring] = []
+        self._starting = 0
+        """Worker starts under way (each on a thread of its own); only the supervisor's thread counts them."""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
@@ -214,9 +239,10 @@ class Supervisor:
             return
         self._stop.set()
         self._wake()
-        thread.join(self.config.stop_timeout + 15)
+        limit = self.config.stop_timeout + KILL_GRACE_S + 20
+        thread.join(limit)
         if thread.is_alive():
-            log.error("the supervisor loop did not stop within %.0f s", self.config.stop_timeout + 15)
+            log.error("the supervisor loop did not stop within %.0f s", limit)
 
     # ------------------------------------------------------------------ readers
 
@@ -257,6 +283,7 @@ class Supervisor:
                     "time_to_ready_s": self._gen_ready_s,
                 },
                 "ranks": ranks,
+                "stopping_workers": len(self._retiring),
                 "leases": sum(len(x.leases) for x in self._ranks.values()),
                 "failures_total": {str(r): n for r, n in sorted(self._failures.items())},
                 "restarts_total": {str(r): n for r, n in sorted(self._restarts.items())},
@@ -308,14 +335,32 @@ class Supervisor:
     def export(self, rank: int) -> dict[str, Any]:
         """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
 
-        The exported memory stays valid until the lease is released or the model is unloaded.
+        The exported memory stays valid until the lease is released or the model is unloaded. Waits at
+        most :data:`EXPORT_TIMEOUT_S` for the worker.
         """
         lease = uuid.uuid4().hex
-        fut: Future[dict[str, Any]] = self._call(lambda: self._command(rank, "export", lease))
+        reply: Future[dict[str, Any]] = self._call(lambda: self._command(rank, "export", lease))
         try:
-            doc = fut.result(timeout=EXPORT_TIMEOUT_S)
+            doc = reply.result(timeout=EXPORT_TIMEOUT_S)
         except FutureTimeout:
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s") from None
+            reply.cancel()  # a late answer is dropped, and its lease released
+            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
+                              "(stopped or stuck); see /v1/status") from None
+        return self._exported(doc, lease)
+
+    async def export_async(self, rank: int) -> dict[str, Any]:
+        """:meth:`export` for an event loop: no thread waits on the worker."""
+        lease = uuid.uuid4().hex
+        reply: Future[dict[str, Any]] = await self.call_async(lambda: self._command(rank, "export", lease))
+        try:
+            doc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(reply)), EXPORT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            reply.cancel()
+            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
+                              "(stopped or stuck); see /v1/status") from None
+        return self._exported(doc, lease)
+
+    def _exported(self, doc: dict[str, Any], lease: str) -> dict[str, Any]:
         with self._lock:
             model = self._model["path"] if self._model else None
             generation = self._generation
@@ -325,6 +370,15 @@ class Supervisor:
         """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank
         that no engine holds (:meth:`hold`)."""
         return self._call(lambda: self._release(rank, lease))
+
+    async def release_async(self, rank: int, lease: str | None = None) -> dict[str, Any]:
+        """:meth:`release` for an event loop."""
+        return await self.call_async(lambda: self._release(rank, lease))
+
+    async def switch_async(self, target: Target | None, *, force: bool = False) -> dict[str, Any]:
+        """:meth:`switch` for an event loop: returns once the old workers are asked to stop (they exit, or are
+        killed, within ``stop_timeout`` seconds more; the new ones start then)."""
+        return await self.call_async(lambda: self._switch(target, force))
 
     def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
         """Record that an engine holds ``lease`` of ``rank`` for as long as it lives (``GET
@@ -357,26 +411,46 @@ class Supervisor:
         except OSError:
             pass
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the supervisor loop and return its result (or raise its error)."""
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
         if self._thread is None or self._stop.is_set():
             raise WorkerError("the sidecar is not running (starting or shutting down); try again")
         fut: Future[T] = Future()
         self._actions.put((fn, fut))
         self._wake()
-        limit = self.config.stop_timeout * 3 + 60
+        return fut
+
+    def _post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the supervisor's thread (what a helper thread reports); runs at shutdown too."""
+        self._internal.put(fn)
+        self._wake()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the supervisor loop and return its result (or raise its error)."""
+        fut = self._submit(fn)
         try:
-            return fut.result(timeout=limit)
+            return fut.result(timeout=CALL_TIMEOUT_S)
         except FutureTimeout:
-            raise WorkerError(f"the supervisor did not finish the operation within {limit:.0f} s; see the log") from None
+            fut.cancel()
+            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
+                              "see the log") from None
+
+    async def call_async(self, fn: Callable[[], T]) -> T:
+        """:meth:`_call` for an event loop: the loop waits, no thread does."""
+        fut = self._submit(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
+                              "see the log") from None
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 with self._lock:
                     handles = [x.handle for x in self._ranks.values() if x.handle is not None]
+                retiring = list(self._retiring)
                 waitables: list[Any] = [self._wake_r]
-                for h in handles:
+                for h in handles + [r.handle for r in retiring]:
                     waitables.append(h.sentinel)
                     if h.conn is not None:
                         waitables.append(h.conn)
@@ -386,6 +460,7 @@ class Supervisor:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
+                self._run_internal()
                 self._run_actions()
                 for h in handles:
                     if h.retired:
@@ -395,7 +470,9 @@ class Supervisor:
                             self._on_event(h, kind, payload)
                     if h.sentinel in ready:
                         self._reap(h)
+                self._tend_retiring()
                 self._restart_due()
+                self._start_wanted()
                 self._expire_leases()
         except Exception as e:
             self._failed(e)
@@ -412,6 +489,14 @@ class Supervisor:
                 "type": "SupervisorFailed",
                 "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
             self._publish()
+
+    def _run_internal(self) -> None:
+        while True:
+            try:
+                fn = self._internal.get_nowait()
+            except queue.Empty:
+                return
+            fn()
 
     def _run_actions(self) -> None:
         while True:
@@ -433,6 +518,9 @@ class Supervisor:
             due = [x.next_restart_at for x in self._ranks.values() if x.next_restart_at is not None]
             due += [mono + grace for x in self._ranks.values() for lease, (mono, _) in x.leases.items()
                     if lease not in x.holders]
+        due += [r.kill_at if r.signalled else r.term_at for r in self._retiring]
+        if self._retiring:
+            due.append(now + 0.25)  # a forked worker's exit shows on its pidfd; the rest are polled
         return max(0.0, min(due) - now) if due else 5.0
 
     def _expire_leases(self) -> None:
@@ -459,9 +547,9 @@ class Supervisor:
             leases = {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
             for x in self._ranks.values():
                 self._fail_pending(x, "the sidecar is shutting down")
+                x.handle = None
         if leases:
             log.warning("shutting down with IPC exports not released: %s", leases)
-        self._stop_handles(handles)
         while True:  # anything posted meanwhile is refused, not left hanging
             try:
                 _, fut = self._actions.get_nowait()
@@ -469,17 +557,36 @@ class Supervisor:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(WorkerError("the sidecar is shutting down"))
+        self._retire(handles)
+        # Until every worker has exited (or been killed), and every worker start under way has come back.
+        deadline = time.monotonic() + self.config.stop_timeout + KILL_GRACE_S + 15
+        while (self._retiring or self._starting) and time.monotonic() < deadline:
+            waitables: list[Any] = [self._wake_r]
+            for r in self._retiring:
+                waitables.append(r.handle.sentinel)
+                if r.handle.conn is not None:
+                    waitables.append(r.handle.conn)
+            if wait_for(waitables, timeout=min(0.25, self._next_timeout())):
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self._run_internal()
+            self._tend_retiring()
+        if self._retiring or self._starting:
+            log.error("%d worker(s) did not stop and %d start(s) did not come back by the shutdown's deadline",
+                      len(self._retiring), self._starting)
         log.info("all workers stopped")
-
-    # ------------------------------------------------------------------ generations
 
     def _initial_load(self, path: str) -> None:
         target = self._target
         if target is not None:  # installed by __init__: start its workers
             log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, target.path,
                      target.source, target.tp_size, sorted(target.devices))
-            for x in list(self._ranks.values()):
-                self._spawn(x)
+            with self._lock:
+                for x in self._ranks.values():
+                    x.start_wanted = True
+            self._start_wanted()
             return
         if target is None:
             try:
@@ -515,16 +622,15 @@ class Supervisor:
             self._install(plan)
         if leases:
             log.warning("invalidating IPC exports %s (force)", leases)
-        if old:
-            self._stop_handles(old)
+        self._retire(old)  # they free their memory and exit; the new workers start once they have
         if plan is None:
             log.info("unloaded %s", previous)
             return {"unloaded": previous, "generation": self._generation}
         log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, plan.path, plan.source,
                  plan.tp_size, sorted(plan.devices))
-        for x in list(self._ranks.values()):
-            if x.state is RankState.PENDING:
-                self._spawn(x)
+        with self._lock:
+            for x in self._ranks.values():
+                x.start_wanted = True
         return {"generation": self._generation, "model": plan.path, "ranks": sorted(plan.devices)}
 
     def _install(self, plan: Target | None) -> None:
@@ -544,31 +650,67 @@ class Supervisor:
                                        files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
         self._publish()
 
+    def _start_wanted(self) -> None:
+        """Start the workers of ranks that want one, once no old worker is still stopping (its GPU memory)."""
+        if self._stop.is_set() or self.draining.is_set() or self._retiring:
+            return
+        with self._lock:
+            wanted = [x for x in self._ranks.values() if x.start_wanted and x.handle is None]
+            for x in wanted:
+                x.start_wanted = False
+        for x in wanted:
+            self._spawn(x)
+
     def _spawn(self, x: _Rank) -> None:
+        """Start ``x``'s worker on a thread of its own: starting one may wait (a fork server still importing
+        torch, a slow fork), and nothing on this thread may."""
         assert self._model is not None
         spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
                           cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
                           confine=self.config.allow_roots or (self._model["real_path"],),
                           generation=self._generation, log_format=self.config.log_format,
                           log_level=self.config.log_level, stop_timeout=self.config.stop_timeout)
-        started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns
+        with self._lock:
+            x.starting = True
+            if x.error is not None:
+                x.last_error = x.error
+            x.state, x.error, x.error_reported, x.report = RankState.PENDING, None, False, None
+            x.bytes_done, x.ready_at, x.loaded_at = 0, None, None
+            x.entered_at = x.imported_at = x.cuda_ready_at = None
+            x.started_at = time.time()  # asked for: a forked worker may be running (and importing) before it returns
+            self._publish()
+        self._starting += 1
+        threading.Thread(target=self._start_worker, args=(x, spec), name=f"gdsload-start-rank{x.rank}",
+                         daemon=True).start()
+
+    def _start_worker(self, x: _Rank, spec: WorkerSpec) -> None:
         try:
             handle = self._fork(spec) if self.worker_start == "forkserver" else None
             if handle is None:
                 handle = WorkerHandle.spawn(spec, "spawn")
-        except OSError as e:
-            with self._lock:
-                self._crashed(x, f"worker for rank {x.rank} could not be started ({e})")
+        except Exception as e:  # OSError mostly; reported to the loop, which counts a crash
+            error = e
+            self._post(lambda: self._start_failed(x, error))
             return
+        self._post(lambda: self._started(x, handle))
+
+    def _started(self, x: _Rank, handle: WorkerHandle) -> None:
+        self._starting -= 1
         with self._lock:
-            x.handle, x.pid = handle, handle.pid
-            x.state = RankState.PENDING
-            if x.error is not None:
-                x.last_error = x.error
-            x.error, x.error_reported, x.report = None, False, None
-            x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, started_at, None, None
-            x.entered_at = x.imported_at = x.cuda_ready_at = None
-            self._publish()
+            x.starting = False
+            current = self._ranks.get(x.rank) is x and not (self._stop.is_set() or self.draining.is_set())
+            if current:
+                x.handle, x.pid = handle, handle.pid
+                self._publish()
+        if not current:  # unloaded, reloaded or stopping meanwhile
+            self._retire([handle])
+
+    def _start_failed(self, x: _Rank, e: Exception) -> None:
+        self._starting -= 1
+        with self._lock:
+            x.starting = False
+            if self._ranks.get(x.rank) is x:
+                self._crashed(x, f"worker for rank {x.rank} could not be started ({type(e).__name__}: {e})")
 
     def _fork(self, spec: WorkerSpec) -> WorkerHandle | None:
         """Start the worker from the fork server; None (and spawn from now on) when the fork server fails."""
@@ -584,23 +726,33 @@ class Supervisor:
                 self._publish()
             return None
 
-    def _stop_handles(self, handles: list[WorkerHandle]) -> None:
-        """Ask workers to free their memory and exit; kill those that do not within ``stop_timeout``."""
+    def _retire(self, handles: list[WorkerHandle]) -> None:
+        """Ask workers to free their memory and exit; :meth:`_tend_retiring` kills those that do not in time."""
+        now = time.monotonic()
         for h in handles:
             h.retired = True
             h.send("unload")
-        deadline = time.monotonic() + self.config.stop_timeout
-        waiting = list(handles)
-        while waiting and time.monotonic() < deadline:
-            waitables: list[Any] = [h.sentinel for h in waiting] + [h.conn for h in waiting if h.conn is not None]
-            wait_for(waitables, timeout=max(0.0, deadline - time.monotonic()))
-            for h in waiting:
-                h.receive()  # keep the pipes flowing so no worker blocks on a full one
-            waiting = [h for h in waiting if h.alive()]
-        WorkerHandle.kill_after(handles, deadline)
-        for h in handles:
-            log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
-            h.close()
+            self._retiring.append(_Retiring(h, now + self.config.stop_timeout,
+                                            now + self.config.stop_timeout + KILL_GRACE_S))
+
+    def _tend_retiring(self) -> None:
+        """Reap the stopping workers that exited; SIGTERM those past ``stop_timeout``, SIGKILL after that."""
+        now = time.monotonic()
+        for r in list(self._retiring):
+            h = r.handle
+            h.receive()  # keep its pipe flowing, so it never blocks on a full one
+            if not h.alive():
+                self._retiring.remove(r)
+                log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
+                h.close()
+            elif r.signalled < 2 and now >= r.kill_at:
+                log.warning("rank %d: worker pid %s ignored SIGTERM; sending SIGKILL", h.spec.rank, h.pid)
+                h.signal(signal.SIGKILL)
+                r.signalled = 2
+            elif r.signalled < 1 and now >= r.term_at:
+                log.warning("rank %d: worker pid %s did not exit in time; sending SIGTERM", h.spec.rank, h.pid)
+                h.signal(signal.SIGTERM)
+                r.signalled = 1
 
     # ------------------------------------------------------------------ worker events
 
@@ -643,7 +795,10 @@ class Supervisor:
                            " (the rank stays failed until POST /v1/reload)")
             elif kind == "reply":
                 fut, lease = x.pending.pop(payload["id"], (None, None))
-                if fut is not None:
+                if fut is not None and fut.cancelled():  # the asker stopped waiting: nobody maps this export
+                    if payload["ok"] and lease is not None and x.handle is not None:
+                        x.handle.send("release", lease=lease)
+                elif fut is not None and not fut.done():
                     if payload["ok"]:
                         if lease is not None:
                             x.leases[lease] = (time.monotonic(), time.time())
@@ -717,10 +872,10 @@ class Supervisor:
                    if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None]
             for x in due:
                 x.next_restart_at = None
+                x.start_wanted = True
                 self._restarts[x.rank] += 1
         for x in due:
             log.info("rank %d: restarting its worker", x.rank)
-            self._spawn(x)
 
     def _fail_pending(self, x: _Rank, why: str) -> None:
         for fut, _ in x.pending.values():

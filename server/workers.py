@@ -39,7 +39,6 @@ import re
 import select
 import signal
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -184,16 +183,6 @@ def error_doc(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
 
 
-def _wait_all(handles: list[WorkerHandle], deadline: float) -> None:
-    """Until every one of ``handles`` has exited or ``deadline`` (monotonic) has passed."""
-    while True:
-        running = [h for h in handles if h.alive()]
-        left = deadline - time.monotonic()
-        if not running or left <= 0:
-            return
-        select.select([h.sentinel for h in running], [], [], left)
-
-
 class WorkerHandle:
     """The parent's end of one worker: the process, its pipe, and the spec it was started with.
 
@@ -287,7 +276,8 @@ class WorkerHandle:
             return "exited; its exit status is unknown (the fork server that started it is gone)"
         return describe_exit(code)
 
-    def _signal(self, sig: int) -> None:
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker (through its pidfd where there is one); nothing if it has exited."""
         try:
             if self._pidfd is not None:
                 signal.pidfd_send_signal(self._pidfd, sig)
@@ -297,11 +287,16 @@ class WorkerHandle:
             pass
 
     def send(self, kind: str, **payload: Any) -> bool:
-        """Send a command; False when the worker can no longer receive it."""
+        """Send a command without waiting; False when the worker cannot take it now (it exited, or its pipe is
+        full because it stopped reading: a stopped or stuck worker never blocks the sender)."""
         if self.conn is None:
             return False
         try:
-            self.conn.send((kind, payload))
+            if not select.select([], [self.conn.fileno()], [], 0)[1]:
+                log.warning("rank %d: worker pid %s is not reading its commands; %r not sent", self.spec.rank,
+                            self.pid, kind)
+                return False
+            self.conn.send((kind, payload))  # commands are small: a writable pipe takes one whole
             return True
         except (OSError, EOFError, ValueError):
             return False
@@ -318,20 +313,6 @@ class WorkerHandle:
                 self.conn.close()
                 self.conn = None
         return out
-
-    @staticmethod
-    def kill_after(handles: list[WorkerHandle], deadline: float, grace: float = 2.0) -> None:
-        """Wait for the processes until ``deadline`` (monotonic), then SIGTERM every one still running,
-        then SIGKILL those still running ``grace`` seconds later: all at once, so N stuck workers take as
-        long to stop as one."""
-        for sig, why in ((signal.SIGTERM, "did not exit in time"), (signal.SIGKILL, "ignored SIGTERM")):
-            _wait_all(handles, deadline)
-            survivors = [h for h in handles if h.alive()]
-            for h in survivors:
-                log.warning("rank %d: worker pid %s %s; sending %s", h.spec.rank, h.pid, why, sig.name)
-                h._signal(sig)
-            deadline = time.monotonic() + grace
-        _wait_all(handles, deadline)
 
     def close(self) -> None:
         """Release the pipe, the pidfd and the process object (the process must have exited)."""

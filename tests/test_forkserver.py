@@ -163,7 +163,9 @@ def test_a_failing_fork_server_falls_back_to_spawn(tmp_path, monkeypatch: pytest
         assert status["worker_start"] == "spawn"
         assert status["fork_server"] == {"error": "EOFError: the fork server closed the connection"}
         assert all(r["restarts"] == 0 and r["failures"] == 0 for r in status["ranks"].values())
-        assert methods == ["forkserver", "spawn", "spawn"]  # rank 0 tried the fork server once, rank 1 did not
+        # The ranks start at once: each tried the fork server at most once, then every worker was spawned.
+        assert methods.count("spawn") == 2 and 1 <= methods.count("forkserver") <= 2, methods
+        assert methods[-1] == "spawn"
     finally:
         sup.stop()
 

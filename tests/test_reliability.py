@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -412,4 +413,68 @@ def test_a_lease_no_engine_holds_is_released_within_seconds(tmp_path):
         assert "no engine held it" in srv.log()
         assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 200
     finally:
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- control plane
+
+
+def test_the_control_plane_answers_while_every_worker_is_stopped(tmp_path):
+    """Every worker SIGSTOPped, and 45 exports waiting on them: health, readiness, status, a release and a
+    forced unload still answer at once; the exports end with 503 when the unload voids them, none later
+    than the export timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gdsload.server.supervisor import EXPORT_TIMEOUT_S
+
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=2)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--stop-timeout", "1"],
+                 tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    pids: list[int] = []
+    try:
+        srv.poll_ready(timeout=120)
+        pids = [r["pid"] for r in srv.http.get("/v1/status", headers=auth).json()["ranks"].values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+        def export(i: int) -> tuple[int, float]:
+            t = time.monotonic()
+            with httpx.Client(base_url=srv.url, timeout=EXPORT_TIMEOUT_S + 20) as c:
+                code = c.get(f"/v1/ipc/{i % 2}", headers=auth).status_code
+            return code, time.monotonic() - t
+
+        with ThreadPoolExecutor(45) as pool:
+            waiting = [pool.submit(export, i) for i in range(45)]
+            time.sleep(1.0)  # every export is waiting on a stopped worker now
+            took: dict[str, float] = {}
+            with httpx.Client(base_url=srv.url, timeout=10) as c:
+                for name, method, path, body in (("healthz", "GET", "/healthz", None),
+                                                 ("readyz", "GET", "/readyz", None),
+                                                 ("status", "GET", "/v1/status", None),
+                                                 ("release", "POST", "/v1/ipc/1/release", {}),
+                                                 ("unload", "POST", "/v1/unload", {"force": True})):
+                    t = time.monotonic()
+                    r = c.request(method, path, json=body, headers=auth)
+                    took[name] = time.monotonic() - t
+                    assert r.status_code == 200, (name, r.text)
+            exports = [f.result() for f in waiting]
+        print("control plane with every worker stopped: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items())
+              + f"; 45 exports ended {sorted({c for c, _ in exports})} within {max(s for _, s in exports):.1f} s")
+        assert max(took.values()) < 1.0, took
+        assert {code for code, _ in exports} == {503} and max(s for _, s in exports) < EXPORT_TIMEOUT_S + 5
+        deadline = time.monotonic() + 15  # the stopped workers are killed past the stop timeout
+        while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = srv.http.get("/v1/status", headers=auth).json()
+        assert status["state"] == "unloaded" and "sending SIGKILL" in srv.log()
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         srv.close()

@@ -409,7 +409,12 @@ def test_unload_frees_the_workers(server: Server, models: Models):
     pids = [r["pid"] for r in server.status()["ranks"].values()]
     r = server.http.post("/v1/unload", headers=auth())
     assert r.status_code == 200 and r.json()["unloaded"] == str(models.a)
-    assert not any(psutil.pid_exists(p) for p in pids)  # unload returns once the workers are gone
+    # unload answers once the workers are asked to stop; they free their memory and exit right after
+    deadline = time.monotonic() + 15
+    while (any(psutil.pid_exists(p) for p in pids) or server.status()["stopping_workers"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(psutil.pid_exists(p) for p in pids) and server.status()["stopping_workers"] == 0
     r = server.http.get("/readyz")
     assert r.status_code == 503 and r.json()["model"] is None and r.json()["ranks"] == {}
     s = server.status()
