@@ -160,7 +160,10 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
         from gdsload.loader.plan import plan_rank
 
         for r in served:
-            plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
+            # Every header and the compression metadata (HeaderError, CodecError, ...); the plan holds a
+            # descriptor per file until it is closed.
+            with plan_rank(discover(real, r)):
+                pass
     devices = assign_devices(served, config.device_map, visible_gpus())
     return Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), ranks=served,
                   devices=devices)

@@ -478,3 +478,47 @@ def test_the_control_plane_answers_while_every_worker_is_stopped(tmp_path):
             except ProcessLookupError:
                 pass
         srv.close()
+
+
+# --------------------------------------------------------------------------------------- descriptors
+
+
+def test_reloads_leave_no_file_descriptors_open(tmp_path):
+    """Refused reloads (their target checked, every header read), and reloads that switch models, leave the
+    server with as many open descriptors as before."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shape = LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1)
+    a = make_checkpoint(root / "a", shape, tp=2, max_file_bytes=64 << 10)  # several files per rank
+    b = make_checkpoint(root / "b", shape, tp=2, max_file_bytes=64 << 10)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(a), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
+                  "--lease-grace", "600"], tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+
+    try:
+        srv.poll_ready(timeout=120)
+        files = len(list(b.glob("*.safetensors")))
+        lease = srv.http.get("/v1/ipc/0", headers=auth).json()["lease"]
+        before = fds()
+        for _ in range(5):  # checked (every header of b read), then refused: the export is outstanding
+            r = srv.http.post("/v1/reload", json={"model_dir": str(b)}, headers=auth)
+            assert r.status_code == 409, r.text
+        refused = fds()
+        srv.http.post("/v1/ipc/0/release", json={"lease": lease}, headers=auth)
+        for model in (b, a, b):
+            assert srv.http.post("/v1/reload", json={"model_dir": str(model)}, headers=auth).status_code == 202
+            srv.poll_ready(timeout=120)
+        deadline = time.monotonic() + 15
+        while srv.status()["stopping_workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        switched = fds()
+        print(f"descriptors: {before} before, {refused} after 5 refused reloads of {files} files, "
+              f"{switched} after 3 reloads")
+        assert refused == before and switched <= before
+    finally:
+        srv.close()
