@@ -170,9 +170,10 @@ def confine_path(path: str, roots: Sequence[str]) -> str:
     for root in roots:
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return real
-    shown = f"{path!r}" if real == os.path.normpath(path) else f"{path!r} (resolves to {real!r})"
+    # Where a link leads is not named: it may be anything of the server's (its working directory, /proc/self/...).
+    shown = f"{path!r} is" if real == os.path.normpath(path) else f"{path!r} resolves (through a symlink or '..') to a path"
     raise PathNotAllowedError(
-        f"model path {shown} is outside the allowed roots {list(roots)}; move the model under one of them "
+        f"model path {shown} outside the allowed roots {list(roots)}; move the model under one of them "
         f"or add its directory with --allow-root"
     )
 

@@ -6,8 +6,10 @@ one ``.safetensors`` file), files are there, ``--tp`` and ``--ranks`` (or the re
 ranks the directory holds, no more ranks than one host serves, and every served rank has a device.
 A bad target is one typed error whose message names the fix.
 
-A reload's check (``strict``) also reads every served file's header, so a bad target is refused while
-the current model still serves.
+A reload's check (``strict``) also reads every served file's header, through the same confined opens
+the workers use (nothing outside ``--allow-root`` is opened, whatever a symlink swapped in meanwhile
+points at), and its error messages never carry file bytes or paths outside the allowed roots: the
+full text goes to the server's log, the caller gets the error type, the file and the fix.
 
 >>> target = check_target("/models/llama-tp2", ServeConfig.resolve(tp=2))  # doctest: +SKIP
 >>> target.ranks, target.source
@@ -16,18 +18,23 @@ the current model still serves.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gdsload.loader.errors import (
+    ConfigError,
+    FileUnreadableError,
     GdsloadError,
+    ManifestError,
     NoFilesForRankError,
     UnfinishedOutputError,
 )
 
-from .settings import ServeConfig, confine_path
+from .settings import PathNotAllowedError, ServeConfig, confine_path
 from .workers import assign_devices, visible_gpus
 
 __all__ = [
@@ -40,6 +47,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_MANIFEST_LIMIT = 64 << 20
+"""Largest ``gdsload.json`` a reload's check reads."""
 
 class ModelNotFoundError(GdsloadError, FileNotFoundError):
     """The model path does not exist."""
@@ -89,7 +99,8 @@ def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = N
                  strict: bool = False) -> Target:
     """Check ``path`` for serving with ``config`` (``ranks``: a reload's own list); a :class:`Target` or a typed error.
 
-    ``strict`` (a reload): the path must lie under an allowed root, and every served file's header is read.
+    ``strict`` (a reload): the path must lie under an allowed root, and every served file's header is
+    read through confined opens; errors name no file bytes and no path outside the roots.
 
     >>> check_target("/nonexistent", ServeConfig.resolve())  # doctest: +SKIP
     Traceback (most recent call last):
@@ -99,10 +110,19 @@ def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = N
     try:
         real = confine_path(path, roots) if strict or roots else os.path.realpath(path)
         return _check(path, real, config, ranks, strict)
-    except GdsloadError:
-        raise
+    except GdsloadError as e:
+        if not strict:
+            raise
+        public = _public_error(e, roots)
+        if public is not e:
+            log.warning("reload target %r refused: %s: %s", path, type(e).__name__, e)
+        raise public from None
     except Exception as e:  # a malformed file the loader's checks did not name
-        raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
+        if not strict:
+            raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
+        log.warning("reload target %r refused: %s: %s", path, type(e).__name__, e)
+        raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}); the details "
+                                   "are in the server's log") from None
 
 
 def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | None, strict: bool) -> Target:
@@ -157,12 +177,14 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
             for f in files[r]:
                 confine_path(f, roots)
     if strict:
+        if source == "manifest":
+            _same_manifest(real, roots, files)
         from gdsload.loader.plan import plan_rank
 
         for r in served:
-            # Every header and the compression metadata (HeaderError, CodecError, ...); the plan holds a
-            # descriptor per file until it is closed.
-            with plan_rank(discover(real, r)):
+            # Every header and the compression metadata (HeaderError, CodecError, ...), opened as the workers
+            # open them; the plan holds a descriptor per file until it is closed.
+            with plan_rank(discover(real, r), confine=roots or None):
                 pass
     devices = assign_devices(served, config.device_map, visible_gpus())
     return Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), ranks=served,
@@ -172,3 +194,63 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
 def _layout(source: str) -> str:
     return {"manifest": "gdsload manifest", "vllm": "vLLM rank files", "trtllm": "TensorRT-LLM rank files",
             "plain": "one unsharded checkpoint"}.get(source, source)
+
+
+def _same_manifest(real: str, roots: Sequence[str], files: dict[int, tuple[str, ...]]) -> None:
+    """Read ``gdsload.json`` again through a confined open: the files discovery found must be the ones it lists."""
+    from gdsload.loader.format.confine import open_beneath
+    from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest
+
+    where = os.path.join(real, MANIFEST_NAME)
+    fd = open_beneath(where, roots)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MANIFEST_LIMIT + 1)
+    except OSError as e:
+        raise FileUnreadableError(f"{where!r} cannot be read ({e.strerror or e})") from None
+    if len(raw) > _MANIFEST_LIMIT:
+        raise ManifestError(f"{where!r} is larger than {_MANIFEST_LIMIT} bytes; it is not a gdsload manifest")
+    try:
+        manifest = Manifest.from_dict(json.loads(raw), where=where)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, GdsloadError):
+            raise
+        raise ManifestError(f"{where!r} is not valid JSON; rewrite it with `gdsload shard`") from None
+    listed = {r: tuple(os.path.join(real, f.path) for f in entries) for r, entries in manifest.ranks.items()}
+    if listed != files:
+        raise ManifestError(f"{where!r} changed while the model was checked; try the reload again once the "
+                            "directory is complete")
+
+
+# Errors whose text is built from the request and the directory's names, never from file contents.
+_VERBATIM = (NoFilesForRankError, UnfinishedOutputError, PathNotAllowedError, ConfigError, ModelNotFoundError,
+             TensorParallelMismatchError, FileUnreadableError, ModelUnreadableError)
+_QUOTED_PATH = re.compile(r"'(/[^']*)'")
+_QUOTED_NAME = re.compile(r"'([^'/]+\.(?:safetensors|json))'")
+
+
+def _public_error(e: GdsloadError, roots: Sequence[str]) -> GdsloadError:
+    """``e`` as a reload's caller may see it: no file bytes, no path outside ``roots``."""
+    from gdsload.loader.format.confine import PathEscapesRootError
+
+    def inside(p: str) -> bool:
+        p = os.path.normpath(p)
+        return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+
+    text = str(e)
+    if isinstance(e, (*_VERBATIM, PathEscapesRootError)):
+        clean = _QUOTED_PATH.sub(lambda m: m[0] if inside(m[1]) else "'<outside the allowed roots>'", text)
+        if clean == text:
+            return e
+        message = clean
+    else:
+        named = [m for m in _QUOTED_PATH.findall(text) if inside(m)] + _QUOTED_NAME.findall(text)
+        named = list(dict.fromkeys(named))[:3]
+        where = " and ".join(repr(n) for n in named) if named else "a file of the model"
+        message = (f"{where}: not a valid model ({type(e).__name__}); the details are in the server's log — fix or "
+                   "re-copy the files, then reload again")
+    try:
+        out = type(e)(message)
+    except Exception:  # an error type with another constructor
+        out = ModelUnreadableError(message)
+    return out

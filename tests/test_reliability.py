@@ -522,3 +522,89 @@ def test_reloads_leave_no_file_descriptors_open(tmp_path):
         assert refused == before and switched <= before
     finally:
         srv.close()
+
+
+# --------------------------------------------------------------------------------------- reload confinement
+
+
+def _garbage_rank_file(path: Path, marker: bytes) -> None:
+    """A file named like a rank file whose header is not JSON: a header error quoting it would show ``marker``."""
+    body = marker * 8
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+
+
+def test_reload_checks_its_target_through_confined_opens_and_echoes_nothing(tmp_path):
+    """A directory under --allow-root swapped back and forth for a symlink to a directory outside it while
+    reloads to it are checked: no header outside the root is read (its files' access times stay as set),
+    and no answer carries the outside files' bytes, their path, or the server's own paths."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shape = LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1)
+    served = make_checkpoint(root / "served", shape, tp=1)
+    flip = root / "flip"
+    shutil.copytree(served, flip)
+    (flip / "gdsload.json").unlink()  # found by its vLLM file name, like the outside one
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = b"SECRET-OUTSIDE-8"
+    _garbage_rank_file(outside / "model-rank-0-part-0.safetensors", secret)
+    os.utime(outside / "model-rank-0-part-0.safetensors", (0, time.time()))  # read -> atime moves (relatime)
+    corrupt = root / "corrupt"  # inside the root, but not a valid file: its bytes are not echoed either
+    corrupt.mkdir()
+    _garbage_rank_file(corrupt / "model-rank-0-part-0.safetensors", b"SECRET-INSIDE-88")
+    (root / "to-cwd").symlink_to("/proc/self/cwd")
+    (root / "to-exe").symlink_to("/proc/self/exe")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(served), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
+                  "--lease-grace", "600"], tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    stop = threading.Event()
+
+    def flipper() -> None:  # `flip` is the directory, then a symlink out, then the directory again
+        parked = root / ".parked"
+        rng = random.Random(7)
+        while not stop.is_set():
+            os.rename(flip, parked)
+            flip.symlink_to(outside, target_is_directory=True)
+            time.sleep(rng.uniform(0, 0.003))
+            flip.unlink()
+            os.rename(parked, flip)
+            time.sleep(rng.uniform(0, 0.006))
+
+    try:
+        srv.poll_ready(timeout=120)
+        srv.http.get("/v1/ipc/0", headers=auth)  # an export outstanding: checked reloads are refused with 409
+        answers: dict[int, int] = {}
+        texts: list[str] = []
+        thread = threading.Thread(target=flipper)
+        thread.start()
+        try:
+            for _ in range(300):
+                r = srv.http.post("/v1/reload", json={"model_dir": str(flip)}, headers=auth)
+                key = f"{r.status_code} {r.json()['error']['type'] if r.status_code >= 400 else ''}".strip()
+                answers[key] = answers.get(key, 0) + 1
+                texts.append(r.text)
+        finally:
+            stop.set()
+            thread.join(10)
+        for name in ("to-cwd", "to-exe", "corrupt"):
+            r = srv.http.post("/v1/reload", json={"model_dir": str(root / name)}, headers=auth)
+            assert r.status_code in (400, 403), (name, r.text)
+            texts.append(r.text)
+        assert "model-rank-0-part-0.safetensors" in texts[-1] and "HeaderError" in texts[-1], texts[-1]
+        print(f"reload confinement: 300 reloads while the target flips: {answers}")
+        server_cwd = subprocess.run([sys.executable, "-c", "import os; print(os.getcwd())"], capture_output=True,
+                                    text=True).stdout.strip()  # the server runs in the tests' working directory
+        assert os.stat(outside / "model-rank-0-part-0.safetensors").st_atime == 0, "an outside header was read"
+        for text in texts:
+            assert "SECRET" not in text and str(outside) not in text, text
+            assert f"'{server_cwd}'" not in text and f"'{sys.executable}'" not in text, text
+            assert "/proc/" not in text.replace(str(root), ""), text
+        assert answers.get("409 ExportsOutstandingError", 0) > 0  # checks that ran to the end, on the inside files
+    finally:
+        stop.set()
+        srv.close()
