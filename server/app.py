@@ -422,12 +422,18 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         code, body = readyz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
-    @app.get("/v1/status", tags=["status"], summary="Model, per-rank state, bytes, phase timings, GB/s, errors")
-    async def status() -> JSONResponse:
-        """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``, ``files``,
-        ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, ``error``,
-        ``restarts``; ``process.time_to_ready_s`` counts from process start to the first readiness."""
-        return JSONResponse(supervisor.status())
+    @app.get("/v1/status", tags=["status"], summary="Per-rank state, bytes, phase timings, GB/s; details with the token",
+             responses={401: {"description": "A bearer token was sent, and it is not the server's"}})
+    async def status(request: Request) -> JSONResponse:
+        """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``,
+        ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, the error's type,
+        ``restarts``; ``process.time_to_ready_s`` counts from process start to the first readiness. With the
+        bearer token also the model's path, pids, devices, files, error messages, the leases with their age
+        and holders, and the configuration; without it, nothing that names a process, a path or a lease."""
+        given = _authorization(request.scope)
+        if given is not None:
+            _check_token(supervisor.config.token, given)  # a wrong token is refused, not quietly downgraded
+        return JSONResponse(supervisor.status(detail=given is not None))
 
     @app.get("/metrics", tags=["status"], summary="Prometheus metrics")
     async def metrics() -> Response:

@@ -21,7 +21,6 @@ body prebuilt at every state change.
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
 import os
@@ -34,7 +33,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 from typing import Any, TypeVar
 
@@ -42,6 +40,7 @@ from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
 from .settings import ServeConfig
+from .state import RankRecord, RankState, Retiring, public_status, rank_doc
 from .start import start_worker_server, worker_start_method
 from .target import ModelUnreadableError, Target, check_target
 from .workers import RankNotReadyError, WorkerHandle, WorkerSpec, error_doc
@@ -69,13 +68,6 @@ KILL_GRACE_S = 2.0
 """Seconds between the SIGTERM to a worker that did not exit within ``stop_timeout`` and its SIGKILL."""
 
 T = TypeVar("T")
-
-
-class RankState(str, enum.Enum):
-    PENDING = "pending"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
 
 
 class WorkerError(GdsloadError, RuntimeError):
@@ -110,60 +102,6 @@ def process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-@dataclass
-class _Rank:
-    rank: int
-    cuda_visible_devices: str
-    gpu_explicit: bool
-    files: list[str] = field(default_factory=list)
-    state: RankState = RankState.PENDING
-    handle: WorkerHandle | None = None
-    pid: int | None = None
-    device: str | None = None
-    gpu: dict[str, Any] | None = None
-    stored_bytes: int = 0
-    logical_bytes: int = 0
-    bytes_done: int = 0
-    report: dict[str, Any] | None = None
-    error: dict[str, str] | None = None
-    last_error: dict[str, str] | None = None
-    error_reported: bool = False
-    """The worker reported its load error: its exit is expected and not restarted."""
-    consecutive_crashes: int = 0
-    next_restart_at: float | None = None
-    started_at: float | None = None
-    ready_at: float | None = None
-    loaded_at: float | None = None
-    """When the worker's load returned, ``time.time()`` taken in the worker (``ready_at`` is when this process
-    read the message)."""
-    entered_at: float | None = None
-    """When the worker process reached its entry point (forked or interpreter started), taken in the worker."""
-    imported_at: float | None = None
-    """When the worker had imported its GPU library, taken in the worker (None for host-memory ranks)."""
-    cuda_ready_at: float | None = None
-    """When the worker's CUDA context was usable, taken in the worker (None for host-memory ranks)."""
-    leases: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Outstanding IPC exports: lease -> when it was exported (``time.monotonic()``, ``time.time()``)."""
-    holders: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Leases an engine holds for as long as it lives (its tensors adopted the mapping): lease ->
-    ``{"pid", "peer", "since"}``, what the engine said about itself and where it connected from."""
-    pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
-    start_wanted: bool = False
-    """A worker is to be started (once no old worker is still stopping)."""
-    starting: bool = False
-    """A worker start is under way (on a thread of its own)."""
-
-
-@dataclass
-class _Retiring:
-    """A worker asked to stop: SIGTERM at ``term_at``, SIGKILL at ``kill_at`` (monotonic) if it has not exited."""
-
-    handle: WorkerHandle
-    term_at: float
-    kill_at: float
-    signalled: int = 0
-
-
 class Supervisor:
     """Runs the workers of the served ranks and keeps their state for the HTTP API."""
 
@@ -177,7 +115,7 @@ class Supervisor:
         self._fork_server: dict[str, Any] | None = None  # the fork server's imports, as its latest fork told
         self.process_start = process_start_time()
         self._lock = threading.Lock()
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, RankRecord] = {}
         self._model: dict[str, Any] | None = None
         self._model_error: dict[str, str] | None = None
         self.loop_error: dict[str, str] | None = None
@@ -191,7 +129,7 @@ class Supervisor:
         self._restarts: Counter[int] = Counter()
         self._actions: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._internal: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._retiring: list[_Retiring] = []
+        self._retiring: list[Retiring] = []
         self._starting = 0
         """Worker starts under way (each on a thread of its own); only the supervisor's thread counts them."""
         self._wake_r, self._wake_w = os.pipe()
@@ -250,11 +188,16 @@ class Supervisor:
         """``(200 or 503, JSON body)`` for ``/readyz``, prebuilt at the last state change."""
         return self._readyz
 
-    def status(self) -> dict[str, Any]:
-        """The whole state for ``/v1/status`` (and ``/metrics``)."""
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """The state for ``/v1/status`` (and ``/metrics``): all of it, or (``detail=False``) what a request without
+        the token sees (:func:`gdsload.server.state.public_status`)."""
+        doc = self._status()
+        return doc if detail else public_status(doc)
+
+    def _status(self) -> dict[str, Any]:
         now_wall, now = time.time(), time.monotonic()
         with self._lock:
-            ranks = {str(r): self._rank_doc(x, now) for r, x in sorted(self._ranks.items())}
+            ranks = {str(r): rank_doc(x, now, self._restarts[r], self._failures[r]) for r, x in sorted(self._ranks.items())}
             ready = self._is_ready()
             if ready:
                 state = "ready"
@@ -597,7 +540,7 @@ class Supervisor:
                     self._model_error = error_doc(e)
                     self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
                     for r in self.config.ranks or ():
-                        self._ranks[r] = _Rank(r, "", False, state=RankState.FAILED, error=error_doc(e))
+                        self._ranks[r] = RankRecord(r, "", False, state=RankState.FAILED, error=error_doc(e))
                     self._publish()
                 return
         self._switch(target, force=True)
@@ -646,7 +589,7 @@ class Supervisor:
                            "tp_size": plan.tp_size}
             self._ranks = {}
             for r, (cvd, explicit) in plan.devices.items():
-                self._ranks[r] = _Rank(r, cvd, explicit,
+                self._ranks[r] = RankRecord(r, cvd, explicit,
                                        files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
         self._publish()
 
@@ -661,7 +604,7 @@ class Supervisor:
         for x in wanted:
             self._spawn(x)
 
-    def _spawn(self, x: _Rank) -> None:
+    def _spawn(self, x: RankRecord) -> None:
         """Start ``x``'s worker on a thread of its own: starting one may wait (a fork server still importing
         torch, a slow fork), and nothing on this thread may."""
         assert self._model is not None
@@ -683,7 +626,7 @@ class Supervisor:
         threading.Thread(target=self._start_worker, args=(x, spec), name=f"gdsload-start-rank{x.rank}",
                          daemon=True).start()
 
-    def _start_worker(self, x: _Rank, spec: WorkerSpec) -> None:
+    def _start_worker(self, x: RankRecord, spec: WorkerSpec) -> None:
         try:
             handle = self._fork(spec) if self.worker_start == "forkserver" else None
             if handle is None:
@@ -694,7 +637,7 @@ class Supervisor:
             return
         self._post(lambda: self._started(x, handle))
 
-    def _started(self, x: _Rank, handle: WorkerHandle) -> None:
+    def _started(self, x: RankRecord, handle: WorkerHandle) -> None:
         self._starting -= 1
         with self._lock:
             x.starting = False
@@ -705,7 +648,7 @@ class Supervisor:
         if not current:  # unloaded, reloaded or stopping meanwhile
             self._retire([handle])
 
-    def _start_failed(self, x: _Rank, e: Exception) -> None:
+    def _start_failed(self, x: RankRecord, e: Exception) -> None:
         self._starting -= 1
         with self._lock:
             x.starting = False
@@ -732,7 +675,7 @@ class Supervisor:
         for h in handles:
             h.retired = True
             h.send("unload")
-            self._retiring.append(_Retiring(h, now + self.config.stop_timeout,
+            self._retiring.append(Retiring(h, now + self.config.stop_timeout,
                                             now + self.config.stop_timeout + KILL_GRACE_S))
 
     def _tend_retiring(self) -> None:
@@ -756,7 +699,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ worker events
 
-    def _rank_of(self, h: WorkerHandle) -> _Rank | None:
+    def _rank_of(self, h: WorkerHandle) -> RankRecord | None:
         x = self._ranks.get(h.spec.rank)
         return x if x is not None and x.handle is h else None
 
@@ -844,7 +787,7 @@ class Supervisor:
                 what += f"; {len(x.leases)} IPC export(s) are void"
             self._crashed(x, what)
 
-    def _crashed(self, x: _Rank, what: str) -> None:
+    def _crashed(self, x: RankRecord, what: str) -> None:
         """Mark ``x`` failed after an unplanned exit and schedule its restart; call with the lock held."""
         x.leases.clear()
         x.holders.clear()
@@ -877,7 +820,7 @@ class Supervisor:
         for x in due:
             log.info("rank %d: restarting its worker", x.rank)
 
-    def _fail_pending(self, x: _Rank, why: str) -> None:
+    def _fail_pending(self, x: RankRecord, why: str) -> None:
         for fut, _ in x.pending.values():
             if not fut.done():
                 fut.set_exception(WorkerError(f"rank {x.rank}: {why}"))
@@ -948,11 +891,11 @@ class Supervisor:
             log.info("all %d rank(s) ready in %.3f s%s", len(self._ranks), self._gen_ready_s,
                      f" ({self._first_ready_wall - self.process_start:.3f} s after process start)" if first else "")
         states = {str(r): x.state.value for r, x in sorted(self._ranks.items())}
-        body: dict[str, Any] = {"ready": ready, "model": self._model["path"] if self._model else None,
-                                "generation": self._generation, "ranks": states}
+        # For anyone who reaches the port: states and reasons, no path (the model's is in /v1/status, with the token).
+        body: dict[str, Any] = {"ready": ready, "generation": self._generation, "ranks": states}
         if not ready:
             if self._model_error is not None:
-                body["reason"] = f"{self._model_error['type']}: {self._model_error['message']}"
+                body["reason"] = f"{self._model_error['type']}; see the log, or /v1/status with the token"
             elif self._model is None:
                 body["reason"] = "no model loaded; POST /v1/reload"
             elif not self._ranks:
@@ -966,46 +909,6 @@ class Supervisor:
                     if failed else f"waiting for rank(s) {', '.join(waiting)}"
                 )
         self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())
-
-    def _rank_doc(self, x: _Rank, now: float) -> dict[str, Any]:
-        report = x.report or {}
-        files = report.get("files") or []
-        return {
-            "rank": x.rank,
-            "state": x.state.value,
-            "pid": x.pid,
-            "device": x.device,
-            "gpu": x.gpu,
-            "cuda_visible_devices": x.cuda_visible_devices,
-            "backend": report.get("backend"),
-            "io_mode": ",".join(sorted({f["io_mode"] for f in files})) or None,
-            "files": x.files,
-            "logical_bytes": x.logical_bytes,
-            "stored_bytes": x.stored_bytes,
-            "bytes_done": x.bytes_done,
-            "phases": report.get("phases", {}),
-            "seconds": report.get("seconds"),
-            "gbps": report.get("gbps"),
-            "verified": report.get("verified"),
-            "error": x.error,
-            "last_error": x.last_error,
-            "restarts": self._restarts[x.rank],
-            "failures": self._failures[x.rank],
-            "next_restart_in_s": max(0.0, x.next_restart_at - now) if x.next_restart_at is not None else None,
-            "started_at": x.started_at,
-            "ready_at": x.ready_at,
-            "entered_at": x.entered_at,
-            "imported_at": x.imported_at,
-            "cuda_ready_at": x.cuda_ready_at,
-            "loaded_at": x.loaded_at,
-            "leases": len(x.leases),
-            "held_by": sorted(x.holders.values(), key=lambda h: h["since"]),
-            "lease_table": [{"lease": lease, "age_s": round(now - mono, 3), "exported_at": wall,
-                             "held_by": x.holders.get(lease)}
-                            for lease, (mono, wall) in sorted(x.leases.items(), key=lambda kv: kv[1][0])],
-            "report": x.report,
-        }
-
 
 def _remote_error(rank: int, doc: dict[str, str]) -> GdsloadError:
     if doc.get("type") == "RankNotReadyError":

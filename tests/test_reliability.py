@@ -608,3 +608,45 @@ def test_reload_checks_its_target_through_confined_opens_and_echoes_nothing(tmp_
     finally:
         stop.set()
         srv.close()
+
+
+# --------------------------------------------------------------------------------------- what the public sees
+
+
+def _scalars(doc: object) -> list[object]:
+    if isinstance(doc, dict):
+        return [v for x in doc.values() for v in _scalars(x)]
+    if isinstance(doc, list):
+        return [v for x in doc for v in _scalars(x)]
+    return [doc]
+
+
+def test_status_and_readiness_without_the_token_tell_states_and_phases_only(tmp_path):
+    """Anyone who reaches the port reads states, phases, byte counts and timings; pids, paths, the token file,
+    engines (pids, peers) and lease ids need the token. A wrong token is refused, not downgraded."""
+    from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+    srv = _lease_server(tmp_path, "--allow-root", str(tmp_path))
+    mapped = SidecarClient(srv.url, token=TOKEN).map_rank(0, private=True)
+    try:
+        mapped.hold()
+        full = srv.http.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        rank = full["ranks"]["0"]
+        pids = {srv.proc.pid, rank["pid"], os.getpid()}  # the server, its worker, the engine (this process)
+        words = {str(tmp_path), mapped.lease, rank["held_by"][0]["peer"]}  # paths (the token file's too), lease, peer
+        assert pids <= set(_scalars(full)) and all(w in json.dumps(full) for w in words)  # what the token shows
+        public = srv.http.get("/v1/status")
+        readyz = srv.http.get("/readyz")
+        assert public.status_code == 200 and readyz.status_code == 200
+        for r in (public, readyz):
+            assert not pids & set(_scalars(r.json())), r.text
+            assert not [w for w in words if w in r.text], r.text
+        doc = public.json()
+        assert doc["state"] == "ready" and doc["ranks"]["0"]["state"] == "ready" and doc["ranks"]["0"]["leases"] == 1
+        assert set(doc["ranks"]["0"]["phases"]) == set(rank["phases"]) and doc["ranks"]["0"]["seconds"] > 0
+        assert not {"model", "config", "fork_server"} & set(doc) and "pid" not in doc["process"]
+        assert srv.http.get("/v1/status", headers={"Authorization": "Bearer wrong-token-0123456789"}).status_code == 401
+        print(f"public status: {len(public.text)} bytes, {len(json.dumps(full))} with the token")
+    finally:
+        mapped.release()
+        srv.close()

@@ -20,9 +20,9 @@ def test_started_without_a_model(tmp_path: Path):
         assert client.get("/healthz").status_code == 200
         r = client.get("/readyz")
         assert r.status_code == 503
-        assert r.json() == {"ready": False, "model": None, "generation": 0, "ranks": {},
+        assert r.json() == {"ready": False, "generation": 0, "ranks": {},
                             "reason": "no model loaded; POST /v1/reload"}
-        s = client.get("/v1/status").json()
+        s = client.get("/v1/status", headers={"Authorization": "Bearer tok-1234567890abcdef"}).json()
         assert s["state"] == "unloaded" and s["model"] is None and s["process"]["time_to_ready_s"] is None
         samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
                    for s in f.samples}
@@ -78,7 +78,7 @@ def test_every_error_has_the_error_shape():
 
 def test_a_fault_of_the_server_answers_500_in_the_error_shape(monkeypatch):
     supervisor = Supervisor(ServeConfig.resolve(env={}))
-    monkeypatch.setattr(supervisor, "status", lambda: 1 / 0)
+    monkeypatch.setattr(supervisor, "status", lambda detail=True: 1 / 0)
     with TestClient(create_app(supervisor), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         r = client.get("/v1/status")
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalError"
@@ -101,7 +101,7 @@ def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
         assert r.json()["error"]["type"] == "SupervisorFailed" and "RuntimeError: a bug" in r.json()["error"]["message"]
         assert client.head("/healthz").status_code == 503
         r = client.get("/readyz")
-        assert r.status_code == 503 and r.json()["reason"].startswith("SupervisorFailed: the supervisor loop failed")
+        assert r.status_code == 503 and r.json()["reason"].startswith("SupervisorFailed; see the log")
         assert client.get("/v1/status").json()["state"] == "failed"
 
 
