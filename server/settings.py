@@ -55,6 +55,7 @@ __all__ = [
     "ServeConfig",
     "PathNotAllowedError",
     "ENV_VARS",
+    "MAX_LOCAL_RANKS",
 
     "TOKEN_ENV",
     "LOG_FORMATS",
@@ -94,6 +95,8 @@ ENV_VARS: dict[str, str] = {
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MAX_RANK = 4095
+MAX_LOCAL_RANKS = 16
+"""Most ranks one host serves (one worker process each): more is a configuration error, not a load."""
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+\Z")
 MIN_TOKEN_LENGTH = 16
@@ -238,6 +241,11 @@ class ServeConfig:
                     or any(type(r) is not int or not 0 <= r <= _MAX_RANK for r in self.ranks)
                     or len(set(self.ranks)) != len(self.ranks)):
                 raise ConfigError(f"ranks={self.ranks!r} must be a non-empty tuple of distinct ranks in 0..{_MAX_RANK}")
+            if len(self.ranks) > MAX_LOCAL_RANKS:
+                raise ConfigError(
+                    f"ranks={_short(self.ranks)} asks this host to serve {len(self.ranks)} ranks, one worker process "
+                    f"each; one host serves at most {MAX_LOCAL_RANKS} — split the ranks across hosts with --ranks "
+                    f"(e.g. 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)")
         if self.tp is not None and (type(self.tp) is not int or self.ranks != tuple(range(self.tp))):
             raise ConfigError(f"tp={self.tp!r} must be an integer whose ranks 0..tp-1 are the ranks served")
         dm = parse_device_map(self.device_map)
@@ -383,6 +391,10 @@ class ServeConfig:
             if origin is None:
                 raise
             raise ConfigError(f"{origin}: {e}") from None
+
+
+def _short(ranks: Sequence[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 4 else repr(ranks)
 
 
 def _is_number(x: object) -> bool:

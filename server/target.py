@@ -34,7 +34,7 @@ from gdsload.loader.errors import (
     UnfinishedOutputError,
 )
 
-from .settings import PathNotAllowedError, ServeConfig, confine_path
+from .settings import MAX_LOCAL_RANKS, PathNotAllowedError, ServeConfig, confine_path
 from .workers import assign_devices, visible_gpus
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "ModelNotFoundError",
     "ModelUnreadableError",
     "TensorParallelMismatchError",
+    "TooManyRanksError",
     "ranges",
 ]
 
@@ -61,6 +62,10 @@ class ModelUnreadableError(GdsloadError, OSError):
 
 class TensorParallelMismatchError(GdsloadError, ValueError):
     """``--tp`` differs from the tensor-parallel size the model directory was sharded for."""
+
+
+class TooManyRanksError(ConfigError):
+    """More ranks than one host serves (one worker process each)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,11 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
         served, asked = config.ranks, f"--ranks {ranges(config.ranks)}"
     else:
         served, asked = tuple(sorted(files)), ""
+    if len(served) > MAX_LOCAL_RANKS:
+        raise TooManyRanksError(
+            f"{asked or repr(path) + f' (tp={tp})'} asks this host to serve {len(served)} ranks, one worker process "
+            f"each; one host serves at most {MAX_LOCAL_RANKS} — split the ranks across hosts with --ranks (e.g. "
+            f"--ranks 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)")
     for r in served:
         if r not in files:
             try:

@@ -650,3 +650,42 @@ def test_status_and_readiness_without_the_token_tell_states_and_phases_only(tmp_
     finally:
         mapped.release()
         srv.close()
+
+
+# --------------------------------------------------------------------------------------- worker count
+
+
+def test_an_unreasonable_rank_count_on_one_host_is_refused_before_anything_starts(tmp_path):
+    """A 32-rank directory served whole, ``--ranks 0-31``, or a reload asking for 17 ranks: a clear error
+    naming the limit and the fix, and no worker started (32 ranks used to start 67 processes)."""
+    import subprocess
+    import sys
+
+    from gdsload.server.settings import MAX_LOCAL_RANKS
+
+    root = tmp_path / "root"
+    model = root / "tp32"
+    model.mkdir(parents=True)
+    for r in range(32):  # vLLM's per-rank file names, no manifest
+        save_file({"w": torch.full((4,), float(r))}, model / f"model-rank-{r}-part-0.safetensors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+    for extra in ([], ["--ranks", "0-31"]):
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", str(model), "--port", "0",
+                            "--device-map", "cpu", *extra], capture_output=True, text=True, timeout=120, env=env)
+        out = p.stdout + p.stderr
+        print(f"worker count: serve {' '.join(extra) or '(all ranks)'} refused in {time.monotonic() - t:.2f} s")
+        assert p.returncode == 2 and f"at most {MAX_LOCAL_RANKS}" in out and "--ranks" in out, out
+        assert "listening on" not in out and "started worker" not in out, out
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--ranks", "0", "--device-map", "cpu", "--token-file", str(token_file),
+                  "--allow-root", str(root)], tmp_path / "serve.log")
+    try:
+        srv.poll_ready(timeout=120)
+        r = srv.http.post("/v1/reload", json={"model_dir": str(model), "ranks": list(range(MAX_LOCAL_RANKS + 1))},
+                          headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "TooManyRanksError", r.text
+        assert srv.status()["ranks"].keys() == {"0"} and srv.http.get("/readyz").status_code == 200
+    finally:
+        srv.close()
