@@ -235,6 +235,16 @@ def test_metrics(server: Server, models: Models):
         assert m[("gdsload_worker_restarts_total", (("rank", rank),))] == 0.0
         assert m[("gdsload_load_failures_total", (("rank", rank),))] == 0.0
     assert ("process_cpu_seconds_total", ()) in m
+    # Prometheus' naming guide: the unit last, counters end in _total (the exposition adds it to a counter family).
+    families = {f.name: f for f in text_string_to_metric_families(r.text) if f.name.startswith("gdsload_")}
+    for name, family in families.items():
+        assert re.fullmatch(r"gdsload_[a-z_]+?(_bytes_per_second|_seconds|_bytes)?", name), name
+        assert not re.search(r"_(bytes|seconds)_(?!per_second$)", name), name
+        assert family.type in ("gauge", "counter", "info"), (name, family.type)
+    assert families["gdsload_model_generation"].type == "counter"
+    assert m[("gdsload_model_generation_total", ())] == status["generation"]
+    for rank in ("0", "1"):
+        assert m[("gdsload_load_read_bytes", (("rank", rank),))] == status["ranks"][rank]["bytes_done"]
 
 
 def test_openapi_documents_the_api(server: Server):
