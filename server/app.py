@@ -38,10 +38,11 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
@@ -237,28 +238,44 @@ class _BodyLimit:
 
 
 class _HostCheck:
-    """ASGI wrapper: refuse requests whose ``Host`` header names a host not allowed (DNS rebinding), with 400.
+    """ASGI wrapper: Starlette's ``TrustedHostMiddleware`` refuses requests whose ``Host`` names a host not allowed
+    (DNS rebinding), answered with 400 in this API's error shape.
 
     The probes answer whatever the ``Host``: they tell nothing a page could misuse, and kubelets send pod IPs.
     """
 
     def __init__(self, app: _ASGIApp, allowed: tuple[str, ...]):
         self.app = app
-        self.allowed = {h.strip("[]").lower() for h in allowed}
+        self.allowed = sorted({_host_pattern(h) for h in allowed})
+        self.trusted = TrustedHostMiddleware(self._admitted, allowed_hosts=self.allowed, www_redirect=False)
+
+    async def _admitted(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                        send: Callable[[_Message], Awaitable[None]]) -> None:
+        scope["gdsload.host_allowed"] = True
+        await self.app(scope, receive, send)
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or "*" in self.allowed or scope["path"] in ("/healthz", "/readyz"):
+        if scope["type"] != "http" or scope["path"] in ("/healthz", "/readyz"):
             await self.app(scope, receive, send)
             return
-        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-        if name.strip("[]").lower() not in self.allowed:
+
+        async def admitted_only(message: _Message) -> None:  # the middleware's own refusal is answered below
+            if scope.get("gdsload.host_allowed"):
+                await send(message)
+
+        await self.trusted(scope, receive, admitted_only)
+        if not scope.get("gdsload.host_allowed"):
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
             await _send_error(send, 400, "HostNotAllowed",
-                              f"Host {host!r} is not one this server answers ({', '.join(sorted(self.allowed))}); "
+                              f"Host {host!r} is not one this server answers ({', '.join(self.allowed)}); "
                               "start it with --allowed-host NAME to add one")
-            return
-        await self.app(scope, receive, send)
+
+
+def _host_pattern(host: str) -> str:
+    """An allowed host as ``TrustedHostMiddleware`` compares it: lower case, IPv6 literals in brackets."""
+    host = host.strip("[]").lower()
+    return f"[{host}]" if ":" in host else host
 
 
 class _TokenFirst:
@@ -365,9 +382,10 @@ def create_app(supervisor: Supervisor) -> FastAPI:
                     "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN: /docs below needs nothing from outside
-        redoc_url=None,
+        redoc_url=None,  # not served, and named nowhere: /docs and /openapi.json describe the API
     )
     app.state.supervisor = supervisor
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     protected = [Depends(_require_token)]
 
     @app.exception_handler(GdsloadError)
@@ -407,17 +425,17 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     async def docs() -> Response:
         return Response(api_page(app.openapi()), media_type="text/html")
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["probes"],
-                   summary="Liveness: 200 while the process lives and its supervisor runs",
-                   responses={503: {"description": "The supervisor loop died: restart the process"}})
+    # HEAD of either probe is answered like GET, without a body, by the probes' fast path.
+    @app.get("/healthz", tags=["probes"], summary="Liveness: 200 while the process lives and its supervisor runs",
+             responses={200: _json("Alive: status, uptime_s"),
+                        503: _json("The supervisor loop died (status, uptime_s, error): restart the process")})
     async def healthz() -> Response:
         code, body = healthz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
-    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["probes"],
-                   summary="Readiness: 200 only when every served rank is loaded",
-                   responses={200: {"description": "Every rank is ready"},
-                              503: {"description": "Not ready: per-rank states and the reason"}})
+    @app.get("/readyz", tags=["probes"], summary="Readiness: 200 only when every served rank is loaded",
+             responses={200: _json("Every rank is ready: ready, generation, per-rank states"),
+                        503: _json("Not ready: ready, generation, per-rank states and the reason")})
     async def readyz() -> Response:
         code, body = readyz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
@@ -435,7 +453,9 @@ def create_app(supervisor: Supervisor) -> FastAPI:
             _check_token(supervisor.config.token, given)  # a wrong token is refused, not quietly downgraded
         return JSONResponse(supervisor.status(detail=given is not None))
 
-    @app.get("/metrics", tags=["status"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["status"], summary="Prometheus metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "The Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         body, content_type = render(registry)
         return Response(body, media_type=content_type)
@@ -447,7 +467,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         while supervisor.outstanding_leases() and time.monotonic() < deadline and not supervisor.stopping:
             await asyncio.sleep(0.05)
 
-    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected,
+    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected, responses=_TOKEN_ERRORS,
               summary="Serve another model directory (e.g. a new version)")
     async def reload(body: ReloadRequest) -> dict[str, Any]:
         """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
@@ -457,7 +477,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         await wait_for_leases(body.wait_s)
         return await supervisor.switch_async(target, force=body.force)
 
-    @app.post("/v1/unload", tags=["control"], dependencies=protected, summary="Stop the workers and free memory")
+    @app.post("/v1/unload", tags=["control"], dependencies=protected, responses=_TOKEN_ERRORS, summary="Stop the workers and free memory")
     async def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
         """Answers once the workers are asked to stop; they free their memory and exit within
         ``--stop-timeout`` seconds, or are killed (``/v1/status`` counts those still stopping)."""
@@ -465,7 +485,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         await wait_for_leases(body.wait_s)
         return await supervisor.switch_async(None, force=body.force)
 
-    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected,
+    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
              summary="IPC document of a rank for a local engine process")
     async def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
         """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
@@ -473,13 +493,16 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         valid until the returned ``lease`` is released or the model is unloaded."""
         return await supervisor.export_async(rank)
 
-    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected,
+    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
               summary="The engine is done with an exported rank")
     async def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)],
                           body: ReleaseRequest | None = None) -> dict[str, Any]:
         return await supervisor.release_async(rank, (body or ReleaseRequest()).lease)
 
-    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=Response,
+    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=PlainTextResponse,
+             responses={**_TOKEN_ERRORS,
+                        200: {"description": "``held``, then nothing until the lease ends (``released`` or "
+                                             "``stopping``)", "content": {"text/plain": {"schema": {"type": "string"}}}}},
              summary="Hold an exported rank for as long as the engine process lives")
     async def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
                  lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
@@ -502,6 +525,45 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     app.add_middleware(_HostCheck, allowed=supervisor.config.http_hosts())
     app.add_middleware(_ProbesFastPath, supervisor=supervisor)  # added last: runs first
     return app
+
+
+_TOKEN_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "A bad request or model (a body that is not JSON, a Host not answered)"},
+    401: {"description": "Missing or wrong bearer token"},
+    403: {"description": "No token configured, or a path outside the allowed roots"},
+    404: {"description": "Unknown rank, lease or path"},
+    409: {"description": "Rank not ready, or IPC exports outstanding"},
+    503: {"description": "The worker is gone or did not answer in time"},
+}
+
+
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+_ERROR_SCHEMA = {
+    "title": "Error", "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["type", "message"],
+                             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, with every error answer in this API's shape (``{"error": {"type", "message"}}``,
+    FastAPI's own 422 included) and the probes' own bodies left as they are."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    spec = FastAPI.openapi(app)
+    spec.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+    for path, item in spec.get("paths", {}).items():
+        for op in item.values():
+            for code, answer in op.get("responses", {}).items():
+                if code.isdigit() and int(code) >= 400 and path not in ("/healthz", "/readyz"):
+                    answer["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for name in ("HTTPValidationError", "ValidationError"):
+        spec["components"]["schemas"].pop(name, None)
+    app.openapi_schema = spec
+    return spec
 
 
 def api_page(spec: dict[str, Any]) -> str:

@@ -248,10 +248,23 @@ def test_metrics(server: Server, models: Models):
 
 
 def test_openapi_documents_the_api(server: Server):
-    paths = server.http.get("/openapi.json").json()["paths"]
+    spec = server.http.get("/openapi.json").json()
+    paths = spec["paths"]
     assert {"/healthz", "/readyz", "/v1/status", "/metrics", "/v1/reload", "/v1/unload", "/v1/ipc/{rank}",
             "/v1/ipc/{rank}/release"} <= set(paths)
-    assert server.http.get("/docs").status_code == 200
+    page = server.http.get("/docs")
+    assert page.status_code == 200
+    # What the document says each answer is, each answer is.
+    for path in ("/healthz", "/readyz", "/v1/status", "/metrics"):
+        r = server.http.get(path, headers=auth())
+        declared = paths[path]["get"]["responses"][str(r.status_code)]["content"]
+        assert r.headers["content-type"].split(";")[0] in declared, (path, r.headers["content-type"], declared)
+    r = server.http.get("/v1/ipc/0", headers={"Authorization": "Bearer wrong"})
+    error = paths["/v1/ipc/{rank}"]["get"]["responses"]["401"]["content"]["application/json"]["schema"]
+    assert r.status_code == 401 and error == {"$ref": "#/components/schemas/Error"} and set(r.json()) == {"error"}
+    assert "HTTPValidationError" not in json.dumps(spec)  # 422s are in the API's error shape too
+    # /redoc is neither served nor named anywhere.
+    assert server.http.get("/redoc").status_code == 404 and "redoc" not in json.dumps(spec) + page.text
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -158,3 +158,21 @@ def test_waiting_for_leases_ends_when_the_server_stops(monkeypatch):
     waiter.join(5)
     assert not waiter.is_alive() and time.monotonic() - t < 5
     assert isinstance(outcome[0], WorkerError) and "shutting down" in str(outcome[0])
+
+
+def test_the_host_check_is_starlettes_with_ipv6_and_ports_and_the_api_error_shape():
+    """Loopback names with and without ports, IPv6 in brackets, case: answered; another name: 400 in the API's
+    error shape; the probes answer any Host."""
+    config = ServeConfig.resolve(host="::1", env={})
+    app = create_app(Supervisor(config))
+    for base in ("http://[::1]:8471", "http://localhost", "http://LOCALHOST:8471", "http://127.0.0.1:1"):
+        with TestClient(app, base_url=base) as client:
+            assert client.get("/v1/status").status_code == 200, base
+    with TestClient(app, base_url="http://attacker.example") as client:
+        r = client.get("/v1/status")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "HostNotAllowed"
+        assert "'attacker.example'" in r.json()["error"]["message"] and "[::1]" in r.json()["error"]["message"]
+        assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+    wide = create_app(Supervisor(ServeConfig.resolve(host="0.0.0.0", env={})))  # any Host when not on loopback
+    with TestClient(wide, base_url="http://sidecar.internal:8471") as client:
+        assert client.get("/v1/status").status_code == 200
