@@ -131,7 +131,7 @@ def run_server(config: ServeConfig) -> None:
 
     import uvicorn
 
-    from .http_guard import guarded_protocol
+    from .http_guard import Deadlines, HeaderDeadline
     from .probes import ProbeFront
     from .supervisor import Supervisor
 
@@ -151,9 +151,10 @@ def run_server(config: ServeConfig) -> None:
                 threading.Thread(target=_start_behind, args=(config, supervisor, front), name="gdsload-start",
                                  daemon=True).start()
 
-    server = _Server(uvicorn.Config(front, log_config=None, access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=5, server_header=False,
-                                    http=guarded_protocol(config.request_timeout)))
+    deadlines = Deadlines(config.request_timeout)  # slow and idle clients: see gdsload.server.http_guard
+    server = _Server(uvicorn.Config(HeaderDeadline(front, deadlines), log_config=None, access_log=False,
+                                    lifespan="on", timeout_graceful_shutdown=5, server_header=False,
+                                    http=deadlines.protocol(), proxy_headers=False))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     # Logged at any --log-level: with --port 0 this line is the only place the port is named.

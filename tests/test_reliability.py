@@ -689,3 +689,31 @@ def test_an_unreasonable_rank_count_on_one_host_is_refused_before_anything_start
         assert srv.status()["ranks"].keys() == {"0"} and srv.http.get("/readyz").status_code == 200
     finally:
         srv.close()
+
+
+def test_a_stalled_head_after_a_response_is_cut_off_and_a_long_answer_is_not(served):
+    """The header deadline runs again after each response (a keep-alive connection that starts its next request
+    and stalls is closed), and never while a request is answered (a held lease streams past it)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    s = _connect(served.url)
+    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    s.settimeout(5)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.")  # the next request, stalled
+    t = time.monotonic()
+    assert _closed_by_server(s, 5.0)
+    stalled_s = time.monotonic() - t
+    s.close()
+    lease = httpx.get(served.url + "/v1/ipc/0", headers=auth).json()["lease"]
+    h = _connect(served.url)
+    h.sendall(f"GET /v1/ipc/0/hold?lease={lease} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+    h.settimeout(5)
+    head = b""
+    while b"held" not in head:  # the head, then the first chunk
+        head += h.recv(4096)
+    assert not _closed_by_server(h, 3.0)  # three times the request timeout (1 s), still held
+    assert httpx.get(served.url + "/v1/status", headers=auth).json()["ranks"]["0"]["held_by"]
+    h.close()
+    print(f"http deadlines: a stalled second head cut off after {stalled_s:.2f} s (timeout 1 s); a hold kept 3 s")
+    assert stalled_s < 3.0
