@@ -9,9 +9,12 @@ Each rank is ``pending`` (worker starting) -> ``loading`` -> ``ready``, or ``fai
 
 One thread (the supervisor loop) owns the worker processes and their pipes: it reads worker
 messages, notices deaths through the process sentinels, restarts, and runs the operations the
-HTTP handlers post to it (reload, unload, export, release) one at a time. Readers of the state
-(``/readyz``, ``/v1/status``, ``/metrics``) only take a short lock; ``/readyz`` answers from a
-body prebuilt at every state change.
+HTTP handlers post to it (reload, unload, export, release) one at a time; it never waits on a
+worker (a start runs on a thread of its own, a stop is looked at on every turn). Readers of the
+state (``/readyz``, ``/v1/status``, ``/metrics``) only take a short lock; ``/readyz`` answers from
+a body prebuilt at every state change. Workers over their lives are :mod:`gdsload.server.lifecycle`,
+IPC exports and leases :mod:`gdsload.server.leases`, the rank records and status documents
+:mod:`gdsload.server.state`.
 
 >>> sup = Supervisor(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
 >>> sup.start(); sup.readiness()[0]                                        # doctest: +SKIP
@@ -25,10 +28,8 @@ import json
 import logging
 import os
 import queue
-import signal
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -39,11 +40,14 @@ from typing import Any, TypeVar
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
+from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
+from .leases import EXPORT_TIMEOUT_S, LeaseOperations
+from .lifecycle import KILL_GRACE_S, WorkerLifecycle
 from .settings import ServeConfig
 from .state import RankRecord, RankState, Retiring, public_status, rank_doc
-from .start import start_worker_server, worker_start_method
+from .start import worker_start_method
 from .target import ModelUnreadableError, Target, check_target
-from .workers import RankNotReadyError, WorkerHandle, WorkerSpec, error_doc
+from .workers import RankNotReadyError, error_doc
 
 __all__ = [
     "Supervisor",
@@ -55,35 +59,15 @@ __all__ = [
     "ModelUnreadableError",
     "RankNotReadyError",
     "process_start_time",
+    "EXPORT_TIMEOUT_S",
 ]
 
 log = logging.getLogger(__name__)
 
-EXPORT_TIMEOUT_S = 10.0
-"""Longest wait for a worker's export (its IPC handle and tensor table): a worker that does not answer in time
-(stopped, stuck) gets a 503, not a request that holds a connection for minutes."""
 CALL_TIMEOUT_S = 10.0
 """Longest wait for the supervisor's thread to run an operation (it never waits on a worker itself)."""
-KILL_GRACE_S = 2.0
-"""Seconds between the SIGTERM to a worker that did not exit within ``stop_timeout`` and its SIGKILL."""
 
 T = TypeVar("T")
-
-
-class WorkerError(GdsloadError, RuntimeError):
-    """A worker died, did not answer, or failed a command."""
-
-
-class UnknownRankError(GdsloadError, LookupError):
-    """The rank is not served by this sidecar."""
-
-
-class UnknownLeaseError(GdsloadError, LookupError):
-    """The IPC lease is not outstanding (released already, or voided by a restart or reload)."""
-
-
-class ExportsOutstandingError(GdsloadError, RuntimeError):
-    """Unload or reload refused: engines still map exported tensors."""
 
 
 def process_start_time() -> float:
@@ -102,7 +86,7 @@ def process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-class Supervisor:
+class Supervisor(LeaseOperations, WorkerLifecycle):
     """Runs the workers of the served ranks and keeps their state for the HTTP API."""
 
     def __init__(self, config: ServeConfig, target: Target | None = None):
@@ -235,11 +219,6 @@ class Supervisor:
                 "config": self.config.public_dict(),
             }
 
-    def outstanding_leases(self) -> dict[int, int]:
-        """``{rank: IPC exports not yet released}`` for ranks that have any."""
-        with self._lock:
-            return {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
-
     # ------------------------------------------------------------------ operations
 
     def reload(self, model_dir: str, ranks: Sequence[int] | None = None, *, wait_s: float = 0.0,
@@ -275,76 +254,10 @@ class Supervisor:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def export(self, rank: int) -> dict[str, Any]:
-        """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
-
-        The exported memory stays valid until the lease is released or the model is unloaded. Waits at
-        most :data:`EXPORT_TIMEOUT_S` for the worker.
-        """
-        lease = uuid.uuid4().hex
-        reply: Future[dict[str, Any]] = self._call(lambda: self._command(rank, "export", lease))
-        try:
-            doc = reply.result(timeout=EXPORT_TIMEOUT_S)
-        except FutureTimeout:
-            reply.cancel()  # a late answer is dropped, and its lease released
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
-                              "(stopped or stuck); see /v1/status") from None
-        return self._exported(doc, lease)
-
-    async def export_async(self, rank: int) -> dict[str, Any]:
-        """:meth:`export` for an event loop: no thread waits on the worker."""
-        lease = uuid.uuid4().hex
-        reply: Future[dict[str, Any]] = await self.call_async(lambda: self._command(rank, "export", lease))
-        try:
-            doc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(reply)), EXPORT_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            reply.cancel()
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
-                              "(stopped or stuck); see /v1/status") from None
-        return self._exported(doc, lease)
-
-    def _exported(self, doc: dict[str, Any], lease: str) -> dict[str, Any]:
-        with self._lock:
-            model = self._model["path"] if self._model else None
-            generation = self._generation
-        return {**doc, "lease": lease, "generation": generation, "model": model}
-
-    def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
-        """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank
-        that no engine holds (:meth:`hold`)."""
-        return self._call(lambda: self._release(rank, lease))
-
-    async def release_async(self, rank: int, lease: str | None = None) -> dict[str, Any]:
-        """:meth:`release` for an event loop."""
-        return await self.call_async(lambda: self._release(rank, lease))
-
     async def switch_async(self, target: Target | None, *, force: bool = False) -> dict[str, Any]:
         """:meth:`switch` for an event loop: returns once the old workers are asked to stop (they exit, or are
         killed, within ``stop_timeout`` seconds more; the new ones start then)."""
         return await self.call_async(lambda: self._switch(target, force))
-
-    def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
-        """Record that an engine holds ``lease`` of ``rank`` for as long as it lives (``GET
-        /v1/ipc/{rank}/hold``, whose connection stays open: the lease is released when it closes)."""
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if lease not in x.leases:
-                raise UnknownLeaseError(f"lease {lease!r} is not outstanding on rank {rank}; it was released "
-                                        "already, or a worker restart or reload voided it")
-            if lease in x.holders:
-                raise ExportsOutstandingError(f"lease {lease!r} of rank {rank} is already held (by engine pid "
-                                              f"{x.holders[lease]['pid']}); each engine holds the lease it mapped with")
-            x.holders[lease] = {"lease": lease, "pid": pid, "peer": peer, "since": time.time()}
-            self._publish()
-        log.info("rank %d: lease %s held by engine pid %s (%s) until its connection closes", rank, lease, pid, peer)
-
-    def holds(self, rank: int, lease: str) -> bool:
-        """Whether ``lease`` of ``rank`` is still outstanding (a reload, unload or worker crash voids it)."""
-        with self._lock:
-            x = self._ranks.get(rank)
-            return x is not None and lease in x.leases
 
     # ------------------------------------------------------------------ the loop
 
@@ -466,24 +379,6 @@ class Supervisor:
             due.append(now + 0.25)  # a forked worker's exit shows on its pidfd; the rest are polled
         return max(0.0, min(due) - now) if due else 5.0
 
-    def _expire_leases(self) -> None:
-        """Release every lease no engine has held within ``lease_grace`` seconds of its export (the engine died
-        between the export and the hold, or does not hold): it would block unloads for nothing."""
-        now, grace = time.monotonic(), self.config.lease_grace
-        expired: list[tuple[int, str, WorkerHandle | None]] = []
-        with self._lock:
-            for x in self._ranks.values():
-                for lease, (mono, _) in list(x.leases.items()):
-                    if lease not in x.holders and now - mono >= grace:
-                        del x.leases[lease]
-                        expired.append((x.rank, lease, x.handle))
-            if expired:
-                self._publish()
-        for rank, lease, handle in expired:
-            log.info("rank %d: lease %s released: no engine held it within %.1f s of its export", rank, lease, grace)
-            if handle is not None:
-                handle.send("release", lease=lease)
-
     def _shutdown(self) -> None:
         with self._lock:
             handles = [x.handle for x in self._ranks.values() if x.handle is not None]
@@ -593,287 +488,6 @@ class Supervisor:
                                        files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
         self._publish()
 
-    def _start_wanted(self) -> None:
-        """Start the workers of ranks that want one, once no old worker is still stopping (its GPU memory)."""
-        if self._stop.is_set() or self.draining.is_set() or self._retiring:
-            return
-        with self._lock:
-            wanted = [x for x in self._ranks.values() if x.start_wanted and x.handle is None]
-            for x in wanted:
-                x.start_wanted = False
-        for x in wanted:
-            self._spawn(x)
-
-    def _spawn(self, x: RankRecord) -> None:
-        """Start ``x``'s worker on a thread of its own: starting one may wait (a fork server still importing
-        torch, a slow fork), and nothing on this thread may."""
-        assert self._model is not None
-        spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
-                          cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
-                          confine=self.config.allow_roots or (self._model["real_path"],),
-                          generation=self._generation, log_format=self.config.log_format,
-                          log_level=self.config.log_level, stop_timeout=self.config.stop_timeout)
-        with self._lock:
-            x.starting = True
-            if x.error is not None:
-                x.last_error = x.error
-            x.state, x.error, x.error_reported, x.report = RankState.PENDING, None, False, None
-            x.bytes_done, x.ready_at, x.loaded_at = 0, None, None
-            x.entered_at = x.imported_at = x.cuda_ready_at = None
-            x.started_at = time.time()  # asked for: a forked worker may be running (and importing) before it returns
-            self._publish()
-        self._starting += 1
-        threading.Thread(target=self._start_worker, args=(x, spec), name=f"gdsload-start-rank{x.rank}",
-                         daemon=True).start()
-
-    def _start_worker(self, x: RankRecord, spec: WorkerSpec) -> None:
-        try:
-            handle = self._fork(spec) if self.worker_start == "forkserver" else None
-            if handle is None:
-                handle = WorkerHandle.spawn(spec, "spawn")
-        except Exception as e:  # OSError mostly; reported to the loop, which counts a crash
-            error = e
-            self._post(lambda: self._start_failed(x, error))
-            return
-        self._post(lambda: self._started(x, handle))
-
-    def _started(self, x: RankRecord, handle: WorkerHandle) -> None:
-        self._starting -= 1
-        with self._lock:
-            x.starting = False
-            current = self._ranks.get(x.rank) is x and not (self._stop.is_set() or self.draining.is_set())
-            if current:
-                x.handle, x.pid = handle, handle.pid
-                self._publish()
-        if not current:  # unloaded, reloaded or stopping meanwhile
-            self._retire([handle])
-
-    def _start_failed(self, x: RankRecord, e: Exception) -> None:
-        self._starting -= 1
-        with self._lock:
-            x.starting = False
-            if self._ranks.get(x.rank) is x:
-                self._crashed(x, f"worker for rank {x.rank} could not be started ({type(e).__name__}: {e})")
-
-    def _fork(self, spec: WorkerSpec) -> WorkerHandle | None:
-        """Start the worker from the fork server; None (and spawn from now on) when the fork server fails."""
-        try:
-            start_worker_server(self.config)  # started early by `serve`; here for other callers, or anew
-            return WorkerHandle.spawn(spec, "forkserver")
-        except (OSError, EOFError) as e:  # it could not start, or it died while forking
-            log.warning("the worker fork server failed (%s: %s); starting workers with spawn from now on",
-                        type(e).__name__, e)
-            with self._lock:
-                self.worker_start = "spawn"
-                self._fork_server = {"error": f"{type(e).__name__}: {e}"}
-                self._publish()
-            return None
-
-    def _retire(self, handles: list[WorkerHandle]) -> None:
-        """Ask workers to free their memory and exit; :meth:`_tend_retiring` kills those that do not in time."""
-        now = time.monotonic()
-        for h in handles:
-            h.retired = True
-            h.send("unload")
-            self._retiring.append(Retiring(h, now + self.config.stop_timeout,
-                                            now + self.config.stop_timeout + KILL_GRACE_S))
-
-    def _tend_retiring(self) -> None:
-        """Reap the stopping workers that exited; SIGTERM those past ``stop_timeout``, SIGKILL after that."""
-        now = time.monotonic()
-        for r in list(self._retiring):
-            h = r.handle
-            h.receive()  # keep its pipe flowing, so it never blocks on a full one
-            if not h.alive():
-                self._retiring.remove(r)
-                log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
-                h.close()
-            elif r.signalled < 2 and now >= r.kill_at:
-                log.warning("rank %d: worker pid %s ignored SIGTERM; sending SIGKILL", h.spec.rank, h.pid)
-                h.signal(signal.SIGKILL)
-                r.signalled = 2
-            elif r.signalled < 1 and now >= r.term_at:
-                log.warning("rank %d: worker pid %s did not exit in time; sending SIGTERM", h.spec.rank, h.pid)
-                h.signal(signal.SIGTERM)
-                r.signalled = 1
-
-    # ------------------------------------------------------------------ worker events
-
-    def _rank_of(self, h: WorkerHandle) -> RankRecord | None:
-        x = self._ranks.get(h.spec.rank)
-        return x if x is not None and x.handle is h else None
-
-    def _on_event(self, h: WorkerHandle, kind: str, payload: dict[str, Any]) -> None:
-        note: str | None = None
-        failure: str | None = None
-        with self._lock:
-            x = self._rank_of(h)
-            if x is None:
-                return
-            if kind == "progress":
-                x.bytes_done = max(x.bytes_done, int(payload["bytes_done"]))
-                return
-            if kind == "hello":
-                x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
-                x.entered_at = payload.get("entered_at")
-                if payload.get("fork_server"):
-                    self._fork_server = payload["fork_server"]
-                x.imported_at, x.cuda_ready_at = payload.get("imported_at"), payload.get("cuda_ready_at")
-            elif kind == "loading":
-                x.state = RankState.LOADING
-                x.files = list(payload["files"])
-                x.stored_bytes, x.logical_bytes = int(payload["stored_bytes"]), int(payload["logical_bytes"])
-            elif kind == "ready":
-                report = payload["report"]
-                x.state, x.report, x.error = RankState.READY, report, None
-                x.stored_bytes, x.logical_bytes = report["stored_bytes"], report["logical_bytes"]
-                x.bytes_done, x.ready_at, x.consecutive_crashes = report["stored_bytes"], time.time(), 0
-                x.loaded_at = payload.get("loaded_at")
-                note = (f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
-                        f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}")
-            elif kind == "failed":
-                x.state, x.error, x.error_reported = RankState.FAILED, payload["error"], True
-                self._failures[x.rank] += 1
-                failure = (f"rank {x.rank} failed to load: {payload['error']['type']}: {payload['error']['message']}"
-                           " (the rank stays failed until POST /v1/reload)")
-            elif kind == "reply":
-                fut, lease = x.pending.pop(payload["id"], (None, None))
-                if fut is not None and fut.cancelled():  # the asker stopped waiting: nobody maps this export
-                    if payload["ok"] and lease is not None and x.handle is not None:
-                        x.handle.send("release", lease=lease)
-                elif fut is not None and not fut.done():
-                    if payload["ok"]:
-                        if lease is not None:
-                            x.leases[lease] = (time.monotonic(), time.time())
-                        fut.set_result(payload["value"])
-                    else:
-                        fut.set_exception(_remote_error(x.rank, payload["error"]))
-            else:
-                log.error("rank %d: unknown message %r from the worker; ignored", x.rank, kind)
-                return
-            self._publish()
-        if note:
-            log.info("%s", note)
-        if failure:
-            log.error("%s", failure)
-
-    def _reap(self, h: WorkerHandle) -> None:
-        for kind, payload in h.receive():  # its last words may still be in the pipe
-            self._on_event(h, kind, payload)
-        pid, how = h.pid, h.describe_exit()
-        h.close()
-        with self._lock:
-            x = self._rank_of(h)
-            if x is None:
-                return
-            x.handle, x.pid = None, None
-            self._fail_pending(x, f"the worker {how}")
-            if x.error_reported:
-                self._publish()
-                log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid, how)
-                return
-            if self.draining.is_set() or self._stop.is_set():  # the server is stopping: an exit is no crash
-                x.leases.clear()
-                x.holders.clear()
-                x.state = RankState.FAILED
-                x.error = {"type": "WorkerStopped", "message": f"worker pid {pid} {how} while the server stops"}
-                self._publish()
-                log.info("rank %d: worker pid %s %s while the server stops; not restarted", x.rank, pid, how)
-                return
-            what = f"worker for rank {x.rank} (pid {pid}) {how}"
-            if x.state is RankState.READY:
-                what += "; its tensors are gone"
-            if x.leases:
-                what += f"; {len(x.leases)} IPC export(s) are void"
-            self._crashed(x, what)
-
-    def _crashed(self, x: RankRecord, what: str) -> None:
-        """Mark ``x`` failed after an unplanned exit and schedule its restart; call with the lock held."""
-        x.leases.clear()
-        x.holders.clear()
-        x.state = RankState.FAILED
-        self._failures[x.rank] += 1
-        x.consecutive_crashes += 1
-        if x.consecutive_crashes > self.config.max_restarts:
-            what += (f"; not restarted after {self.config.max_restarts} consecutive restart(s) — "
-                     "see the log, then POST /v1/reload")
-            x.next_restart_at = None
-        else:
-            delay = min(self.config.restart_backoff * 2 ** (x.consecutive_crashes - 1), self.config.restart_backoff_max)
-            what += f"; restarting in {delay:.1f} s (restart {x.consecutive_crashes} of {self.config.max_restarts})"
-            x.next_restart_at = time.monotonic() + delay
-        x.error = {"type": "WorkerCrashedError", "message": what}
-        self._publish()
-        log.error("%s", what)
-
-    def _restart_due(self) -> None:
-        if self._stop.is_set() or self.draining.is_set():
-            return
-        now = time.monotonic()
-        with self._lock:
-            due = [x for x in self._ranks.values()
-                   if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None]
-            for x in due:
-                x.next_restart_at = None
-                x.start_wanted = True
-                self._restarts[x.rank] += 1
-        for x in due:
-            log.info("rank %d: restarting its worker", x.rank)
-
-    def _fail_pending(self, x: RankRecord, why: str) -> None:
-        for fut, _ in x.pending.values():
-            if not fut.done():
-                fut.set_exception(WorkerError(f"rank {x.rank}: {why}"))
-        x.pending.clear()
-
-    # ------------------------------------------------------------------ commands
-
-    def _command(self, rank: int, kind: str, lease: str) -> Future[Any]:
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if x.state is not RankState.READY or x.handle is None:
-                raise RankNotReadyError(f"rank {rank} is {x.state.value}; poll /readyz until it answers 200, then ask again")
-            request_id = uuid.uuid4().hex
-            fut: Future[Any] = Future()
-            x.pending[request_id] = (fut, lease)
-            handle = x.handle
-        if not handle.send(kind, id=request_id, lease=lease):
-            with self._lock:
-                x.pending.pop(request_id, None)
-            raise WorkerError(f"rank {rank}: the worker cannot be reached (it is exiting); try again after /readyz")
-        return fut
-
-    def _release(self, rank: int, lease: str | None) -> dict[str, Any]:
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if lease is not None and lease not in x.leases:
-                raise UnknownLeaseError(
-                    f"lease {lease!r} is not outstanding on rank {rank} ({len(x.leases)} are); it was released "
-                    "already, or a worker restart or reload voided it"
-                )
-            # Without a lease: every lease no running engine holds (a held one goes with its engine).
-            released = [lease] if lease is not None else sorted(set(x.leases) - set(x.holders))
-            for one in released:
-                x.leases.pop(one, None)
-                x.holders.pop(one, None)
-            left, handle = len(x.leases), x.handle
-            self._publish()
-        if handle is not None:
-            for one in released:
-                handle.send("release", lease=one)
-        return {"released": released, "rank": rank, "outstanding": left}
-
-    def _await_leases(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        while self.outstanding_leases() and time.monotonic() < deadline and not self._stop.is_set():
-            self._stop.wait(0.05)
-        if self._stop.is_set():  # shutting down: do not hold up the exit for the rest of wait_s
-            raise WorkerError("the sidecar is shutting down")
-
     # ------------------------------------------------------------------ derived state (lock held)
 
     def _is_ready(self) -> bool:
@@ -909,8 +523,3 @@ class Supervisor:
                     if failed else f"waiting for rank(s) {', '.join(waiting)}"
                 )
         self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())
-
-def _remote_error(rank: int, doc: dict[str, str]) -> GdsloadError:
-    if doc.get("type") == "RankNotReadyError":
-        return RankNotReadyError(doc["message"])
-    return WorkerError(f"rank {rank}: {doc.get('type')}: {doc.get('message')}")
