@@ -657,7 +657,7 @@ def test_status_and_readiness_without_the_token_tell_states_and_phases_only(tmp_
 
 def test_an_unreasonable_rank_count_on_one_host_is_refused_before_anything_starts(tmp_path):
     """A 32-rank directory served whole, ``--ranks 0-31``, or a reload asking for 17 ranks: a clear error
-    naming the limit and the fix, and no worker started (32 ranks used to start 67 processes)."""
+    naming the limit and the fix, and no worker started."""
     import subprocess
     import sys
 
