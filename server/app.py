@@ -12,9 +12,9 @@
 | ``POST /v1/ipc/{rank}/release`` | yes   | the engine is done with a lease                                 |
 | ``GET /v1/ipc/{rank}/hold``     | yes   | streams while an engine holds a lease; released when it closes  |
 
-The server answers from its first second: the supervisor loads in the background, and the
-lifespan only starts it (returning at once) and stops it at shutdown. The probes also answer
-``HEAD``. Every error, of any status, is ``{"error": {"type": ..., "message": ...}}``: 400 bad
+``gdsload serve`` answers the probes before this application is built (:mod:`gdsload.server.probes`);
+in-process, the lifespan starts the supervisor (returning at once: the workers load in the background)
+and stops it at shutdown. The probes also answer ``HEAD``. Every error, of any status, is ``{"error": {"type": ..., "message": ...}}``: 400 bad
 model or request (a body that is not JSON too), 401 missing or wrong token, 403 no token
 configured or path outside the allowed roots, 404 unknown rank, lease or path, 405 method, 409
 rank not ready or exports outstanding, 413 body too large, 422 body or path parameter of the
@@ -38,16 +38,20 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
 from .http_guard import REQUEST_TIMEOUT_S
 from .metrics import make_registry, render
+from .probes import answer_probe
+from .probes import healthz as healthz_answer
+from .probes import readyz as readyz_answer
 from .settings import ENV_VARS, TOKEN_ENV
 from .supervisor import ExportsOutstandingError, RankNotReadyError, Supervisor, WorkerError
 from .workers import error_doc
@@ -126,7 +130,7 @@ class _HoldResponse(Response):
             listener.cancel()
             if sup.holds(self.rank, self.lease) and not (sup.stopping or sup.draining.is_set()):
                 try:
-                    await run_in_threadpool(sup.release, self.rank, self.lease)
+                    await sup.release_async(self.rank, self.lease)
                     log.info("rank %d: lease %s released: its engine's connection closed", self.rank, self.lease)
                 except GdsloadError as e:  # voided meanwhile, or the sidecar is stopping
                     log.debug("rank %d: lease %s not released on disconnect: %s", self.rank, self.lease, e)
@@ -234,28 +238,44 @@ class _BodyLimit:
 
 
 class _HostCheck:
-    """ASGI wrapper: refuse requests whose ``Host`` header names a host not allowed (DNS rebinding), with 400.
+    """ASGI wrapper: Starlette's ``TrustedHostMiddleware`` refuses requests whose ``Host`` names a host not allowed
+    (DNS rebinding), answered with 400 in this API's error shape.
 
     The probes answer whatever the ``Host``: they tell nothing a page could misuse, and kubelets send pod IPs.
     """
 
     def __init__(self, app: _ASGIApp, allowed: tuple[str, ...]):
         self.app = app
-        self.allowed = {h.strip("[]").lower() for h in allowed}
+        self.allowed = sorted({_host_pattern(h) for h in allowed})
+        self.trusted = TrustedHostMiddleware(self._admitted, allowed_hosts=self.allowed, www_redirect=False)
+
+    async def _admitted(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
+                        send: Callable[[_Message], Awaitable[None]]) -> None:
+        scope["gdsload.host_allowed"] = True
+        await self.app(scope, receive, send)
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or "*" in self.allowed or scope["path"] in ("/healthz", "/readyz"):
+        if scope["type"] != "http" or scope["path"] in ("/healthz", "/readyz"):
             await self.app(scope, receive, send)
             return
-        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-        if name.strip("[]").lower() not in self.allowed:
+
+        async def admitted_only(message: _Message) -> None:  # the middleware's own refusal is answered below
+            if scope.get("gdsload.host_allowed"):
+                await send(message)
+
+        await self.trusted(scope, receive, admitted_only)
+        if not scope.get("gdsload.host_allowed"):
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
             await _send_error(send, 400, "HostNotAllowed",
-                              f"Host {host!r} is not one this server answers ({', '.join(sorted(self.allowed))}); "
+                              f"Host {host!r} is not one this server answers ({', '.join(self.allowed)}); "
                               "start it with --allowed-host NAME to add one")
-            return
-        await self.app(scope, receive, send)
+
+
+def _host_pattern(host: str) -> str:
+    """An allowed host as ``TrustedHostMiddleware`` compares it: lower case, IPv6 literals in brackets."""
+    host = host.strip("[]").lower()
+    return f"[{host}]" if ":" in host else host
 
 
 class _TokenFirst:
@@ -322,11 +342,12 @@ def _needs_token(request: Request) -> bool:
     return any(getattr(d, "dependency", None) is _require_token for d in getattr(route, "dependencies", ()))
 
 
-class _ReadyzFastPath:
-    """ASGI wrapper: answer ``GET /readyz`` from the prebuilt body without routing or validation.
+class _ProbesFastPath:
+    """ASGI wrapper: answer ``/healthz`` and ``/readyz`` from the supervisor's state without routing or validation
+    (:mod:`gdsload.server.probes`, which ``gdsload serve`` also runs in front of this application).
 
-    Autoscalers and load balancers poll it hard; the route of the same name documents it in OpenAPI and
-    answers identically.
+    Orchestrators, autoscalers and load balancers poll them hard; the routes of the same names document
+    them in OpenAPI and answer identically.
     """
 
     def __init__(self, app: _ASGIApp, supervisor: Supervisor):
@@ -335,13 +356,8 @@ class _ReadyzFastPath:
 
     async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
                        send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["path"] == "/readyz" and scope["method"] in ("GET", "HEAD"):
-            code, body = self.supervisor.readiness()
-            await send({"type": "http.response.start", "status": code,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
-            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
-            return
-        await self.app(scope, receive, send)
+        if not await answer_probe(scope, send, self.supervisor):
+            await self.app(scope, receive, send)
 
 
 def create_app(supervisor: Supervisor) -> FastAPI:
@@ -350,7 +366,6 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     >>> uvicorn.run(create_app(Supervisor(config)), host="127.0.0.1", port=8471)  # doctest: +SKIP
     """
     registry = make_registry(supervisor)
-    started = time.monotonic()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -367,9 +382,10 @@ def create_app(supervisor: Supervisor) -> FastAPI:
                     "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN: /docs below needs nothing from outside
-        redoc_url=None,
+        redoc_url=None,  # not served, and named nowhere: /docs and /openapi.json describe the API
     )
     app.state.supervisor = supervisor
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     protected = [Depends(_require_token)]
 
     @app.exception_handler(GdsloadError)
@@ -409,32 +425,37 @@ def create_app(supervisor: Supervisor) -> FastAPI:
     async def docs() -> Response:
         return Response(api_page(app.openapi()), media_type="text/html")
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["probes"],
-                   summary="Liveness: 200 while the process lives and its supervisor runs",
-                   responses={503: {"description": "The supervisor loop died: restart the process"}})
-    async def healthz() -> JSONResponse:
-        uptime = round(time.monotonic() - started, 3)
-        if supervisor.loop_error is not None:
-            return JSONResponse({"status": "failed", "uptime_s": uptime, "error": supervisor.loop_error},
-                                status_code=503)
-        return JSONResponse({"status": "alive", "uptime_s": uptime})
-
-    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["probes"],
-                   summary="Readiness: 200 only when every served rank is loaded",
-                   responses={200: {"description": "Every rank is ready"},
-                              503: {"description": "Not ready: per-rank states and the reason"}})
-    async def readyz() -> Response:
-        code, body = supervisor.readiness()
+    # HEAD of either probe is answered like GET, without a body, by the probes' fast path.
+    @app.get("/healthz", tags=["probes"], summary="Liveness: 200 while the process lives and its supervisor runs",
+             responses={200: _json("Alive: status, uptime_s"),
+                        503: _json("The supervisor loop died (status, uptime_s, error): restart the process")})
+    async def healthz() -> Response:
+        code, body = healthz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
-    @app.get("/v1/status", tags=["status"], summary="Model, per-rank state, bytes, phase timings, GB/s, errors")
-    async def status() -> JSONResponse:
-        """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``, ``files``,
-        ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, ``error``,
-        ``restarts``; ``process.time_to_ready_s`` counts from process start to the first readiness."""
-        return JSONResponse(supervisor.status())
+    @app.get("/readyz", tags=["probes"], summary="Readiness: 200 only when every served rank is loaded",
+             responses={200: _json("Every rank is ready: ready, generation, per-rank states"),
+                        503: _json("Not ready: ready, generation, per-rank states and the reason")})
+    async def readyz() -> Response:
+        code, body = readyz_answer(supervisor)
+        return Response(body, status_code=code, media_type="application/json")
 
-    @app.get("/metrics", tags=["status"], summary="Prometheus metrics")
+    @app.get("/v1/status", tags=["status"], summary="Per-rank state, bytes, phase timings, GB/s; details with the token",
+             responses={401: {"description": "A bearer token was sent, and it is not the server's"}})
+    async def status(request: Request) -> JSONResponse:
+        """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``,
+        ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, the error's type,
+        ``restarts``; ``process.time_to_ready_s`` counts from process start to the first readiness. With the
+        bearer token also the model's path, pids, devices, files, error messages, the leases with their age
+        and holders, and the configuration; without it, nothing that names a process, a path or a lease."""
+        given = _authorization(request.scope)
+        if given is not None:
+            _check_token(supervisor.config.token, given)  # a wrong token is refused, not quietly downgraded
+        return JSONResponse(supervisor.status(detail=given is not None))
+
+    @app.get("/metrics", tags=["status"], summary="Prometheus metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "The Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         body, content_type = render(registry)
         return Response(body, media_type=content_type)
@@ -446,38 +467,44 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         while supervisor.outstanding_leases() and time.monotonic() < deadline and not supervisor.stopping:
             await asyncio.sleep(0.05)
 
-    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected,
+    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected, responses=_TOKEN_ERRORS,
               summary="Serve another model directory (e.g. a new version)")
     async def reload(body: ReloadRequest) -> dict[str, Any]:
         """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
         4xx and the current model stays. Then stops the current workers and starts the new ones; poll
         ``/readyz`` for the result."""
-        target = await run_in_threadpool(supervisor.check_target, body.model_dir, body.ranks)
+        target = await run_in_threadpool(supervisor.check_target, body.model_dir, body.ranks)  # reads headers
         await wait_for_leases(body.wait_s)
-        return await run_in_threadpool(supervisor.switch, target, force=body.force)
+        return await supervisor.switch_async(target, force=body.force)
 
-    @app.post("/v1/unload", tags=["control"], dependencies=protected, summary="Stop the workers and free memory")
+    @app.post("/v1/unload", tags=["control"], dependencies=protected, responses=_TOKEN_ERRORS, summary="Stop the workers and free memory")
     async def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
+        """Answers once the workers are asked to stop; they free their memory and exit within
+        ``--stop-timeout`` seconds, or are killed (``/v1/status`` counts those still stopping)."""
         body = body or UnloadRequest()
         await wait_for_leases(body.wait_s)
-        return await run_in_threadpool(supervisor.switch, None, force=body.force)
+        return await supervisor.switch_async(None, force=body.force)
 
-    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected,
+    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
              summary="IPC document of a rank for a local engine process")
-    def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
+    async def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
         """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
         (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.handoff.ipc.import_rank`. The memory stays
         valid until the returned ``lease`` is released or the model is unloaded."""
-        return supervisor.export(rank)
+        return await supervisor.export_async(rank)
 
-    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected,
+    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
               summary="The engine is done with an exported rank")
-    def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None) -> dict[str, Any]:
-        return supervisor.release(rank, (body or ReleaseRequest()).lease)
+    async def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)],
+                          body: ReleaseRequest | None = None) -> dict[str, Any]:
+        return await supervisor.release_async(rank, (body or ReleaseRequest()).lease)
 
-    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=Response,
+    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=PlainTextResponse,
+             responses={**_TOKEN_ERRORS,
+                        200: {"description": "``held``, then nothing until the lease ends (``released`` or "
+                                             "``stopping``)", "content": {"text/plain": {"schema": {"type": "string"}}}}},
              summary="Hold an exported rank for as long as the engine process lives")
-    def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
+    async def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
                  lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
                  pid: Annotated[int | None, Query(ge=1, le=2**22,
                                                   description="The engine's process id, for /v1/status.")] = None
@@ -492,12 +519,51 @@ def create_app(supervisor: Supervisor) -> FastAPI:
 
     protected_routes = [(set(r.methods or ()), r.path_regex) for r in app.routes
                         if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))]
-    # Added innermost first: the fast /readyz, then the Host, then the token, then the body (size and time).
+    # Added innermost first: the probes, then the Host, then the token, then the body (size and time).
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, timeout=supervisor.config.request_timeout)
     app.add_middleware(_TokenFirst, protected=protected_routes, token=supervisor.config.token)
     app.add_middleware(_HostCheck, allowed=supervisor.config.http_hosts())
-    app.add_middleware(_ReadyzFastPath, supervisor=supervisor)  # added last: runs first
+    app.add_middleware(_ProbesFastPath, supervisor=supervisor)  # added last: runs first
     return app
+
+
+_TOKEN_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "A bad request or model (a body that is not JSON, a Host not answered)"},
+    401: {"description": "Missing or wrong bearer token"},
+    403: {"description": "No token configured, or a path outside the allowed roots"},
+    404: {"description": "Unknown rank, lease or path"},
+    409: {"description": "Rank not ready, or IPC exports outstanding"},
+    503: {"description": "The worker is gone or did not answer in time"},
+}
+
+
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+_ERROR_SCHEMA = {
+    "title": "Error", "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["type", "message"],
+                             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, with every error answer in this API's shape (``{"error": {"type", "message"}}``,
+    FastAPI's own 422 included) and the probes' own bodies left as they are."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    spec = FastAPI.openapi(app)
+    spec.setdefault("components", {}).setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+    for path, item in spec.get("paths", {}).items():
+        for op in item.values():
+            for code, answer in op.get("responses", {}).items():
+                if code.isdigit() and int(code) >= 400 and path not in ("/healthz", "/readyz"):
+                    answer["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for name in ("HTTPValidationError", "ValidationError"):
+        spec["components"]["schemas"].pop(name, None)
+    app.openapi_schema = spec
+    return spec
 
 
 def api_page(spec: dict[str, Any]) -> str:

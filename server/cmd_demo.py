@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -60,15 +61,16 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
         # Flags pin what the demo needs; the worker verifies the manifest digests (GDSLOAD_VERIFY).
         cmd = serve_command(str(root), "--tp", str(tp), "--host", "127.0.0.1", "--port", "0", "--device-map", "cpu",
                             "--log-level", "info")  # the demo reads the port and each rank's progress from the log
-        env = {**os.environ, "GDSLOAD_VERIFY": "1", "PYTHONUNBUFFERED": "1"}
+        token = secrets.token_hex(16)  # /v1/status shows each rank's load report to the token's holder
+        env = {**os.environ, "GDSLOAD_VERIFY": "1", "PYTHONUNBUFFERED": "1", "GDSLOAD_TOKEN": token}
         click.echo(f"starting: gdsload serve {root} --tp {tp} --host 127.0.0.1 --port 0 --device-map cpu")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = _wait_for_url(log_path, proc, timeout)
             click.echo(f"server pid {proc.pid} answers at {url}; polling {url}/readyz like an autoscaler")
-            _poll_ready(url, proc, log_path, timeout)
-            status = _get_json(url + "/v1/status")
+            _poll_ready(url, proc, log_path, timeout, token)
+            status = _get_json(url + "/v1/status", token)
             for key in sorted(status["ranks"], key=int):
                 r = status["ranks"][key]
                 print_report(_report_from_dict(r["report"]), as_json=False)
@@ -109,22 +111,23 @@ def _wait_for_url(log_path: Path, proc: subprocess.Popen[bytes], timeout: float)
     raise click.ClickException(f"gdsload serve did not start listening within {timeout:.0f} s:\n{_tail(log_path)}")
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def _get(url: str, timeout: float = 2.0, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (our own loopback URL)
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (our own loopback URL)
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
-def _get_json(url: str) -> dict[str, Any]:
-    code, body = _get(url)
+def _get_json(url: str, token: str | None = None) -> dict[str, Any]:
+    code, body = _get(url, token=token)
     if code != 200:
         raise click.ClickException(f"GET {url} answered {code}: {body[:300]!r}")
     return json.loads(body)
 
 
-def _poll_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
+def _poll_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float, token: str) -> None:
     """GET /readyz every 0.2 s (1 s per request) until 200; print each change of the per-rank states."""
     start = time.monotonic()
     last = None
@@ -144,7 +147,7 @@ def _poll_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout
             return
         failed = [r for r, s in doc.get("ranks", {}).items() if s == "failed"]
         if failed:
-            status = _get_json(url + "/v1/status")
+            status = _get_json(url + "/v1/status", token)
             errors = "; ".join(f"rank {r}: {status['ranks'][r]['error']}" for r in failed)
             raise click.ClickException(f"loading failed: {errors}")
         time.sleep(0.2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 from types import FrameType
 from typing import Any
 
@@ -18,9 +19,12 @@ from gdsload.loader.errors import GdsloadError
 from .forkserver import START_METHODS
 from .settings import ENV_VARS, LOG_FORMATS, LOG_LEVELS, TOKEN_ENV, ServeConfig, configure_logging
 
-__all__ = ["serve", "run_server"]
+__all__ = ["serve", "run_server", "EXIT_BAD_TARGET"]
 
 log = logging.getLogger(__name__)
+
+EXIT_BAD_TARGET = 2
+"""Exit status of ``serve`` when its model cannot be served (the one log line before it says why and the fix)."""
 
 
 def _env(name: str) -> str:
@@ -58,6 +62,8 @@ def _env(name: str) -> str:
 @click.option("--request-timeout", type=float, default=None,
               help=f"Seconds a client may take to send a request's headers, then its body (default 10); "
                    f"{_env('request_timeout')}.")
+@click.option("--lease-grace", type=float, default=None,
+              help=f"Seconds an IPC lease no engine holds stays outstanding (default 3); {_env('lease_grace')}.")
 @click.option("--worker-start", type=click.Choice(START_METHODS, case_sensitive=False), default=None,
               help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
                    f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
@@ -66,7 +72,7 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
           host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
           allowed_hosts: tuple[str, ...], log_format: str | None, log_level: str | None, restart_backoff: float | None,
           restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None,
-          request_timeout: float | None, worker_start: str | None) -> None:
+          request_timeout: float | None, lease_grace: float | None, worker_start: str | None) -> None:
     """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
     readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
     GDSLOAD_* variable; flags win."""
@@ -76,7 +82,8 @@ def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: 
             token_file=token_file, allow_roots=allow_roots, allowed_hosts=allowed_hosts, log_format=log_format,
             log_level=log_level,
             restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
-            stop_timeout=stop_timeout, request_timeout=request_timeout, worker_start=worker_start,
+            stop_timeout=stop_timeout, request_timeout=request_timeout, lease_grace=lease_grace,
+            worker_start=worker_start,
         )
     except GdsloadError as e:
         raise click.UsageError(str(e)) from None
@@ -101,53 +108,87 @@ def _exit_quietly(signum: int, frame: FrameType | None) -> None:
 
 
 def run_server(config: ServeConfig) -> None:
-    """Bind, start the workers, serve HTTP until SIGTERM/SIGINT, then stop the workers (they free their memory).
+    """Check the model, bind, answer the probes, then start the workers; serve until SIGTERM/SIGINT, then stop
+    the workers (they free their memory).
+
+    The order is what an orchestrator needs: a bad target exits before anything starts; the probes are
+    answered from the moment the port is bound (:class:`~gdsload.server.probes.ProbeFront`), and the
+    fork server, the workers and the rest of the API start behind them, on a thread.
 
     >>> run_server(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
     """
     configure_logging(config.log_format, config.log_level)
+    target = None
+    if config.model_dir is not None:  # before anything starts: a bad target is a failed start, not a failed state
+        from .target import check_target
+
+        try:
+            target = check_target(config.model_dir, config)
+        except GdsloadError as e:
+            log.error("cannot serve %s: %s: %s", config.model_dir, type(e).__name__, e)
+            raise SystemExit(EXIT_BAD_TARGET) from None
     sock = _bind(config.host, config.port)
 
-    from .start import start_worker_server
+    import uvicorn
+
+    from .http_guard import Deadlines, HeaderDeadline
+    from .probes import ProbeFront
     from .supervisor import Supervisor
 
-    start_worker_server(config)  # now: the workers' imports overlap the rest of the server's start-up
-    if not config.is_loopback and config.token is None:
-        log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
-                    TOKEN_ENV)
-    if config.token is None:
-        log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
-                 TOKEN_ENV)
-
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, target)
+    front = ProbeFront(supervisor, on_shutdown=supervisor.stop)
     # uvicorn handles SIGTERM gracefully, then re-raises it with the handler it found: make that a clean exit.
     signal.signal(signal.SIGTERM, _exit_quietly)
-    supervisor.start()  # the workers start importing while the HTTP stack is imported here
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            supervisor.draining.set()  # held leases end now, so the connections drain at once
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:  # the probes answer: now the rest may start
+                threading.Thread(target=_start_behind, args=(config, supervisor, front), name="gdsload-start",
+                                 daemon=True).start()
+
+    deadlines = Deadlines(config.request_timeout)  # slow and idle clients: see gdsload.server.http_guard
+    server = _Server(uvicorn.Config(HeaderDeadline(front, deadlines), log_config=None, access_log=False,
+                                    lifespan="on", timeout_graceful_shutdown=5, server_header=False,
+                                    http=deadlines.protocol(), proxy_headers=False))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    # Logged at any --log-level: with --port 0 this line is the only place the port is named.
+    level = max(logging.INFO, logging.getLogger().getEffectiveLevel())
+    log.log(level, "listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
     try:
-        import uvicorn
-
-        from .app import create_app
-
-        from .http_guard import guarded_protocol
-
-        class _Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                supervisor.draining.set()  # held leases end now, so the connections drain at once
-                super().handle_exit(sig, frame)
-
-        server = _Server(uvicorn.Config(create_app(supervisor), log_config=None, access_log=False,
-                                               lifespan="on", timeout_graceful_shutdown=5, server_header=False,
-                                               http=guarded_protocol(config.request_timeout)))
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        # Logged at any --log-level: with --port 0 this line is the only place the port is named.
-        level = max(logging.INFO, logging.getLogger().getEffectiveLevel())
-        log.log(level, "listening on http://%s:%d (API docs at /docs) config %s", shown, port, config.public_dict())
         server.run(sockets=[sock])
     finally:
         supervisor.stop()
         sock.close()
         log.info("stopped")
+
+
+def _start_behind(config: ServeConfig, supervisor: Any, front: Any) -> None:
+    """What starts once the probes answer: the fork server, the workers, then the API application."""
+    from .start import start_worker_server
+
+    try:
+        start_worker_server(config)
+        supervisor.start()  # returns at once: the supervisor's thread starts the workers
+        if not config.is_loopback and config.token is None:
+            log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
+                        TOKEN_ENV)
+        if config.token is None:
+            log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
+                     TOKEN_ENV)
+        from .app import create_app
+
+        app = create_app(supervisor)
+        app.middleware_stack = app.build_middleware_stack()  # now, rather than in the first request
+        front.set_app(app)
+    except Exception as e:  # the probes go on answering; other requests get 503 naming this
+        log.exception("the server could not finish starting")
+        front.set_app(None, error=f"the server could not finish starting ({type(e).__name__}: {e}); see its log")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -77,7 +79,12 @@ def preload(names: tuple[str, ...]) -> None:
 
     Runs in the fork server, through the one-line modules ``preload_gpu`` and ``preload_torch``;
     a library that is missing here is imported (and its absence reported) by the worker itself.
+    The fork server also ignores SIGTERM from here on: a SIGTERM to the whole process group (Kubernetes,
+    systemd, ``kill -- -PGID``) reaches it with the server, and it must outlive the server's orderly stop
+    of its workers; it leaves when the server closes its end of multiprocessing's pipe to it.
     """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     t0 = time.perf_counter()
     modules: dict[str, Any] = STATE.setdefault("modules", {})
     for name in names:

@@ -11,16 +11,17 @@ default registry), so two sidecars in one process, or tests, never collide.
 | gdsload_load_phase_seconds                      | gauge   | rank, phase   |
 | gdsload_load_seconds                            | gauge   | rank          |
 | gdsload_load_bytes                              | gauge   | rank, kind    |
-| gdsload_load_bytes_done                         | gauge   | rank          |
+| gdsload_load_read_bytes                         | gauge   | rank          |
 | gdsload_load_throughput_bytes_per_second        | gauge   | rank          |
 | gdsload_load_failures_total                     | counter | rank          |
 | gdsload_worker_restarts_total                   | counter | rank          |
 | gdsload_time_to_ready_seconds                   | gauge   | scope         |
 | gdsload_ipc_leases                              | gauge   | rank          |
-| gdsload_model_generation                        | gauge   |               |
+| gdsload_model_generation_total                  | counter |               |
 | gdsload_build_info                              | gauge   | version       |
 
-Phase and throughput figures are those of the last completed load of each rank.
+Phase and throughput figures are those of the last completed load of each rank. Names follow Prometheus'
+naming guide: the unit last (``_seconds``, ``_bytes``, ``_bytes_per_second``), counters end in ``_total``.
 
 >>> body, content_type = render(make_registry(supervisor))  # doctest: +SKIP
 """
@@ -64,7 +65,7 @@ class SidecarCollector(Collector):
                                     labels=["rank"])
         nbytes = GaugeMetricFamily("gdsload_load_bytes", "Bytes of the rank: logical (in memory) and stored (on disk)",
                                    labels=["rank", "kind"])
-        done = GaugeMetricFamily("gdsload_load_bytes_done", "Stored bytes read so far by the rank's current or last load",
+        done = GaugeMetricFamily("gdsload_load_read_bytes", "Stored bytes read so far by the rank's current or last load",
                                  labels=["rank"])
         rate = GaugeMetricFamily("gdsload_load_throughput_bytes_per_second",
                                  "Logical bytes per second of the rank's last load", labels=["rank"])
@@ -104,8 +105,8 @@ class SidecarCollector(Collector):
         if s["load"]["time_to_ready_s"] is not None:
             ttr.add_metric(["load"], float(s["load"]["time_to_ready_s"]))
         yield ttr
-        yield GaugeMetricFamily("gdsload_model_generation", "Loads and reloads so far (unload counts too)",
-                                value=float(s["generation"]))
+        yield CounterMetricFamily("gdsload_model_generation", "Loads and reloads so far (unload counts too)",
+                                  value=float(s["generation"]))
         info = GaugeMetricFamily("gdsload_build_info", "The gdsload version serving", labels=["version"])
         info.add_metric([s["version"]], 1.0)
         yield info

@@ -23,6 +23,7 @@ Precedence: command-line flag > environment variable > default.
 | GDSLOAD_STOP_TIMEOUT          | --stop-timeout          | seconds 0.1..600 a worker gets to exit            | 10.0        |
 | GDSLOAD_REQUEST_TIMEOUT       | --request-timeout       | seconds 0.1..600 to send headers, then body       | 10.0        |
 | GDSLOAD_WORKER_START          | --worker-start          | ``auto``, ``forkserver``, ``spawn``               | ``auto``    |
+| GDSLOAD_LEASE_GRACE           | --lease-grace           | seconds 0.1..3600 an unheld IPC lease lasts       | 3.0         |
 
 (1) or the first delay, when only that is given and it is larger.
 (2) the loopback names (``127.0.0.1``, ``localhost``, ``::1``) when the server binds loopback, else any.
@@ -54,6 +55,8 @@ __all__ = [
     "ServeConfig",
     "PathNotAllowedError",
     "ENV_VARS",
+    "MAX_LOCAL_RANKS",
+
     "TOKEN_ENV",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -87,10 +90,13 @@ ENV_VARS: dict[str, str] = {
     "stop_timeout": "GDSLOAD_STOP_TIMEOUT",
     "request_timeout": "GDSLOAD_REQUEST_TIMEOUT",
     "worker_start": "GDSLOAD_WORKER_START",
+    "lease_grace": "GDSLOAD_LEASE_GRACE",
 }
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MAX_RANK = 4095
+MAX_LOCAL_RANKS = 16
+"""Most ranks one host serves (one worker process each): more is a configuration error, not a load."""
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+\Z")
 MIN_TOKEN_LENGTH = 16
@@ -167,9 +173,10 @@ def confine_path(path: str, roots: Sequence[str]) -> str:
     for root in roots:
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return real
-    shown = f"{path!r}" if real == os.path.normpath(path) else f"{path!r} (resolves to {real!r})"
+    # Where a link leads is not named: it may be anything of the server's (its working directory, /proc/self/...).
+    shown = f"{path!r} is" if real == os.path.normpath(path) else f"{path!r} resolves (through a symlink or '..') to a path"
     raise PathNotAllowedError(
-        f"model path {shown} is outside the allowed roots {list(roots)}; move the model under one of them "
+        f"model path {shown} outside the allowed roots {list(roots)}; move the model under one of them "
         f"or add its directory with --allow-root"
     )
 
@@ -182,6 +189,9 @@ class ServeConfig:
     """Model directory loaded at start (absolute path). None: start empty and wait for ``POST /v1/reload``."""
     ranks: tuple[int, ...] | None = None
     """Tensor-parallel ranks served on this host, one worker process each; None: every rank the model holds."""
+    tp: int | None = None
+    """The tensor-parallel size asked for with ``--tp`` (``ranks`` is then ``0..tp-1``): the model must have been
+    sharded for it. None when ``--tp`` was not given."""
     device_map: str = "auto"
     """``auto``: the i-th served rank gets the i-th visible GPU, CPU when the host has none; ``cpu``: every rank
     loads into host memory; ``RANK:GPU,...``: explicit, a GPU that cannot be used is an error, not a fallback."""
@@ -218,6 +228,10 @@ class ServeConfig:
     """How workers start: ``forkserver`` forks them from a helper that imported their libraries when the server
     started (no CUDA in it; see :mod:`gdsload.server.forkserver`); ``spawn`` starts a fresh interpreter each;
     ``auto``: forkserver where workers load with torch, spawn for GPU workers that load without it."""
+    lease_grace: float = 3.0
+    """Seconds an exported IPC lease stays outstanding without an engine holding it (``GET /v1/ipc/{rank}/hold``,
+    which :class:`~gdsload.loader.handoff.sidecar_client.SidecarClient` opens as soon as it has the lease);
+    then it is released, so an engine that died between the export and the hold blocks no unload."""
 
     def __post_init__(self) -> None:
         if self.model_dir is not None and (not isinstance(self.model_dir, str) or not os.path.isabs(self.model_dir)):
@@ -227,6 +241,13 @@ class ServeConfig:
                     or any(type(r) is not int or not 0 <= r <= _MAX_RANK for r in self.ranks)
                     or len(set(self.ranks)) != len(self.ranks)):
                 raise ConfigError(f"ranks={self.ranks!r} must be a non-empty tuple of distinct ranks in 0..{_MAX_RANK}")
+            if len(self.ranks) > MAX_LOCAL_RANKS:
+                raise ConfigError(
+                    f"ranks={_short(self.ranks)} asks this host to serve {len(self.ranks)} ranks, one worker process "
+                    f"each; one host serves at most {MAX_LOCAL_RANKS} — split the ranks across hosts with --ranks "
+                    f"(e.g. 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)")
+        if self.tp is not None and (type(self.tp) is not int or self.ranks != tuple(range(self.tp))):
+            raise ConfigError(f"tp={self.tp!r} must be an integer whose ranks 0..tp-1 are the ranks served")
         dm = parse_device_map(self.device_map)
         if isinstance(dm, dict) and self.ranks is not None:
             unmapped = sorted(set(self.ranks) - set(dm))
@@ -280,6 +301,8 @@ class ServeConfig:
             raise ConfigError(f"stop_timeout={self.stop_timeout!r} must be a number of seconds in 0.1..600")
         if not _is_number(self.request_timeout) or not 0.1 <= self.request_timeout <= 600:
             raise ConfigError(f"request_timeout={self.request_timeout!r} must be a number of seconds in 0.1..600")
+        if not _is_number(self.lease_grace) or not 0.1 <= self.lease_grace <= 3600:
+            raise ConfigError(f"lease_grace={self.lease_grace!r} must be a number of seconds in 0.1..3600")
         from .forkserver import START_METHODS
 
         if self.worker_start not in START_METHODS:
@@ -347,7 +370,7 @@ class ServeConfig:
         if "ranks" in values and "tp" in values:
             raise ConfigError("give either --ranks or --tp (GDSLOAD_RANKS or GDSLOAD_TP), not both")
         if "tp" in values:
-            values["ranks"] = tuple(range(values.pop("tp")))
+            values["ranks"] = tuple(range(values["tp"]))
         if "model_dir" in values:
             values["model_dir"] = os.path.abspath(values["model_dir"])
         if "allow_roots" in values:
@@ -363,9 +386,15 @@ class ServeConfig:
             return cls(**values)
         except ConfigError as e:  # name the flag or variable the value came from
             origin = next((o for k, o in origins.items() if str(e).startswith(f"{k}=")), None)
+            if origin is None and "tp" in origins and str(e).startswith("ranks="):
+                origin = origins["tp"]
             if origin is None:
                 raise
             raise ConfigError(f"{origin}: {e}") from None
+
+
+def _short(ranks: Sequence[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 4 else repr(ranks)
 
 
 def _is_number(x: object) -> bool:
@@ -395,7 +424,8 @@ def _convert(key: str, value: Any, origin: str) -> Any:
             if key == "tp" and (type(value) is not int or not 1 <= value <= _MAX_RANK + 1):
                 raise ConfigError(f"{origin}={value!r} must be an integer in 1..{_MAX_RANK + 1}")
             return value
-        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout"):
+        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout",
+                   "lease_grace"):
             return float(value.strip()) if isinstance(value, str) else value
         if key == "allow_roots":
             parts = value.split(os.pathsep) if isinstance(value, str) else list(value)

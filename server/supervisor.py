@@ -9,9 +9,12 @@ Each rank is ``pending`` (worker starting) -> ``loading`` -> ``ready``, or ``fai
 
 One thread (the supervisor loop) owns the worker processes and their pipes: it reads worker
 messages, notices deaths through the process sentinels, restarts, and runs the operations the
-HTTP handlers post to it (reload, unload, export, release) one at a time. Readers of the state
-(``/readyz``, ``/v1/status``, ``/metrics``) only take a short lock; ``/readyz`` answers from a
-body prebuilt at every state change.
+HTTP handlers post to it (reload, unload, export, release) one at a time; it never waits on a
+worker (a start runs on a thread of its own, a stop is looked at on every turn). Readers of the
+state (``/readyz``, ``/v1/status``, ``/metrics``) only take a short lock; ``/readyz`` answers from
+a body prebuilt at every state change. Workers over their lives are :mod:`gdsload.server.lifecycle`,
+IPC exports and leases :mod:`gdsload.server.leases`, the rank records and status documents
+:mod:`gdsload.server.state`.
 
 >>> sup = Supervisor(ServeConfig.resolve(model_dir="/models/llama-tp2"))  # doctest: +SKIP
 >>> sup.start(); sup.readiness()[0]                                        # doctest: +SKIP
@@ -20,35 +23,31 @@ body prebuilt at every state change.
 
 from __future__ import annotations
 
-import enum
+import asyncio
 import json
 import logging
 import os
 import queue
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 from typing import Any, TypeVar
 
 from gdsload.loader import __version__
 from gdsload.loader.errors import GdsloadError
 
-from .settings import ServeConfig, confine_path
-from .start import start_worker_server, worker_start_method
-from .workers import (
-    RankNotReadyError,
-    WorkerHandle,
-    WorkerSpec,
-    assign_devices,
-    error_doc,
-    visible_gpus,
-)
+from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
+from .leases import EXPORT_TIMEOUT_S, LeaseOperations
+from .lifecycle import KILL_GRACE_S, WorkerLifecycle
+from .settings import ServeConfig
+from .state import RankRecord, RankState, Retiring, public_status, rank_doc
+from .start import worker_start_method
+from .target import ModelUnreadableError, Target, check_target
+from .workers import RankNotReadyError, error_doc
 
 __all__ = [
     "Supervisor",
@@ -60,41 +59,15 @@ __all__ = [
     "ModelUnreadableError",
     "RankNotReadyError",
     "process_start_time",
+    "EXPORT_TIMEOUT_S",
 ]
 
 log = logging.getLogger(__name__)
 
-EXPORT_TIMEOUT_S = 300.0
-"""Longest wait for a worker's export (a CPU arena is copied to shared memory on its first export)."""
+CALL_TIMEOUT_S = 10.0
+"""Longest wait for the supervisor's thread to run an operation (it never waits on a worker itself)."""
 
 T = TypeVar("T")
-
-
-class RankState(str, enum.Enum):
-    PENDING = "pending"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-class WorkerError(GdsloadError, RuntimeError):
-    """A worker died, did not answer, or failed a command."""
-
-
-class UnknownRankError(GdsloadError, LookupError):
-    """The rank is not served by this sidecar."""
-
-
-class UnknownLeaseError(GdsloadError, LookupError):
-    """The IPC lease is not outstanding (released already, or voided by a restart or reload)."""
-
-
-class ExportsOutstandingError(GdsloadError, RuntimeError):
-    """Unload or reload refused: engines still map exported tensors."""
-
-
-class ModelUnreadableError(GdsloadError, OSError):
-    """The model directory cannot be listed or read (permissions, I/O error)."""
 
 
 def process_start_time() -> float:
@@ -113,67 +86,20 @@ def process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-@dataclass
-class _Rank:
-    rank: int
-    cuda_visible_devices: str
-    gpu_explicit: bool
-    files: list[str] = field(default_factory=list)
-    state: RankState = RankState.PENDING
-    handle: WorkerHandle | None = None
-    pid: int | None = None
-    device: str | None = None
-    gpu: dict[str, Any] | None = None
-    stored_bytes: int = 0
-    logical_bytes: int = 0
-    bytes_done: int = 0
-    report: dict[str, Any] | None = None
-    error: dict[str, str] | None = None
-    last_error: dict[str, str] | None = None
-    error_reported: bool = False
-    """The worker reported its load error: its exit is expected and not restarted."""
-    consecutive_crashes: int = 0
-    next_restart_at: float | None = None
-    started_at: float | None = None
-    ready_at: float | None = None
-    loaded_at: float | None = None
-    """When the worker's load returned, ``time.time()`` taken in the worker (``ready_at`` is when this process
-    read the message)."""
-    entered_at: float | None = None
-    """When the worker process reached its entry point (forked or interpreter started), taken in the worker."""
-    imported_at: float | None = None
-    """When the worker had imported its GPU library, taken in the worker (None for host-memory ranks)."""
-    cuda_ready_at: float | None = None
-    """When the worker's CUDA context was usable, taken in the worker (None for host-memory ranks)."""
-    leases: set[str] = field(default_factory=set)
-    holders: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Leases an engine holds for as long as it lives (its tensors adopted the mapping): lease ->
-    ``{"pid", "peer", "since"}``, what the engine said about itself and where it connected from."""
-    pending: dict[str, tuple[Future[Any], str | None]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Target:
-    path: str
-    real_path: str
-    source: str
-    tp_size: int
-    files: dict[int, tuple[str, ...]]
-    devices: dict[int, tuple[str, bool]]
-    errors: dict[int, dict[str, str]]
-
-
-class Supervisor:
+class Supervisor(LeaseOperations, WorkerLifecycle):
     """Runs the workers of the served ranks and keeps their state for the HTTP API."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, target: Target | None = None):
         self.config = config
+        self._target = target
+        """The model to serve at start, checked already (``gdsload serve`` checks it before it binds its port);
+        None: ``config.model_dir`` is checked when the supervisor starts."""
         self.worker_start = worker_start_method(config)
         """How this server starts its workers (``config.worker_start`` with ``auto`` resolved)."""
         self._fork_server: dict[str, Any] | None = None  # the fork server's imports, as its latest fork told
         self.process_start = process_start_time()
         self._lock = threading.Lock()
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, RankRecord] = {}
         self._model: dict[str, Any] | None = None
         self._model_error: dict[str, str] | None = None
         self.loop_error: dict[str, str] | None = None
@@ -186,6 +112,10 @@ class Supervisor:
         self._failures: Counter[int] = Counter()
         self._restarts: Counter[int] = Counter()
         self._actions: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._internal: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._retiring: list[Retiring] = []
+        self._starting = 0
+        """Worker starts under way (each on a thread of its own); only the supervisor's thread counts them."""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
@@ -194,7 +124,9 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._readyz: tuple[int, bytes] = (503, b"")
         with self._lock:
-            if config.model_dir is not None:  # shown from the first request on, before discovery has run
+            if target is not None:  # every rank pending from the first request on
+                self._install(target)
+            elif config.model_dir is not None:  # shown from the first request on, before discovery has run
                 self._model = {"path": config.model_dir, "real_path": os.path.realpath(config.model_dir),
                                "source": None, "tp_size": None}
             self._publish()
@@ -202,23 +134,25 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the configured model's workers and the supervisor loop; returns once the workers are started.
+        """Start the supervisor's thread, which starts the configured model's workers; returns at once.
 
-        The model's files are listed and its workers started on the calling thread, before the loop: a
-        worker then starts while the caller goes on (importing the HTTP stack), instead of waiting behind
-        it for the interpreter. The loads themselves run in the workers, in the background.
+        Nothing here waits for a worker (its start included: a fork server may still be importing
+        torch), so a caller on an event loop is never held up; the loads run in the workers.
         """
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._loop, name="gdsload-supervisor", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="gdsload-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         if self.config.model_dir is not None:
             try:
                 self._initial_load(self.config.model_dir)
             except Exception as e:
                 self._failed(e)
                 self._stop.set()  # the loop starts only to stop the workers
-        self._thread.start()
+        self._loop()
 
     def stop(self) -> None:
         """Stop every worker (each frees its memory, or is killed after ``stop_timeout``); idempotent."""
@@ -227,9 +161,10 @@ class Supervisor:
             return
         self._stop.set()
         self._wake()
-        thread.join(self.config.stop_timeout + 15)
+        limit = self.config.stop_timeout + KILL_GRACE_S + 20
+        thread.join(limit)
         if thread.is_alive():
-            log.error("the supervisor loop did not stop within %.0f s", self.config.stop_timeout + 15)
+            log.error("the supervisor loop did not stop within %.0f s", limit)
 
     # ------------------------------------------------------------------ readers
 
@@ -237,11 +172,16 @@ class Supervisor:
         """``(200 or 503, JSON body)`` for ``/readyz``, prebuilt at the last state change."""
         return self._readyz
 
-    def status(self) -> dict[str, Any]:
-        """The whole state for ``/v1/status`` (and ``/metrics``)."""
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """The state for ``/v1/status`` (and ``/metrics``): all of it, or (``detail=False``) what a request without
+        the token sees (:func:`gdsload.server.state.public_status`)."""
+        doc = self._status()
+        return doc if detail else public_status(doc)
+
+    def _status(self) -> dict[str, Any]:
         now_wall, now = time.time(), time.monotonic()
         with self._lock:
-            ranks = {str(r): self._rank_doc(x, now) for r, x in sorted(self._ranks.items())}
+            ranks = {str(r): rank_doc(x, now, self._restarts[r], self._failures[r]) for r, x in sorted(self._ranks.items())}
             ready = self._is_ready()
             if ready:
                 state = "ready"
@@ -270,6 +210,7 @@ class Supervisor:
                     "time_to_ready_s": self._gen_ready_s,
                 },
                 "ranks": ranks,
+                "stopping_workers": len(self._retiring),
                 "leases": sum(len(x.leases) for x in self._ranks.values()),
                 "failures_total": {str(r): n for r, n in sorted(self._failures.items())},
                 "restarts_total": {str(r): n for r, n in sorted(self._restarts.items())},
@@ -277,11 +218,6 @@ class Supervisor:
                 "fork_server": self._fork_server,
                 "config": self.config.public_dict(),
             }
-
-    def outstanding_leases(self) -> dict[int, int]:
-        """``{rank: IPC exports not yet released}`` for ranks that have any."""
-        with self._lock:
-            return {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
 
     # ------------------------------------------------------------------ operations
 
@@ -305,12 +241,12 @@ class Supervisor:
         self._await_leases(wait_s)
         return self.switch(None, force=force)
 
-    def check_target(self, model_dir: str, ranks: Sequence[int] | None = None) -> _Target:
-        """The first half of :meth:`reload`: ``model_dir`` checked (confinement, discovery, device placement)."""
-        real = confine_path(model_dir, self.config.allow_roots)
-        return self._plan(model_dir, real, ranks, strict=True)
+    def check_target(self, model_dir: str, ranks: Sequence[int] | None = None) -> Target:
+        """The first half of :meth:`reload`: ``model_dir`` checked (confinement, discovery, headers, device
+        placement; see :func:`gdsload.server.target.check_target`)."""
+        return check_target(model_dir, self.config, ranks, strict=True)
 
-    def switch(self, target: _Target | None, *, force: bool = False) -> dict[str, Any]:
+    def switch(self, target: Target | None, *, force: bool = False) -> dict[str, Any]:
         """The second half of :meth:`reload` (``target`` from :meth:`check_target`), or an unload (None)."""
         return self._call(lambda: self._switch(target, force))
 
@@ -318,49 +254,10 @@ class Supervisor:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def export(self, rank: int) -> dict[str, Any]:
-        """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
-
-        The exported memory stays valid until the lease is released or the model is unloaded.
-        """
-        lease = uuid.uuid4().hex
-        fut: Future[dict[str, Any]] = self._call(lambda: self._command(rank, "export", lease))
-        try:
-            doc = fut.result(timeout=EXPORT_TIMEOUT_S)
-        except FutureTimeout:
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s") from None
-        with self._lock:
-            model = self._model["path"] if self._model else None
-            generation = self._generation
-        return {**doc, "lease": lease, "generation": generation, "model": model}
-
-    def release(self, rank: int, lease: str | None = None) -> dict[str, Any]:
-        """Mark an IPC export of ``rank`` as done with; ``lease=None`` releases every lease of the rank
-        that no engine holds (:meth:`hold`)."""
-        return self._call(lambda: self._release(rank, lease))
-
-    def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
-        """Record that an engine holds ``lease`` of ``rank`` for as long as it lives (``GET
-        /v1/ipc/{rank}/hold``, whose connection stays open: the lease is released when it closes)."""
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if lease not in x.leases:
-                raise UnknownLeaseError(f"lease {lease!r} is not outstanding on rank {rank}; it was released "
-                                        "already, or a worker restart or reload voided it")
-            if lease in x.holders:
-                raise ExportsOutstandingError(f"lease {lease!r} of rank {rank} is already held (by engine pid "
-                                              f"{x.holders[lease]['pid']}); each engine holds the lease it mapped with")
-            x.holders[lease] = {"lease": lease, "pid": pid, "peer": peer, "since": time.time()}
-            self._publish()
-        log.info("rank %d: lease %s held by engine pid %s (%s) until its connection closes", rank, lease, pid, peer)
-
-    def holds(self, rank: int, lease: str) -> bool:
-        """Whether ``lease`` of ``rank`` is still outstanding (a reload, unload or worker crash voids it)."""
-        with self._lock:
-            x = self._ranks.get(rank)
-            return x is not None and lease in x.leases
+    async def switch_async(self, target: Target | None, *, force: bool = False) -> dict[str, Any]:
+        """:meth:`switch` for an event loop: returns once the old workers are asked to stop (they exit, or are
+        killed, within ``stop_timeout`` seconds more; the new ones start then)."""
+        return await self.call_async(lambda: self._switch(target, force))
 
     # ------------------------------------------------------------------ the loop
 
@@ -370,26 +267,46 @@ class Supervisor:
         except OSError:
             pass
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the supervisor loop and return its result (or raise its error)."""
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
         if self._thread is None or self._stop.is_set():
             raise WorkerError("the sidecar is not running (starting or shutting down); try again")
         fut: Future[T] = Future()
         self._actions.put((fn, fut))
         self._wake()
-        limit = self.config.stop_timeout * 3 + 60
+        return fut
+
+    def _post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the supervisor's thread (what a helper thread reports); runs at shutdown too."""
+        self._internal.put(fn)
+        self._wake()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the supervisor loop and return its result (or raise its error)."""
+        fut = self._submit(fn)
         try:
-            return fut.result(timeout=limit)
+            return fut.result(timeout=CALL_TIMEOUT_S)
         except FutureTimeout:
-            raise WorkerError(f"the supervisor did not finish the operation within {limit:.0f} s; see the log") from None
+            fut.cancel()
+            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
+                              "see the log") from None
+
+    async def call_async(self, fn: Callable[[], T]) -> T:
+        """:meth:`_call` for an event loop: the loop waits, no thread does."""
+        fut = self._submit(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
+                              "see the log") from None
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 with self._lock:
                     handles = [x.handle for x in self._ranks.values() if x.handle is not None]
+                retiring = list(self._retiring)
                 waitables: list[Any] = [self._wake_r]
-                for h in handles:
+                for h in handles + [r.handle for r in retiring]:
                     waitables.append(h.sentinel)
                     if h.conn is not None:
                         waitables.append(h.conn)
@@ -399,6 +316,7 @@ class Supervisor:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
+                self._run_internal()
                 self._run_actions()
                 for h in handles:
                     if h.retired:
@@ -408,7 +326,10 @@ class Supervisor:
                             self._on_event(h, kind, payload)
                     if h.sentinel in ready:
                         self._reap(h)
+                self._tend_retiring()
                 self._restart_due()
+                self._start_wanted()
+                self._expire_leases()
         except Exception as e:
             self._failed(e)
         finally:
@@ -425,6 +346,14 @@ class Supervisor:
                 "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
             self._publish()
 
+    def _run_internal(self) -> None:
+        while True:
+            try:
+                fn = self._internal.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
     def _run_actions(self) -> None:
         while True:
             try:
@@ -440,8 +369,14 @@ class Supervisor:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
+        grace = self.config.lease_grace
         with self._lock:
             due = [x.next_restart_at for x in self._ranks.values() if x.next_restart_at is not None]
+            due += [mono + grace for x in self._ranks.values() for lease, (mono, _) in x.leases.items()
+                    if lease not in x.holders]
+        due += [r.kill_at if r.signalled else r.term_at for r in self._retiring]
+        if self._retiring:
+            due.append(now + 0.25)  # a forked worker's exit shows on its pidfd; the rest are polled
         return max(0.0, min(due) - now) if due else 5.0
 
     def _shutdown(self) -> None:
@@ -450,9 +385,9 @@ class Supervisor:
             leases = {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
             for x in self._ranks.values():
                 self._fail_pending(x, "the sidecar is shutting down")
+                x.handle = None
         if leases:
             log.warning("shutting down with IPC exports not released: %s", leases)
-        self._stop_handles(handles)
         while True:  # anything posted meanwhile is refused, not left hanging
             try:
                 _, fut = self._actions.get_nowait()
@@ -460,67 +395,52 @@ class Supervisor:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(WorkerError("the sidecar is shutting down"))
+        self._retire(handles)
+        # Until every worker has exited (or been killed), and every worker start under way has come back.
+        deadline = time.monotonic() + self.config.stop_timeout + KILL_GRACE_S + 15
+        while (self._retiring or self._starting) and time.monotonic() < deadline:
+            waitables: list[Any] = [self._wake_r]
+            for r in self._retiring:
+                waitables.append(r.handle.sentinel)
+                if r.handle.conn is not None:
+                    waitables.append(r.handle.conn)
+            if wait_for(waitables, timeout=min(0.25, self._next_timeout())):
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self._run_internal()
+            self._tend_retiring()
+        if self._retiring or self._starting:
+            log.error("%d worker(s) did not stop and %d start(s) did not come back by the shutdown's deadline",
+                      len(self._retiring), self._starting)
         log.info("all workers stopped")
 
-    # ------------------------------------------------------------------ generations
-
-    def _plan(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
-        """What serving ``path`` takes; raises a typed error when it cannot be served.
-
-        ``strict`` (a reload): any rank that cannot be served raises, and every served file's header is
-        read, so a bad target is refused while the current model still serves.
-        """
-        try:
-            return self._plan_unchecked(path, real, ranks, strict=strict)
-        except GdsloadError:
-            raise
-        except OSError as e:
-            raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e}); check its permissions") from None
-        except Exception as e:  # a malformed file the loader's checks did not name
-            raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
-
-    def _plan_unchecked(self, path: str, real: str, ranks: Sequence[int] | None, *, strict: bool) -> _Target:
-        from gdsload.loader.format.discovery import discover, list_ranks
-
-        source, tp, files = list_ranks(real)
-        served = tuple(sorted(set(ranks))) if ranks else (self.config.ranks or tuple(sorted(files)))
-        errors: dict[int, dict[str, str]] = {}
-        for r in (r for r in served if r not in files):
-            try:
-                discover(real, r)  # raises NoFilesForRankError, naming the ranks the directory does hold
-            except GdsloadError as e:
-                if strict:
-                    raise
-                errors[r] = error_doc(e)
-        if self.config.allow_roots:  # a file may be a symlink out of the root even when its directory is not
-            for r in served:
-                for f in files.get(r, ()):
-                    confine_path(f, self.config.allow_roots)
-        if strict:
-            # Imported only here: planning needs numpy, which the first generation's workers should not wait for.
-            from gdsload.loader.plan import plan_rank
-
-            for r in served:
-                plan_rank(discover(real, r))  # headers and compression metadata: HeaderError, CodecError, ...
-        devices = assign_devices(served, self.config.device_map, visible_gpus())
-        return _Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), devices=devices,
-                     errors=errors)
-
     def _initial_load(self, path: str) -> None:
-        try:
-            plan = self._plan(path, os.path.realpath(path), None, strict=False)
-        except GdsloadError as e:  # _plan names every failure with a typed error
-            log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
+        target = self._target
+        if target is not None:  # installed by __init__: start its workers
+            log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, target.path,
+                     target.source, target.tp_size, sorted(target.devices))
             with self._lock:
-                self._model_error = error_doc(e)
-                self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
-                for r in self.config.ranks or ():
-                    self._ranks[r] = _Rank(r, "", False, state=RankState.FAILED, error=error_doc(e))
-                self._publish()
+                for x in self._ranks.values():
+                    x.start_wanted = True
+            self._start_wanted()
             return
-        self._switch(plan, force=True)
+        if target is None:
+            try:
+                target = check_target(path, self.config)
+            except GdsloadError as e:  # typed, naming the fix
+                log.error("cannot serve %r: %s: %s", path, type(e).__name__, e)
+                with self._lock:
+                    self._model_error = error_doc(e)
+                    self._model = {"path": path, "real_path": os.path.realpath(path), "source": None, "tp_size": None}
+                    for r in self.config.ranks or ():
+                        self._ranks[r] = RankRecord(r, "", False, state=RankState.FAILED, error=error_doc(e))
+                    self._publish()
+                return
+        self._switch(target, force=True)
 
-    def _switch(self, plan: _Target | None, force: bool) -> dict[str, Any]:
+    def _switch(self, plan: Target | None, force: bool) -> dict[str, Any]:
         """Install ``plan`` as the next generation (None: unload); runs on the loop (or in ``start``, before it)."""
         with self._lock:
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
@@ -537,256 +457,36 @@ class Supervisor:
             for x in self._ranks.values():
                 self._fail_pending(x, "the model was unloaded")
             previous = self._model["path"] if self._model else None
-            self._generation += 1
-            self._gen_started_mono, self._gen_started_wall = time.monotonic(), time.time()
-            self._gen_ready_s = None
-            self._model_error = None
-            if plan is None:
-                self._model, self._ranks = None, {}
-            else:
-                self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
-                               "tp_size": plan.tp_size}
-                self._ranks = {}
-                for r, (cvd, explicit) in plan.devices.items():
-                    x = _Rank(r, cvd, explicit,
-                              files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
-                    if r in plan.errors:
-                        x.state, x.error = RankState.FAILED, plan.errors[r]
-                        self._failures[r] += 1
-                    self._ranks[r] = x
-            self._publish()
+            self._install(plan)
         if leases:
             log.warning("invalidating IPC exports %s (force)", leases)
-        if old:
-            self._stop_handles(old)
+        self._retire(old)  # they free their memory and exit; the new workers start once they have
         if plan is None:
             log.info("unloaded %s", previous)
             return {"unloaded": previous, "generation": self._generation}
         log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, plan.path, plan.source,
                  plan.tp_size, sorted(plan.devices))
-        for x in list(self._ranks.values()):
-            if x.state is RankState.PENDING:
-                self._spawn(x)
+        with self._lock:
+            for x in self._ranks.values():
+                x.start_wanted = True
         return {"generation": self._generation, "model": plan.path, "ranks": sorted(plan.devices)}
 
-    def _spawn(self, x: _Rank) -> None:
-        assert self._model is not None
-        spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
-                          cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
-                          confine=self.config.allow_roots or (self._model["real_path"],),
-                          generation=self._generation, log_format=self.config.log_format,
-                          log_level=self.config.log_level)
-        started_at = time.time()  # asked for: a forked worker may be running (and importing) before spawn returns
-        try:
-            handle = self._fork(spec) if self.worker_start == "forkserver" else None
-            if handle is None:
-                handle = WorkerHandle.spawn(spec, "spawn")
-        except OSError as e:
-            with self._lock:
-                self._crashed(x, f"worker for rank {x.rank} could not be started ({e})")
-            return
-        with self._lock:
-            x.handle, x.pid = handle, handle.pid
-            x.state = RankState.PENDING
-            if x.error is not None:
-                x.last_error = x.error
-            x.error, x.error_reported, x.report = None, False, None
-            x.bytes_done, x.started_at, x.ready_at, x.loaded_at = 0, started_at, None, None
-            x.entered_at = x.imported_at = x.cuda_ready_at = None
-            self._publish()
-
-    def _fork(self, spec: WorkerSpec) -> WorkerHandle | None:
-        """Start the worker from the fork server; None (and spawn from now on) when the fork server fails."""
-        try:
-            start_worker_server(self.config)  # started early by `serve`; here for other callers, or anew
-            return WorkerHandle.spawn(spec, "forkserver")
-        except (OSError, EOFError) as e:  # it could not start, or it died while forking
-            log.warning("the worker fork server failed (%s: %s); starting workers with spawn from now on",
-                        type(e).__name__, e)
-            with self._lock:
-                self.worker_start = "spawn"
-                self._fork_server = {"error": f"{type(e).__name__}: {e}"}
-                self._publish()
-            return None
-
-    def _stop_handles(self, handles: list[WorkerHandle]) -> None:
-        """Ask workers to free their memory and exit; kill those that do not within ``stop_timeout``."""
-        for h in handles:
-            h.retired = True
-            h.send("unload")
-        deadline = time.monotonic() + self.config.stop_timeout
-        waiting = list(handles)
-        while waiting and time.monotonic() < deadline:
-            waitables: list[Any] = [h.sentinel for h in waiting] + [h.conn for h in waiting if h.conn is not None]
-            wait_for(waitables, timeout=max(0.0, deadline - time.monotonic()))
-            for h in waiting:
-                h.receive()  # keep the pipes flowing so no worker blocks on a full one
-            waiting = [h for h in waiting if h.alive()]
-        WorkerHandle.kill_after(handles, deadline)
-        for h in handles:
-            log.info("rank %d: worker pid %s stopped (%s)", h.spec.rank, h.pid, h.describe_exit())
-            h.close()
-
-    # ------------------------------------------------------------------ worker events
-
-    def _rank_of(self, h: WorkerHandle) -> _Rank | None:
-        x = self._ranks.get(h.spec.rank)
-        return x if x is not None and x.handle is h else None
-
-    def _on_event(self, h: WorkerHandle, kind: str, payload: dict[str, Any]) -> None:
-        note: str | None = None
-        with self._lock:
-            x = self._rank_of(h)
-            if x is None:
-                return
-            if kind == "progress":
-                x.bytes_done = max(x.bytes_done, int(payload["bytes_done"]))
-                return
-            if kind == "hello":
-                x.pid, x.device, x.gpu = payload["pid"], payload["device"], payload["gpu"]
-                x.entered_at = payload.get("entered_at")
-                if payload.get("fork_server"):
-                    self._fork_server = payload["fork_server"]
-                x.imported_at, x.cuda_ready_at = payload.get("imported_at"), payload.get("cuda_ready_at")
-            elif kind == "loading":
-                x.state = RankState.LOADING
-                x.files = list(payload["files"])
-                x.stored_bytes, x.logical_bytes = int(payload["stored_bytes"]), int(payload["logical_bytes"])
-            elif kind == "ready":
-                report = payload["report"]
-                x.state, x.report, x.error = RankState.READY, report, None
-                x.stored_bytes, x.logical_bytes = report["stored_bytes"], report["logical_bytes"]
-                x.bytes_done, x.ready_at, x.consecutive_crashes = report["stored_bytes"], time.time(), 0
-                x.loaded_at = payload.get("loaded_at")
-                note = (f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
-                        f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}")
-            elif kind == "failed":
-                x.state, x.error, x.error_reported = RankState.FAILED, payload["error"], True
-                self._failures[x.rank] += 1
-            elif kind == "reply":
-                fut, lease = x.pending.pop(payload["id"], (None, None))
-                if fut is not None:
-                    if payload["ok"]:
-                        if lease is not None:
-                            x.leases.add(lease)
-                        fut.set_result(payload["value"])
-                    else:
-                        fut.set_exception(_remote_error(x.rank, payload["error"]))
-            else:
-                log.error("rank %d: unknown message %r from the worker; ignored", x.rank, kind)
-                return
-            self._publish()
-        if note:
-            log.info("%s", note)
-
-    def _reap(self, h: WorkerHandle) -> None:
-        for kind, payload in h.receive():  # its last words may still be in the pipe
-            self._on_event(h, kind, payload)
-        pid, how = h.pid, h.describe_exit()
-        h.close()
-        with self._lock:
-            x = self._rank_of(h)
-            if x is None:
-                return
-            x.handle, x.pid = None, None
-            self._fail_pending(x, f"the worker {how}")
-            if x.error_reported:
-                self._publish()
-                log.info("rank %d: worker pid %s %s after its load failed; not restarted", x.rank, pid, how)
-                return
-            what = f"worker for rank {x.rank} (pid {pid}) {how}"
-            if x.state is RankState.READY:
-                what += "; its tensors are gone"
-            if x.leases:
-                what += f"; {len(x.leases)} IPC export(s) are void"
-            self._crashed(x, what)
-
-    def _crashed(self, x: _Rank, what: str) -> None:
-        """Mark ``x`` failed after an unplanned exit and schedule its restart; call with the lock held."""
-        x.leases.clear()
-        x.holders.clear()
-        x.state = RankState.FAILED
-        self._failures[x.rank] += 1
-        x.consecutive_crashes += 1
-        if x.consecutive_crashes > self.config.max_restarts:
-            what += (f"; not restarted after {self.config.max_restarts} consecutive restart(s) — "
-                     "see the log, then POST /v1/reload")
-            x.next_restart_at = None
+    def _install(self, plan: Target | None) -> None:
+        """Make ``plan`` the next generation, every rank pending (None: nothing served); call with the lock held."""
+        self._generation += 1
+        self._gen_started_mono, self._gen_started_wall = time.monotonic(), time.time()
+        self._gen_ready_s = None
+        self._model_error = None
+        if plan is None:
+            self._model, self._ranks = None, {}
         else:
-            delay = min(self.config.restart_backoff * 2 ** (x.consecutive_crashes - 1), self.config.restart_backoff_max)
-            what += f"; restarting in {delay:.1f} s (restart {x.consecutive_crashes} of {self.config.max_restarts})"
-            x.next_restart_at = time.monotonic() + delay
-        x.error = {"type": "WorkerCrashedError", "message": what}
+            self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
+                           "tp_size": plan.tp_size}
+            self._ranks = {}
+            for r, (cvd, explicit) in plan.devices.items():
+                self._ranks[r] = RankRecord(r, cvd, explicit,
+                                       files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
         self._publish()
-        log.error("%s", what)
-
-    def _restart_due(self) -> None:
-        if self._stop.is_set():
-            return
-        now = time.monotonic()
-        with self._lock:
-            due = [x for x in self._ranks.values()
-                   if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None]
-            for x in due:
-                x.next_restart_at = None
-                self._restarts[x.rank] += 1
-        for x in due:
-            log.info("rank %d: restarting its worker", x.rank)
-            self._spawn(x)
-
-    def _fail_pending(self, x: _Rank, why: str) -> None:
-        for fut, _ in x.pending.values():
-            if not fut.done():
-                fut.set_exception(WorkerError(f"rank {x.rank}: {why}"))
-        x.pending.clear()
-
-    # ------------------------------------------------------------------ commands
-
-    def _command(self, rank: int, kind: str, lease: str) -> Future[Any]:
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if x.state is not RankState.READY or x.handle is None:
-                raise RankNotReadyError(f"rank {rank} is {x.state.value}; poll /readyz until it answers 200, then ask again")
-            request_id = uuid.uuid4().hex
-            fut: Future[Any] = Future()
-            x.pending[request_id] = (fut, lease)
-            handle = x.handle
-        if not handle.send(kind, id=request_id, lease=lease):
-            with self._lock:
-                x.pending.pop(request_id, None)
-            raise WorkerError(f"rank {rank}: the worker cannot be reached (it is exiting); try again after /readyz")
-        return fut
-
-    def _release(self, rank: int, lease: str | None) -> dict[str, Any]:
-        with self._lock:
-            x = self._ranks.get(rank)
-            if x is None:
-                raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
-            if lease is not None and lease not in x.leases:
-                raise UnknownLeaseError(
-                    f"lease {lease!r} is not outstanding on rank {rank} ({len(x.leases)} are); it was released "
-                    "already, or a worker restart or reload voided it"
-                )
-            # Without a lease: every lease no running engine holds (a held one goes with its engine).
-            released = [lease] if lease is not None else sorted(x.leases - set(x.holders))
-            x.leases.difference_update(released)
-            for one in released:
-                x.holders.pop(one, None)
-            left, handle = len(x.leases), x.handle
-            self._publish()
-        if handle is not None:
-            for one in released:
-                handle.send("release", lease=one)
-        return {"released": released, "rank": rank, "outstanding": left}
-
-    def _await_leases(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        while self.outstanding_leases() and time.monotonic() < deadline and not self._stop.is_set():
-            self._stop.wait(0.05)
-        if self._stop.is_set():  # shutting down: do not hold up the exit for the rest of wait_s
-            raise WorkerError("the sidecar is shutting down")
 
     # ------------------------------------------------------------------ derived state (lock held)
 
@@ -805,11 +505,11 @@ class Supervisor:
             log.info("all %d rank(s) ready in %.3f s%s", len(self._ranks), self._gen_ready_s,
                      f" ({self._first_ready_wall - self.process_start:.3f} s after process start)" if first else "")
         states = {str(r): x.state.value for r, x in sorted(self._ranks.items())}
-        body: dict[str, Any] = {"ready": ready, "model": self._model["path"] if self._model else None,
-                                "generation": self._generation, "ranks": states}
+        # For anyone who reaches the port: states and reasons, no path (the model's is in /v1/status, with the token).
+        body: dict[str, Any] = {"ready": ready, "generation": self._generation, "ranks": states}
         if not ready:
             if self._model_error is not None:
-                body["reason"] = f"{self._model_error['type']}: {self._model_error['message']}"
+                body["reason"] = f"{self._model_error['type']}; see the log, or /v1/status with the token"
             elif self._model is None:
                 body["reason"] = "no model loaded; POST /v1/reload"
             elif not self._ranks:
@@ -823,45 +523,3 @@ class Supervisor:
                     if failed else f"waiting for rank(s) {', '.join(waiting)}"
                 )
         self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())
-
-    def _rank_doc(self, x: _Rank, now: float) -> dict[str, Any]:
-        report = x.report or {}
-        files = report.get("files") or []
-        return {
-            "rank": x.rank,
-            "state": x.state.value,
-            "pid": x.pid,
-            "device": x.device,
-            "gpu": x.gpu,
-            "cuda_visible_devices": x.cuda_visible_devices,
-            "backend": report.get("backend"),
-            "io_mode": ",".join(sorted({f["io_mode"] for f in files})) or None,
-            "files": x.files,
-            "logical_bytes": x.logical_bytes,
-            "stored_bytes": x.stored_bytes,
-            "bytes_done": x.bytes_done,
-            "phases": report.get("phases", {}),
-            "seconds": report.get("seconds"),
-            "gbps": report.get("gbps"),
-            "verified": report.get("verified"),
-            "error": x.error,
-            "last_error": x.last_error,
-            "restarts": self._restarts[x.rank],
-            "failures": self._failures[x.rank],
-            "next_restart_in_s": max(0.0, x.next_restart_at - now) if x.next_restart_at is not None else None,
-            "started_at": x.started_at,
-            "ready_at": x.ready_at,
-            "entered_at": x.entered_at,
-            "imported_at": x.imported_at,
-            "cuda_ready_at": x.cuda_ready_at,
-            "loaded_at": x.loaded_at,
-            "leases": len(x.leases),
-            "held_by": sorted(x.holders.values(), key=lambda h: h["since"]),
-            "report": x.report,
-        }
-
-
-def _remote_error(rank: int, doc: dict[str, str]) -> GdsloadError:
-    if doc.get("type") == "RankNotReadyError":
-        return RankNotReadyError(doc["message"])
-    return WorkerError(f"rank {rank}: {doc.get('type')}: {doc.get('message')}")

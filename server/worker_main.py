@@ -23,6 +23,7 @@ from .settings import configure_logging
 from .workers import (
     EXIT_LOAD_FAILED,
     PROGRESS_INTERVAL_S,
+    SIGTERM_GRACE_S,
     GpuUnavailableError,
     RankNotReadyError,
     WorkerSpec,
@@ -92,14 +93,37 @@ class _Worker:
         self._result: Any = None  # LoadResult once loaded
         self._leases: set[str] = set()
         self._unload = threading.Event()
+        self.stop_requested = threading.Event()
+        """Set when the server asks this worker to unload: from then on SIGTERM ends it at once."""
+        self._sigterm_at: float | None = None
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """SIGTERM: at once when the server asked this worker to stop; otherwise leave the order to the server (a
+        group SIGTERM reached it too), and exit by itself only if it has not stopped this worker in time."""
+        if self.stop_requested.is_set():
+            logging.shutdown()
+            os._exit(128 + signum)
+        if self._sigterm_at is None:
+            self._sigterm_at = time.monotonic()
+            grace = self.spec.stop_timeout + SIGTERM_GRACE_S
+            log.info("SIGTERM: the server stops this worker (exiting by itself in %.0f s otherwise)", grace)
+            timer = threading.Timer(grace, self._exit_unstopped, args=(signum,))
+            timer.daemon = True
+            timer.start()
+
+    def _exit_unstopped(self, signum: int) -> None:
+        log.warning("SIGTERM %.0f s ago and the server has not stopped this worker; exiting",
+                    time.monotonic() - (self._sigterm_at or 0.0))
+        logging.shutdown()
+        os._exit(128 + signum)
 
     def run(self) -> None:
         threading.Thread(target=self._serve_commands, name="gdsload-commands", daemon=True).start()
         try:
             result = self._load()
         except Exception as e:  # the process boundary: every load error goes to the parent, typed
-            if isinstance(e, GdsloadError):
-                log.error("load failed: %s: %s", type(e).__name__, e)
+            if isinstance(e, GdsloadError):  # the server logs it as an error, with its rank
+                log.info("load failed: %s: %s", type(e).__name__, e)
             else:
                 log.exception("load failed")
             self.channel.send("failed", error=error_doc(e))
@@ -200,6 +224,7 @@ class _Worker:
                 _exit_orphaned()
                 return
             if kind == "unload":
+                self.stop_requested.set()
                 with self._lock:
                     loaded = self._result is not None
                 if not loaded:  # still loading: nothing worth freeing by hand, the exit frees it all
@@ -274,4 +299,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     configure_logging(spec.log_format, spec.log_level, rank=spec.rank)
     if forkserver.STATE:
         log.debug("forked from the worker fork server (its imports: %s)", forkserver.STATE)
-    _Worker(spec, _Channel(conn), entered_at).run()
+    worker = _Worker(spec, _Channel(conn), entered_at)
+    signal.signal(signal.SIGTERM, worker.on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked by a spawning server
+    worker.run()

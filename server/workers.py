@@ -20,7 +20,9 @@ parent -> worker: ``export`` (IPC document of the rank, see :mod:`gdsload.loader
 ``release`` (an engine is done with an export), ``unload`` (free everything and exit).
 
 A worker whose load fails reports the error and exits with :data:`EXIT_LOAD_FAILED`; a worker
-that loses its parent exits at once.
+that loses its parent exits at once. SIGTERM does not end a worker on its own while the server lives:
+a SIGTERM to the whole process group (as Kubernetes and systemd send it) reaches the server too, which
+stops its workers in order; once asked to unload, SIGTERM ends the worker at once.
 
 >>> handle = WorkerHandle.spawn(WorkerSpec(rank=0, model_dir="/models/m", backend="auto",
 ...                                        cuda_visible_devices="", gpu_explicit=False),
@@ -31,12 +33,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import re
 import select
 import signal
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -60,6 +62,7 @@ __all__ = [
     "error_doc",
     "EXIT_LOAD_FAILED",
     "PROGRESS_INTERVAL_S",
+    "SIGTERM_GRACE_S",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,8 +74,12 @@ EXIT_UNKNOWN = 255
 status (workers themselves exit with 0, :data:`EXIT_LOAD_FAILED`, 1 on an uncaught error, or by a signal)."""
 PROGRESS_INTERVAL_S = 0.2
 """Fewest seconds between two progress messages of one worker."""
+SIGTERM_GRACE_S = 15.0
+"""Seconds (beyond the server's graceful shutdown and ``stop_timeout``) a worker that got SIGTERM while its
+server lives waits to be stopped in order before it exits by itself (status 143)."""
 
 _ENV_LOCK = threading.Lock()
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 class GpuUnavailableError(GdsloadError, RuntimeError):
@@ -105,6 +112,9 @@ class WorkerSpec:
     confine: tuple[str, ...] = ()
     """Directories every file the worker opens must stay in, checked at the open (the allowed roots, or the
     model directory itself)."""
+    stop_timeout: float = 10.0
+    """The server's ``stop_timeout``: a worker that got SIGTERM waits this long and more for the server to stop
+    it in order (see :data:`SIGTERM_GRACE_S`)."""
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
@@ -173,16 +183,6 @@ def error_doc(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
 
 
-def _wait_all(handles: list[WorkerHandle], deadline: float) -> None:
-    """Until every one of ``handles`` has exited or ``deadline`` (monotonic) has passed."""
-    while True:
-        running = [h for h in handles if h.alive()]
-        left = deadline - time.monotonic()
-        if not running or left <= 0:
-            return
-        select.select([h.sentinel for h in running], [], [], left)
-
-
 class WorkerHandle:
     """The parent's end of one worker: the process, its pipe, and the spec it was started with.
 
@@ -223,9 +223,19 @@ class WorkerHandle:
         with _ENV_LOCK:
             before = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+            # A spawned interpreter starts with SIGTERM and SIGINT blocked (the mask survives exec) until
+            # worker_main has its handlers: a group SIGTERM during its start-up waits for them instead of
+            # killing it. (A forked worker inherits the fork server's ignoring of both.)
+            mask = None
+            if start_method == "spawn":
+                # Started first: starting it unblocks both signals in this thread again.
+                multiprocessing.resource_tracker.ensure_running()
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             try:
                 process.start()
             finally:
+                if mask is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 if before is None:
                     del os.environ["CUDA_VISIBLE_DEVICES"]
                 else:
@@ -266,7 +276,8 @@ class WorkerHandle:
             return "exited; its exit status is unknown (the fork server that started it is gone)"
         return describe_exit(code)
 
-    def _signal(self, sig: int) -> None:
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker (through its pidfd where there is one); nothing if it has exited."""
         try:
             if self._pidfd is not None:
                 signal.pidfd_send_signal(self._pidfd, sig)
@@ -276,11 +287,16 @@ class WorkerHandle:
             pass
 
     def send(self, kind: str, **payload: Any) -> bool:
-        """Send a command; False when the worker can no longer receive it."""
+        """Send a command without waiting; False when the worker cannot take it now (it exited, or its pipe is
+        full because it stopped reading: a stopped or stuck worker never blocks the sender)."""
         if self.conn is None:
             return False
         try:
-            self.conn.send((kind, payload))
+            if not select.select([], [self.conn.fileno()], [], 0)[1]:
+                log.warning("rank %d: worker pid %s is not reading its commands; %r not sent", self.spec.rank,
+                            self.pid, kind)
+                return False
+            self.conn.send((kind, payload))  # commands are small: a writable pipe takes one whole
             return True
         except (OSError, EOFError, ValueError):
             return False
@@ -297,20 +313,6 @@ class WorkerHandle:
                 self.conn.close()
                 self.conn = None
         return out
-
-    @staticmethod
-    def kill_after(handles: list[WorkerHandle], deadline: float, grace: float = 2.0) -> None:
-        """Wait for the processes until ``deadline`` (monotonic), then SIGTERM every one still running,
-        then SIGKILL those still running ``grace`` seconds later: all at once, so N stuck workers take as
-        long to stop as one."""
-        for sig, why in ((signal.SIGTERM, "did not exit in time"), (signal.SIGKILL, "ignored SIGTERM")):
-            _wait_all(handles, deadline)
-            survivors = [h for h in handles if h.alive()]
-            for h in survivors:
-                log.warning("rank %d: worker pid %s %s; sending %s", h.spec.rank, h.pid, why, sig.name)
-                h._signal(sig)
-            deadline = time.monotonic() + grace
-        _wait_all(handles, deadline)
 
     def close(self) -> None:
         """Release the pipe, the pidfd and the process object (the process must have exited)."""

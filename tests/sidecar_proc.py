@@ -21,14 +21,25 @@ URL_RE = re.compile(r"listening on (http://[^\s\"]+:\d+)")
 class Server:
     """``gdsload serve`` in a child process, its log in a file, an httpx client on its URL."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, new_group: bool = False,
+                 token: str | None = None):
+        """``token``: started with it (``GDSLOAD_TOKEN``) unless ``args`` name a token file; :meth:`status` sends
+        the server's token, wherever it came from, and so sees every detail."""
         clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+        env = dict(env or {})
+        if "--token-file" in args:
+            self.token: str | None = Path(args[args.index("--token-file") + 1]).read_text().strip()
+        else:
+            if token is not None:
+                env.setdefault("GDSLOAD_TOKEN", token)
+            self.token = env.get("GDSLOAD_TOKEN")
         self.log_path = log_path
         self.started = time.monotonic()
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--host", "127.0.0.1", "--port", "0"],
-                stdout=log, stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
+                stdout=log, stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **env},
+                start_new_session=new_group,  # its own process group, to be signalled as a whole
             )
         self.url = self._wait_for_url(60)
         self.http = httpx.Client(base_url=self.url, timeout=10)
@@ -55,14 +66,17 @@ class Server:
             if r.status_code == 200:
                 return seen
             assert r.status_code == 503, r.text
-            if "failed" in r.json()["ranks"].values():
+            if "failed" in r.json()["ranks"].values() and self.token:
                 errors = {k: v["error"] for k, v in self.status()["ranks"].items() if v["error"]}
                 raise AssertionError(f"a rank failed while polling for readiness: {errors}")
             time.sleep(period)
         raise AssertionError(f"/readyz not 200 within {timeout} s; last {seen[-1]}\n{self.log()[-3000:]}")
 
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
     def status(self) -> dict[str, Any]:
-        r = self.http.get("/v1/status")
+        r = self.http.get("/v1/status", headers=self.auth())
         assert r.status_code == 200, r.text
         return r.json()
 

@@ -163,7 +163,9 @@ def test_a_failing_fork_server_falls_back_to_spawn(tmp_path, monkeypatch: pytest
         assert status["worker_start"] == "spawn"
         assert status["fork_server"] == {"error": "EOFError: the fork server closed the connection"}
         assert all(r["restarts"] == 0 and r["failures"] == 0 for r in status["ranks"].values())
-        assert methods == ["forkserver", "spawn", "spawn"]  # rank 0 tried the fork server once, rank 1 did not
+        # The ranks start at once: each tried the fork server at most once, then every worker was spawned.
+        assert methods.count("spawn") == 2 and 1 <= methods.count("forkserver") <= 2, methods
+        assert methods[-1] == "spawn"
     finally:
         sup.stop()
 
@@ -176,9 +178,8 @@ def test_the_server_starts_its_first_workers_before_importing_numpy(tmp_path):
     model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
                                                        layers=1), tp=2)
     code = ("import json, os, sys; from gdsload.server.settings import ServeConfig; "
-            "from gdsload.server.supervisor import Supervisor; "
-            "sup = Supervisor(ServeConfig(model_dir=sys.argv[1], device_map='cpu')); "
-            "t = sup._plan(sys.argv[1], os.path.realpath(sys.argv[1]), None, strict=False); "
+            "from gdsload.server.target import check_target; "
+            "t = check_target(sys.argv[1], ServeConfig(model_dir=sys.argv[1], device_map='cpu')); "
             "print(json.dumps({'ranks': sorted(t.files), 'numpy': 'numpy' in sys.modules}))")
     out = json.loads(subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True,
                                     check=True).stdout)

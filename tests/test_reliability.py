@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -173,8 +174,8 @@ def served(tmp_path):
                                                        layers=1), tp=1)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1"],
-                 tmp_path / "serve.log")
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1",
+                  "--lease-grace", "60"], tmp_path / "serve.log")
     srv.poll_ready(timeout=120)
     yield srv
     srv.close()
@@ -324,3 +325,395 @@ def test_a_header_claiming_more_memory_than_there_is_is_a_typed_error(tmp_path):
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(count))
     with pytest.raises(DeviceMemoryError, match=r"big.safetensors.*cannot be\s+allocated"):
         load_rank(path)
+
+
+# --------------------------------------------------------------------------------------- leases
+
+
+_FORKING_ENGINE = r"""
+import json, os, sys, time
+from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+mapped = SidecarClient(sys.argv[1], token=sys.argv[2]).map_rank(0, private=True)
+mapped.hold()
+child = os.fork()  # a compile or data worker, forked after the hold
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(json.dumps({"engine": os.getpid(), "child": child}), flush=True)
+time.sleep(120)
+"""
+
+
+def _lease_server(tmp_path: Path, *extra: str) -> Server:
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=1)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", *extra], tmp_path / "serve.log")
+    srv.poll_ready(timeout=120)
+    return srv
+
+
+def _rank0(srv: Server) -> dict:
+    return srv.http.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()["ranks"]["0"]
+
+
+def test_a_child_forked_by_the_engine_does_not_keep_its_lease(tmp_path):
+    """The engine holds its lease, forks a worker, and is killed: the lease goes with the engine, although the
+    child (which inherited the hold connection's descriptor) lives on."""
+    import subprocess
+    import sys
+
+    srv = _lease_server(tmp_path)
+    engine = subprocess.Popen([sys.executable, "-c", _FORKING_ENGINE, srv.url, TOKEN], stdout=subprocess.PIPE,
+                              text=True)
+    child = None
+    try:
+        pids = json.loads(engine.stdout.readline())
+        child = pids["child"]
+        assert [h["pid"] for h in _rank0(srv)["held_by"]] == [pids["engine"]]
+        engine.kill()
+        engine.wait(10)
+        t = time.monotonic()
+        while _rank0(srv)["leases"] and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        freed = time.monotonic() - t
+        print(f"leases: a killed engine's lease released {freed:.2f} s after its exit, its forked child alive")
+        assert os.path.exists(f"/proc/{child}") and _rank0(srv)["leases"] == 0 and freed < 5.0
+    finally:
+        for pid in (engine.pid, child):
+            if pid:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        engine.wait(10)
+        srv.close()
+
+
+def test_a_lease_no_engine_holds_is_released_within_seconds(tmp_path):
+    """An engine killed between ``GET /v1/ipc/{rank}`` and the hold leaves a lease nobody holds: it blocks an
+    unload only until it expires (default grace), and /v1/status shows its age meanwhile."""
+    srv = _lease_server(tmp_path)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        t = time.monotonic()
+        lease = srv.http.get("/v1/ipc/0", headers=auth).json()["lease"]
+        assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 409
+        (row,) = _rank0(srv)["lease_table"]
+        assert row["lease"] == lease and row["held_by"] is None and 0 <= row["age_s"] < 5
+        ages = [row["age_s"]]
+        while _rank0(srv)["leases"] and time.monotonic() - t < 10:
+            ages += [r["age_s"] for r in _rank0(srv)["lease_table"]]
+            time.sleep(0.05)
+        freed = time.monotonic() - t
+        print(f"leases: an export nobody held released {freed:.2f} s after it was made")
+        assert _rank0(srv)["leases"] == 0 and freed < 5.0 and ages == sorted(ages)
+        assert "no engine held it" in srv.log()
+        assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 200
+    finally:
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- control plane
+
+
+def test_the_control_plane_answers_while_every_worker_is_stopped(tmp_path):
+    """Every worker SIGSTOPped, and 45 exports waiting on them: health, readiness, status, a release and a
+    forced unload still answer at once; the exports end with 503 when the unload voids them, none later
+    than the export timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gdsload.server.supervisor import EXPORT_TIMEOUT_S
+
+    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
+                                                       layers=1), tp=2)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--stop-timeout", "1"],
+                 tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    pids: list[int] = []
+    try:
+        srv.poll_ready(timeout=120)
+        pids = [r["pid"] for r in srv.http.get("/v1/status", headers=auth).json()["ranks"].values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+        def export(i: int) -> tuple[int, float]:
+            t = time.monotonic()
+            with httpx.Client(base_url=srv.url, timeout=EXPORT_TIMEOUT_S + 20) as c:
+                code = c.get(f"/v1/ipc/{i % 2}", headers=auth).status_code
+            return code, time.monotonic() - t
+
+        with ThreadPoolExecutor(45) as pool:
+            waiting = [pool.submit(export, i) for i in range(45)]
+            time.sleep(1.0)  # every export is waiting on a stopped worker now
+            took: dict[str, float] = {}
+            with httpx.Client(base_url=srv.url, timeout=10) as c:
+                for name, method, path, body in (("healthz", "GET", "/healthz", None),
+                                                 ("readyz", "GET", "/readyz", None),
+                                                 ("status", "GET", "/v1/status", None),
+                                                 ("release", "POST", "/v1/ipc/1/release", {}),
+                                                 ("unload", "POST", "/v1/unload", {"force": True})):
+                    t = time.monotonic()
+                    r = c.request(method, path, json=body, headers=auth)
+                    took[name] = time.monotonic() - t
+                    assert r.status_code == 200, (name, r.text)
+            exports = [f.result() for f in waiting]
+        print("control plane with every worker stopped: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items())
+              + f"; 45 exports ended {sorted({c for c, _ in exports})} within {max(s for _, s in exports):.1f} s")
+        assert max(took.values()) < 1.0, took
+        assert {code for code, _ in exports} == {503} and max(s for _, s in exports) < EXPORT_TIMEOUT_S + 5
+        deadline = time.monotonic() + 15  # the stopped workers are killed past the stop timeout
+        while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = srv.http.get("/v1/status", headers=auth).json()
+        assert status["state"] == "unloaded" and "sending SIGKILL" in srv.log()
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- descriptors
+
+
+def test_reloads_leave_no_file_descriptors_open(tmp_path):
+    """Refused reloads (their target checked, every header read), and reloads that switch models, leave the
+    server with as many open descriptors as before."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shape = LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1)
+    a = make_checkpoint(root / "a", shape, tp=2, max_file_bytes=64 << 10)  # several files per rank
+    b = make_checkpoint(root / "b", shape, tp=2, max_file_bytes=64 << 10)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(a), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
+                  "--lease-grace", "600"], tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+
+    try:
+        srv.poll_ready(timeout=120)
+        files = len(list(b.glob("*.safetensors")))
+        lease = srv.http.get("/v1/ipc/0", headers=auth).json()["lease"]
+        before = fds()
+        for _ in range(5):  # checked (every header of b read), then refused: the export is outstanding
+            r = srv.http.post("/v1/reload", json={"model_dir": str(b)}, headers=auth)
+            assert r.status_code == 409, r.text
+        refused = fds()
+        srv.http.post("/v1/ipc/0/release", json={"lease": lease}, headers=auth)
+        for model in (b, a, b):
+            assert srv.http.post("/v1/reload", json={"model_dir": str(model)}, headers=auth).status_code == 202
+            srv.poll_ready(timeout=120)
+        deadline = time.monotonic() + 15
+        while srv.status()["stopping_workers"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        switched = fds()
+        print(f"descriptors: {before} before, {refused} after 5 refused reloads of {files} files, "
+              f"{switched} after 3 reloads")
+        assert refused == before and switched <= before
+    finally:
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- reload confinement
+
+
+def _garbage_rank_file(path: Path, marker: bytes) -> None:
+    """A file named like a rank file whose header is not JSON: a header error quoting it would show ``marker``."""
+    body = marker * 8
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+
+
+def test_reload_checks_its_target_through_confined_opens_and_echoes_nothing(tmp_path):
+    """A directory under --allow-root swapped back and forth for a symlink to a directory outside it while
+    reloads to it are checked: no header outside the root is read (its files' access times stay as set),
+    and no answer carries the outside files' bytes, their path, or the server's own paths."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shape = LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1)
+    served = make_checkpoint(root / "served", shape, tp=1)
+    flip = root / "flip"
+    shutil.copytree(served, flip)
+    (flip / "gdsload.json").unlink()  # found by its vLLM file name, like the outside one
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = b"SECRET-OUTSIDE-8"
+    _garbage_rank_file(outside / "model-rank-0-part-0.safetensors", secret)
+    os.utime(outside / "model-rank-0-part-0.safetensors", (0, time.time()))  # read -> atime moves (relatime)
+    corrupt = root / "corrupt"  # inside the root, but not a valid file: its bytes are not echoed either
+    corrupt.mkdir()
+    _garbage_rank_file(corrupt / "model-rank-0-part-0.safetensors", b"SECRET-INSIDE-88")
+    (root / "to-cwd").symlink_to("/proc/self/cwd")
+    (root / "to-exe").symlink_to("/proc/self/exe")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(served), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
+                  "--lease-grace", "600"], tmp_path / "serve.log")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    stop = threading.Event()
+
+    def flipper() -> None:  # `flip` is the directory, then a symlink out, then the directory again
+        parked = root / ".parked"
+        rng = random.Random(7)
+        while not stop.is_set():
+            os.rename(flip, parked)
+            flip.symlink_to(outside, target_is_directory=True)
+            time.sleep(rng.uniform(0, 0.003))
+            flip.unlink()
+            os.rename(parked, flip)
+            time.sleep(rng.uniform(0, 0.006))
+
+    try:
+        srv.poll_ready(timeout=120)
+        srv.http.get("/v1/ipc/0", headers=auth)  # an export outstanding: checked reloads are refused with 409
+        answers: dict[int, int] = {}
+        texts: list[str] = []
+        thread = threading.Thread(target=flipper)
+        thread.start()
+        try:
+            for _ in range(300):
+                r = srv.http.post("/v1/reload", json={"model_dir": str(flip)}, headers=auth)
+                key = f"{r.status_code} {r.json()['error']['type'] if r.status_code >= 400 else ''}".strip()
+                answers[key] = answers.get(key, 0) + 1
+                texts.append(r.text)
+        finally:
+            stop.set()
+            thread.join(10)
+        for name in ("to-cwd", "to-exe", "corrupt"):
+            r = srv.http.post("/v1/reload", json={"model_dir": str(root / name)}, headers=auth)
+            assert r.status_code in (400, 403), (name, r.text)
+            texts.append(r.text)
+        assert "model-rank-0-part-0.safetensors" in texts[-1] and "HeaderError" in texts[-1], texts[-1]
+        print(f"reload confinement: 300 reloads while the target flips: {answers}")
+        server_cwd = subprocess.run([sys.executable, "-c", "import os; print(os.getcwd())"], capture_output=True,
+                                    text=True).stdout.strip()  # the server runs in the tests' working directory
+        assert os.stat(outside / "model-rank-0-part-0.safetensors").st_atime == 0, "an outside header was read"
+        for text in texts:
+            assert "SECRET" not in text and str(outside) not in text, text
+            assert f"'{server_cwd}'" not in text and f"'{sys.executable}'" not in text, text
+            assert "/proc/" not in text.replace(str(root), ""), text
+        assert answers.get("409 ExportsOutstandingError", 0) > 0  # checks that ran to the end, on the inside files
+    finally:
+        stop.set()
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- what the public sees
+
+
+def _scalars(doc: object) -> list[object]:
+    if isinstance(doc, dict):
+        return [v for x in doc.values() for v in _scalars(x)]
+    if isinstance(doc, list):
+        return [v for x in doc for v in _scalars(x)]
+    return [doc]
+
+
+def test_status_and_readiness_without_the_token_tell_states_and_phases_only(tmp_path):
+    """Anyone who reaches the port reads states, phases, byte counts and timings; pids, paths, the token file,
+    engines (pids, peers) and lease ids need the token. A wrong token is refused, not downgraded."""
+    from gdsload.loader.handoff.sidecar_client import SidecarClient
+
+    srv = _lease_server(tmp_path, "--allow-root", str(tmp_path))
+    mapped = SidecarClient(srv.url, token=TOKEN).map_rank(0, private=True)
+    try:
+        mapped.hold()
+        full = srv.http.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        rank = full["ranks"]["0"]
+        pids = {srv.proc.pid, rank["pid"], os.getpid()}  # the server, its worker, the engine (this process)
+        words = {str(tmp_path), mapped.lease, rank["held_by"][0]["peer"]}  # paths (the token file's too), lease, peer
+        assert pids <= set(_scalars(full)) and all(w in json.dumps(full) for w in words)  # what the token shows
+        public = srv.http.get("/v1/status")
+        readyz = srv.http.get("/readyz")
+        assert public.status_code == 200 and readyz.status_code == 200
+        for r in (public, readyz):
+            assert not pids & set(_scalars(r.json())), r.text
+            assert not [w for w in words if w in r.text], r.text
+        doc = public.json()
+        assert doc["state"] == "ready" and doc["ranks"]["0"]["state"] == "ready" and doc["ranks"]["0"]["leases"] == 1
+        assert set(doc["ranks"]["0"]["phases"]) == set(rank["phases"]) and doc["ranks"]["0"]["seconds"] > 0
+        assert not {"model", "config", "fork_server"} & set(doc) and "pid" not in doc["process"]
+        assert srv.http.get("/v1/status", headers={"Authorization": "Bearer wrong-token-0123456789"}).status_code == 401
+        print(f"public status: {len(public.text)} bytes, {len(json.dumps(full))} with the token")
+    finally:
+        mapped.release()
+        srv.close()
+
+
+# --------------------------------------------------------------------------------------- worker count
+
+
+def test_an_unreasonable_rank_count_on_one_host_is_refused_before_anything_starts(tmp_path):
+    """A 32-rank directory served whole, ``--ranks 0-31``, or a reload asking for 17 ranks: a clear error
+    naming the limit and the fix, and no worker started."""
+    import subprocess
+    import sys
+
+    from gdsload.server.settings import MAX_LOCAL_RANKS
+
+    root = tmp_path / "root"
+    model = root / "tp32"
+    model.mkdir(parents=True)
+    for r in range(32):  # vLLM's per-rank file names, no manifest
+        save_file({"w": torch.full((4,), float(r))}, model / f"model-rank-{r}-part-0.safetensors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+    for extra in ([], ["--ranks", "0-31"]):
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", str(model), "--port", "0",
+                            "--device-map", "cpu", *extra], capture_output=True, text=True, timeout=120, env=env)
+        out = p.stdout + p.stderr
+        print(f"worker count: serve {' '.join(extra) or '(all ranks)'} refused in {time.monotonic() - t:.2f} s")
+        assert p.returncode == 2 and f"at most {MAX_LOCAL_RANKS}" in out and "--ranks" in out, out
+        assert "listening on" not in out and "started worker" not in out, out
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    srv = Server([str(model), "--ranks", "0", "--device-map", "cpu", "--token-file", str(token_file),
+                  "--allow-root", str(root)], tmp_path / "serve.log")
+    try:
+        srv.poll_ready(timeout=120)
+        r = srv.http.post("/v1/reload", json={"model_dir": str(model), "ranks": list(range(MAX_LOCAL_RANKS + 1))},
+                          headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "TooManyRanksError", r.text
+        assert srv.status()["ranks"].keys() == {"0"} and srv.http.get("/readyz").status_code == 200
+    finally:
+        srv.close()
+
+
+def test_a_stalled_head_after_a_response_is_cut_off_and_a_long_answer_is_not(served):
+    """The header deadline runs again after each response (a keep-alive connection that starts its next request
+    and stalls is closed), and never while a request is answered (a held lease streams past it)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    s = _connect(served.url)
+    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    s.settimeout(5)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.")  # the next request, stalled
+    t = time.monotonic()
+    assert _closed_by_server(s, 5.0)
+    stalled_s = time.monotonic() - t
+    s.close()
+    lease = httpx.get(served.url + "/v1/ipc/0", headers=auth).json()["lease"]
+    h = _connect(served.url)
+    h.sendall(f"GET /v1/ipc/0/hold?lease={lease} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+    h.settimeout(5)
+    head = b""
+    while b"held" not in head:  # the head, then the first chunk
+        head += h.recv(4096)
+    assert not _closed_by_server(h, 3.0)  # three times the request timeout (1 s), still held
+    assert httpx.get(served.url + "/v1/status", headers=auth).json()["ranks"]["0"]["held_by"]
+    h.close()
+    print(f"http deadlines: a stalled second head cut off after {stalled_s:.2f} s (timeout 1 s); a hold kept 3 s")
+    assert stalled_s < 3.0

@@ -20,9 +20,9 @@ def test_started_without_a_model(tmp_path: Path):
         assert client.get("/healthz").status_code == 200
         r = client.get("/readyz")
         assert r.status_code == 503
-        assert r.json() == {"ready": False, "model": None, "generation": 0, "ranks": {},
+        assert r.json() == {"ready": False, "generation": 0, "ranks": {},
                             "reason": "no model loaded; POST /v1/reload"}
-        s = client.get("/v1/status").json()
+        s = client.get("/v1/status", headers={"Authorization": "Bearer tok-1234567890abcdef"}).json()
         assert s["state"] == "unloaded" and s["model"] is None and s["process"]["time_to_ready_s"] is None
         samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
                    for s in f.samples}
@@ -78,7 +78,7 @@ def test_every_error_has_the_error_shape():
 
 def test_a_fault_of_the_server_answers_500_in_the_error_shape(monkeypatch):
     supervisor = Supervisor(ServeConfig.resolve(env={}))
-    monkeypatch.setattr(supervisor, "status", lambda: 1 / 0)
+    monkeypatch.setattr(supervisor, "status", lambda detail=True: 1 / 0)
     with TestClient(create_app(supervisor), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         r = client.get("/v1/status")
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalError"
@@ -101,16 +101,37 @@ def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
         assert r.json()["error"]["type"] == "SupervisorFailed" and "RuntimeError: a bug" in r.json()["error"]["message"]
         assert client.head("/healthz").status_code == 503
         r = client.get("/readyz")
-        assert r.status_code == 503 and r.json()["reason"].startswith("SupervisorFailed: the supervisor loop failed")
+        assert r.status_code == 503 and r.json()["reason"].startswith("SupervisorFailed; see the log")
         assert client.get("/v1/status").json()["state"] == "failed"
 
 
-def test_start_returns_with_the_workers_started(sharded_dir: Path):
-    """The workers start before ``start`` returns, so their start-up overlaps the HTTP stack's import."""
-    supervisor = Supervisor(ServeConfig.resolve(model_dir=str(sharded_dir), device_map="cpu", env={}))
+def test_start_returns_at_once_and_the_workers_start_behind_it(sharded_dir: Path, monkeypatch):
+    """``start`` waits for no worker (an event loop calls it): the supervisor's thread starts them, even when
+    starting one takes long (a fork server still importing torch)."""
+    from gdsload.server.target import check_target
+    from gdsload.server.workers import WorkerHandle
+
+    spawn = WorkerHandle.spawn
+
+    def slow_spawn(*args, **kwargs):
+        time.sleep(1.0)
+        return spawn(*args, **kwargs)
+
+    monkeypatch.setattr(WorkerHandle, "spawn", slow_spawn)
+    config = ServeConfig.resolve(model_dir=str(sharded_dir), device_map="cpu", env={})
+    supervisor = Supervisor(config, check_target(str(sharded_dir), config))
     try:
+        assert supervisor.readiness()[0] == 503  # every rank listed, pending, before anything started
+        assert b'"ranks":{"0":"pending","1":"pending"}' in supervisor.readiness()[1]
+        t = time.monotonic()
         supervisor.start()
-        ranks = supervisor.status()["ranks"]
+        assert time.monotonic() - t < 0.5
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = supervisor.status()["ranks"]
+            if all(r["pid"] is not None for r in ranks.values()):
+                break
+            time.sleep(0.02)
         assert sorted(ranks) == ["0", "1"]
         assert all(r["pid"] is not None and r["started_at"] is not None for r in ranks.values()), ranks
     finally:
@@ -137,3 +158,21 @@ def test_waiting_for_leases_ends_when_the_server_stops(monkeypatch):
     waiter.join(5)
     assert not waiter.is_alive() and time.monotonic() - t < 5
     assert isinstance(outcome[0], WorkerError) and "shutting down" in str(outcome[0])
+
+
+def test_the_host_check_is_starlettes_with_ipv6_and_ports_and_the_api_error_shape():
+    """Loopback names with and without ports, IPv6 in brackets, case: answered; another name: 400 in the API's
+    error shape; the probes answer any Host."""
+    config = ServeConfig.resolve(host="::1", env={})
+    app = create_app(Supervisor(config))
+    for base in ("http://[::1]:8471", "http://localhost", "http://LOCALHOST:8471", "http://127.0.0.1:1"):
+        with TestClient(app, base_url=base) as client:
+            assert client.get("/v1/status").status_code == 200, base
+    with TestClient(app, base_url="http://attacker.example") as client:
+        r = client.get("/v1/status")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "HostNotAllowed"
+        assert "'attacker.example'" in r.json()["error"]["message"] and "[::1]" in r.json()["error"]["message"]
+        assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+    wide = create_app(Supervisor(ServeConfig.resolve(host="0.0.0.0", env={})))  # any Host when not on loopback
+    with TestClient(wide, base_url="http://sidecar.internal:8471") as client:
+        assert client.get("/v1/status").status_code == 200

@@ -49,6 +49,7 @@ def test_every_env_var_is_read(tmp_path: Path):
         "GDSLOAD_LOG_LEVEL": "DEBUG", "GDSLOAD_RESTART_BACKOFF": "0.5", "GDSLOAD_RESTART_BACKOFF_MAX": "8",
         "GDSLOAD_MAX_RESTARTS": "2", "GDSLOAD_STOP_TIMEOUT": "3", "GDSLOAD_WORKER_START": "Spawn",
         "GDSLOAD_ALLOWED_HOSTS": "Sidecar.local, 10.0.0.7", "GDSLOAD_REQUEST_TIMEOUT": "2.5",
+        "GDSLOAD_LEASE_GRACE": "7.5",
     }
     assert set(env) | {"GDSLOAD_TP"} == set(ENV_VARS.values())
     c = ServeConfig.resolve(env=env)
@@ -60,6 +61,7 @@ def test_every_env_var_is_read(tmp_path: Path):
            ("json", "debug", 0.5, 8.0, 2, 3.0)
     assert c.worker_start == "spawn" and ServeConfig.resolve(env={}).worker_start == "auto"
     assert c.allowed_hosts == ("sidecar.local", "10.0.0.7") and c.request_timeout == 2.5
+    assert c.lease_grace == 7.5 and ServeConfig.resolve(env={}).lease_grace == 3.0
     assert ServeConfig.resolve(env={}).http_hosts() == ("127.0.0.1", "localhost", "::1")  # loopback: loopback names
     assert ServeConfig.resolve(env={"GDSLOAD_HOST": "0.0.0.0"}).http_hosts() == ("*",)
     assert ServeConfig.resolve(env={"GDSLOAD_TP": "4"}).ranks == (0, 1, 2, 3)

@@ -66,7 +66,7 @@ while [[ $i -lt ${#args[@]} ]]; do
     case $arg in
         --tp | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | --allowed-host | \
             --log-format | --log-level | --restart-backoff | --restart-backoff-max | --max-restarts | \
-            --stop-timeout | --request-timeout | --worker-start)
+            --stop-timeout | --request-timeout | --lease-grace | --worker-start)
             [[ $((i + 1)) -lt ${#args[@]} ]] || die "$EX_USAGE" "option $arg needs a value"
             value=${args[i + 1]}
             case $arg in

@@ -4,9 +4,11 @@ The sidecar (``gdsload serve``) holds each rank's arena and serves, for a local 
 
 - ``GET  /v1/ipc/{rank}``          the document :func:`gdsload.loader.handoff.ipc.export_rank` made for that rank;
 - ``POST /v1/ipc/{rank}/release``  the engine is done with the mapping (the sidecar may unload it);
-- ``GET  /v1/ipc/{rank}/hold``     the engine keeps the mapping for as long as it lives (its parameters
-  adopted the memory): the answer streams while the lease holds, and the sidecar releases the lease
-  when the connection closes — when the engine process exits, however it exits.
+- ``GET  /v1/ipc/{rank}/hold``     the engine holds the lease: the answer streams while the lease holds, and
+  the sidecar releases the lease when the connection closes — when the engine releases it, or its process
+  exits, however it exits. :meth:`SidecarClient.map_rank` opens it as soon as it has the lease (the
+  sidecar releases a lease no engine holds within seconds), and :meth:`MappedRank.hold` keeps it for the
+  life of the process (the engine's parameters adopted the memory).
 
 Both need ``Authorization: Bearer <token>``. The client maps the arena with
 :func:`gdsload.loader.handoff.ipc.import_rank` (CUDA IPC, or shared memory for CPU arenas): every tensor
@@ -30,6 +32,7 @@ import http.client
 import json
 import logging
 import os
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -80,9 +83,64 @@ class SidecarProtocolError(SidecarError, ValueError):
     """The sidecar answered something this client does not understand."""
 
 
+class _HoldConnection:
+    """The open ``GET /v1/ipc/{rank}/hold`` of one mapping: the sidecar keeps the lease while it stays open, and
+    releases it when it closes (this process exited, or :meth:`close`). A thread reads it: the sidecar ends it
+    with ``released`` (it voided the lease) or ``stopping``."""
+
+    def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, sock: socket.socket,
+                 rank: int, on_end: Callable[[str], None]):
+        self._conn, self._response, self._sock = conn, response, sock
+        self.ended: str | None = None
+        """Why the sidecar ended the hold (None while it holds)."""
+        self._closing = False
+        self._on_end = on_end
+        threading.Thread(target=self._watch, name=f"gdsload-hold-rank{rank}", daemon=True).start()
+
+    def _watch(self) -> None:
+        why = "the sidecar closed the connection (it stopped, or restarted)"
+        try:
+            while True:
+                line = self._response.readline()
+                if not line:
+                    break
+                if line.strip() == b"released":
+                    why = "the sidecar voided the lease (a forced reload or unload, or its worker restarted)"
+                    break
+                if line.strip() == b"stopping":
+                    why = "the sidecar is shutting down"
+                    break
+        except (OSError, ValueError, http.client.HTTPException) as e:  # closed mid-chunk: IncompleteRead
+            why = f"the connection to the sidecar failed ({type(e).__name__}: {e})"
+        finally:  # only this thread touches the response
+            _forget_hold_socket(self._sock)
+            self._response.close()
+            self._conn.close()
+            self._sock.close()
+        if self._closing:
+            return
+        self.ended = why
+        self._on_end(why)
+
+    def close(self) -> None:
+        """End the hold from this side (the sidecar then releases the lease, if it still holds it)."""
+        self._closing = True
+        try:
+            # Wakes the reading thread, which closes the rest; close() alone would not end the connection while
+            # the response's file object refers to the socket.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 @dataclass
 class MappedRank:
-    """A rank's tensors mapped from the sidecar. Call :meth:`release` (or leave the ``with`` block) when done."""
+    """A rank's tensors mapped from the sidecar. Call :meth:`release` (or leave the ``with`` block) when done.
+
+    While the mapping exists this process holds its lease (an open ``GET /v1/ipc/{rank}/hold``), so the
+    sidecar neither unloads the memory under it nor keeps the lease once this process is gone, however it
+    ends; :meth:`hold` keeps it for the life of the process.
+    """
 
     rank: int
     tensors: dict[str, torch.Tensor]
@@ -92,6 +150,11 @@ class MappedRank:
     released: bool = False
     lease: str | None = None
     """The sidecar's lease for this mapping: releasing it leaves other engines' mappings of the rank alone."""
+    held: bool = False
+    """Held for the life of the process (:meth:`hold`)."""
+    _hold: _HoldConnection | None = field(default=None, repr=False)
+    _hold_error: SidecarError | None = field(default=None, repr=False)
+    _on_lost: Callable[[MappedRank, str], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """Tell the sidecar this process is done with the rank; idempotent. Drops this object's references.
@@ -101,62 +164,51 @@ class MappedRank:
         """
         if self.released:
             return
-        was_held, self.held = self.held, False
+        hold, self._hold = self._hold, None
+        self.held = False
         self.released = True
         self.tensors = {}
         try:
             self.client.release(self.rank, lease=self.lease)
         except SidecarNotReadyError as e:
-            if not (was_held or self._hold_tried):
+            if hold is None:
                 raise
-            # The hold's connection closing has released it already (or the sidecar voided it).
+            # The sidecar voided the lease meanwhile (a forced reload or unload), or ended the hold.
             log.debug("rank %d: lease %s was released already: %s", self.rank, self.lease, e)
-
-    held: bool = False
-    _hold_tried: bool = field(default=False, repr=False)
+        finally:
+            if hold is not None:
+                hold.close()
 
     def hold(self, on_lost: Callable[[MappedRank, str], None] | None = None) -> None:
         """Keep this mapping, and the sidecar's lease on it, for the rest of this process.
 
         For an engine whose parameters adopted the mapped memory: the sidecar keeps the rank (a
         reload or unload is refused while the lease is out, unless forced) until this process
-        exits, when the kernel closes the connection opened here and the sidecar releases the
-        lease. If the sidecar drops the lease first (a forced reload or unload, a worker crash, the
-        sidecar stopping), ``on_lost(mapped, why)`` runs on a background thread; by default a
-        warning is logged. A CPU mapping made ``private`` stays valid after that (the pages stay
-        with this process); CUDA IPC memory may not, and an engine should stop using it.
+        exits, when the kernel closes the hold connection and the sidecar releases the lease. If the
+        sidecar drops the lease first (a forced reload or unload, a worker crash, the sidecar
+        stopping), ``on_lost(mapped, why)`` runs on a background thread; by default a warning is
+        logged. A CPU mapping made ``private`` stays valid after that (the pages stay with this
+        process); CUDA IPC memory may not, and an engine should stop using it. Raises a
+        :class:`SidecarError` where the lease cannot be held (a sidecar without held leases, or a
+        lease it voided already): the caller copies the tensors instead.
         """
         if self.released or self.held or self.lease is None:
             raise SidecarProtocolError(f"rank {self.rank}: the mapping is released or has no lease; it cannot be held")
-        self._hold_tried = True  # a failed attempt may still have released the lease on the sidecar
-        conn, response = self.client._open_hold(self.rank, self.lease)
+        if self._hold is None:
+            if self._hold_error is not None:
+                raise self._hold_error
+            self._hold = self.client._hold_lease(self.rank, self.lease, self._hold_ended)
+        if self._hold.ended is not None:
+            raise SidecarNotReadyError(f"rank {self.rank}: lease {self.lease} cannot be held: {self._hold.ended}")
+        self._on_lost = on_lost or _warn_lost
         self.held = True
         _HELD.append(self)  # the mapping lives as long as the process: nothing may collect it
-        lost = on_lost or _warn_lost
-
-        def watch() -> None:
-            why = "the sidecar closed the connection (it stopped, or restarted)"
-            try:
-                while True:
-                    line = response.readline()
-                    if not line:
-                        break
-                    if line.strip() == b"released":
-                        why = "the sidecar voided the lease (a forced reload or unload, or its worker restarted)"
-                        break
-                    if line.strip() == b"stopping":
-                        why = "the sidecar is shutting down"
-                        break
-            except OSError as e:
-                why = f"the connection to the sidecar failed ({e})"
-            finally:
-                conn.close()
-            if self.held:
-                lost(self, why)
-
-        threading.Thread(target=watch, name=f"gdsload-hold-rank{self.rank}", daemon=True).start()
         log.info("rank %d: holding lease %s of %s for the life of this process", self.rank, self.lease,
                  self.client.base_url)
+
+    def _hold_ended(self, why: str) -> None:
+        if self.held and self._on_lost is not None:
+            self._on_lost(self, why)
 
     def __enter__(self) -> MappedRank:
         return self
@@ -169,20 +221,34 @@ class MappedRank:
 _HELD: list[MappedRank] = []
 """Mappings held for the life of the process (:meth:`MappedRank.hold`)."""
 _HOLD_SOCKETS: list[Any] = []
+_AT_FORK: list[bool] = []
 
 
 def _close_in_forked_children(sock: Any) -> None:
     """A child forked from the engine (a compile or data worker) must not keep the engine's hold
     connection open after the engine exits: it closes its copy right after the fork."""
-    if not _HOLD_SOCKETS and hasattr(os, "register_at_fork"):
+    if not _AT_FORK and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_close_hold_sockets)
+        _AT_FORK.append(True)
     _HOLD_SOCKETS.append(sock)
+
+
+def _forget_hold_socket(sock: Any) -> None:
+    try:
+        _HOLD_SOCKETS.remove(sock)
+    except ValueError:
+        pass
 
 
 def _close_hold_sockets() -> None:
     for sock in _HOLD_SOCKETS:
+        # The child's descriptor only; the parent's connection stays. ``sock.close()`` would not close it: the
+        # response's file object still refers to the socket, and a socket closes its descriptor only with the
+        # last such reference. Detached, the descriptor is closed here and the child's socket object holds none.
         try:
-            sock.close()  # the child's descriptor only; the parent's connection stays
+            fd = sock.detach()
+            if fd >= 0:
+                os.close(fd)
         except OSError:
             pass
     _HOLD_SOCKETS.clear()
@@ -250,6 +316,19 @@ class SidecarClient:
         On any failure after the fetch, the sidecar is told the rank is released.
         """
         doc = self.ipc_document(rank)
+        lease = doc.get("lease")
+        holder: list[MappedRank] = []
+        hold: _HoldConnection | None = None
+        hold_error: SidecarError | None = None
+        if lease:
+            # Held from now on: the sidecar releases a lease no engine holds within seconds of its export.
+            try:
+                hold = self._hold_lease(rank, lease, lambda why: holder and holder[0]._hold_ended(why))
+            except SidecarNotReadyError as e:  # a sidecar without held leases (an older gdsload)
+                hold_error = e
+            except SidecarError:
+                self._release_quietly(rank, lease)
+                raise
         try:
             tensors = import_rank(doc, private=private)
             mapped_device = _device_of(doc, tensors)
@@ -262,19 +341,32 @@ class SidecarClient:
                         "or load the weights from storage instead of the sidecar"
                     )
         except BaseException:
-            try:
-                self.release(rank, lease=doc.get("lease"))
-            except SidecarError as e:
-                log.warning("could not release rank %d after a failed mapping: %s", rank, e)
+            self._release_quietly(rank, lease)
+            if hold is not None:
+                hold.close()
             raise
         nbytes = int(doc.get("nbytes", 0))
         log.info("rank %d: mapped %d tensors (%d bytes) from %s on %s", rank, len(tensors), nbytes, self.base_url,
                  mapped_device)
-        return MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
-                          lease=doc.get("lease"))
+        mapped = MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
+                            lease=lease, _hold=hold, _hold_error=hold_error)
+        holder.append(mapped)
+        return mapped
 
-    def _open_hold(self, rank: int, lease: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """``GET /v1/ipc/{rank}/hold``: the open connection and its response, past the first line."""
+    def _release_quietly(self, rank: int, lease: str | None) -> None:
+        try:
+            self.release(rank, lease=lease)
+        except SidecarError as e:
+            log.warning("could not release rank %d after a failed mapping: %s", rank, e)
+
+    def _hold_lease(self, rank: int, lease: str, on_end: Callable[[str], None]) -> _HoldConnection:
+        """Open the hold of ``lease``; ``on_end(why)`` runs (on the hold's thread) if the sidecar ends it."""
+        conn, response, sock = self._open_hold(rank, lease)
+        return _HoldConnection(conn, response, sock, rank, on_end)
+
+    def _open_hold(self, rank: int, lease: str
+                   ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+        """``GET /v1/ipc/{rank}/hold``: the open connection, its response past the first line, and its socket."""
         url = urllib.parse.urlsplit(self.base_url)
         cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         conn = cls(url.hostname or "127.0.0.1", url.port, timeout=self.timeout)
@@ -307,9 +399,9 @@ class SidecarClient:
         except SidecarError:
             conn.close()
             raise
-        sock.settimeout(None)  # it stays open, silent, for the life of the process
+        sock.settimeout(None)  # it stays open, silent, for as long as the mapping lives
         _close_in_forked_children(sock)
-        return conn, response
+        return conn, response, sock
 
     def _request(self, method: str, path: str, rank: int, body: bytes | None = None) -> bytes:
         url = self.base_url + path
