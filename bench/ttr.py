@@ -34,8 +34,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    return _request(port, "GET", path, timeout=timeout)
+def _get(port: int, path: str, timeout: float = 2.0, token: str | None = None) -> tuple[int, bytes]:
+    return _request(port, "GET", path, timeout=timeout, token=token)
 
 
 def _request(port: int, method: str, path: str, body: dict[str, Any] | None = None, token: str | None = None,
@@ -61,7 +61,7 @@ def _reload_to_ready(port: int, model_dir: str, token: str, generation: int, tim
     if code != 202:
         raise RuntimeError(f"reload answered {code}: {body[:500]!r}")
     while time.perf_counter() - t0 < timeout:
-        code, body = _get(port, "/v1/status")
+        code, body = _get(port, "/v1/status", token=token)
         status = json.loads(body)
         if status["generation"] > generation and status["state"] in ("ready", "failed"):
             if status["state"] == "failed":
@@ -85,10 +85,9 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
     cmd = [sys.executable, "-m", "gdsload.server.cli", "serve", str(model_dir), "--port", str(port),
            "--log-level", "warning", *serve_args]
     env = dict(os.environ)
-    token = None
+    token = secrets.token_hex(16)  # /v1/status shows pids, paths and devices to the token only
+    env["GDSLOAD_TOKEN"] = token
     if reload:
-        token = secrets.token_hex(16)
-        env["GDSLOAD_TOKEN"] = token
         cmd += ["--allow-root", os.path.dirname(os.path.realpath(model_dir))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -109,7 +108,7 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
                 first_answer = elapsed
             ranks = json.loads(body).get("ranks", {}) if code == 503 else None
             if ranks is not None and ("failed" in ranks.values() or not ranks):
-                _, body = _get(port, "/v1/status")  # no rank yet may also mean the server failed before any
+                _, body = _get(port, "/v1/status", token=token)  # no rank yet: the server may have failed before any
                 doc = json.loads(body)
                 errors = {r: d.get("error") for r, d in doc.get("ranks", {}).items() if d.get("error")}
                 if errors:
@@ -120,12 +119,11 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
                 ttr = time.perf_counter() - t0
                 break
             time.sleep(poll_s)
-        _, body = _get(port, "/v1/status")
+        _, body = _get(port, "/v1/status", token=token)
         status = json.loads(body)
         seen = while_ready(status) if while_ready is not None else None
         reloaded = None
         if reload:
-            assert token is not None
             try:
                 seconds, after = _reload_to_ready(port, os.path.realpath(model_dir), token, status["generation"],
                                                   timeout, poll_s)

@@ -131,7 +131,7 @@ def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = N
 
 
 def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | None, strict: bool) -> Target:
-    from gdsload.loader.format.discovery import discover, list_ranks
+    from gdsload.loader.format.discovery import discover, scan_layout
 
     if not os.path.exists(real):
         raise ModelNotFoundError(f"model directory {path!r} does not exist; give the directory that holds the "
@@ -140,7 +140,8 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
         raise ModelNotFoundError(f"model path {path!r} is not a directory or a .safetensors file; give the directory "
                                  "that holds the model's .safetensors files")
     try:
-        source, tp, files = list_ranks(real)
+        scanned = scan_layout(real)
+        source, tp, files = scanned.source, scanned.world_size, scanned.ranks
     except (NoFilesForRankError, UnfinishedOutputError) as e:
         if "no .safetensors files" in str(e):
             raise type(e)(f"{e}; serve the directory `gdsload shard` or vLLM's save_sharded_state wrote, or a "
@@ -151,7 +152,8 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
     except OSError as e:
         raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e.strerror or type(e).__name__}); "
                                    "check that it exists and this user may read it") from None
-    held = f"{path!r} holds rank{'s' if len(files) > 1 else ''} {ranges(list(files))} ({_layout(source)}, tp={tp})"
+    sizes = f"tp={scanned.tp_size}" + (f" x pp={scanned.pp_size}" if scanned.pp_size > 1 else "")
+    held = f"{path!r} holds rank{'s' if len(files) > 1 else ''} {ranges(list(files))} ({_layout(source)}, {sizes})"
 
     if ranks is not None:
         served, asked = tuple(sorted(set(ranks))), f"ranks {sorted(set(ranks))}"
@@ -160,6 +162,9 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
             if source == "plain":
                 fix = (f"serve it without --tp (or with --tp 1), or shard it first: gdsload shard {path} OUT "
                        f"--tp {config.tp}")
+            elif scanned.pp_size > 1:
+                fix = (f"--tp counts the ranks one host serves; serve all {tp} (no --tp), or a node's own with "
+                       "--ranks")
             else:
                 fix = f"serve it with --tp {tp}, or reshard its source: gdsload shard SRC OUT --tp {config.tp}"
             raise TensorParallelMismatchError(f"--tp {config.tp} does not match the model: {held}; {fix}"

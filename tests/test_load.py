@@ -7,6 +7,8 @@ import time
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -603,3 +605,20 @@ def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
     assert mapped.arena.numel() > 0
     mapped.tensors["b.f32"].add_(1)  # a private mapping: the file stays as it was
     assert _same_bits(load_rank(foreign).tensors["b.f32"], tensors["b.f32"])
+
+
+def test_a_fresh_process_reports_torchs_import_apart_from_the_load(sharded_dir):
+    """The first load in a process imports torch for its device: the report's ``import`` phase holds it, the phases
+    still add up to the call, and GB/s are of the load's own time."""
+    code = ("import json, sys; from gdsload.loader import load_rank; assert 'torch' not in sys.modules; "
+            f"r = load_rank({str(sharded_dir)!r}, 0).report; "
+            "print(json.dumps({'phases': r.phases, 'seconds': r.seconds, 'load': r.load_seconds, 'gbps': r.gbps, "
+            "'bytes': r.logical_bytes, 'summary': r.summary()}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["phases"]["import"] > 0.01, doc["phases"]  # torch's import: tens of ms at least
+    assert abs(sum(doc["phases"].values()) - doc["seconds"]) < 1e-9
+    assert abs(doc["load"] - (doc["seconds"] - doc["phases"]["import"])) < 1e-9
+    assert abs(doc["gbps"] - doc["bytes"] / doc["load"] / 1e9) < 1e-9
+    assert "importing the device's libraries first" in doc["summary"]

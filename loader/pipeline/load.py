@@ -111,6 +111,7 @@ def load_rank(
     cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
                              pinned_bytes=pinned_bytes, staging_bytes=staging_bytes)
     dev = as_device(device)
+    clock.lap("import")  # a torch device's first use imports torch: the interpreter's cost, kept apart
     target_bufs, target_specs = _targets(into, dev)
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     clock.lap("setup")
