@@ -25,7 +25,7 @@ from gdsload.loader.checkpoints.encode import SEGMENT
 from gdsload.loader.errors import (CheckpointError, CheckpointTypeError, CheckpointWriteError, CodecError, ConfigError,
                                    IntegrityError)
 from gdsload.loader.format.compression import parse_compression
-from gdsload.loader.format.safetensors import read_header
+from gdsload.loader.format.safetensors import read_header, save_file
 from tensor_cases import all_dtypes, random_tensor
 
 
@@ -215,8 +215,11 @@ def test_load_opens_torch_save_and_save_compressed_checkpoint_files(tmp_path):
     assert gdsload.load(tmp_path / "t.pt")["w"].sum() == 3
     model, opt, _ = _trained(1)
     save_compressed_checkpoint(model, opt, tmp_path / "c.safetensors", "Zstd")
-    with pytest.raises(CheckpointError, match="gdsload.object"):
-        gdsload.load(tmp_path / "c.safetensors")
+    back = gdsload.load(tmp_path / "c.safetensors", map_location="cpu")
+    assert_same(back["model"], model.state_dict())
+    save_file({"w": torch.ones(2)}, tmp_path / "plain.safetensors")
+    with pytest.raises(CheckpointError, match="not a gdsload.save file"):
+        gdsload.load(tmp_path / "plain.safetensors")
 
 
 def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
@@ -278,6 +281,8 @@ def test_bad_arguments_are_named(tmp_path):
         gdsload.save({}, open(os.devnull, "wb"))
     with pytest.raises(ConfigError, match="is a directory"):
         gdsload.save({}, tmp_path)
+    with pytest.raises(ConfigError, match=r"safetensors library.*'.*c\.pt'"):
+        gdsload.save({}, tmp_path / "c.safetensors")
     with pytest.raises(CheckpointError, match="does not exist"):
         gdsload.load(tmp_path / "nothing.pt")
     with pytest.raises(CheckpointWriteError, match="create its directory first"):

@@ -293,7 +293,7 @@ class GdsloadWriter(StorageWriter, AsyncStager):
                 else:
                     on_cpu += n
             else:
-                copy = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
                 copy.copy_(t)
                 items[item.index] = copy
                 held += n

@@ -141,7 +141,9 @@ def save(obj: Any, f: str | os.PathLike[str], *, codec: str = "auto", planes: bo
     ``codec``: ``"auto"`` (ANS on GPUs where nvCOMP runs, Zstd on the CPU), ``"zstd"`` (Zstd everywhere: the file
     loads on any host), ``"ans"`` or ``"none"``. ``planes``: split floating-point tensors into byte planes before
     Zstd (smaller files). Tensors under 64 KiB, or that shrink by less than ``min_gain``, are stored raw. The file
-    is written beside ``f`` and renamed into place: a failure leaves a previous file at ``f`` untouched.
+    is written beside ``f`` and renamed into place: a failure leaves a previous file at ``f`` untouched. ``f`` may
+    not end in ``.safetensors`` (``torch.load`` would hand it to the safetensors library, which reads no pickle);
+    ``torch.load`` of the file otherwise stops with an error naming ``gdsload.load``.
 
     >>> import gdsload
     >>> gdsload.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 10}, "ckpt.pt")  # doctest: +SKIP
@@ -153,6 +155,10 @@ def save(obj: Any, f: str | os.PathLike[str], *, codec: str = "auto", planes: bo
         raise ConfigError(f"min_gain={min_gain!r} must be a number in [0, 1)")
     if path.is_dir():
         raise ConfigError(f"gdsload.save: {str(path)!r} is a directory; name a file in it")
+    if path.suffix == ".safetensors":
+        raise ConfigError(f"gdsload.save: {str(path)!r} ends in '.safetensors', and torch.load hands such names to "
+                          "the safetensors library, which would return the compressed bytes as tensors; name it as "
+                          f"a torch.save file, e.g. {str(path.with_suffix('.pt'))!r}")
     data, storages = _pickle(obj)
     table: dict[str, dict[str, Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -314,6 +320,15 @@ def load(f: str | os.PathLike[str], map_location: MapLocation = None, *, weights
             raise ConfigError(f"gdsload.load({where!r}): into= works on files gdsload.save wrote; this one is a "
                               "torch.save archive")
         return torch.load(path, map_location=map_location, weights_only=weights_only)
+    if head[:1] != b"X":  # not the length gdsload.save gives its headers: save_compressed_checkpoint's file?
+        from gdsload.loader.checkpoints.container import CHECKPOINT_KEY, load_compressed_checkpoint
+        from gdsload.loader.format.safetensors import read_header
+
+        if CHECKPOINT_KEY in read_header(path).metadata:
+            if into is not None or not isinstance(map_location, (str, torch.device, type(None))):
+                raise ConfigError(f"gdsload.load({where!r}): a save_compressed_checkpoint file takes map_location as "
+                                  "a device only, and no into=")
+            return load_compressed_checkpoint(path, map_location)
     with TensorFile(path, OBJECT_KEY, what="gdsload.save file") as tf:
         return _load_open(tf, where, map_location, weights_only, into, t0)
 

@@ -177,12 +177,19 @@ def check_segments(got: Sequence[int], want: Sequence[int], first: int, where: s
                                  "checkpoint)")
 
 
+_CRC_CODECS: dict[int, Any] = {}
+
+
 def _gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
-    """CRC-32 of each segment of a CUDA uint8 tensor, computed on its GPU."""
+    """CRC-32 of each segment of a CUDA uint8 tensor, computed on its GPU (on the default stream)."""
     from gdsload.loader.codecs import GpuCodecs
     from gdsload.loader.devices import as_device
 
-    codecs = GpuCodecs(as_device(raw.device), encode=True)
+    index = raw.device.index if raw.device.index is not None else torch.cuda.current_device()
+    with _POOL_LOCK:
+        codecs = _CRC_CODECS.get(index)
+        if codecs is None:
+            codecs = _CRC_CODECS[index] = GpuCodecs(as_device(torch.device("cuda", index)), encode=True)
     with torch.cuda.device(raw.device):
         return [codecs.crc32(raw[s : s + SEGMENT], where) for s in range(0, raw.numel(), SEGMENT)]
 
