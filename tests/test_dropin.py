@@ -82,6 +82,8 @@ def _state() -> dict:
         "param": nn.Parameter(torch.ones(7, 3)), "frozen": nn.Parameter(torch.zeros(2), requires_grad=False),
         "grad": torch.ones(3).requires_grad_(),
         "big": torch.randn(1 << 18) * 0.01,
+        # split into 2 and 8 byte planes; sizes that end in a partial frame
+        "big_bf16": torch.randn(100_001).bfloat16(), "big_f64": torch.randn(30_001, dtype=torch.float64),
         "dtypes": OrderedDict((str(dt), random_tensor((33, 17), dt, i)) for i, dt in enumerate(all_dtypes())),
         "empty": torch.empty(0, 5), "scalar": torch.tensor(3.5, dtype=torch.float64),
         "complex": torch.randn(4, 4, dtype=torch.complex64),
@@ -272,6 +274,18 @@ def test_damaged_bytes_are_found_by_their_checksum(tmp_path, codec):
     (tmp_path / "c.pt").write_bytes(bytes(data))
     with pytest.raises((IntegrityError, CodecError), match=r"storages/0"):
         gdsload.load(tmp_path / "c.pt")
+
+
+def test_short_writes_still_write_every_byte(tmp_path, monkeypatch):
+    real = os.pwritev
+
+    def short(fd, buffers, offset):  # the system may write fewer bytes than asked
+        return real(fd, [memoryview(buffers[0])[:1000]], offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    state = {"w": torch.randn(1 << 19) * 0.01}
+    gdsload.save(state, tmp_path / "c.pt")
+    assert torch.equal(gdsload.load(tmp_path / "c.pt")["w"], state["w"])
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gdsload.loader.checkpoints.writer import Frames
 from gdsload.loader.codecs import encode_tensor, nvcomp_available
 from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import from_torch
@@ -115,8 +116,8 @@ def planes_for(dtype: torch.dtype, enabled: bool) -> int:
 class Stored:
     """A tensor as it goes into a file."""
 
-    data: np.ndarray
-    """The stored bytes (host memory, uint8)."""
+    data: np.ndarray | Frames
+    """The stored bytes (host memory): one uint8 array, or compressed frames written one after the other."""
     nbytes: int
     """The tensor's own bytes."""
     crc32: list[int]
@@ -223,10 +224,9 @@ def _encode_cpu(name: str, data: np.ndarray, planes: int, level: int, min_gain: 
     if stored > (1 - min_gain) * n:
         log.debug("%s: Zstd gains %.1f%% only; stored raw", name, 100 * (1 - stored / n))
         return Stored(data, n, sums)
-    blob = np.frombuffer(b"".join(frames), dtype=np.uint8)
     sizes = tuple(len(f) for f in frames)
     entry = CompressedEntry(name, "U8", (n,), n, "zstd", "chunks", stored, {"level": level}, FRAME, sizes)
-    return Stored(blob, n, sums, entry, planes)
+    return Stored(Frames(frames), n, sums, entry, planes)
 
 
 def _encode_gpu(name: str, t: torch.Tensor, raw: torch.Tensor, codec: str, min_gain: float) -> Stored:
@@ -303,10 +303,18 @@ def unsplit(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
         dst[full * FRAME :].view(rest // planes, planes).copy_(src[full * FRAME :].view(planes, rest // planes).t())
 
 
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def unsplit_frame(frame: bytes, out: np.ndarray, planes: int) -> None:
     """One decoded frame of byte planes into ``out`` (a view of the tensor's bytes as long as the frame)."""
+    src = np.frombuffer(frame, dtype=np.uint8)
     if planes == 1:
-        out[:] = np.frombuffer(frame, dtype=np.uint8)
+        out[:] = src
         return
-    out.reshape(-1, planes)[:] = np.frombuffer(frame, dtype=np.uint8).reshape(planes, -1).T
-
+    # Each element rebuilt from its bytes, highest plane first, in place: no strided byte copies.
+    rows, words = src.reshape(planes, -1), out.view(_UINT[planes])
+    words[:] = rows[planes - 1]
+    for i in range(planes - 2, -1, -1):
+        words <<= 8
+        words |= rows[i]

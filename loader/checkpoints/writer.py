@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "WritePipe",
     "Appender",
     "host_bytes",
+    "Frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,52 @@ def with_compression(metadata: Mapping[str, str], entries: Mapping[str, dict[str
 
 
 
+_IOV = 512
+"""Buffers per pwritev call (the system allows at least 1024)."""
+
+
+class Frames:
+    """Stored bytes as a run of buffers (compressed frames), written with pwritev and never joined in memory."""
+
+    def __init__(self, parts: Sequence[bytes]):
+        self.parts = list(parts)
+        self.nbytes = sum(len(p) for p in self.parts)
+
+    def joined(self) -> np.ndarray:
+        return np.frombuffer(b"".join(self.parts), dtype=np.uint8)
+
+
+def pwritev_all(fd: int, parts: Sequence[bytes], offset: int) -> None:
+    """Write ``parts`` one after the other at ``offset`` (pwritev, which may write fewer bytes than asked)."""
+    i = 0
+    while i < len(parts):
+        batch = parts[i : i + _IOV]
+        n = os.pwritev(fd, batch, offset)
+        want = sum(len(b) for b in batch)
+        if n == want:
+            offset, i = offset + n, i + len(batch)
+            continue
+        for b in batch:  # a short write: finish the batch piece by piece from where it stopped
+            if n >= len(b):
+                n -= len(b)
+            else:
+                pwrite_all(fd, memoryview(b)[n:], offset + n)
+                n = 0
+            offset += len(b)
+        i += len(batch)
+
+
 class PosixSink:
     name = "posix"
 
     def __init__(self, fd: int):
         self.fd = fd
 
-    def write(self, data: np.ndarray, offset: int) -> None:
-        pwrite_all(self.fd, data, offset)
+    def write(self, data: np.ndarray | Frames, offset: int) -> None:
+        if isinstance(data, Frames):
+            pwritev_all(self.fd, data.parts, offset)
+        else:
+            pwrite_all(self.fd, data, offset)
 
     def close(self) -> None:
         pass
@@ -89,7 +128,9 @@ class KvikioSink:
 
         self._file = kvikio.CuFile(path, "r+")  # the temp file exists; "w" would also do (it is empty)
 
-    def write(self, data: np.ndarray, offset: int) -> None:
+    def write(self, data: np.ndarray | Frames, offset: int) -> None:
+        if isinstance(data, Frames):
+            data = data.joined()
         n = self._file.pwrite(data, data.nbytes, offset).get()
         if n != data.nbytes:
             raise OSError(errno.EIO, f"kvikio wrote {n} of {data.nbytes} bytes at offset {offset}")
@@ -143,7 +184,7 @@ class WritePipe:
 
     def __init__(self, sink: PosixSink | KvikioSink, fd: int, path: Path):
         self._sink, self._fd, self._path = sink, fd, path
-        self._queue: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue(maxsize=QUEUE_DEPTH)
+        self._queue: queue.Queue[tuple[int, np.ndarray | Frames] | None] = queue.Queue(maxsize=QUEUE_DEPTH)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.busy = 0.0
@@ -151,7 +192,7 @@ class WritePipe:
         self._thread = threading.Thread(target=self._run, name="gdsload-checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def put(self, offset: int, data: np.ndarray) -> None:
+    def put(self, offset: int, data: np.ndarray | Frames) -> None:
         if self.error is not None:
             raise write_failed(self._path, self.error, self.written) from self.error
         self._queue.put((offset, data))
@@ -196,7 +237,7 @@ class Appender:
         self._pending_at = offset
         self._pending_bytes = 0
 
-    def add(self, data: np.ndarray) -> int:
+    def add(self, data: np.ndarray | Frames) -> int:
         """Queue ``data`` at the next offset; returns that offset."""
         start, n = self.offset, data.nbytes
         if n >= SMALL_WRITE:
@@ -205,7 +246,7 @@ class Appender:
         elif n:
             if not self._pending:
                 self._pending_at = start
-            self._pending.append(data)
+            self._pending.append(data.joined() if isinstance(data, Frames) else data)
             self._pending_bytes += n
             if self._pending_bytes >= COALESCE_BYTES:
                 self.flush()
