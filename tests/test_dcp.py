@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gdsload.loader.checkpoints import GdsloadReader, GdsloadWriter, dcp_write
 from gdsload.loader.checkpoints.dcp_layout import METADATA_NAME
-from gdsload.loader.errors import CodecError, ConfigError, IntegrityError
+from gdsload.loader.errors import CheckpointError, CodecError, ConfigError, IntegrityError
 from gdsload.loader.format.safetensors import read_header
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
@@ -271,6 +271,11 @@ def test_a_directory_of_dcps_own_writer_gets_a_clear_error(tmp_path):
         dcp.save(_state(model, opt, sched, 1), storage_writer=dcp.FileSystemWriter(tmp_path))
     with raises("FileSystemReader"):
         dcp.load(_template(), storage_reader=GdsloadReader(tmp_path))
+
+
+def test_the_writer_refuses_to_travel_to_another_process():
+    with pytest.raises(CheckpointError, match="AsyncCheckpointerType.THREAD"):
+        pickle.dumps(GdsloadWriter("x"))
 
 
 def test_options_are_checked():

@@ -346,6 +346,12 @@ class GdsloadWriter(StorageWriter, AsyncStager):
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once the snapshot is taken."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise CheckpointError(
+            "GdsloadWriter keeps async_save's snapshot in this process and cannot be sent to another: use "
+            "dcp.async_save's default thread executor (async_checkpointer_type=AsyncCheckpointerType.THREAD)"
+        )
+
     def close(self) -> None:
         """Drop snapshots no save has taken (a failed ``async_save``)."""
         with self._lock:
