@@ -77,11 +77,12 @@ _LOCAL = threading.local()
 
 
 def pool() -> ThreadPoolExecutor:
-    """The threads that compress, decompress and checksum: one per core this process may run on."""
+    """The threads that compress, decompress, read and checksum: two per core this process may run on, so the
+    cores stay busy while some threads wait for the disk (the codecs and reads let go of the GIL)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(usable_cores(), thread_name_prefix="gdsload-ckpt")
+            _POOL = ThreadPoolExecutor(2 * usable_cores(), thread_name_prefix="gdsload-ckpt")
         return _POOL
 
 
