@@ -48,6 +48,7 @@ __all__ = [
     "planes_for",
     "segment_crcs",
     "check_segments",
+    "gpu_crcs",
     "encode_crcs",
     "decode_crcs",
     "unsplit",
@@ -182,7 +183,7 @@ def check_segments(got: Sequence[int], want: Sequence[int], first: int, where: s
 _CRC_CODECS: dict[int, Any] = {}
 
 
-def _gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
+def gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
     """CRC-32 of each segment of a CUDA uint8 tensor, computed on its GPU (on the default stream)."""
     from gdsload.loader.codecs import GpuCodecs
     from gdsload.loader.devices import as_device
@@ -237,7 +238,7 @@ def _encode_gpu(name: str, t: torch.Tensor, raw: torch.Tensor, codec: str, min_g
     except TypeError:  # a dtype safetensors has no name for: compressed as bytes
         dtype, src = "U8", raw
     n = raw.numel()
-    sums = _gpu_crcs(raw, name)
+    sums = gpu_crcs(raw, name)
     entry, blob = encode_tensor(name, src, dtype, codec, checksum=False)
     assert isinstance(blob, np.ndarray)
     if blob.size > (1 - min_gain) * n:

@@ -15,14 +15,13 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gdsload.loader.checkpoints.encode import (FRAME, SEGMENT, check_segments, decode_crcs, pool, torch_dtype,
-                                               unsplit, unsplit_frame)
+from gdsload.loader.checkpoints.encode import (FRAME, SEGMENT, check_segments, decode_crcs, gpu_crcs, pool,
+                                               torch_dtype, unsplit, unsplit_frame)
 from gdsload.loader.checkpoints.tensorfile import FORMAT_VERSION, TENSORS_KEY
 from gdsload.loader.codecs import nvcomp_available
 from gdsload.loader.codecs.registry import codec as codec_spec
@@ -30,7 +29,7 @@ from gdsload.loader.errors import CheckpointError, CodecError
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.format.safetensors import SafetensorsHeader, read_header
 
-__all__ = ["Slot", "TensorFile", "open_checked"]
+__all__ = ["Slot", "TensorFile"]
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +262,7 @@ class TensorFile:
                 unsplit(out, dst, slot.planes)
 
     def _check_gpu(self, slot: Slot, raw: torch.Tensor) -> None:
-        from gdsload.loader.checkpoints.encode import _gpu_crcs
-
-        check_segments(_gpu_crcs(raw, slot.name), slot.crc32, 0, f"{self.path!r}: tensor {slot.name!r}")
+        check_segments(gpu_crcs(raw, slot.name), slot.crc32, 0, f"{self.path!r}: tensor {slot.name!r}")
 
     def _read_gpu(self, slot: Slot, raw: torch.Tensor) -> None:
         e = slot.entry
@@ -295,11 +292,3 @@ class TensorFile:
         self._decode_gpu(slot, tmp)
         self._check_gpu(slot, tmp)
         raw.copy_(tmp)
-
-
-def open_checked(path: str | os.PathLike[str], kind: str, what: str) -> TensorFile:
-    """:class:`TensorFile` of ``path``, with :class:`CheckpointError` for a missing file named as such."""
-    if not Path(path).exists():
-        raise CheckpointError(f"{os.fspath(path)!r} does not exist")
-    return TensorFile(path, kind, what=what)
-
