@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 from pathlib import Path
 
@@ -93,8 +94,11 @@ def list_ranks(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[
     return scanned.source, scanned.world_size, scanned.ranks
 
 
-def scan_layout(path: str | os.PathLike[str]) -> ScannedLayout:
+def scan_layout(path: str | os.PathLike[str], *, check: Iterable[int] | None = None) -> ScannedLayout:
     """The layout of a model path (see the module docstring for the order of lookups).
+
+    With a manifest, the files of the ranks in ``check`` (None: every rank) must be there with the sizes it
+    records; a node that holds only its own ranks' files checks those.
 
     >>> scan_layout("/models/mixtral-tp2-pp2")  # doctest: +SKIP
     ScannedLayout(source='manifest', tp_size=2, pp_size=2, ep_size=1, ranks={0: (...), ...}, manifest=...)
@@ -118,6 +122,8 @@ def scan_layout(path: str | os.PathLike[str]) -> ScannedLayout:
         manifest = Manifest.read(root)
         files = {r: tuple(str(root / f.path) for f in entries) for r, entries in manifest.ranks.items()}
         for r, entries in manifest.ranks.items():
+            if check is not None and r not in check:
+                continue
             for f in entries:
                 p = root / f.path
                 try:
@@ -186,7 +192,7 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
     """
     if type(rank) is not int or rank < 0:
         raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
-    scanned = scan_layout(path)
+    scanned = scan_layout(path, check=(rank,))
     source, ranks, manifest = scanned.source, scanned.ranks, scanned.manifest
     root = Path(path).resolve()
     root_dir = str(root if root.is_dir() else root.parent)
