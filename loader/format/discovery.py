@@ -9,8 +9,10 @@ Ranks are global ranks, numbered as the engine numbers them (:mod:`~gdsload.load
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from typing import NamedTuple
 from pathlib import Path
 
@@ -62,13 +64,39 @@ UNFINISHED_MARKERS = {".gdsload-shard.partial": "shard", ".gdsload-writing": "co
 """Entries a gdsload writer keeps in a directory until its output is complete: such a directory never loads."""
 
 
+def _kind(p: Path, shown: str) -> str | None:
+    """``"file"``, ``"dir"``, ``"other"`` (a FIFO, a socket...) or None when nothing is at ``p`` (links followed);
+    :class:`FileUnreadableError` when the question cannot be answered (a directory on the way cannot be searched)."""
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise FileUnreadableError(e.errno, f"{shown!r} cannot be looked up ({e.strerror or e}); check the "
+                                  "permissions of the directories on its path") from None
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def _lexists(p: Path) -> bool:
+    try:
+        p.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise FileUnreadableError(e.errno, f"{str(p)!r} cannot be looked up ({e.strerror or e}); check the "
+                                  "permissions of the directories on its path") from None
+    return True
+
+
 def _safetensors_in(root: Path) -> list[str]:
     try:
         return sorted(p.name for p in root.iterdir()
                       if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file())
     except OSError as e:
-        raise FileUnreadableError(f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); check its "
-                                  "permissions") from None
+        raise FileUnreadableError(e.errno, f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); "
+                                  "check its permissions") from None
 
 
 class ScannedLayout(NamedTuple):
@@ -100,30 +128,28 @@ def scan_layout(path: str | os.PathLike[str]) -> ScannedLayout:
     ScannedLayout(source='manifest', tp_size=2, pp_size=2, ep_size=1, ranks={0: (...), ...}, manifest=...)
     """
     root = Path(path).resolve()
-    if root.is_file():
+    kind = _kind(root, str(path))
+    if kind == "file":
         if root.suffix != ".safetensors":
             raise NoFilesForRankError(f"{str(path)!r} is not a .safetensors file or a model directory")
         return ScannedLayout("plain", 1, 1, 1, {0: (str(root),)}, None)
-    if not root.is_dir():
+    if kind != "dir":
         raise NoFilesForRankError(f"model path {str(path)!r} does not exist")
     for marker, command in UNFINISHED_MARKERS.items():
-        if os.path.lexists(root / marker):
+        if _lexists(root / marker):
             raise UnfinishedOutputError(
                 f"{str(path)!r} is the output of a `gdsload {command}` run that has not finished ({marker} is there): "
                 f"it is still running, or it was stopped; rerun the same `gdsload {command}` command to finish it "
                 "(finished files are kept), or delete the directory"
             )
 
-    if (root / MANIFEST_NAME).exists():
+    if _kind(root / MANIFEST_NAME, str(root / MANIFEST_NAME)) is not None:
         manifest = Manifest.read(root)
         files = {r: tuple(str(root / f.path) for f in entries) for r, entries in manifest.ranks.items()}
         for r, entries in manifest.ranks.items():
             for f in entries:
                 p = root / f.path
-                try:
-                    size = p.stat().st_size if p.is_file() else None
-                except OSError:
-                    size = None
+                size = p.stat().st_size if _kind(p, str(p)) == "file" else None
                 if size is None:
                     raise ManifestError(
                         f"{str(root / MANIFEST_NAME)!r} lists {f.path!r} for rank {r}, "

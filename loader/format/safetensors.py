@@ -22,6 +22,7 @@ import fcntl
 import json
 import math
 import os
+import stat
 import struct
 import time
 import sys
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
-from gdsload.loader.errors import HeaderError, TruncatedFileError
+from gdsload.loader.errors import FileUnreadableError, HeaderError, TruncatedFileError
+from gdsload.loader.format import strict_json
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +47,7 @@ __all__ = [
     "SafetensorsHeader",
     "read_header",
     "parse_header",
+    "open_regular",
     "TensorSpec",
     "AlignedWriter",
     "save_file",
@@ -148,7 +151,7 @@ def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -
     """
     path = os.fspath(path)
     if file is None:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return read_header(path, file=f)
     file_size = os.fstat(file.fileno()).st_size
     file.seek(0)
@@ -162,6 +165,28 @@ def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -
     _check_header_len(path, n, file_size)
     raw = file.read(n)
     return parse_header(prefix + raw, file_size, path=path)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``; :class:`FileUnreadableError` naming it otherwise.
+
+    Opened without blocking (a FIFO under a model's name would wait for a writer forever) and checked to be a
+    regular file before anything is read from it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileUnreadableError(e.errno, f"{path!r} cannot be opened ({e.strerror or e}); check that it exists "
+                                  "and this user may read it") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileUnreadableError(errno.EINVAL, f"{path!r} is not a regular file; point gdsload at "
+                                      "safetensors files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _check_header_len(path: str, n: int, file_size: int) -> None:
@@ -185,18 +210,12 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
     _check_header_len(path, n, file_size)
     if len(buf) < 8 + n:
         raise TruncatedFileError(f"{path!r}: header is {len(buf) - 8} bytes, its length field says {n}")
-    raw = buf[8 : 8 + n]
+    raw = bytes(buf[8 : 8 + n])
     if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON whitespace may lead, as safetensors accepts
         raise HeaderError(f"{path!r}: header must be a JSON object starting with '{{', got {raw[:16]!r}")
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as e:
-        raise HeaderError(
-            f"{path!r}: key {e.args[0]!r} appears twice in one object of the header (tensor names, and the keys of "
-            "an entry or of __metadata__, must be unique)"
-        ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HeaderError(f"{path!r}: header is not valid UTF-8 JSON ({e}); the file is corrupt") from None
+    # Nesting is bounded where entries may hold keys of other writers (_parse_tensor); the known fields are flat.
+    doc = strict_json.loads(raw, HeaderError, f"{path!r}: header", max_depth=None, strings=False,
+                            invalid="is not valid UTF-8 JSON; the file is corrupt")
     if not isinstance(doc, dict):
         raise HeaderError(f"{path!r}: header must be a JSON object, got {type(doc).__name__}")
 
@@ -228,24 +247,11 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
     return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata)
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
     if meta is None:
         return {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {meta!r:.200}")
+        raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {strict_json.brief(meta)}")
     for k, v in meta.items():
         _check_text(k, f"{path!r}: metadata key {k!r}", HeaderError)
         _check_text(v, f"{path!r}: metadata value of {k!r}", HeaderError)
@@ -259,11 +265,15 @@ _SUB_BYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
 def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     where = f"{path!r}: tensor {name!r}"
     if not isinstance(entry, dict):
-        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got {entry!r:.200}")
+        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got "
+                          f"{strict_json.brief(entry)}")
     missing = sorted(_TENSOR_KEYS - set(entry))
     if missing:  # other keys are ignored, as safetensors ignores them
         raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
     _check_text(name, f"{where}: the name", HeaderError)
+    if len(entry) > len(_TENSOR_KEYS):  # keys of other writers: bounded and valid Unicode, as safetensors wants
+        strict_json.check_value({k: v for k, v in entry.items() if k not in _TENSOR_KEYS}, HeaderError,
+                                f"{where}: entry", depth=2)
     dtype = entry["dtype"]
     if dtype in _SUB_BYTE_DTYPES:
         raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
@@ -275,17 +285,27 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         # 2**63: a dimension must fit the int64 every framework keeps sizes in (even with another dimension 0)
-        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**63), got {shape!r:.200}")
+        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**63), got {strict_json.brief(shape)}")
+    count = 1
+    for d in shape:  # counted as safetensors counts (left to right, in 64 bits): an overflow on the way is refused
+        count *= d
+        if count >= 2**63:
+            raise HeaderError(f"{where}: shape {strict_json.brief(shape)} has 2**63 elements or more (counted left "
+                              "to right); no file holds such a tensor")
+    if count * ITEMSIZE[dtype] * 8 >= 2**64:
+        raise HeaderError(f"{where}: shape {strict_json.brief(shape)} x {dtype} is 2**61 bytes or more; no file "
+                          "holds such a tensor")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
+        or not all(type(o) is int and 0 <= o < 2**63 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
+        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end < 2**63, got "
+                          f"{strict_json.brief(offsets)}")
     begin, end = offsets
-    expected = math.prod(shape) * ITEMSIZE[dtype]
+    expected = count * ITEMSIZE[dtype]
     if end - begin != expected:
         raise HeaderError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes but shape {shape} x {dtype} "

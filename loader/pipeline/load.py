@@ -189,7 +189,7 @@ def load_rank(
 def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:
     try:
         return reader.allocate(nbytes)
-    except (MemoryError, RuntimeError) as e:  # torch's and cupy's out-of-memory errors
+    except (MemoryError, RuntimeError, OverflowError, TypeError) as e:  # out of memory, or a size torch cannot take
         files = ", ".join(repr(f.path) for f in plan.files[:3]) + (", ..." if len(plan.files) > 3 else "")
         raise DeviceMemoryError(
             f"rank {plan.rank} needs {format_bytes(nbytes)} on {reader.device} for {files} and that cannot be "
