@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from gdsload.loader import (FormatError, GdsloadError, HeaderError, TruncatedFileError, load_rank, parse_header,
                             read_header, save_file)
+from gdsload.loader.format.checksums import parse_checksums
 from gdsload.loader.format.compression import parse_compression
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.format.safetensors import MAX_HEADER_BYTES
@@ -375,6 +376,7 @@ def test_header_fuzz_typed_errors_only_and_nothing_the_reference_rejects(tmp_pat
         try:
             header = parse_header(buf, len(buf), path="fuzz.safetensors")
             parse_compression(header)
+            parse_checksums(header)
             if not _reference_accepts(buf):
                 counts["wrongly_accepted"] += 1
                 bad.append(f"accepted, the reference rejects: {buf[8:208]!r}")

@@ -20,6 +20,7 @@ import collections
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import stat
@@ -34,6 +35,8 @@ from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
 from gdsload.loader.errors import FileUnreadableError, HeaderError, TruncatedFileError
 from gdsload.loader.format import strict_json
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,10 +95,10 @@ class TensorInfo(NamedTuple):
 class SafetensorsHeader:
     """A validated header: every tensor's byte range is known to lie inside the file."""
 
-    __slots__ = ("path", "header_len", "file_size", "tensors", "metadata")
+    __slots__ = ("path", "header_len", "file_size", "tensors", "metadata", "raw")
 
     def __init__(self, path: str, header_len: int, file_size: int, tensors: tuple[TensorInfo, ...],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, raw: bytes = b"") -> None:
         self.path = path
         self.header_len = header_len
         """Bytes of the JSON header (after the 8-byte length)."""
@@ -103,6 +106,9 @@ class SafetensorsHeader:
         self.tensors = tensors
         self.metadata: dict[str, str] = {} if metadata is None else metadata
         """The header's ``__metadata__``."""
+        self.raw = raw
+        """The file's first ``data_offset`` bytes as they were parsed (length and JSON), when known: what a
+        whole-file digest of the loaded bytes starts with."""
 
     def __repr__(self) -> str:
         return (f"SafetensorsHeader(path={self.path!r}, header_len={self.header_len}, file_size={self.file_size}, "
@@ -244,7 +250,8 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
             f"{path!r}: data section is {data_len} bytes but the tensors cover {cursor}; "
             "the file has trailing bytes or a header that lies"
         )
-    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata)
+    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata,
+                             raw=bytes(buf[: 8 + n]))
 
 
 def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
@@ -552,10 +559,17 @@ class AlignedWriter:
     Every offset is known from the header, so :meth:`write` hands the tensor's bytes to ``threads``
     threads that write its pieces in place at once (``pwrite``) and returns; at most
     ``WRITE_IN_FLIGHT`` bytes wait (the writer keeps them alive), and leaving the ``with`` block
-    waits for every write. With ``digest`` (True: blake3; or ``"sha256"``) the file's digest is computed
-    from the same bytes on the way (one more thread, in file order), and ``digest`` holds
-    ``"<algorithm>:<hex>"`` once the block has ended: no second read of the file to hash it. A failed write raises ``OSError`` naming the file
-    and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
+    waits for every write.
+
+    With ``checksums`` (the default) the CRC-32C of each tensor stored raw is computed from the bytes handed to
+    :meth:`write`, beside its writes, and recorded in the header's ``__metadata__``
+    (:mod:`~gdsload.loader.format.checksums`): the header is laid out with zeros in their place, and written
+    once every tensor is, with the checksums filled in. Tensors the metadata describes as compressed get no entry (their
+    decoded bytes carry a ``crc32`` of their own), unless the metadata given already records theirs.
+    With ``digest`` (True: blake3; or ``"sha256"``) ``digest`` holds the whole file's ``"<algorithm>:<hex>"``
+    once the block has ended: hashed on the way when there are no checksums to fill in, else from the finished
+    file before it is renamed into place (the header changes last). A failed write raises ``OSError`` naming
+    the file and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
 
     >>> specs = [TensorSpec("w", "BF16", (4, 4)), TensorSpec("b", "F32", (4,))]
     >>> with AlignedWriter("out.safetensors", specs) as w:  # doctest: +SKIP
@@ -574,16 +588,30 @@ class AlignedWriter:
         alignment: int = DATA_ALIGNMENT,
         digest: bool | str = True,
         threads: int | None = None,
+        checksums: bool = True,
     ):
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads!r} must be at least 1")
-        self.order, self.header, self.data_len = aligned_header(specs, metadata, alignment)
+        specs = list(specs)
+        metadata = dict(metadata or {})
+        self._metadata, self._alignment = metadata, alignment
+        self._crcs: dict[str, int] = {}
+        """Checksums of the table: known ones (kept from the metadata given), then those computed while writing."""
+        self._crc_names: set[str] = set()
+        """Tensors whose CRC-32C is computed from the bytes :meth:`write` gets."""
+        if checksums:
+            self._plan_checksums(specs, metadata)
+        else:
+            metadata.pop(CHECKSUMS_KEY, None)  # a table of other bytes would make every load fail
+        self.order, self.header, self.data_len = aligned_header(specs, metadata or None, alignment)
         self.digest: str | None = None
         """``"<algorithm>:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
-        from gdsload.loader.format.digests import digest_algorithm, hasher  # here: loading a file hashes nothing
+        from gdsload.loader.format.digests import hasher, require  # here: loading a file hashes nothing
 
-        algorithm = digest_algorithm(digest)
-        self._hash = hasher(algorithm) if algorithm else None
+        algorithm = require(digest)  # its package imported now: a writer that cannot hash fails before writing
+        self._algorithm = algorithm
+        # A header that records checksums is written last: then the file is hashed once finished.
+        self._hash = hasher(algorithm) if algorithm and CHECKSUMS_KEY not in metadata else None
         self._threads = threads or min(8, usable_cores())
         self._out = atomic_output(path)
         self._next = 0
@@ -595,6 +623,23 @@ class AlignedWriter:
         """Writes not yet waited for, oldest first: (tensor name or None for the header, bytes, futures)."""
         self._pending_bytes = 0
 
+    def _plan_checksums(self, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+        """Put a table of zeros for the tensors to checksum into ``metadata`` (filled in at the end)."""
+        from gdsload.loader.format import checksums as sums
+
+        sums.require()
+        names = [s.name for s in specs]
+        packed = _compressed_names(metadata)
+        inherited: dict[str, int] = {}
+        if CHECKSUMS_KEY in metadata:  # a re-pack of a file that records them: its decoded bytes are the same
+            try:
+                inherited = sums.parse_checksums_text(metadata[CHECKSUMS_KEY], set(names), "the metadata given")
+            except ValueError as e:
+                log.warning("%s; the table is not kept", e)
+        self._crc_names = {n for n in names if n not in packed}
+        self._crcs = {n: inherited[n] for n in names if n in packed and n in inherited}
+        metadata[CHECKSUMS_KEY] = sums.placeholder([n for n in names if n in self._crc_names or n in self._crcs])
+
     def __enter__(self) -> AlignedWriter:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -603,8 +648,9 @@ class AlignedWriter:
         if self._hash is not None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="gdsload-hash")
         try:
-            self._submit(None, memoryview(self.header), 0)
-            self._settle(None)
+            if not self._table:  # else the header is written once, last, with its checksums
+                self._submit(None, memoryview(self.header), 0)
+                self._settle(None)
         except BaseException:  # __exit__ does not run when __enter__ raises
             self._stop()
             self._out.__exit__(*sys.exc_info())
@@ -627,21 +673,53 @@ class AlignedWriter:
         if got != spec:
             raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
         view = tensor_bytes(tensor)
-        self._submit(name, view, self._at)
+        self._submit(name, view, self._at, checksum=name in self._crc_names)
         self._at += len(view)
         self._next += 1
         self._settle(WRITE_IN_FLIGHT)
 
-    def _submit(self, name: str | None, view: memoryview, offset: int) -> None:
+    def _submit(self, name: str | None, view: memoryview, offset: int, *, checksum: bool = False) -> None:
         assert self._f is not None and self._pool is not None
         fd = self._f.fileno()
         futures = [self._pool.submit(pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
                    for i in range(0, len(view), WRITE_PIECE)]
+        if checksum:
+            assert name is not None
+            futures.append(self._pool.submit(self._checksum, name, view))
         if self._hasher is not None and len(view):
             assert self._hash is not None
             futures.append(self._hasher.submit(self._hash.update, view))
         self._pending.append((name, len(view), futures))
         self._pending_bytes += len(view)
+
+    def _checksum(self, name: str, view: memoryview) -> None:
+        from gdsload.loader.format.checksums import crc32c
+
+        self._crcs[name] = crc32c(view)
+
+    @property
+    def _table(self) -> bool:
+        return CHECKSUMS_KEY in self._metadata
+
+    def _finish_header(self) -> None:
+        """Write the header, its checksums now known, in the room left for it (its length does not depend on them)."""
+        if not self._table:
+            return
+        from gdsload.loader.format.checksums import render
+
+        assert self._f is not None
+        table = {n: self._crcs[n] for n in _table_names(self._metadata)}
+        _, header, _ = aligned_header([TensorSpec(s.name, s.dtype, s.shape) for s in self.order],
+                                      {**self._metadata, CHECKSUMS_KEY: render(table)}, self._alignment)
+        if len(header) != len(self.header):  # cannot happen: the table's length does not depend on its values
+            raise AssertionError(f"{self._out.path}: the header changed length when its checksums were filled in")
+        try:
+            pwrite_all(self._f.fileno(), header, 0)
+        except OSError as e:
+            err = OSError(e.errno, f"{self._out.path}: writing the header failed ({e.strerror or e})")
+            err.tensor = None  # type: ignore[attr-defined]
+            raise err from e
+        self.header = header
 
     def _settle(self, limit: int | None) -> None:
         """Wait for the oldest writes until at most ``limit`` bytes are pending (None: all of them);
@@ -679,9 +757,39 @@ class AlignedWriter:
             missing = [s.name for s in self.order[self._next :]]
             self._out.__exit__(ValueError, None, None)
             raise ValueError(f"{self._out.path}: {len(missing)} declared tensors were never written: {missing[:5]}")
+        digest = None
+        if exc_type is None:
+            try:
+                self._finish_header()
+                if self._algorithm and self._hash is None:  # the finished file, before it takes its name
+                    from gdsload.loader.format.digests import file_digest
+
+                    digest = file_digest(self._out.tmp, self._algorithm)
+            except BaseException:
+                self._out.__exit__(*sys.exc_info())
+                raise
         self._out.__exit__(exc_type, exc, tb)
-        if exc_type is None and self._hash is not None:
-            self.digest = self._hash.text()
+        if exc_type is None:
+            self.digest = self._hash.text() if self._hash is not None else digest
+
+
+CHECKSUMS_KEY = "gdsload.checksums"
+"""The ``__metadata__`` key of the per-tensor checksums (:mod:`gdsload.loader.format.checksums`)."""
+
+
+def _compressed_names(metadata: Mapping[str, str]) -> set[str]:
+    """Tensors the metadata's ``gdsload.compression`` document describes as compressed (none when it has none)."""
+    raw = metadata.get("gdsload.compression")
+    if raw is None:
+        return set()
+    doc = strict_json.loads(raw, ValueError, "the metadata's 'gdsload.compression'")
+    tensors = doc.get("tensors") if isinstance(doc, dict) else None
+    return set(tensors) if isinstance(tensors, dict) else set()
+
+
+def _table_names(metadata: Mapping[str, str]) -> list[str]:
+    """The tensor names of the checksum table in ``metadata``, in its order."""
+    return list(json.loads(metadata[CHECKSUMS_KEY])["tensors"])
 
 
 def save_file(
