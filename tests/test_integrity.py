@@ -19,7 +19,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from gdsload.loader import IntegrityError, load_rank, read_header, save_file, write_manifest
+from gdsload.loader import IntegrityError, TruncatedFileError, load_rank, read_header, save_file, write_manifest
 from gdsload.loader.format.checksums import METADATA_KEY, parse_checksums
 from gdsload.loader.prepare.compress import compress_dir
 
@@ -312,3 +312,59 @@ def test_torch_free_gpu_loads_are_checked(tmp_path):
     _flip(path, h.data_offset + h["b"].start)
     with pytest.raises(IntegrityError, match="'b'"):
         load_rank(d, device=DriverDevice(0))
+
+
+# -------------------------------------------------------------------------- a mapped file cut short
+
+
+_TRUNCATE_AFTER_MAPPING = r"""
+import os, sys
+from gdsload.loader import GdsloadError, load_rank
+from gdsload.loader.io.mmap import MmapBackend
+
+path, verify = sys.argv[1], {"none": None, "1": True}[sys.argv[2]]
+real = MmapBackend.file_buffers
+
+def cut(self):  # the load has mapped its files: now one of them is cut short, before its bytes are checked
+    bufs = real(self)
+    os.truncate(path, 4096)
+    return bufs
+
+MmapBackend.file_buffers = cut
+try:
+    load_rank(os.path.dirname(path), backend="mmap", verify=verify)
+except GdsloadError as e:
+    print(type(e).__name__, "|", e)
+else:
+    print("loaded")
+"""
+
+
+@pytest.mark.parametrize("verify", ["none", "1"])
+def test_a_mapped_file_cut_short_during_the_load_is_a_typed_error_not_sigbus(tmp_path, verify):
+    """The mmap reader: a file truncated after it was mapped, while the load checks its bytes, ends the load with
+    a TruncatedFileError naming it (the process used to die of SIGBUS)."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"w": torch.randn(512, 512), "b": torch.ones(10)}, d / "model.safetensors")
+    if verify == "1":
+        write_manifest(d, {0: ["model.safetensors"]}, tp_size=1, layout="plain")
+    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _TRUNCATE_AFTER_MAPPING,
+                        str(d / "model.safetensors"), verify], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"the load died ({p.returncode}): {p.stderr[-2000:]}"
+    assert p.stdout.startswith("TruncatedFileError |") and "model.safetensors" in p.stdout, p.stdout
+
+
+def test_a_file_cut_short_before_it_is_mapped_is_a_typed_error(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"w": torch.randn(512, 512)}, d / "model.safetensors")
+
+    def cut(plan):  # the header was read; the file shrinks before the reader maps it
+        os.truncate(d / "model.safetensors", 8192)
+
+    with pytest.raises(TruncatedFileError, match=r"model.safetensors' is 8192 bytes now, its header described"):
+        load_rank(d, backend="mmap", on_plan=cut)

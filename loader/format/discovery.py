@@ -4,6 +4,9 @@ Order: ``gdsload.json`` if present; else vLLM's ``model-rank-{rank}-part-{part}.
 pipeline parallel, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors`` (what ``save_sharded_state``
 writes); else TensorRT-LLM's ``rank{rank}.safetensors``; else, for rank 0 only, every ``*.safetensors``
 (an ordinary TP=1 checkpoint). A path to a single ``.safetensors`` file is a TP=1 checkpoint of one file.
+Without a manifest, a vLLM rank missing parts is refused: a gap in its part numbers, or fewer parts than another
+rank of its stage along with tensor names that rank holds and it does not (:func:`_check_last_part` says what
+cannot be told without a manifest).
 Ranks are global ranks, numbered as the engine numbers them (:mod:`~gdsload.loader.format.ranks`).
 """
 
@@ -16,7 +19,8 @@ import stat
 from typing import NamedTuple
 from pathlib import Path
 
-from gdsload.loader.errors import ConfigError, FileUnreadableError, ManifestError, NoFilesForRankError, UnfinishedOutputError
+from gdsload.loader.errors import (ConfigError, FileUnreadableError, GdsloadError, ManifestError, NoFilesForRankError,
+                                  UnfinishedOutputError)
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile
 from gdsload.loader.format.ranks import PP_TP_PATTERN, parse_rank_file
 
@@ -235,5 +239,40 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
             f"No files for rank {rank} under {str(path)!r} matching {pattern!r}; "
             f"the directory holds rank{'s' if len(ranks) > 1 else ''} {_ranges(list(ranks))} — {hint}"
         )
+    if source == "vllm":
+        _check_last_part(path, scanned, rank)
     return RankFiles(root=root_dir, rank=rank, tp_size=scanned.tp_size, source=source, files=ranks[rank],
                      manifest=manifest, pp_size=scanned.pp_size)
+
+
+def _check_last_part(path: str | os.PathLike[str], scanned: ScannedLayout, rank: int) -> None:
+    """Without a manifest, the closest honest check that a vLLM rank's last part is there.
+
+    Gaps in the part numbers are found when the directory is scanned; a missing *last* part leaves none. In
+    vLLM's ``sharded_state`` layout every tensor-parallel rank of a pipeline stage holds the same tensor names
+    (each its own slice), so when this rank has fewer parts than another rank of its stage, the names in their
+    headers are compared: names the other rank holds and this one does not mean this rank's last part(s) are
+    missing. What cannot be told without a manifest: the last part missing from every rank of a stage alike
+    (or from a single-rank model); a manifest (``gdsload.json``, which gdsload's writers write) lists every
+    file with its size.
+    """
+    from gdsload.loader.format.safetensors import read_header
+
+    tp = scanned.tp_size
+    stage = [r for r in range(rank // tp * tp, rank // tp * tp + tp) if r in scanned.ranks]
+    mine = scanned.ranks[rank]
+    longest = max(stage, key=lambda r: len(scanned.ranks[r]))
+    if len(scanned.ranks[longest]) <= len(mine):
+        return
+    try:
+        theirs = {t.name for p in scanned.ranks[longest] for t in read_header(p).tensors}
+    except GdsloadError:
+        return  # the other rank's files cannot tell (they are damaged themselves): its own load will say so
+    held = {t.name for p in mine for t in read_header(p).tensors}
+    missing = sorted(theirs - held)
+    if missing:
+        raise NoFilesForRankError(
+            f"rank {rank} under {str(path)!r} has {len(mine)} part(s), rank {longest} of the same pipeline stage has "
+            f"{len(scanned.ranks[longest])}, and {len(missing)} tensor(s) rank {longest} holds are in none of rank "
+            f"{rank}'s files (e.g. {', '.join(map(repr, missing[:3]))}): its last part is missing — the copy is "
+            "incomplete; re-copy the directory (a manifest, gdsload.json, lists every file and its size)")

@@ -119,6 +119,11 @@ class Verifier:
             self.checks.append(Check(p.name, p.file_index, p.buffer, offset, p.nbytes, table[p.name]))
         self._decoded_here = {(t.file_index, t.entry.name) for t in plan.compressed}
         """Compressed tensors: their bytes are written by the decoder, not by reads (checked at the end)."""
+        first_mapped = 1 + len(plan.targets)
+        self._mapped = {first_mapped + k: plan.files[i].path for k, i in enumerate(plan.mapped)}
+        """Buffers that are files' mappings (a mapping reader), and the files: read only through
+        :func:`~gdsload.loader.io.mmap.mapped_pieces`, where a truncated file is an error and not SIGBUS."""
+        self._addresses: list[int] = []
         self._views: list[memoryview] | None = None
         self._index: dict[int, tuple[list[int], list[int]]] = {}
         """Per buffer: the checks lying in it, by start offset (their starts, and their indices)."""
@@ -131,6 +136,7 @@ class Verifier:
     def attach(self, device: Device, dsts: Sequence[Any]) -> None:
         """Check on the CPU, beside the reads into ``dsts`` (host buffers): :meth:`on_chunk` may be called."""
         self._views = [device.host_memoryview(d) for d in dsts]
+        self._addresses = [device.address(d) if k in self._mapped else 0 for k, d in enumerate(dsts)]
         by_buffer: dict[int, list[tuple[int, int]]] = {}
         for i, c in enumerate(self.checks):
             if not c.nbytes:
@@ -248,6 +254,14 @@ class Verifier:
         def rest(i: int) -> None:  # bytes no read reported (a mapped file): from where the folding stopped
             c, st = self.checks[i], self._progress[i]
             crc, at = st.crc, st.at
+            if c.buffer in self._mapped:
+                from gdsload.loader.io.mmap import mapped_pieces
+
+                for piece in mapped_pieces(self._addresses[c.buffer] + c.offset + at, c.nbytes - at,
+                                           self._mapped[c.buffer]):
+                    crc = _crc(c.algorithm, piece, crc)
+                self._got[i] = crc
+                return
             view = views[c.buffer]
             while at < c.nbytes:
                 n = min(_HOST_PIECE, c.nbytes - at)
@@ -342,13 +356,16 @@ class Verifier:
         """The loaded bytes of file ``k``'s whole data section (an iterable of pieces), or None where the load
         does not hold it whole (compressed, partly loaded, read into the caller's tensors)."""
         f = self.plan.files[k]
+        n = f.stored_bytes
         if f.mirror_offset >= 0:
             buf, start = dsts[0], f.mirror_offset
         elif k in self.plan.mapped:
-            buf, start = dsts[1 + len(self.plan.targets) + self.plan.mapped.index(k)], f.header.data_offset
+            from gdsload.loader.io.mmap import mapped_pieces
+
+            buf = dsts[1 + len(self.plan.targets) + self.plan.mapped.index(k)]
+            return mapped_pieces(device.address(buf) + f.header.data_offset, n, f.path)
         else:
             return None
-        n = f.stored_bytes
         if device.kind == "cpu":
             view = device.host_memoryview(buf)
             return (view[start + a : start + min(a + _HOST_PIECE, n)] for a in range(0, n, _HOST_PIECE))
