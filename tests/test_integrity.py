@@ -12,9 +12,9 @@ import random
 import shutil
 import struct
 import threading
+import zlib
 from pathlib import Path
 
-import crc32c
 import pytest
 import safetensors.torch
 import torch
@@ -58,10 +58,10 @@ def model(tmp_path: Path) -> Path:
     return d
 
 
-def test_what_gdsload_writes_records_each_tensors_crc32c(tmp_path):
-    """save_file, and the raw tensors of a Zstd file: the table holds each tensor's CRC-32C, as the crc32c package
-    computes it over the bytes the reference library reads back; compressed tensors carry a crc32 of their own
-    (and keep the CRC-32C of their decoded bytes the source file recorded)."""
+def test_what_gdsload_writes_records_each_tensors_crc32(tmp_path):
+    """save_file, and the raw tensors of a Zstd file: the table holds each tensor's CRC-32, as zlib computes it
+    over the bytes the reference library reads back; compressed tensors carry a crc32 of their own (and keep the
+    entry of their decoded bytes the source file recorded)."""
     src = tmp_path / "src"
     src.mkdir()
     tensors = {**_weights(), "tiny": torch.arange(4, dtype=torch.int8)}
@@ -76,7 +76,7 @@ def test_what_gdsload_writes_records_each_tensors_crc32c(tmp_path):
                 if name in packed:
                     assert "crc32" in packed[name]
                 raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-                assert table[name] == crc32c.crc32c(raw), (path, name)
+                assert table[name] == zlib.crc32(raw), (path, name)
         assert packed or path.parent == src
 
 
@@ -95,14 +95,14 @@ def test_single_bit_flips_in_raw_tensors_are_caught_by_default(model, backend):
         try:
             with pytest.raises(IntegrityError) as e:
                 load_rank(model, backend=backend)
-            assert repr(str(path)) in str(e.value) and repr(name) in str(e.value) and "CRC-32C" in str(e.value)
+            assert repr(str(path)) in str(e.value) and repr(name) in str(e.value) and "CRC-32" in str(e.value)
             caught += 1
         finally:
             _flip(path, at, bit)
     assert caught == 40
     report = load_rank(model, backend=backend).report
     assert report.verified and report.verification["unchecked_tensors"] == 0
-    assert all(f.checked_tensors == f.tensors and f.checked_by.startswith("crc32c (cpu") for f in report.files)
+    assert all(f.checked_tensors == f.tensors and f.checked_by.startswith("crc32 (cpu") for f in report.files)
 
 
 def test_verify_false_and_the_environment_turn_the_check_off(model, monkeypatch):
@@ -123,15 +123,15 @@ def test_the_check_runs_beside_the_read_in_the_reading_threads(model, monkeypatc
     import gdsload.loader.pipeline.verify as verify
 
     threads: list[str] = []
-    real = verify.crc32c
+    real = verify.crc32
 
     def spy(data, value=0):
         threads.append(threading.current_thread().name)
         return real(data, value)
 
-    monkeypatch.setattr(verify, "crc32c", spy)
+    monkeypatch.setattr(verify, "crc32", spy)
     report = load_rank(model, backend="cpu", num_threads=2, chunk_bytes=4096).report
-    assert report.verified and report.verification["crc32c_on"] == "cpu, beside the read"
+    assert report.verified and report.verification["checked_on"] == "cpu, beside the read"
     assert threads and all(t.startswith("gdsload-cpu") for t in threads), set(threads)
 
 
@@ -182,7 +182,7 @@ def test_gdsload_files_replaced_during_the_load_fail_their_checksums(model):
         tmp.write_bytes(good)
         os.replace(tmp, path)
 
-    with pytest.raises(IntegrityError, match="CRC-32C"):
+    with pytest.raises(IntegrityError, match="CRC-32"):
         load_rank(model, on_plan=swap)
 
 
@@ -209,7 +209,7 @@ def test_digests_missing_from_the_manifest_with_verify_asked_for(tmp_path, how):
     doc["ranks"]["0"][0]["bytes"] = (d / "model.safetensors").stat().st_size
     (d / "gdsload.json").write_text(json.dumps(doc))
     report = load_rank(d, verify=True).report
-    assert report.verified and report.verification["digest_files"] == 0 and report.verification["crc32c_tensors"] == 5
+    assert report.verified and report.verification["digest_files"] == 0 and report.verification["checksum_tensors"] == 5
 
 
 def test_verify_true_checks_the_manifest_digest_over_the_loaded_bytes_too(model):
@@ -223,7 +223,7 @@ def test_a_damaged_checksum_table_is_typed(model):
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
     text = raw[8 : 8 + n].decode()
-    for old, new in [('\\"w\\":\\"', '\\"x\\":\\"'), ('\\"crc32c\\"', '\\"crc32z\\"')]:
+    for old, new in [('\\"w\\":\\"', '\\"x\\":\\"'), ('\\"crc32\\"', '\\"adler\\"')]:
         assert old in text
         bad = text.replace(old, new, 1).encode()
         path.write_bytes(struct.pack("<Q", n) + bad + raw[8 + n :])
@@ -271,18 +271,18 @@ def test_gpu_loads_are_checked_on_the_device_after_the_copy(tmp_path, backend):
         pytest.skip(reason)
     d = _gpu_model(tmp_path)
     report = load_rank(d, device="cuda", backend=backend).report
-    assert report.verified and "nvCOMP" in report.verification["crc32c_on"], report.verification
+    assert report.verified and "nvCOMP" in report.verification["checked_on"], report.verification
     path = d / "model.safetensors"
     h = read_header(path)
     _flip(path, h.data_offset + h["w"].start + 12345, 3)
-    with pytest.raises(IntegrityError, match="'w'.*CRC-32C"):
+    with pytest.raises(IntegrityError, match="'w'.*CRC-32"):
         load_rank(d, device="cuda", backend=backend)
     assert load_rank(d, device="cuda", backend=backend, verify=False).report.verified is False
 
 
 @pytest.mark.gpu
 def test_gpu_checks_of_ans_and_zstd_files(tmp_path):
-    """An ANS file's raw tensors (CRC-32C on the device) and a Zstd file decoded on the GPU (its decoded CRC-32 on
+    """An ANS file's raw tensors (CRC-32 on the device) and a Zstd file decoded on the GPU (its decoded CRC-32 on
     the device): flips in a raw tensor are caught by default."""
     src = _gpu_model(tmp_path)
     for codec in ("ans", "zstd"):
@@ -306,7 +306,7 @@ def test_torch_free_gpu_loads_are_checked(tmp_path):
         pytest.skip(why)
     d = _gpu_model(tmp_path)
     report = load_rank(d, device=DriverDevice(0)).report
-    assert report.verified and "nvCOMP" in report.verification["crc32c_on"]
+    assert report.verified and "nvCOMP" in report.verification["checked_on"]
     path = d / "model.safetensors"
     h = read_header(path)
     _flip(path, h.data_offset + h["b"].start)
@@ -368,3 +368,16 @@ def test_a_file_cut_short_before_it_is_mapped_is_a_typed_error(tmp_path):
 
     with pytest.raises(TruncatedFileError, match=r"model.safetensors' is 8192 bytes now, its header described"):
         load_rank(d, backend="mmap", on_plan=cut)
+
+
+def test_without_isal_the_checksums_come_from_zlib(model, monkeypatch):
+    """ISA-L computes the CRC-32 where the isal package is installed; without it zlib gives the same values."""
+    import sys
+
+    import gdsload.loader.format.checksums as sums
+
+    fast = sums.crc32(b"gdsload" * 1000)
+    monkeypatch.setitem(sys.modules, "isal", None)
+    monkeypatch.setattr(sums, "_IMPL", None)
+    assert sums.crc32(b"gdsload" * 1000) == fast == zlib.crc32(b"gdsload" * 1000)
+    assert load_rank(model).report.verified

@@ -86,9 +86,7 @@ class _CRC32Opts(ctypes.Structure):
 
 _CRC32_PKZIP = dict(poly=0x04C11DB7, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
 """nvcompCRC32: the CRC-32 of zlib (``zlib.crc32``), which the encoder records."""
-_CRC32C = dict(poly=0x1EDC6F41, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
-"""CRC-32C (Castagnoli): the per-tensor checksums writers record (:mod:`gdsload.loader.format.checksums`)."""
-_CRC_SPECS = {"crc32": _CRC32_PKZIP, "crc32c": _CRC32C}
+
 _CRC32_ONLY_SEGMENT = 0
 _NVCOMP_TYPE_BITS = 0xFF
 _LIB: tuple[ctypes.CDLL, int] | None = None
@@ -460,15 +458,12 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
     return AnsSlots(slots, base, slot_bytes, sizes)
 
 
-def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str,
-                 algorithm: str = "crc32") -> list[int] | None:
-    """The CRC of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream`` in one batch
-    (``device`` as for :class:`AnsDecoder`): zlib's CRC-32 (``algorithm="crc32"``) or CRC-32C (``"crc32c"``);
-    None when this nvCOMP has no CRC call.
+def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str) -> list[int] | None:
+    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream`` in one
+    batch (``device`` as for :class:`AnsDecoder`); None when this nvCOMP has no CRC-32 call.
 
     Waits for the stream: the results are on the host when it returns, one per range.
     """
-    spec = _CRC_SPECS[algorithm]
     lib = _lib()[0]
     if not hasattr(lib, "nvcompBatchedCRC32Async"):
         return None
@@ -482,7 +477,7 @@ def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, whe
     conf = _CRC32KernelConf()
     _raise_on(lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), max(sizes), stream),
               "choosing the CRC-32 kernel", where)
-    opts = _CRC32Opts(spec=_CRC32Spec(**spec), kernel_conf=conf)
+    opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
     _raise_on(lib.nvcompBatchedCRC32Async(base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
                                           stream), f"computing the CRC-32 of {m} range(s)", where)
     device.sync()

@@ -561,7 +561,7 @@ class AlignedWriter:
     ``WRITE_IN_FLIGHT`` bytes wait (the writer keeps them alive), and leaving the ``with`` block
     waits for every write.
 
-    With ``checksums`` (the default) the CRC-32C of each tensor stored raw is computed from the bytes handed to
+    With ``checksums`` (the default) the CRC-32 of each tensor stored raw is computed from the bytes handed to
     :meth:`write`, beside its writes, and recorded in the header's ``__metadata__``
     (:mod:`~gdsload.loader.format.checksums`): the header is laid out with zeros in their place, and written
     once every tensor is, with the checksums filled in. Tensors the metadata describes as compressed get no entry (their
@@ -598,7 +598,7 @@ class AlignedWriter:
         self._crcs: dict[str, int] = {}
         """Checksums of the table: known ones (kept from the metadata given), then those computed while writing."""
         self._crc_names: set[str] = set()
-        """Tensors whose CRC-32C is computed from the bytes :meth:`write` gets."""
+        """Tensors whose CRC-32 is computed from the bytes :meth:`write` gets."""
         if checksums:
             self._plan_checksums(specs, metadata)
         else:
@@ -693,9 +693,9 @@ class AlignedWriter:
         self._pending_bytes += len(view)
 
     def _checksum(self, name: str, view: memoryview) -> None:
-        from gdsload.loader.format.checksums import crc32c
+        from gdsload.loader.format.checksums import crc32
 
-        self._crcs[name] = crc32c(view)
+        self._crcs[name] = crc32(view)
 
     @property
     def _table(self) -> bool:

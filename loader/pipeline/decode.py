@@ -563,7 +563,7 @@ def _check_decoded(codecs: GpuCodecs, device: Device, job: Any) -> None:
     entry, where = job.entry, f"{job.path!r}: tensor {job.entry.name!r}"
     if entry.crc32 is None or not entry.nbytes:
         return
-    got = codecs.crcs([(device.address(job.dst), entry.nbytes)], "crc32", where)
+    got = codecs.crcs([(device.address(job.dst), entry.nbytes)], where)
     if got is None:
         check_crc32(entry, device.to_host(job.dst), where)
     elif got[0] != entry.crc32:

@@ -42,7 +42,7 @@ class FileReport(NamedTuple):
     checked_tensors: int = 0
     """Tensors of this file whose loaded bytes were checked (see ``checked_by``)."""
     checked_by: str = ""
-    """What checked them, e.g. ``crc32c (cuda:0, nvCOMP)`` or ``crc32 of decoded bytes``; empty: nothing."""
+    """What checked them, e.g. ``crc32 (cuda:0, nvCOMP)`` or ``crc32 of decoded bytes``; empty: nothing."""
 
 
 class LoadReport:

@@ -1,6 +1,6 @@
 """The verify phase: each loaded tensor checked against the checksum its file records, on the bytes that were loaded.
 
-Files gdsload writes record the CRC-32C of every tensor (:mod:`gdsload.loader.format.checksums`); compressed
+Files gdsload writes record the CRC-32 of every tensor (:mod:`gdsload.loader.format.checksums`); compressed
 tensors also record the CRC-32 of their decoded bytes, which the decode stage checks. What is checked, where:
 
 - on the CPU, **beside the read**: a reader that reports each finished read (:attr:`Backend.on_chunk`) has the
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gdsload.loader.errors import IntegrityError
-from gdsload.loader.format.checksums import crc32c, parse_checksums, require
+from gdsload.loader.format.checksums import crc32, parse_checksums, require
 
 if TYPE_CHECKING:
     from gdsload.loader.devices import Device
@@ -42,8 +42,8 @@ _HOST_PIECE = 64 << 20
 
 
 class Check(NamedTuple):
-    """One tensor to check: where its loaded bytes lie (``buffer``, ``offset``, ``nbytes``) and the CRC its file
-    records for them: CRC-32C (``algorithm="crc32c"``), or zlib's CRC-32 of decoded bytes (``"crc32"``)."""
+    """One tensor to check: where its loaded bytes lie (``buffer``, ``offset``, ``nbytes``) and the CRC-32 its
+    file records for them (of the tensor's table entry, or, ``decoded``, of a compressed tensor's own entry)."""
 
     name: str
     file_index: int
@@ -51,15 +51,7 @@ class Check(NamedTuple):
     offset: int
     nbytes: int
     expected: int
-    algorithm: str = "crc32c"
-
-
-def _crc(algorithm: str, data: Any, value: int = 0) -> int:
-    if algorithm == "crc32c":
-        return crc32c(data, value)
-    import zlib
-
-    return zlib.crc32(data, value)
+    decoded: bool = False
 
 
 class VerifyOutcome(NamedTuple):
@@ -110,7 +102,7 @@ class Verifier:
                     self.decoded[p.file_index] += 1  # the decode stage checks these (verify is on)
                 else:  # nvCOMP's own container: its decoded bytes are checked here
                     self.checks.append(Check(p.name, p.file_index, p.buffer, p.offset, p.nbytes, packed.entry.crc32,
-                                             "crc32"))
+                                             decoded=True))
                 continue
             if table is None or p.name not in table:
                 continue
@@ -129,7 +121,6 @@ class Verifier:
         """Per buffer: the checks lying in it, by start offset (their starts, and their indices)."""
         self._progress = [_Progress() for _ in self.checks]
         self._got: list[int | None] = [None] * len(self.checks)
-        self._how = "crc32c"
 
     # ------------------------------------------------------------------------------------ beside the read
 
@@ -141,7 +132,7 @@ class Verifier:
         for i, c in enumerate(self.checks):
             if not c.nbytes:
                 self._got[i] = 0
-            elif c.algorithm == "crc32c" and (c.file_index, c.name) not in self._decoded_here:
+            elif (c.file_index, c.name) not in self._decoded_here:
                 by_buffer.setdefault(c.buffer, []).append((c.offset, i))
         for k, items in by_buffer.items():
             items.sort()
@@ -180,7 +171,7 @@ class Verifier:
                     st.draining = False
                     return
                 at, crc = st.at, st.crc
-            crc = _crc(c.algorithm, view[c.offset + at : c.offset + at + n], crc)  # unlocked: only the drainer folds
+            crc = crc32(view[c.offset + at : c.offset + at + n], crc)  # unlocked: only the drainer folds
             with st.lock:
                 st.crc, st.at = crc, at + n
                 if st.at == c.nbytes:
@@ -208,9 +199,9 @@ class Verifier:
             if digests[i]:
                 parts.append(f"{digests[i]} digest of the loaded file")
                 checked[i] = self.loaded[i]
-            if any(c.file_index == i and c.algorithm == "crc32c" for c in self.checks):
-                parts.append(f"crc32c ({where})")
-            if any(c.file_index == i and c.algorithm == "crc32" for c in self.checks):
+            if any(c.file_index == i and not c.decoded for c in self.checks):
+                parts.append(f"crc32 ({where})")
+            if any(c.file_index == i and c.decoded for c in self.checks):
                 parts.append(f"crc32 of decoded bytes ({where})")
             if self.decoded[i]:
                 parts.append("crc32 of decoded bytes")
@@ -232,9 +223,9 @@ class Verifier:
             "mode": {None: "recorded checksums", True: "everything (checksums and manifest digests)"}[self.mode],
             "checked_tensors": sum(checked),
             "unchecked_tensors": sum(n for _, n in unchecked),
-            "crc32c_tensors": sum(c.algorithm == "crc32c" for c in self.checks),
-            "crc32c_on": where if self.checks else "",
-            "decoded_crc32_tensors": sum(self.decoded) + sum(c.algorithm == "crc32" for c in self.checks),
+            "checksum_tensors": sum(not c.decoded for c in self.checks),
+            "checked_on": where if self.checks else "",
+            "decoded_crc32_tensors": sum(self.decoded) + sum(c.decoded for c in self.checks),
             "digest_files": sum(1 for d in digests if d),
         }
         if unchecked:
@@ -259,13 +250,13 @@ class Verifier:
 
                 for piece in mapped_pieces(self._addresses[c.buffer] + c.offset + at, c.nbytes - at,
                                            self._mapped[c.buffer]):
-                    crc = _crc(c.algorithm, piece, crc)
+                    crc = crc32(piece, crc)
                 self._got[i] = crc
                 return
             view = views[c.buffer]
             while at < c.nbytes:
                 n = min(_HOST_PIECE, c.nbytes - at)
-                crc = _crc(c.algorithm, view[c.offset + at : c.offset + at + n], crc)
+                crc = crc32(view[c.offset + at : c.offset + at + n], crc)
                 at += n
             self._got[i] = crc
 
@@ -289,25 +280,17 @@ class Verifier:
 
         stream = device.stream(1)
         codecs = GpuCodecs(device, stream.handle)
-        on_device = True
-        try:
-            for algorithm in ("crc32c", "crc32"):  # one batch of each
-                ids = [i for i in todo if self.checks[i].algorithm == algorithm]
-                if not ids:
-                    continue
-                spans = [(device.address(dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
-                         for i in ids]
-                got = codecs.crcs(spans, algorithm, f"rank {self.plan.rank}") if on_device else None
-                if got is None:
-                    on_device = False
-                    for i in ids:
-                        c = self.checks[i]
-                        self._got[i] = _crc(algorithm, device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes]))
-                    continue
-                for i, value in zip(ids, got):
-                    self._got[i] = value
+        try:  # one batch for every tensor of the rank
+            spans = [(device.address(dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
+                     for i in todo]
+            got = codecs.crcs(spans, f"rank {self.plan.rank}")
         finally:
             codecs.close()
+        on_device = got is not None
+        for k, i in enumerate(todo):
+            c = self.checks[i]
+            self._got[i] = (got[k] if got is not None
+                            else crc32(device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes])))
         if on_device:
             return f"{device}, nvCOMP"
         log.warning("rank %d: nvCOMP's CRC kernel is not available, so the tensors' checksums were checked from host "
@@ -321,7 +304,7 @@ class Verifier:
             return
         c, got = self.checks[wrong[0]], self._got[wrong[0]]
         path = self.plan.files[c.file_index].path
-        what = "the loaded bytes have CRC-32C" if c.algorithm == "crc32c" else "the decoded bytes have CRC-32"
+        what = "the decoded bytes have CRC-32" if c.decoded else "the loaded bytes have CRC-32"
         raise IntegrityError(
             f"{path!r}: tensor {c.name!r}: {what} {got:#010x} where the file records "
             f"{c.expected:#010x} ({len(wrong)} tensor(s) of rank {self.plan.rank} differ); the file is corrupt or "
