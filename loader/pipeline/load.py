@@ -136,6 +136,8 @@ def load_rank(
             if dev.kind == "cpu":
                 verifier.attach(dev, dsts)
                 reader.on_chunk = verifier.on_chunk  # each read's bytes are checked by the thread that read them
+            else:
+                verifier.warm_up(dev)  # nvCOMP's CRC kernel checks them after the copy: loaded during the reads
         clock.lap("setup")
 
         # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the decode stage).

@@ -119,8 +119,29 @@ class Verifier:
         self._views: list[memoryview] | None = None
         self._index: dict[int, tuple[list[int], list[int]]] = {}
         """Per buffer: the checks lying in it, by start offset (their starts, and their indices)."""
+        self._warming: threading.Thread | None = None
         self._progress = [_Progress() for _ in self.checks]
         self._got: list[int | None] = [None] * len(self.checks)
+
+    def warm_up(self, device: Device) -> None:
+        """On a GPU: import the codecs and load nvCOMP's library on a thread of its own while the reads run (a
+        plain load would otherwise pay for them after its last read). The reads do not wait for it: they run
+        in the reader's threads, without the GIL."""
+        if device.kind == "cpu" or not any(c.nbytes for c in self.checks):
+            return
+
+        def load() -> None:
+            try:
+                from gdsload.loader.codecs.nvcomp_c import library_unavailable
+
+                import gdsload.loader.codecs  # noqa: F401
+
+                library_unavailable()
+            except Exception as e:  # finish() meets the same failure, and says what it means there
+                log.debug("nvCOMP not loaded ahead of the check: %s", e)
+
+        self._warming = threading.Thread(target=load, name="gdsload-verify-warm", daemon=True)
+        self._warming.start()
 
     # ------------------------------------------------------------------------------------ beside the read
 
@@ -276,6 +297,8 @@ class Verifier:
         todo = [i for i, c in enumerate(self.checks) if c.nbytes]
         if not todo:
             return f"{device}, nvCOMP"
+        if self._warming is not None:
+            self._warming.join()
         from gdsload.loader.codecs import GpuCodecs
 
         stream = device.stream(1)
