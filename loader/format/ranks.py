@@ -16,8 +16,7 @@ one pipeline stage, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}`` with several
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gdsload.loader.errors import ConfigError
 
@@ -34,10 +33,7 @@ MAX_WORLD = 4096
 """More ranks than any deployment has: a larger layout is a mistake in the input, refused before any work."""
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """``tp`` × ``pp`` ranks, experts spread over ``ep`` of each stage's ranks (1: every rank holds every expert)."""
-
+class _Sizes(NamedTuple):
     tp: int = 1
     """Tensor-parallel size (``--tensor-parallel-size``)."""
     pp: int = 1
@@ -45,7 +41,21 @@ class ParallelLayout:
     ep: int = 1
     """Expert-parallel size: 1, or ``tp`` (vLLM's ``--enable-expert-parallel`` with data parallel 1)."""
 
-    def __post_init__(self) -> None:
+
+class ParallelLayout(_Sizes):
+    """``tp`` × ``pp`` ranks, experts spread over ``ep`` of each stage's ranks (1: every rank holds every expert).
+
+    Immutable and checked when made (a named tuple: discovery imports it on every load, and ``dataclasses``
+    would bring ``inspect`` along, which a torch-free load does not otherwise import)."""
+
+    __slots__ = ()
+
+    def __new__(cls, tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelLayout:
+        self = super().__new__(cls, tp, pp, ep)
+        self._check()
+        return self
+
+    def _check(self) -> None:
         for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
