@@ -94,6 +94,11 @@ def load_rank(
     (``DriverDevice(0)`` loads without torch). Options left as None come from ``GDSLOAD_*``
     environment variables, then defaults (see :class:`LoadConfig`).
 
+    Every tensor is checked against the checksum its file records, on the bytes that were loaded
+    (:mod:`~gdsload.loader.pipeline.verify`); ``verify=True`` also checks each file's manifest digest over
+    the loaded bytes and fails on anything it cannot check, ``verify=False`` turns the checks off.
+    ``result.report.verification`` says what was checked, and how.
+
     ``into`` maps tensor names to contiguous tensors of the same dtype and shape on ``device``
     (an engine's parameters): those are read, or decoded, straight into them, and take no arena
     memory; ``result.tensors`` then holds them themselves. ``only`` loads just the named tensors.
