@@ -11,8 +11,8 @@ tensors also record the CRC-32 of their decoded bytes, which the decode stage ch
 
 ``verify`` is ``None`` by default: every recorded checksum is checked. ``True`` asks for more: each file's
 whole-file manifest digest is also computed over the loaded bytes (the header as parsed, the data section as
-loaded), and a load that leaves any tensor unchecked fails with :class:`IntegrityError` instead of reporting
-``verified=False``. ``False`` checks nothing beyond what a codec checks by itself. No path is ever read again
+loaded: on a GPU, copied back to the host for it), and a load that leaves any tensor unchecked fails with
+:class:`IntegrityError` instead of reporting ``verified=False``. ``False`` checks nothing beyond what a codec checks by itself. No path is ever read again
 to verify: a file replaced during the load cannot make it look verified.
 """
 
