@@ -381,3 +381,17 @@ def test_without_isal_the_checksums_come_from_zlib(model, monkeypatch):
     monkeypatch.setattr(sums, "_IMPL", None)
     assert sums.crc32(b"gdsload" * 1000) == fast == zlib.crc32(b"gdsload" * 1000)
     assert load_rank(model).report.verified
+
+
+def test_a_repack_records_the_table_of_intact_data_as_it_was(tmp_path):
+    """gdsload compress keeps a source's checksum table byte for byte where the data is intact (what the GPU's
+    compressor, which copies the metadata, writes too): its entries in their order, raw ones recomputed."""
+    from gdsload.loader.format.checksums import METADATA_KEY
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"small": torch.ones(8), **_weights(), "a.late": torch.arange(9, dtype=torch.int16)},
+              src / "model.safetensors")
+    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
+    before = read_header(src / "model.safetensors").metadata[METADATA_KEY]
+    assert read_header(tmp_path / "z" / "model.safetensors").metadata[METADATA_KEY] == before

@@ -638,7 +638,11 @@ class AlignedWriter:
                 log.warning("%s; the table is not kept", e)
         self._crc_names = {n for n in names if n not in packed}
         self._crcs = {n: inherited[n] for n in names if n in packed and n in inherited}
-        metadata[CHECKSUMS_KEY] = sums.placeholder([n for n in names if n in self._crc_names or n in self._crcs])
+        # In the order of the table given (a re-pack of intact data records it as it was, byte for byte), then
+        # in the order of the specs.
+        ordered = [n for n in inherited if n in self._crc_names or n in self._crcs]
+        ordered += [n for n in names if n in self._crc_names and n not in inherited]
+        metadata[CHECKSUMS_KEY] = sums.placeholder(ordered)
 
     def __enter__(self) -> AlignedWriter:
         from concurrent.futures import ThreadPoolExecutor
