@@ -126,6 +126,10 @@ class Backend(abc.ABC):
     """Whether it runs only on a torch device (:class:`~gdsload.loader.devices.TorchDevice`)."""
     maps_files: ClassVar[bool] = False
     """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read."""
+    on_chunk: Callable[[int, int, int], None] | None = None
+    """Set by a load that checks what it reads on the CPU: a reader that supports it calls it with
+    ``(buffer, offset, length)`` from the reading thread as each read into host memory finishes (the load's
+    checksums are computed there, beside the reads). Readers that do not call it are checked after the read."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
         from gdsload.loader.devices import as_device
