@@ -75,8 +75,9 @@ class GuardedProtocol(asyncio.Protocol):
 
     # -- asyncio.Protocol, passed through
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # Any transport with a transport's methods: uvloop's (uvicorn's loop where uvloop is installed, as it is
+        # next to vLLM) does not subclass asyncio.Transport.
+        self._transport = transport  # type: ignore[assignment]
         self._peer = _key(transport.get_extra_info("peername"))
         if self._peer is not None:
             self.deadlines.open[self._peer] = self
