@@ -56,11 +56,12 @@ def register_backend(name: str, target: str, *, auto: int | None = None,
 register_backend("cufile", "gdsload.loader.io.cufile:CuFileBackend", auto=0, kinds=("cuda",))
 register_backend("pinned", "gdsload.loader.io.pinned:PinnedBackend", auto=1, kinds=("cuda",))
 register_backend("fastsafetensors", "gdsload.loader.io.fastsafetensors:FastSafetensorsBackend", kinds=("cuda",))
-register_backend("cpu", "gdsload.loader.io.cpu:CpuBackend", auto=2, kinds=("cpu",))
-register_backend("mmap", "gdsload.loader.io.mmap:MmapBackend", kinds=("cpu",))
+register_backend("mmap", "gdsload.loader.io.mmap:MmapBackend", auto=2, kinds=("cpu",))
+register_backend("cpu", "gdsload.loader.io.cpu:CpuBackend", auto=3, kinds=("cpu",))
 # ``cufile`` comes first in ``auto`` only where it does better than staging through host memory (true
 # GDS or P2PDMA; its auto_skip says so); ``fastsafetensors`` is never picked automatically (it is there
-# for comparison and its users).
+# for comparison and its users). On the CPU, ``mmap`` (the files' own pages, nothing copied) goes before
+# ``cpu`` (reads into fresh memory), except into shared memory, which only an arena can be.
 
 
 def _load_entry_points() -> None:

@@ -1,32 +1,42 @@
 """``mmap``: tensors that are views of the files' own pages in the page cache — nothing is copied.
 
-For a CPU destination whose tensors are only read once more (an engine's ``load_weights`` copies
-each into its parameters), reading them into an arena first is one copy too many: every byte
-would cross memory twice. Here each uncompressed file is mapped (``MAP_PRIVATE``: a write to a
-tensor copies that page, the file never changes) and its tensors are views of the mapping, as
-``safetensors.safe_open`` hands them out. Tensors not aligned for their dtype in the file, and
-compressed tensors, are read into the arena as the ``cpu`` backend reads.
+``auto``'s choice for host memory. Reading a file into fresh memory makes every byte cross memory
+once more than it must, and the new pages must be zeroed first; here each uncompressed file is
+mapped (``MAP_PRIVATE``: a write to a tensor copies that page, the file never changes) and its
+tensors are views of the mapping, as ``safetensors.safe_open`` hands them out. Before the load
+returns, every page its tensors use is asked for at once (``MADV_WILLNEED``: a cold file's reads are
+all in flight) and then mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in
+later. Tensors not aligned for their dtype in the file, the caller's own destinations (``into``), and
+compressed tensors are read as the ``cpu`` backend reads.
 
-Never picked by ``auto``: a mapping lives as long as its tensors, and a file truncated while
-mapped makes a later access fail (``SIGBUS``); the engine adapters ask for it only where they copy
-the tensors right away.
+A mapping lives as long as its tensors, and a file truncated in place while mapped makes a later
+access fail (``SIGBUS``), as with ``safetensors``; files replaced by a rename (what gdsload's writers
+and most tools do) keep their old pages. ``auto`` leaves shared memory (the sidecar's hand-off) to
+the ``cpu`` backend: only an arena can be handed to another process.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from gdsload.loader.devices import Device
-from gdsload.loader.errors import FileUnreadableError
-from gdsload.loader.plan import LoadPlan
+from gdsload.loader.errors import FileUnreadableError, TruncatedFileError
+from gdsload.loader.plan import Extent, LoadPlan
+from gdsload.loader.io import Progress
 from gdsload.loader.io.cpu import CpuBackend
 
 __all__ = ["MmapBackend"]
 
 _MADV_POPULATE_READ = 22
 """Linux 5.14+: map every page of a range in one call (fewer faults than touching them one by one)."""
+
+_Run = tuple[int, int, int]
+"""Neighbouring tensors of one mapped file: ``(start, length)`` of the page-aligned range they lie in, and
+their bytes."""
 
 
 class MmapBackend(CpuBackend):
@@ -39,25 +49,71 @@ class MmapBackend(CpuBackend):
             return f"it maps files into host memory only, not {str(device)!r}"
         return None
 
+    @classmethod
+    def auto_skip(cls, device: Device) -> str | None:
+        if getattr(device, "shared", False):
+            return "the load goes to shared memory, to be handed to other processes, and only an arena can be"
+        return None
+
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
         self._maps: list[Any] = []
+        self._pending: list[tuple[int, mmap.mmap, list[_Run]]] = []
         import torch
 
-        for i in plan.mapped:
+        for k, (i, runs) in enumerate(zip(plan.mapped, _viewed_runs(plan))):
             path, fd = plan.files[i].path, self._fds[i]  # the descriptors the cpu backend opened
             try:
                 size = os.fstat(fd).st_size
                 m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
             except (OSError, ValueError) as e:
                 raise FileUnreadableError(f"{path!r} cannot be mapped ({e}); load it with backend='cpu'") from None
-            if m is not None:
-                try:
-                    m.madvise(_MADV_POPULATE_READ)
-                except (OSError, ValueError, AttributeError):
-                    pass  # an older kernel: the pages come in as they are touched
+            end = max((start + length for start, length, _ in runs), default=0)
+            if size < end:
+                raise TruncatedFileError(f"{path!r} holds {size} bytes, but its header places tensors up to byte "
+                                         f"{end}; the file shrank while it was being loaded")
             self._maps.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None
                               else torch.empty(0, dtype=torch.uint8))
+            if m is not None and runs:
+                self._pending.append((i, m, runs))
+
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        self._map_in(progress)
+        super().read(extents, dsts, progress)
+
+    def _map_in(self, progress: Progress | None) -> None:
+        """Bring in the pages the mapped tensors use (once, at the first read): every file's are asked for
+        first, so a cold rank's files are read at the disk's pace rather than one fault's readahead window at
+        a time, then each is mapped."""
+        pending, self._pending = self._pending, []
+        for _, m, runs in pending:
+            for start, length, _ in runs:
+                try:
+                    m.madvise(mmap.MADV_WILLNEED, start, length)
+                except OSError:
+                    break  # only a hint: the pages still come in below
+        populate = True
+        for i, m, runs in pending:
+            for start, length, nbytes in runs:
+                if populate:
+                    try:
+                        m.madvise(_MADV_POPULATE_READ, start, length)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            self._failed(i, start + length, e)
+                        populate = False  # a kernel older than 5.14: the pages come in as they are touched
+                if progress is not None:
+                    progress(nbytes)
+
+    def _failed(self, i: int, end: int, e: OSError) -> None:
+        assert self.plan is not None
+        path = self.plan.files[i].path
+        if e.errno == errno.EFAULT and os.fstat(self._fds[i]).st_size < end:
+            raise TruncatedFileError(f"{path!r} became shorter than byte {end} while its pages were mapped in; "
+                                     "the file shrank while it was being loaded") from None
+        raise FileUnreadableError(f"{path!r}: its pages up to byte {end} could not be read into memory "
+                                  f"({os.strerror(e.errno or 0)}); check the device it lies on, or load it with "
+                                  "backend='cpu'") from None
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None
@@ -71,3 +127,20 @@ class MmapBackend(CpuBackend):
     def close(self) -> None:
         super().close()
         self._maps = []  # the tensors viewing a mapping keep it; it goes with the last of them
+        self._pending = []
+
+
+def _viewed_runs(plan: LoadPlan) -> list[list[_Run]]:
+    """Per mapped file, the runs of neighbouring tensors viewed in its mapping: the pages a load maps in,
+    and no others (with ``only``, the rest of the file is left unread)."""
+    first = 1 + len(plan.targets)
+    runs: list[list[_Run]] = [[] for _ in plan.mapped]
+    for p in sorted((p for p in plan.placements if p.buffer >= first and p.nbytes), key=lambda p: p.offset):
+        start = p.offset - p.offset % mmap.PAGESIZE
+        mine = runs[p.buffer - first]
+        if mine and start <= mine[-1][0] + mine[-1][1]:
+            at, length, nbytes = mine[-1]
+            mine[-1] = (at, max(at + length, p.offset + p.nbytes) - at, nbytes + p.nbytes)
+        else:
+            mine.append((start, p.offset + p.nbytes - start, p.nbytes))
+    return runs
