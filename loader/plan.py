@@ -28,7 +28,6 @@ from typing import NamedTuple
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.format.discovery import RankFiles
 from gdsload.loader.errors import FileUnreadableError, GdsloadError, HeaderError
-from gdsload.loader.format.confine import open_beneath
 from gdsload.loader.format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
 from gdsload.loader.format.manifest import logical_bytes
 
@@ -236,6 +235,8 @@ def open_file(path: str, confine: Sequence[str] | None = None) -> int:
     (:func:`~gdsload.loader.format.confine.open_beneath`).
     """
     if confine:
+        from gdsload.loader.format.confine import open_beneath  # only confined loads (the sidecar's) need it
+
         fd = open_beneath(path, confine)
     else:
         try:
