@@ -625,6 +625,27 @@ def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
     assert _same_bits(load_rank(foreign).tensors["b.f32"], tensors["b.f32"])
 
 
+def test_mmap_backend_maps_a_cold_file_in_pieces(tmp_path, monkeypatch):
+    """A file evicted from the page cache is read ahead whole, then mapped and read through piece by piece:
+    the same bytes as safetensors reads, every byte reported to ``progress``, every page mapped in."""
+    from gdsload.loader.io.mmap import MmapBackend
+    from gdsload.loader.io.pagecache import evict, resident_fraction
+
+    path = tmp_path / "model.safetensors"
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(256, 1024 + i, generator=g) for i in range(6)}  # 6 MiB and more
+    save_file(tensors, path)
+    evict([str(path)])
+    if resident_fraction([str(path)]) > 0.1:
+        pytest.skip("this file system keeps the file cached after eviction (tmpfs)")
+    monkeypatch.setattr(MmapBackend, "COLD_PIECE", 1 << 20)  # several pieces in a small file
+    done: list[int] = []
+    result = load_rank(tmp_path, backend="mmap", progress=done.append)
+    assert all(_same_bits(result.tensors[k], v) for k, v in tensors.items())
+    assert sum(done) == result.report.stored_bytes and {f.io_mode for f in result.report.files} == {"mmap"}
+    assert resident_fraction([str(path)]) > 0.99
+
+
 def test_a_fresh_process_reports_torchs_import_apart_from_the_load(sharded_dir):
     """The first load in a process imports torch for its device: the report's ``import`` phase holds it, the phases
     still add up to the call, and GB/s are of the load's own time."""

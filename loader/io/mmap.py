@@ -25,7 +25,7 @@ from typing import Any
 
 from gdsload.loader.devices import Device
 from gdsload.loader.errors import FileUnreadableError, TruncatedFileError
-from gdsload.loader.plan import Extent, LoadPlan
+from gdsload.loader.plan import Extent, LoadPlan, fd_path
 from gdsload.loader.io import Progress
 from gdsload.loader.io.cpu import CpuBackend
 
@@ -42,6 +42,8 @@ their bytes."""
 class MmapBackend(CpuBackend):
     name = "mmap"
     maps_files = True
+    COLD_PIECE = 8 << 20
+    """Bytes of a cold file mapped, then read through, at a time (see :meth:`_map_in`)."""
 
     @classmethod
     def probe(cls, device: Device) -> str | None:
@@ -58,7 +60,7 @@ class MmapBackend(CpuBackend):
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
         self._maps: list[Any] = []
-        self._pending: list[tuple[int, mmap.mmap, list[_Run]]] = []
+        self._pending: list[tuple[int, mmap.mmap, list[_Run], Any]] = []
         import torch
 
         for k, (i, runs) in enumerate(zip(plan.mapped, _viewed_runs(plan))):
@@ -75,33 +77,49 @@ class MmapBackend(CpuBackend):
             self._maps.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None
                               else torch.empty(0, dtype=torch.uint8))
             if m is not None and runs:
-                self._pending.append((i, m, runs))
+                self._pending.append((i, m, runs, self._maps[-1]))
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         self._map_in(progress)
         super().read(extents, dsts, progress)
 
     def _map_in(self, progress: Progress | None) -> None:
-        """Bring in the pages the mapped tensors use (once, at the first read): every file's are asked for
-        first, so a cold rank's files are read at the disk's pace rather than one fault's readahead window at
-        a time, then each is mapped."""
+        """Bring in the pages the mapped tensors use (once, at the first read). Every file's pages are asked
+        for first, so a cold rank's files are read at the disk's pace rather than one fault's readahead window
+        at a time; then each run is mapped. A cold rank is mapped ``COLD_PIECE`` bytes at a time, each piece
+        read through (one byte a page) as soon as it is in: on a virtual machine the first access to a page
+        the disk just filled can cost more than the read itself, and done here it overlaps the reads still
+        in flight instead of coming after them."""
         pending, self._pending = self._pending, []
-        for _, m, runs in pending:
+        if not pending:
+            return
+        from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
+
+        assert self.plan is not None
+        # Asked before any read is started (pages being read count as cached); sampled: under a millisecond.
+        cold = resident_fraction([fd_path(self._fds[i]) for i, *_ in pending], samples=64) < COLD_RESIDENCY
+        for _, m, runs, _ in pending:
             for start, length, _ in runs:
                 try:
                     m.madvise(mmap.MADV_WILLNEED, start, length)
                 except OSError:
                     break  # only a hint: the pages still come in below
         populate = True
-        for i, m, runs in pending:
+        for i, m, runs, whole in pending:
+            pages = whole.numpy() if cold else None
             for start, length, nbytes in runs:
-                if populate:
+                step = self.COLD_PIECE if cold else length
+                for at in range(start, start + length, step) if populate else ():
+                    n = min(step, start + length - at)
                     try:
-                        m.madvise(_MADV_POPULATE_READ, start, length)
+                        m.madvise(_MADV_POPULATE_READ, at, n)
                     except OSError as e:
                         if e.errno != errno.EINVAL:
-                            self._failed(i, start + length, e)
+                            self._failed(i, at + n, e)
                         populate = False  # a kernel older than 5.14: the pages come in as they are touched
+                        break
+                    if pages is not None:
+                        pages[at : at + n : mmap.PAGESIZE].max()
                 if progress is not None:
                     progress(nbytes)
 
