@@ -625,25 +625,25 @@ def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
     assert _same_bits(load_rank(foreign).tensors["b.f32"], tensors["b.f32"])
 
 
-def test_mmap_backend_maps_a_cold_file_in_pieces(tmp_path, monkeypatch):
-    """A file evicted from the page cache is read ahead whole, then mapped and read through piece by piece:
-    the same bytes as safetensors reads, every byte reported to ``progress``, every page mapped in."""
-    from gdsload.loader.io.mmap import MmapBackend
+def test_mmap_backend_reads_a_cold_rank_and_maps_a_cached_one(tmp_path):
+    """A rank evicted from the page cache is read into an arena by the cpu backend's threads; once cached, the
+    same files are mapped. Same bytes as safetensors either way, every byte reported to ``progress``."""
     from gdsload.loader.io.pagecache import evict, resident_fraction
 
     path = tmp_path / "model.safetensors"
     g = torch.Generator().manual_seed(0)
-    tensors = {f"w{i}": torch.randn(256, 1024 + i, generator=g) for i in range(6)}  # 6 MiB and more
+    tensors = {f"w{i}": torch.randn(256, 1024 + i, generator=g) for i in range(6)}
     save_file(tensors, path)
     evict([str(path)])
     if resident_fraction([str(path)]) > 0.1:
         pytest.skip("this file system keeps the file cached after eviction (tmpfs)")
-    monkeypatch.setattr(MmapBackend, "COLD_PIECE", 1 << 20)  # several pieces in a small file
-    done: list[int] = []
-    result = load_rank(tmp_path, backend="mmap", progress=done.append)
-    assert all(_same_bits(result.tensors[k], v) for k, v in tensors.items())
-    assert sum(done) == result.report.stored_bytes and {f.io_mode for f in result.report.files} == {"mmap"}
-    assert resident_fraction([str(path)]) > 0.99
+    for mode in ("cpu", "mmap"):  # cold, then cached by the first load
+        done: list[int] = []
+        result = load_rank(tmp_path, backend="mmap", progress=done.append)
+        assert all(_same_bits(result.tensors[k], v) for k, v in tensors.items())
+        assert sum(done) == result.report.stored_bytes
+        assert result.report.backend == "mmap" and {f.io_mode for f in result.report.files} == {mode}
+        assert (len(result.arenas) == 1) == (mode == "cpu")
 
 
 def test_a_fresh_process_reports_torchs_import_apart_from_the_load(sharded_dir):

@@ -125,8 +125,9 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     needs_torch: ClassVar[bool] = True
     """Whether it runs only on a torch device (:class:`~gdsload.loader.devices.TorchDevice`)."""
-    maps_files: ClassVar[bool] = False
-    """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read."""
+    maps_files: bool = False
+    """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read;
+    a backend may decide it per load in :meth:`prepare` (the load reads it after that, when it plans)."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
         from gdsload.loader.devices import as_device
@@ -151,7 +152,8 @@ class Backend(abc.ABC):
 
     def prepare(self, paths: Sequence[str]) -> None:
         """Start, in the background, set-up that reading these files will need, while the load plans them
-        (the staged engine pins its buffers then); by default nothing. ``open`` must not depend on it."""
+        (the staged engine pins its buffers then), or decide :attr:`maps_files` for them; by default nothing.
+        ``open`` must not depend on it."""
 
     def open(self, plan: LoadPlan) -> None:
         """Prepare to read ``plan``'s files."""

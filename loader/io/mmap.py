@@ -1,13 +1,18 @@
 """``mmap``: tensors that are views of the files' own pages in the page cache — nothing is copied.
 
-``auto``'s choice for host memory. Reading a file into fresh memory makes every byte cross memory
-once more than it must, and the new pages must be zeroed first; here each uncompressed file is
-mapped (``MAP_PRIVATE``: a write to a tensor copies that page, the file never changes) and its
-tensors are views of the mapping, as ``safetensors.safe_open`` hands them out. Before the load
-returns, every page its tensors use is asked for at once (``MADV_WILLNEED``: a cold file's reads are
-all in flight) and then mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in
-later. Tensors not aligned for their dtype in the file, the caller's own destinations (``into``), and
-compressed tensors are read as the ``cpu`` backend reads.
+``auto``'s choice for host memory. Reading a cached file into fresh memory makes every byte cross memory
+once more than it must, and the new pages must be zeroed first; here each uncompressed file is mapped
+(``MAP_PRIVATE``: a write to a tensor copies that page, the file never changes) and its tensors are views
+of the mapping, as ``safetensors.safe_open`` hands them out. Before the load returns, every page its
+tensors use is asked for at once (``MADV_WILLNEED``: pages evicted meanwhile are read together) and then
+mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in later. Tensors not aligned
+for their dtype in the file, the caller's own destinations (``into``), and compressed tensors are read as
+the ``cpu`` backend reads.
+
+A cold rank (less than half of it in the page cache, sampled before the plan is made) is not mapped: it
+is read as the ``cpu`` backend reads it, by several threads into an arena, which keeps the disk and every
+core busy; mapped, the first access to each freshly read page would fall to one thread, after the reads.
+The report says which files were mapped (``io=mmap``) and which read (``io=cpu``).
 
 A mapping lives as long as its tensors, and a file truncated in place while mapped makes a later
 access fail (``SIGBUS``), as with ``safetensors``; files replaced by a rename (what gdsload's writers
@@ -25,7 +30,7 @@ from typing import Any
 
 from gdsload.loader.devices import Device
 from gdsload.loader.errors import FileUnreadableError, TruncatedFileError
-from gdsload.loader.plan import Extent, LoadPlan, fd_path
+from gdsload.loader.plan import Extent, LoadPlan
 from gdsload.loader.io import Progress
 from gdsload.loader.io.cpu import CpuBackend
 
@@ -42,8 +47,7 @@ their bytes."""
 class MmapBackend(CpuBackend):
     name = "mmap"
     maps_files = True
-    COLD_PIECE = 8 << 20
-    """Bytes of a cold file mapped, then read through, at a time (see :meth:`_map_in`)."""
+    """Set per load by :meth:`prepare`: False for a cold rank, which is read instead."""
 
     @classmethod
     def probe(cls, device: Device) -> str | None:
@@ -57,10 +61,25 @@ class MmapBackend(CpuBackend):
             return "the load goes to shared memory, to be handed to other processes, and only an arena can be"
         return None
 
+    _cold = False
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Map the rank, unless it is cold (see the module doc): a sampled ``mincore``, under a millisecond
+        (files on tmpfs are always resident)."""
+        from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
+
+        try:
+            self._cold = bool(paths) and resident_fraction(paths, samples=64) < COLD_RESIDENCY
+        except OSError:  # a file that cannot be opened: the plan says so, with the fix
+            self._cold = False
+        self.maps_files = not self._cold
+
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
+        if self._cold and self._threads is None:
+            self._threads = self.DEFAULT_THREADS  # known cold: no second residency probe
         self._maps: list[Any] = []
-        self._pending: list[tuple[int, mmap.mmap, list[_Run], Any]] = []
+        self._pending: list[tuple[int, mmap.mmap, list[_Run]]] = []
         import torch
 
         for k, (i, runs) in enumerate(zip(plan.mapped, _viewed_runs(plan))):
@@ -77,49 +96,33 @@ class MmapBackend(CpuBackend):
             self._maps.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None
                               else torch.empty(0, dtype=torch.uint8))
             if m is not None and runs:
-                self._pending.append((i, m, runs, self._maps[-1]))
+                self._pending.append((i, m, runs))
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         self._map_in(progress)
         super().read(extents, dsts, progress)
 
     def _map_in(self, progress: Progress | None) -> None:
-        """Bring in the pages the mapped tensors use (once, at the first read). Every file's pages are asked
-        for first, so a cold rank's files are read at the disk's pace rather than one fault's readahead window
-        at a time; then each run is mapped. A cold rank is mapped ``COLD_PIECE`` bytes at a time, each piece
-        read through (one byte a page) as soon as it is in: on a virtual machine the first access to a page
-        the disk just filled can cost more than the read itself, and done here it overlaps the reads still
-        in flight instead of coming after them."""
+        """Bring in the pages the mapped tensors use (once, at the first read): every file's are asked for
+        first, so pages evicted meanwhile are read together rather than one fault's readahead window at a
+        time, then each run is mapped."""
         pending, self._pending = self._pending, []
-        if not pending:
-            return
-        from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
-
-        assert self.plan is not None
-        # Asked before any read is started (pages being read count as cached); sampled: under a millisecond.
-        cold = resident_fraction([fd_path(self._fds[i]) for i, *_ in pending], samples=64) < COLD_RESIDENCY
-        for _, m, runs, _ in pending:
+        for _, m, runs in pending:
             for start, length, _ in runs:
                 try:
                     m.madvise(mmap.MADV_WILLNEED, start, length)
                 except OSError:
                     break  # only a hint: the pages still come in below
         populate = True
-        for i, m, runs, whole in pending:
-            pages = whole.numpy() if cold else None
+        for i, m, runs in pending:
             for start, length, nbytes in runs:
-                step = self.COLD_PIECE if cold else length
-                for at in range(start, start + length, step) if populate else ():
-                    n = min(step, start + length - at)
+                if populate:
                     try:
-                        m.madvise(_MADV_POPULATE_READ, at, n)
+                        m.madvise(_MADV_POPULATE_READ, start, length)
                     except OSError as e:
                         if e.errno != errno.EINVAL:
-                            self._failed(i, at + n, e)
+                            self._failed(i, start + length, e)
                         populate = False  # a kernel older than 5.14: the pages come in as they are touched
-                        break
-                    if pages is not None:
-                        pages[at : at + n : mmap.PAGESIZE].max()
                 if progress is not None:
                     progress(nbytes)
 
