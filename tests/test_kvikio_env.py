@@ -108,3 +108,26 @@ print(json.dumps({{"modes": [f.io_mode for f in r.report.files], "want": want,
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["modes"] == out["want"], out
+
+
+def test_the_cufile_backend_leaves_the_users_settings_to_kvikio_when_it_opens(sharded_dir, monkeypatch):
+    """Through the backend's own open and close, with kvikio stood in for (it needs a GPU): what it sets
+    leaves out the user's KVIKIO_NTHREADS and KVIKIO_COMPAT_MODE, and is put back at close."""
+    from test_torch_free import _host_reader, _stand_in_kvikio
+
+    from gdsload.loader import discover, plan_rank
+
+    seen = _stand_in_kvikio(monkeypatch)
+    sys.modules["kvikio"].defaults.get = {"num_threads": 32}.__getitem__  # what kvikio read from the variable
+    monkeypatch.setenv("KVIKIO_NTHREADS", "32")
+    monkeypatch.setenv("KVIKIO_COMPAT_MODE", "ON")
+    plan = plan_rank(discover(sharded_dir, 1))
+    reader = _host_reader()
+    reader.open(plan)
+    try:
+        assert seen["settings"] == [{"task_size": 1 << 20, "bounce_buffer_size": 1 << 20}]
+        assert reader._cold_shape == (1 << 20, 32)  # the read order follows the threads kvikio really has
+    finally:
+        reader.close()
+        plan.close()
+    assert seen["restored"] == 1

@@ -36,7 +36,7 @@ from gdsload.loader.devices import Device
 from gdsload.loader.errors import BackendUnavailableError
 from gdsload.loader.io.iomode import (KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, nvidia_fs_loaded,
                                      o_direct_supported, p2pdma_configured)
-from gdsload.loader.io.kvikio_env import settings_to_apply
+from gdsload.loader.io.kvikio_env import settings_to_apply, value_in_force
 from gdsload.loader.io.pagecache import is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
@@ -176,7 +176,8 @@ class CuFileBackend(Backend):
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
         # thread pool for every staging group of a compressed load); a KVIKIO_* variable the user set wins.
         self._settings = kvikio.defaults.set(settings_to_apply(settings))
-        self._cold_shape = (int(kvikio.defaults.get("task_size")), int(kvikio.defaults.get("num_threads")))
+        self._cold_shape = (int(value_in_force(kvikio, settings, "task_size")),
+                            int(value_in_force(kvikio, settings, "num_threads")))
         for fd in plan.fds:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
         self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))

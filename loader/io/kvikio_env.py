@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ENV_VARS", "user_settings", "settings_to_apply"]
+__all__ = ["ENV_VARS", "user_settings", "settings_to_apply", "value_in_force"]
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +49,12 @@ def settings_to_apply(wanted: Mapping[str, Any], env: Mapping[str, str] | None =
         if k in fixed:
             log.debug("kvikio %s: %s is set, so gdsload leaves it (it would set %r)", k, fixed[k], wanted[k])
     return kept
+
+
+def value_in_force(kvikio: Any, wanted: Mapping[str, Any], name: str, env: Mapping[str, str] | None = None) -> Any:
+    """What kvikio uses for setting ``name`` once ``wanted`` is applied: the user's value (asked of kvikio)
+    where a variable fixes it, else the one ``wanted`` gives."""
+    if name in user_settings(env):
+        return kvikio.defaults.get(name)
+    return wanted[name]
+

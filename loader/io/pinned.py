@@ -41,7 +41,7 @@ import torch
 
 from gdsload.loader.devices import Device
 from gdsload.loader.io.iomode import cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
-from gdsload.loader.io.kvikio_env import settings_to_apply, user_settings
+from gdsload.loader.io.kvikio_env import settings_to_apply, user_settings, value_in_force
 from gdsload.loader.io.pagecache import COLD_RESIDENCY, is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
@@ -207,8 +207,9 @@ class PinnedBackend(Backend):
 
     def _kvikio_settings(self) -> Any:
         kv = self._kv
-        held = kv.defaults.set(settings_to_apply(self._kvikio_wanted(kv.CompatMode.ON)))
-        self._kv_shape = (int(kv.defaults.get("task_size")), int(kv.defaults.get("num_threads")))
+        wanted = self._kvikio_wanted(kv.CompatMode.ON)
+        held = kv.defaults.set(settings_to_apply(wanted))
+        self._kv_shape = (int(value_in_force(kv, wanted, "task_size")), int(value_in_force(kv, wanted, "num_threads")))
         return held
 
     def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
