@@ -67,8 +67,9 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     assert doc["complete"]
     logical = load_rank(model).report.logical_bytes
     assert len(doc["runs"]) == 8 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
-    # what load_rank does by default on the CPU: the files mapped, not read into fresh memory
-    assert {(r["backend"], *r["io_modes"]) for r in doc["runs"] if r["method"] == "gdsload:auto"} == {("mmap", "mmap")}
+    # what load_rank does by default on the CPU: cached files mapped, a cold rank read into fresh memory
+    auto = {(r["condition"], r["backend"], *r["io_modes"]) for r in doc["runs"] if r["method"] == "gdsload:auto"}
+    assert auto == {("warm", "mmap", "mmap"), ("cold", "mmap", "cpu")}
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
     # Memory: each run's own peak RSS (it holds at least the loaded bytes), no GPU figure on the CPU.
@@ -314,7 +315,8 @@ def test_time_to_ready_stops_when_the_server_fails_before_any_rank(tmp_path):
     from gdsload.bench.ttr import time_to_ready
 
     r = time_to_ready(str(tmp_path / "missing"), ["--device-map", "cpu"], timeout=30)
-    assert r["error"].startswith("the server failed before loading") and "does not exist" in r["error"], r
+    # `serve` checks its target before it starts: it exits non-zero with the reason, which the bench passes on
+    assert r["error"].startswith("server exited with 2") and "does not exist" in r["error"], r
 
 
 def test_cpu_load_times_the_whole_call_in_fresh_processes(tmp_path):
