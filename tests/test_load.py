@@ -626,8 +626,9 @@ def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
 
 
 def test_mmap_backend_reads_a_cold_rank_and_maps_a_cached_one(tmp_path):
-    """A rank evicted from the page cache is read into an arena by the cpu backend's threads; once cached, the
-    same files are mapped. Same bytes as safetensors either way, every byte reported to ``progress``."""
+    """Picked by ``auto``, the mmap backend reads a rank evicted from the page cache into an arena with the cpu
+    backend's threads and maps it once cached; named explicitly, it maps a cold rank too. Same bytes as
+    safetensors every time, every byte reported to ``progress``."""
     from gdsload.loader.io.pagecache import evict, resident_fraction
 
     path = tmp_path / "model.safetensors"
@@ -637,9 +638,11 @@ def test_mmap_backend_reads_a_cold_rank_and_maps_a_cached_one(tmp_path):
     evict([str(path)])
     if resident_fraction([str(path)]) > 0.1:
         pytest.skip("this file system keeps the file cached after eviction (tmpfs)")
-    for mode in ("cpu", "mmap"):  # cold, then cached by the first load
+    for backend, mode in ((None, "cpu"), (None, "mmap"), ("mmap", "mmap")):  # cold, then cached by the first load
+        if backend:  # named explicitly, it maps a cold rank too
+            evict([str(path)])
         done: list[int] = []
-        result = load_rank(tmp_path, backend="mmap", progress=done.append)
+        result = load_rank(tmp_path, backend=backend, progress=done.append)
         assert all(_same_bits(result.tensors[k], v) for k, v in tensors.items())
         assert sum(done) == result.report.stored_bytes
         assert result.report.backend == "mmap" and {f.io_mode for f in result.report.files} == {mode}

@@ -128,6 +128,9 @@ class Backend(abc.ABC):
     maps_files: bool = False
     """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read;
     a backend may decide it per load in :meth:`prepare` (the load reads it after that, when it plans)."""
+    picked_by_auto: bool = False
+    """Set by :func:`select_backend` when ``auto`` chose this backend: it may then do what serves the load
+    best where a backend named explicitly does what its name says (``mmap`` reads a cold rank)."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
         from gdsload.loader.devices import as_device
@@ -243,7 +246,9 @@ def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Bac
         except ImportError as e:
             reason = f"cannot import it ({e})"
         if reason is None:
-            return cls(device, options)
+            backend = cls(device, options)
+            backend.picked_by_auto = True
+            return backend
         log.info("backend %s skipped: %s", candidate, reason)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")

@@ -9,10 +9,12 @@ mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in la
 for their dtype in the file, the caller's own destinations (``into``), and compressed tensors are read as
 the ``cpu`` backend reads.
 
-A cold rank (less than half of it in the page cache, sampled before the plan is made) is not mapped: it
-is read as the ``cpu`` backend reads it, by several threads into an arena, which keeps the disk and every
-core busy; mapped, the first access to each freshly read page would fall to one thread, after the reads.
-The report says which files were mapped (``io=mmap``) and which read (``io=cpu``).
+When ``auto`` picked it, a cold rank (less than half of it in the page cache, sampled before the plan is
+made) is not mapped: it is read as the ``cpu`` backend reads it, by several threads into an arena, which
+keeps the disk and every core busy; mapped, the first access to each freshly read page would fall to one
+thread, after the reads. Named explicitly (``backend="mmap"``), it maps every rank: the pages stay memory
+the kernel can reclaim, which callers streaming a large model through it count on. The report says which
+files were mapped (``io=mmap``) and which read (``io=cpu``).
 
 A mapping lives as long as its tensors, and a file truncated in place while mapped makes a later
 access fail (``SIGBUS``), as with ``safetensors``; files replaced by a rename (what gdsload's writers
@@ -64,8 +66,11 @@ class MmapBackend(CpuBackend):
     _cold = False
 
     def prepare(self, paths: Sequence[str]) -> None:
-        """Map the rank, unless it is cold (see the module doc): a sampled ``mincore``, under a millisecond
-        (files on tmpfs are always resident)."""
+        """Picked by ``auto``: map the rank, unless it is cold (see the module doc), by a sampled ``mincore``,
+        under a millisecond (files on tmpfs are always resident). Named explicitly, it always maps (memory
+        the kernel can reclaim, where an arena could not be)."""
+        if not self.picked_by_auto:
+            return
         from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
 
         try:
