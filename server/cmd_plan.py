@@ -6,20 +6,17 @@ import json
 from typing import Any
 
 import click
-from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gdsload.loader.calc import capacity
 from gdsload.loader.calc.capacity import (
-    ARTICLE_405B,
     GIB,
     KV_BITS,
     MIB,
     PRESETS,
     WEIGHT_FORMATS,
-    ArticleRow,
     HbmBudget,
     BudgetInputs,
 )
@@ -34,29 +31,19 @@ def _gib(n: float) -> str:
 
 
 def _epilog() -> str:
-    """The worked example, computed (never typed in) so the help cannot drift from the code."""
-    rows = capacity.explain_article()
-    base, article = rows[0], next(r for r in reversed(rows) if r.cumulative)
+    """A worked example, computed (never typed in) so the help cannot drift from the code."""
+    spec = PRESETS["llama-3.1-405b"]
+    kv16 = capacity.plan(BudgetInputs(spec, tp=8, weights="fp8", kv_bits=16))
+    kv3 = capacity.plan(BudgetInputs(spec, tp=8, weights="fp8", kv_bits=3))
     cmd = "gdsload plan llama-3.1-405b --tp 8 --weights fp8"
     return (
         "Sizes: MiB/GiB are binary (2^20, 2^30 bytes), MB/GB decimal (10^6, 10^9). --gpu-memory is the total "
         "nvidia-smi reports for one GPU; the default is an H200 (143771 MiB = 150.75 GB, sold as '141 GB').\n\n"
-        "Worked example, the AWS FSx-for-Lustre + GDS article (Llama 3.1 405B on 8×H200: ~82K tokens with a "
-        "16-bit KV cache, >400K with ~3-bit KV, about 5×):\n\n"
+        "Worked example, Llama 3.1 405B on 8 GPUs of that size:\n\n"
         "\b\n"
-        f"  {cmd} --kv-bits 16   -> {base.at_16bit.max_tokens:>10,} tokens\n"
-        f"  {cmd} --kv-bits 3    -> {base.at_3bit.max_tokens:>10,} tokens ({base.ratio:.2f}×)\n"
-        f"  {cmd} --kv-bits 3 --kv-scale-bits 0 -> {rows[1].at_3bit.max_tokens:,} tokens ({rows[1].ratio:.2f}×)\n"
-        "\n"
-        "The ratio reproduces (16 / 3.125 bits with one fp16 scale per 128 values, 16 / 3 without). The absolute "
-        f"numbers are {base.vs_article:.0f}× the article's because it sized the KV cache as if all 128 attention "
-        "heads had their own K/V; Llama 3.1 405B has 8 KV heads (grouped-query attention). With that, no reserves "
-        "and fp8 embeddings:\n\n"
-        "\b\n"
-        f"  {cmd} --quantize-embeddings --activation-reserve 0 --cuda-graph-reserve 0 \\\n"
-        f"      --kv-heads 128 --kv-bits 16   -> {article.at_16bit.max_tokens:,} tokens "
-        f"(--kv-bits 3 --kv-scale-bits 0: {article.at_3bit.max_tokens:,})\n"
-        "  gdsload plan --explain-article   # the step-by-step table\n"
+        f"  {cmd} --kv-bits 16   -> {kv16.max_tokens:>10,} tokens\n"
+        f"  {cmd} --kv-bits 3    -> {kv3.max_tokens:>10,} tokens "
+        f"({kv3.max_tokens / kv16.max_tokens:.2f}x: 3 bits plus an fp16 scale per 128 values)\n"
     )
 
 
@@ -88,14 +75,11 @@ def _epilog() -> str:
               help="What-if: size the KV cache for this many KV heads (weights unchanged).")
 @click.option("--quantize-embeddings", is_flag=True,
               help="Also quantize embed_tokens and lm_head (default: they stay 16-bit, as in vLLM).")
-@click.option("--explain-article", "explain", is_flag=True,
-              help="Show, step by step, which assumptions turn gdsload's 405B figures into the AWS article's ~82K "
-                   "tokens (uses llama-3.1-405b, --tp 8, --weights fp8; the other options set the start).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int, gpu_memory_utilization: float,
          activation_reserve: int, cuda_graph_reserve: int, context: int | None, kv_group_size: int,
          kv_scale_bits: int | None, block_size: int, kv_cache_heads: int | None, quantize_embeddings: bool,
-         explain: bool, as_json: bool) -> None:
+         as_json: bool) -> None:
     """HBM budget per GPU: weights, free memory, KV-cache tokens, context per request and concurrency.
 
     MODEL is a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b) or a Hugging Face config.json (or the
@@ -112,23 +96,6 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, activation_reserve=activation_reserve,
         cuda_graph_reserve=cuda_graph_reserve, context=context, kv_group_size=kv_group_size,
         kv_scale_bits=kv_scale_bits, block_size=block_size, quantize_embeddings=quantize_embeddings)
-    if explain:
-        ctx = click.get_current_context()
-        fixed = [flag for name, flag in (("tp", "--tp"), ("weights", "--weights"), ("kv_bits", "--kv-bits"),
-                                         ("kv_cache_heads", "--kv-heads"))
-                 if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
-        if model is not None or fixed:
-            raise click.UsageError("--explain-article sets the model (llama-3.1-405b), --tp, --weights, --kv-bits "
-                                   f"and the KV heads itself; leave out {', '.join(fixed) or 'MODEL'}")
-        base = BudgetInputs(PRESETS[ARTICLE_405B["model"]], tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"],
-                          **common)
-        rows = capacity.explain_article(base)
-        if not rows[0].at_16bit.max_tokens:
-            raise click.UsageError("with these options llama-3.1-405b at tp 8 leaves no memory for the KV cache "
-                                   f"({rows[0].at_16bit.kv_budget_bytes:,} bytes), so there is nothing to compare; "
-                                   "raise --gpu-memory or --gpu-memory-utilization, or lower the reserves")
-        _show_article(rows, as_json)
-        return
     if model is None:
         raise click.UsageError("MODEL is missing: a preset "
                                f"({', '.join(PRESETS)}) or a path to a config.json")
@@ -189,41 +156,3 @@ def _bullets(con: Console, title: str, lines: tuple[str, ...] | list[str], style
     con.print(f"[bold]{title}[/]")
     for line in lines:
         con.print(f"  • {line}", style=style or None, markup=False)
-
-
-def _show_article(rows: list[ArticleRow], as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps({"article": ARTICLE_405B, "rows": [r.to_dict() for r in rows]}, indent=2))
-        return
-    con = _console()
-    con.print(f"[bold]Article:[/] {ARTICLE_405B['source']}")
-    con.print(f"  claims ~{ARTICLE_405B['tokens_16bit']:,} tokens at 16-bit KV, "
-              f">{ARTICLE_405B['tokens_3bit_at_least']:,}"
-              f" at ~3-bit (about {ARTICLE_405B['ratio']:g}×), llama-3.1-405b, tp {ARTICLE_405B['tp']}, "
-              f"{ARTICLE_405B['weights']} weights")
-    t = Table(title="From gdsload's defaults to the article's assumptions (cumulative unless marked)",
-              title_justify="left")
-    for col, just in (("step", "left"), ("change", "left"), ("weights/GPU", "right"), ("KV budget/GPU", "right"),
-                      ("KV B/token/GPU", "right"), ("tokens 16-bit", "right"), ("tokens 3-bit", "right"),
-                      ("ratio", "right"), ("vs 82K", "right")):
-        t.add_column(col, justify=just, max_width=40 if col == "change" else None)  # type: ignore[arg-type]
-    for r in rows:
-        t.add_row(r.step if r.cumulative else f"[dim]{r.step} (side check)[/]", r.change,
-                  _gib(r.at_16bit.weights_bytes), _gib(r.at_16bit.kv_budget_bytes),
-                  f"{r.at_16bit.kv_bytes_per_token_per_gpu:,}", f"{r.at_16bit.max_tokens:,}",
-                  f"{r.at_3bit.max_tokens:,}", f"{r.ratio:.2f}×" if r.at_16bit.max_tokens else "n/a",
-                  f"{r.vs_article:.2f}×")
-    con.print(t)
-    cumulative = [r for r in rows if r.cumulative]
-    match, before = cumulative[-1], cumulative[-2]
-    small = before.at_16bit.max_tokens / rows[0].at_16bit.max_tokens - 1
-    spec = PRESETS[ARTICLE_405B["model"]]
-    con.print(
-        f"The ratio is {rows[0].ratio:.2f}× with gdsload's defaults and {match.ratio:.2f}× without KV scales: "
-        "with the memory budget fixed it depends only on the KV bits, so it reproduces whatever the absolute numbers. "
-        f"The absolute ~82K does not: gdsload's default gives {rows[0].at_16bit.max_tokens:,}. Dropping scales, "
-        f"reserves and 16-bit embeddings moves that by {small:+.1%}; sizing the KV cache on all {spec.heads} "
-        f"attention heads instead of Llama 3.1's {spec.kv_heads} KV heads (no grouped-query "
-        f"attention, {match.at_16bit.kv_bytes_per_token_per_gpu // before.at_16bit.kv_bytes_per_token_per_gpu}× the "
-        f"bytes per token) gives {match.at_16bit.max_tokens:,} tokens, {match.vs_article:.3f}× the article's figure."
-    )

@@ -34,7 +34,8 @@ def _env(name: str) -> str:
 @click.command("serve")
 @click.argument("model_dir", required=False)
 @click.option("--ranks", default=None, help=f"Ranks this host serves, e.g. 0-7 or 0,2,4 (default: all); {_env('ranks')}.")
-@click.option("--tp", type=int, default=None, help=f"Serve ranks 0..N-1; {_env('tp')}.")
+@click.option("--tp", "--tensor-parallel-size", "tp", type=int, default=None,
+              help=f"Serve ranks 0..N-1 (every rank of the layout: tp x pp); {_env('tp')}.")
 @click.option("--device-map", default=None,
               help=f"auto (i-th rank -> i-th visible GPU, CPU without GPUs), cpu, or RANK:GPU pairs like 0:0,1:1; "
                    f"{_env('device_map')}.")

@@ -140,7 +140,8 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
         raise ModelNotFoundError(f"model path {path!r} is not a directory or a .safetensors file; give the directory "
                                  "that holds the model's .safetensors files")
     try:
-        scanned = scan_layout(real)
+        # Only the served ranks' files must be here: a node holds its own ranks of a multi-node layout.
+        scanned = scan_layout(real, check=tuple(ranks if ranks is not None else config.ranks or ()) or None)
         source, tp, files = scanned.source, scanned.world_size, scanned.ranks
     except (NoFilesForRankError, UnfinishedOutputError) as e:
         if "no .safetensors files" in str(e):

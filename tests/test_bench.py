@@ -311,11 +311,11 @@ def test_sigterm_during_the_bench_removes_its_tmpfs_copy(tmp_path):
     assert list(shm.iterdir()) == []
 
 
-def test_time_to_ready_stops_when_the_server_fails_before_any_rank(tmp_path):
+def test_time_to_ready_stops_when_the_server_refuses_its_target(tmp_path):
+    """``gdsload serve`` checks its model before it starts and exits 2 naming the fix; the bench says so."""
     from gdsload.bench.ttr import time_to_ready
 
     r = time_to_ready(str(tmp_path / "missing"), ["--device-map", "cpu"], timeout=30)
-    # `serve` checks its target before it starts: it exits non-zero with the reason, which the bench passes on
     assert r["error"].startswith("server exited with 2") and "does not exist" in r["error"], r
 
 

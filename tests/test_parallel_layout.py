@@ -229,3 +229,20 @@ def test_without_vllm_other_architectures_and_parallel_layouts_name_the_fix(tmp_
         plan_shard(tmp_path, ShardOptions(tp=2, layout_source="builtin"))
     with pytest.raises(UnsupportedModelError, match="vLLM is not installed here"):
         plan_shard(tmp_path, ShardOptions(tp=2, pp=2, vllm_python=None, layout_source="vllm"))
+
+
+def test_a_node_with_only_its_own_ranks_files_loads_them(tmp_path: Path):
+    """A multi-node layout's manifest lists every rank; each node holds (and checks) only its own ranks' files."""
+    from gdsload.loader import load_rank
+    from gdsload.loader.errors import ManifestError as Missing
+
+    layout = ParallelLayout(tp=2, pp=2)
+    names = {r: [layout.file_name(r, 0)] for r in range(4)}
+    for r, (name,) in names.items():
+        _rank_file(tmp_path / name, r)
+    write_manifest(tmp_path, names, tp_size=2, pp_size=2, layout="vllm", digest=False)
+    for r in (0, 1):  # node 1 of 2 keeps ranks 2 and 3
+        (tmp_path / names[r][0]).unlink()
+    assert torch.equal(load_rank(tmp_path, 3).tensors["w"], torch.full((4,), 3.0))
+    with pytest.raises(Missing, match="the file is missing"):
+        discover(tmp_path, 0)

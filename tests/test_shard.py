@@ -313,10 +313,18 @@ def test_manifest_records_the_layout_and_aux_files_are_copied(checkpoints, tmp_p
     src, _ = checkpoints["llama-gqa-tied"]
     import gdsload.loader.format.digests as digests_mod
 
-    with pytest.MonkeyPatch.context() as mp:  # the writer hashes the files as it writes them: none is read back
-        mp.setattr(digests_mod, "file_digest", lambda path, *a: pytest.fail(f"{path} was read back to hash it"))
+    hashed: list[str] = []
+    real_digest = digests_mod.file_digest
+
+    def once(path, *a):  # the writer hashes each finished file once (before its rename); the manifest does not
+        hashed.append(os.path.basename(path))
+        return real_digest(path, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(digests_mod, "file_digest", once)
         shard_checkpoint(src, tmp_path / "out", tp=4, layout="hf")
     out = tmp_path / "out"
+    assert all(".tmp-" in h for h in hashed) and len(hashed) == len(set(hashed)) == len(list(out.glob("*.safetensors")))
     manifest = Manifest.read(out)
     shard = manifest.extra["shard"]
     assert manifest.layout == "hf" and manifest.tp_size == 4 and manifest.pp_size == 1 and manifest.world_size == 4

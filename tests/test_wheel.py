@@ -41,10 +41,11 @@ def test_wheel_contents_are_namespaced(wheel):
     assert tops == {"gdsload", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     # Every module of the source tree ships, under gdsload/, and nothing else does (a package missing
     # from pyproject's list, or a module left over from an old build, fails here).
-    source = {f"gdsload/{p.relative_to(ROOT).as_posix()}" for top in ("loader", "server", "bench")
-              for p in (ROOT / top).rglob("*.py")}
+    source = {f"gdsload/{p.relative_to(ROOT).as_posix()}".replace("gdsload/loader/_toplevel/", "gdsload/")
+              for top in ("loader", "server", "bench") for p in (ROOT / top).rglob("*.py")}
     shipped = {n for n in names if n.endswith(".py")}
     assert "gdsload/loader/io/cpu.py" in source and "gdsload/server/cli.py" in source
+    assert "gdsload/__init__.py" in shipped  # the top-level package: gdsload.save / gdsload.load
     assert source - shipped == set(), "modules missing from the wheel"
     assert shipped - source == set(), "modules in the wheel that the source tree does not have"
     assert not any(n.startswith(("loader/", "server/", "bench/", "tests/")) for n in names)
@@ -84,3 +85,21 @@ def test_installed_wheel_imports_from_its_own_location(wheel, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0].startswith(str(target))
+
+
+def test_installed_wheel_saves_and_loads_through_the_top_level_names(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    code = (
+        "import gdsload, torch;"
+        "assert gdsload.__file__.startswith(%r), gdsload.__file__;"
+        "state = {'w': torch.randn(300, 300), 'step': 7};"
+        "gdsload.save(state, 'c.pt');"
+        "back = gdsload.load('c.pt', map_location='cpu');"
+        "assert torch.equal(back['w'], state['w']) and back['step'] == 7;"
+        "print('ok')"
+    ) % str(target)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

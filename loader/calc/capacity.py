@@ -34,19 +34,16 @@ __all__ = [
     "KV_BITS",
     "WEIGHT_FORMATS",
     "PRESETS",
-    "ARTICLE_405B",
     "ModelSpec",
     "WeightFormat",
     "WeightPart",
     "BudgetInputs",
     "HbmBudget",
-    "ArticleRow",
     "resolve_model",
     "count_params",
     "weight_parts",
     "kv_bytes_per_token",
     "plan",
-    "explain_article",
 ]
 
 MIB = 1 << 20
@@ -611,87 +608,3 @@ def plan(inputs: BudgetInputs) -> HbmBudget:
         kv_effective_bits=effective_bits, max_tokens=max_tokens, context=context, max_context_per_request=max_ctx,
         concurrent_sequences=concurrent, assumptions=tuple(assumptions), notes=tuple(notes), formulas=formulas,
     )
-
-
-# The claim being reproduced. AWS Machine Learning blog, "Accelerate LLM model loading and increase context
-# windows with GPUDirect on Amazon FSx for Lustre and TurboQuant": Llama 3.1 405B on a P5en (8×H200), FP8
-# weights, from ~82K tokens of context with a 16-bit KV cache to >400K with TurboQuant's ~3-bit KV (about 5×).
-ARTICLE_405B: dict[str, Any] = {
-    "model": "llama-3.1-405b",
-    "tp": 8,
-    "weights": "fp8",
-    "tokens_16bit": 82_000,
-    "tokens_3bit_at_least": 400_000,
-    "ratio": 5.0,
-    "source": "AWS ML blog: Accelerate LLM model loading and increase context windows with GPUDirect on Amazon "
-              "FSx for Lustre and TurboQuant (P5en, 8×H200)",
-}
-
-
-@dataclass(frozen=True)
-class ArticleRow:
-    """One step from gdsload's default assumptions towards the article's."""
-
-    step: str
-    change: str
-    cumulative: bool
-    """False: a side check, not carried into the next step."""
-    at_16bit: HbmBudget
-    at_3bit: HbmBudget
-
-    @property
-    def ratio(self) -> float:
-        return self.at_3bit.max_tokens / self.at_16bit.max_tokens if self.at_16bit.max_tokens else float("nan")
-
-    @property
-    def vs_article(self) -> float:
-        """16-bit token capacity relative to the article's ~82K (1.0 = same)."""
-        return self.at_16bit.max_tokens / ARTICLE_405B["tokens_16bit"]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Step, change, and both plans' key figures."""
-        def brief(p: HbmBudget) -> dict[str, Any]:
-            return {k: getattr(p, k) for k in ("weights_bytes", "kv_budget_bytes", "kv_bytes_per_token_per_gpu",
-                                               "kv_effective_bits", "max_tokens")}
-        return {"step": self.step, "change": self.change, "cumulative": self.cumulative,
-                "kv16": brief(self.at_16bit), "kv3": brief(self.at_3bit),
-                "ratio": self.ratio if self.at_16bit.max_tokens else None,  # JSON has no NaN
-                "tokens_16bit_vs_article": self.vs_article}
-
-
-def explain_article(base: BudgetInputs | None = None) -> list[ArticleRow]:
-    """Walk from gdsload's defaults to the assumptions that reproduce the article's ~82K → >400K tokens.
-
-    ``base`` supplies the starting assumptions (default: 405B, tp 8, fp8, H200 and the BudgetInputs defaults);
-    its model, tp and weights are forced to the article's. Each row is computed at 16-bit and at 3-bit KV. The
-    last cumulative row sizes the KV cache on all 128 attention heads (no GQA) — the one assumption that brings
-    the 16-bit figure to the article's ~82K; the ratio is ~5× in every row because it depends only on the
-    KV bits once the memory budget is fixed.
-
-    >>> rows = explain_article()
-    >>> rows[-2].at_16bit.max_tokens, rows[-2].at_3bit.max_tokens, round(rows[-2].ratio, 2)
-    (82288, 438880, 5.33)
-    """
-    spec = PRESETS[ARTICLE_405B["model"]]
-    start = replace(base or BudgetInputs(spec), model=spec, tp=ARTICLE_405B["tp"], weights=ARTICLE_405B["weights"])
-    steps: list[tuple[str, str, dict[str, Any], bool]] = [
-        ("gdsload defaults", "the assumptions `gdsload plan` prints", {}, True),
-        ("no KV scales", "3-bit KV without per-group scales", {"kv_scale_bits": 0}, True),
-        ("no reserves", "activation and CUDA-graph reserves = 0", {"activation_reserve": 0,
-                                                                    "cuda_graph_reserve": 0}, True),
-        ("fp8 everywhere", "embeddings and lm_head fp8 too (params × 1 B / tp)", {"quantize_embeddings": True},
-         True),
-        ("KV on all 128 heads", "KV cache for 128 heads, not 8 (no GQA): 2 × layers × hidden × bytes per token; "
-         "weights unchanged", {"kv_cache_heads": spec.heads}, True),
-        ("bf16 weights", "as above with bf16 weights: far below 82K, so not what the article did",
-         {"weights": "bf16", "quantize_embeddings": False}, False),
-    ]
-    rows: list[ArticleRow] = []
-    current = start
-    for step, change, overrides, cumulative in steps:
-        inputs = replace(current, **overrides)
-        rows.append(ArticleRow(step, change, cumulative, plan(replace(inputs, kv_bits=16)),
-                               plan(replace(inputs, kv_bits=3))))
-        if cumulative:
-            current = inputs
-    return rows

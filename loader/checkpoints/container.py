@@ -56,16 +56,13 @@ input of :func:`.load_rank`, whose arena views suit inference weights better.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import queue
 import struct
-import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -76,7 +73,7 @@ import torch
 from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
 from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
 from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
-from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry, parse_compression
+from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE, to_torch
 from gdsload.loader.errors import (
@@ -88,9 +85,18 @@ from gdsload.loader.errors import (
     ConfigError,
     GdsloadError,
 )
+from gdsload.loader.checkpoints.writer import Appender as _Appender
+from gdsload.loader.checkpoints.writer import PosixSink as _PosixSink  # noqa: F401 (patched by tests)
+from gdsload.loader.checkpoints.writer import WritePipe as _Pipe
+from gdsload.loader.checkpoints.writer import header_json as _header_json
+from gdsload.loader.checkpoints.writer import host_bytes as _host_bytes
+from gdsload.loader.checkpoints.writer import kvikio_missing as _kvikio_missing
+from gdsload.loader.checkpoints.writer import open_sink as _open_sink
+from gdsload.loader.checkpoints.writer import with_compression as _with_compression
+from gdsload.loader.checkpoints.writer import write_failed as _write_failed
 from gdsload.loader.checkpoints.tree import Flattener, Leaf, Rebuilder, state_of
 from gdsload.loader.format.safetensors import (DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output,
-                                               pwrite_all, read_header, tensor_bytes)
+                                               pwrite_all, read_header)
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -115,14 +121,6 @@ ALGORITHMS = ("ANS", "Zstd", "GDeflate", "none", "auto")
 WRITERS = ("auto", "kvikio", "posix")
 """``auto``: kvikio when it imports and opens the file, else posix ``pwrite``."""
 
-_QUEUE_DEPTH = 2
-"""Stored tensors waiting for the writer; with one being written and one being compressed,
-at most four are in host memory at once."""
-_SMALL_WRITE = 64 << 10
-"""Pieces smaller than this are gathered into one write of up to ``_COALESCE_BYTES``."""
-_COALESCE_BYTES = 4 << 20
-_SYNC_BYTES = 256 << 20
-"""The writer calls ``fdatasync`` after this many bytes, so dirty pages don't pile up until the end."""
 _ZSTD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -190,20 +188,6 @@ class CheckpointReport:
 # --------------------------------------------------------------------------- the file layout
 
 
-def _header_json(metadata: Mapping[str, str], entries: Iterable[tuple[str, str, list[int], int, int]]) -> bytes:
-    doc: dict[str, Any] = {"__metadata__": dict(metadata)}
-    for name, dtype, shape, start, end in entries:
-        doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
-
-
-def _with_compression(metadata: Mapping[str, str], entries: Mapping[str, dict[str, Any]]) -> dict[str, str]:
-    out = dict(metadata)
-    if entries:
-        out[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": dict(entries)}, separators=(",", ":"))
-    return out
-
-
 def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf], codec: str | None,
              checksum: bool, metadata: Mapping[str, str]) -> int:
     """Where the data section starts: an upper bound of the header, rounded up to 4096.
@@ -239,160 +223,6 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
 
 
 # --------------------------------------------------------------------------- the writer side
-
-
-class _PosixSink:
-    name = "posix"
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def write(self, data: np.ndarray, offset: int) -> None:
-        pwrite_all(self.fd, data, offset)
-
-    def close(self) -> None:
-        pass
-
-
-class _KvikioSink:
-    name = "kvikio"
-
-    def __init__(self, path: Path):
-        import kvikio
-
-        self._file = kvikio.CuFile(path, "r+")  # the temp file exists; "w" would also do (it is empty)
-
-    def write(self, data: np.ndarray, offset: int) -> None:
-        n = self._file.pwrite(data, data.nbytes, offset).get()
-        if n != data.nbytes:
-            raise OSError(errno.EIO, f"kvikio wrote {n} of {data.nbytes} bytes at offset {offset}")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def _kvikio_missing() -> str | None:
-    try:
-        import kvikio  # noqa: F401
-    except Exception as e:  # ImportError, or a CUDA library that fails to load
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _open_sink(writer: str, tmp: Path, fd: int) -> _PosixSink | _KvikioSink:
-    if writer != "posix":
-        try:
-            return _KvikioSink(tmp)
-        except Exception as e:  # not installed, or cuFile could not open the file here
-            if writer == "kvikio":
-                raise BackendUnavailableError(
-                    f"writer='kvikio' cannot open {str(tmp)!r} ({type(e).__name__}: {e}); "
-                    "install gdsload[cu12] or gdsload[cu13], or use writer='posix'"
-                ) from None
-            log.debug("writer auto: kvikio is not usable (%s: %s); writing with pwrite", type(e).__name__, e)
-    return _PosixSink(fd)
-
-
-def _write_failed(path: Path, e: BaseException, done: int | None = None) -> CheckpointWriteError:
-    while isinstance(e, OSError) and isinstance(e.__cause__, OSError):
-        e = e.__cause__  # the system's own words, not a wrapper's sentence (atomic_output rephrases)
-    code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
-    text = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-    fix = {errno.ENOSPC: "free space or save elsewhere", errno.EDQUOT: "free space or save elsewhere",
-           errno.EACCES: "save where you may write"}.get(code, "check the path, its file system and permissions")
-    if code == errno.ENOENT:
-        fix = ("create its directory first" if not path.parent.is_dir() else
-               "its temporary file vanished while saving: did another process remove it?")
-    after = "" if done is None else f" after {format_bytes(done)} of data"
-    return CheckpointWriteError(
-        code,
-        f"writing checkpoint {str(path)!r} failed{after}: {text}; nothing was written under that name and a "
-        f"previous checkpoint there is intact — {fix}",
-    )
-
-
-class _Pipe:
-    """The writer thread: takes ``(offset, bytes)`` from a bounded queue and writes them."""
-
-    def __init__(self, sink: _PosixSink | _KvikioSink, fd: int, path: Path):
-        self._sink, self._fd, self._path = sink, fd, path
-        self._queue: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self.busy = 0.0
-        self.written = 0
-        self._thread = threading.Thread(target=self._run, name="gdsload-checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def put(self, offset: int, data: np.ndarray) -> None:
-        if self.error is not None:
-            raise _write_failed(self._path, self.error, self.written) from self.error
-        self._queue.put((offset, data))
-
-    def _run(self) -> None:
-        unsynced = 0
-        while (item := self._queue.get()) is not None:
-            if self.error is not None or self._stop.is_set():
-                continue  # keep draining so the producer never blocks
-            offset, data = item
-            t = time.perf_counter()
-            try:
-                self._sink.write(data, offset)
-                self.written += data.nbytes
-                unsynced += data.nbytes
-                if unsynced >= _SYNC_BYTES:
-                    os.fdatasync(self._fd)
-                    unsynced = 0
-            except BaseException as e:  # reported to the producer at its next put, or at finish
-                self.error = e
-            self.busy += time.perf_counter() - t
-
-    def finish(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if self.error is not None:
-            raise _write_failed(self._path, self.error, self.written) from self.error
-
-    def abort(self) -> None:
-        self._stop.set()
-        self._queue.put(None)
-        self._thread.join()
-
-
-class _Appender:
-    """Hands stored bytes to the writer at consecutive offsets, gathering small pieces."""
-
-    def __init__(self, pipe: _Pipe, offset: int):
-        self.offset = offset
-        self._pipe = pipe
-        self._pending: list[np.ndarray] = []
-        self._pending_at = offset
-        self._pending_bytes = 0
-
-    def add(self, data: np.ndarray) -> int:
-        """Queue ``data`` at the next offset; returns that offset."""
-        start, n = self.offset, data.nbytes
-        if n >= _SMALL_WRITE:
-            self.flush()
-            self._pipe.put(start, data)
-        elif n:
-            if not self._pending:
-                self._pending_at = start
-            self._pending.append(data)
-            self._pending_bytes += n
-            if self._pending_bytes >= _COALESCE_BYTES:
-                self.flush()
-        self.offset += n
-        return start
-
-    def flush(self) -> None:
-        if self._pending:
-            self._pipe.put(self._pending_at, np.concatenate(self._pending))
-            self._pending, self._pending_bytes = [], 0
-
-
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    return np.frombuffer(tensor_bytes(t), dtype=np.uint8)
 
 
 # --------------------------------------------------------------------------- save

@@ -341,6 +341,15 @@ class GpuCodecs:
             got = None
         return int(got[0]) if got is not None else zlib.crc32(self.device.to_host(array))
 
+    def crcs(self, spans: list[tuple[int, int]], where: str) -> list[int] | None:
+        """zlib's CRC-32 of each device byte range ``(address, nbytes)``, all in one batch on this stream; None
+        where nvCOMP's library or its CRC-32 call is missing."""
+        from gdsload.loader.codecs.nvcomp_c import device_crc32, library_unavailable
+
+        if library_unavailable() is not None:
+            return None
+        return device_crc32(spans, self._stream_bytes(), self.stream or 0, where)
+
     def decode(self, entry: CompressedEntry, src: Any, dst: Any, *, path: str) -> None:
         """Decode ``entry`` from device bytes ``src`` into device bytes ``dst``.
 

@@ -86,6 +86,7 @@ class _CRC32Opts(ctypes.Structure):
 
 _CRC32_PKZIP = dict(poly=0x04C11DB7, init=0xFFFFFFFF, ref_in=True, ref_out=True, xorout=0xFFFFFFFF)
 """nvcompCRC32: the CRC-32 of zlib (``zlib.crc32``), which the encoder records."""
+
 _CRC32_ONLY_SEGMENT = 0
 _NVCOMP_TYPE_BITS = 0xFF
 _LIB: tuple[ctypes.CDLL, int] | None = None
@@ -458,8 +459,8 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
 
 
 def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str) -> list[int] | None:
-    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream``
-    (``device`` as for :class:`AnsDecoder`); None when this nvCOMP has no CRC-32 call.
+    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream`` in one
+    batch (``device`` as for :class:`AnsDecoder`); None when this nvCOMP has no CRC-32 call.
 
     Waits for the stream: the results are on the host when it returns, one per range.
     """

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import math
 import operator
 import sys
@@ -40,6 +39,7 @@ from typing import Any, NamedTuple
 
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.errors import CodecError
+from gdsload.loader.format import strict_json
 from gdsload.loader.format.safetensors import SafetensorsHeader
 
 __all__ = [
@@ -60,6 +60,8 @@ CODECS: dict[str, tuple[str, ...]] = {"ans": ("chunks", "native"), "gdeflate": (
 """Codec name -> the layouts its streams may use; ``gdsload compress`` writes the first. These are format
 version 1's own codecs; a codec another package registers (:mod:`gdsload.loader.codecs.registry`) adds itself."""
 CHUNK_ALIGN: dict[str, int] = {"ans": 16}
+MAX_TENSOR_BYTES = 1 << 62
+"""Largest decoded size a compressed tensor may declare: the sizes of a rank's tensors add up to less than 2**63."""
 MAX_CHUNK_BYTES = 1 << 30
 """Largest decoded chunk a file may declare (nvCOMP's own chunks are at most a few MiB)."""
 MAX_CHUNK_ALIGN = 1 << 16
@@ -170,8 +172,10 @@ def _uint32s(raw: bytes) -> Sequence[int]:
 
 def _chunk_bytes(text: Any, where: str) -> bytes:
     """The raw little-endian uint32 sizes of a ``chunks`` field."""
+    if not isinstance(text, str):
+        raise CodecError(f"{where}: 'chunks' must be a base64 string, got {strict_json.brief(text)}")
     try:
-        raw = base64.b64decode(str(text).encode("ascii"), validate=True)
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError):
         raise CodecError(f"{where}: 'chunks' is not base64") from None
     if len(raw) % 4:
@@ -200,14 +204,12 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
     if raw is None:
         return {}
     path = header.path
-    try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise CodecError(f"{path!r}: __metadata__[{METADATA_KEY!r}] is not JSON ({e}); the file is corrupt") from None
+    doc = strict_json.loads(raw, CodecError, f"{path!r}: __metadata__[{METADATA_KEY!r}]")
     if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or not isinstance(doc.get("tensors"), dict):
+        version = strict_json.brief(doc.get("version") if isinstance(doc, dict) else doc)
         raise CodecError(
-            f"{path!r}: compression metadata version {doc.get('version') if isinstance(doc, dict) else doc!r} "
-            f"is not {FORMAT_VERSION}; upgrade gdsload or re-run `gdsload compress`"
+            f"{path!r}: compression metadata version {version} is not {FORMAT_VERSION}; upgrade gdsload or re-run "
+            "`gdsload compress`"
         )
     stored = {t.name: t for t in header.tensors}
     out: dict[str, CompressedEntry] = {}
@@ -218,6 +220,8 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         t = stored[name]
         if t.dtype != "U8" or len(t.shape) != 1:
             raise CodecError(f"{where} must be stored as 1-D U8, found {t.dtype}{list(t.shape)}")
+        if not isinstance(e, dict) or not isinstance(e.get("shape"), list):
+            raise CodecError(f"{where}: metadata entry {strict_json.brief(e)} must be an object with a shape list")
         try:
             dtype, shape, nbytes, codec = e["dtype"], tuple(e["shape"]), e["nbytes"], e["codec"]
             if isinstance(codec, str) and codec not in CODECS:
@@ -227,25 +231,29 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             layout, params = e.get("layout", CODECS.get(codec, ("",))[-1]), e.get("params") or {}
         except (KeyError, TypeError) as err:
             raise CodecError(f"{where}: metadata entry is missing {err}") from None
-        if type(nbytes) is not int or not isinstance(params, dict):
-            raise CodecError(f"{where}: nbytes {nbytes!r} must be an integer and params {params!r:.100} an object")
+        if type(nbytes) is not int or not 0 <= nbytes < MAX_TENSOR_BYTES or not isinstance(params, dict):
+            raise CodecError(f"{where}: nbytes {strict_json.brief(nbytes)} must be an integer in [0, 2**62) and "
+                             f"params {strict_json.brief(params)} an object")
         params = dict(params)
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise CodecError(f"{where}: unknown dtype {dtype!r}")
+            raise CodecError(f"{where}: unknown dtype {strict_json.brief(dtype)}")
         if not all(type(d) is int and 0 <= d < 2**63 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
-            raise CodecError(f"{where}: shape {list(shape)} x {dtype} is not the recorded {nbytes} bytes")
-        if codec not in CODECS or layout not in CODECS[codec]:
-            raise CodecError(f"{where}: codec {codec!r} with layout {layout!r} is not one of {CODECS}")
+            raise CodecError(f"{where}: shape {strict_json.brief(list(shape))} x {dtype} is not the recorded {nbytes} "
+                             "bytes")
+        if not isinstance(codec, str) or not isinstance(layout, str) or codec not in CODECS \
+                or layout not in CODECS[codec]:
+            raise CodecError(f"{where}: codec {strict_json.brief(codec)} with layout {strict_json.brief(layout)} is "
+                             f"not one of {CODECS}")
         chunk_bytes, align, chunks = 0, 1, ()
         if layout == "chunks":
             chunk_bytes, align = e.get("chunk_bytes"), e.get("chunk_align", 1)
             if type(chunk_bytes) is not int or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-                raise CodecError(f"{where}: chunk_bytes {chunk_bytes!r} must be a positive integer up to "
-                                 f"{MAX_CHUNK_BYTES}")
+                raise CodecError(f"{where}: chunk_bytes {strict_json.brief(chunk_bytes)} must be a positive integer "
+                                 f"up to {MAX_CHUNK_BYTES}")
             need = CHUNK_ALIGN.get(codec, 1)
             if type(align) is not int or not 0 < align <= MAX_CHUNK_ALIGN or align & (align - 1) or align % need:
-                raise CodecError(f"{where}: chunk_align {align!r} must be a power of two up to {MAX_CHUNK_ALIGN} "
-                                 f"and a multiple of {need}")
+                raise CodecError(f"{where}: chunk_align {strict_json.brief(align)} must be a power of two up to "
+                                 f"{MAX_CHUNK_ALIGN} and a multiple of {need}")
             sizes = _chunk_bytes(e.get("chunks", ""), where)
             if len(sizes) // 4 != -(-nbytes // chunk_bytes):
                 raise CodecError(
@@ -254,7 +262,7 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
             chunks = _chunk_sizes(sizes, align, t.nbytes, where)
         crc = e.get("crc32")
         if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
-            raise CodecError(f"{where}: crc32 {crc!r} is not a 32-bit unsigned integer")
+            raise CodecError(f"{where}: crc32 {strict_json.brief(crc)} is not a 32-bit unsigned integer")
         out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, chunks,
                                     crc, align)
     return out

@@ -4,17 +4,24 @@ Order: ``gdsload.json`` if present; else vLLM's ``model-rank-{rank}-part-{part}.
 pipeline parallel, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors`` (what ``save_sharded_state``
 writes); else TensorRT-LLM's ``rank{rank}.safetensors``; else, for rank 0 only, every ``*.safetensors``
 (an ordinary TP=1 checkpoint). A path to a single ``.safetensors`` file is a TP=1 checkpoint of one file.
+Without a manifest, a vLLM rank missing parts is refused: a gap in its part numbers, or fewer parts than another
+rank of its stage along with tensor names that rank holds and it does not (:func:`_check_last_part` says what
+cannot be told without a manifest).
 Ranks are global ranks, numbered as the engine numbers them (:mod:`~gdsload.loader.format.ranks`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
+from collections.abc import Iterable
 from typing import NamedTuple
 from pathlib import Path
 
-from gdsload.loader.errors import ConfigError, FileUnreadableError, ManifestError, NoFilesForRankError, UnfinishedOutputError
+from gdsload.loader.errors import (ConfigError, FileUnreadableError, GdsloadError, ManifestError, NoFilesForRankError,
+                                  UnfinishedOutputError)
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile
 from gdsload.loader.format.ranks import PP_TP_PATTERN, parse_rank_file
 
@@ -62,13 +69,39 @@ UNFINISHED_MARKERS = {".gdsload-shard.partial": "shard", ".gdsload-writing": "co
 """Entries a gdsload writer keeps in a directory until its output is complete: such a directory never loads."""
 
 
+def _kind(p: Path, shown: str) -> str | None:
+    """``"file"``, ``"dir"``, ``"other"`` (a FIFO, a socket...) or None when nothing is at ``p`` (links followed);
+    :class:`FileUnreadableError` when the question cannot be answered (a directory on the way cannot be searched)."""
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise FileUnreadableError(e.errno, f"{shown!r} cannot be looked up ({e.strerror or e}); check the "
+                                  "permissions of the directories on its path") from None
+    return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+
+
+def _lexists(p: Path) -> bool:
+    try:
+        p.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise FileUnreadableError(e.errno, f"{str(p)!r} cannot be looked up ({e.strerror or e}); check the "
+                                  "permissions of the directories on its path") from None
+    return True
+
+
 def _safetensors_in(root: Path) -> list[str]:
     try:
         return sorted(p.name for p in root.iterdir()
                       if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file())
     except OSError as e:
-        raise FileUnreadableError(f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); check its "
-                                  "permissions") from None
+        raise FileUnreadableError(e.errno, f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); "
+                                  "check its permissions") from None
 
 
 class ScannedLayout(NamedTuple):
@@ -93,37 +126,40 @@ def list_ranks(path: str | os.PathLike[str]) -> tuple[str, int, dict[int, tuple[
     return scanned.source, scanned.world_size, scanned.ranks
 
 
-def scan_layout(path: str | os.PathLike[str]) -> ScannedLayout:
+def scan_layout(path: str | os.PathLike[str], *, check: Iterable[int] | None = None) -> ScannedLayout:
     """The layout of a model path (see the module docstring for the order of lookups).
+
+    With a manifest, the files of the ranks in ``check`` (None: every rank) must be there with the sizes it
+    records; a node that holds only its own ranks' files checks those.
 
     >>> scan_layout("/models/mixtral-tp2-pp2")  # doctest: +SKIP
     ScannedLayout(source='manifest', tp_size=2, pp_size=2, ep_size=1, ranks={0: (...), ...}, manifest=...)
     """
     root = Path(path).resolve()
-    if root.is_file():
+    kind = _kind(root, str(path))
+    if kind == "file":
         if root.suffix != ".safetensors":
             raise NoFilesForRankError(f"{str(path)!r} is not a .safetensors file or a model directory")
         return ScannedLayout("plain", 1, 1, 1, {0: (str(root),)}, None)
-    if not root.is_dir():
+    if kind != "dir":
         raise NoFilesForRankError(f"model path {str(path)!r} does not exist")
     for marker, command in UNFINISHED_MARKERS.items():
-        if os.path.lexists(root / marker):
+        if _lexists(root / marker):
             raise UnfinishedOutputError(
                 f"{str(path)!r} is the output of a `gdsload {command}` run that has not finished ({marker} is there): "
                 f"it is still running, or it was stopped; rerun the same `gdsload {command}` command to finish it "
                 "(finished files are kept), or delete the directory"
             )
 
-    if (root / MANIFEST_NAME).exists():
+    if _kind(root / MANIFEST_NAME, str(root / MANIFEST_NAME)) is not None:
         manifest = Manifest.read(root)
         files = {r: tuple(str(root / f.path) for f in entries) for r, entries in manifest.ranks.items()}
         for r, entries in manifest.ranks.items():
+            if check is not None and r not in check:
+                continue
             for f in entries:
                 p = root / f.path
-                try:
-                    size = p.stat().st_size if p.is_file() else None
-                except OSError:
-                    size = None
+                size = p.stat().st_size if _kind(p, str(p)) == "file" else None
                 if size is None:
                     raise ManifestError(
                         f"{str(root / MANIFEST_NAME)!r} lists {f.path!r} for rank {r}, "
@@ -186,7 +222,7 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
     """
     if type(rank) is not int or rank < 0:
         raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
-    scanned = scan_layout(path)
+    scanned = scan_layout(path, check=(rank,))
     source, ranks, manifest = scanned.source, scanned.ranks, scanned.manifest
     root = Path(path).resolve()
     root_dir = str(root if root.is_dir() else root.parent)
@@ -209,5 +245,40 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
             f"No files for rank {rank} under {str(path)!r} matching {pattern!r}; "
             f"the directory holds rank{'s' if len(ranks) > 1 else ''} {_ranges(list(ranks))} — {hint}"
         )
+    if source == "vllm":
+        _check_last_part(path, scanned, rank)
     return RankFiles(root=root_dir, rank=rank, tp_size=scanned.tp_size, source=source, files=ranks[rank],
                      manifest=manifest, pp_size=scanned.pp_size)
+
+
+def _check_last_part(path: str | os.PathLike[str], scanned: ScannedLayout, rank: int) -> None:
+    """Without a manifest, the closest honest check that a vLLM rank's last part is there.
+
+    Gaps in the part numbers are found when the directory is scanned; a missing *last* part leaves none. In
+    vLLM's ``sharded_state`` layout every tensor-parallel rank of a pipeline stage holds the same tensor names
+    (each its own slice), so when this rank has fewer parts than another rank of its stage, the names in their
+    headers are compared: names the other rank holds and this one does not mean this rank's last part(s) are
+    missing. What cannot be told without a manifest: the last part missing from every rank of a stage alike
+    (or from a single-rank model); a manifest (``gdsload.json``, which gdsload's writers write) lists every
+    file with its size.
+    """
+    from gdsload.loader.format.safetensors import read_header
+
+    tp = scanned.tp_size
+    stage = [r for r in range(rank // tp * tp, rank // tp * tp + tp) if r in scanned.ranks]
+    mine = scanned.ranks[rank]
+    longest = max(stage, key=lambda r: len(scanned.ranks[r]))
+    if len(scanned.ranks[longest]) <= len(mine):
+        return
+    try:
+        theirs = {t.name for p in scanned.ranks[longest] for t in read_header(p).tensors}
+    except GdsloadError:
+        return  # the other rank's files cannot tell (they are damaged themselves): its own load will say so
+    held = {t.name for p in mine for t in read_header(p).tensors}
+    missing = sorted(theirs - held)
+    if missing:
+        raise NoFilesForRankError(
+            f"rank {rank} under {str(path)!r} has {len(mine)} part(s), rank {longest} of the same pipeline stage has "
+            f"{len(scanned.ranks[longest])}, and {len(missing)} tensor(s) rank {longest} holds are in none of rank "
+            f"{rank}'s files (e.g. {', '.join(map(repr, missing[:3]))}): its last part is missing — the copy is "
+            "incomplete; re-copy the directory (a manifest, gdsload.json, lists every file and its size)")

@@ -36,8 +36,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from gdsload.loader.errors import ManifestError
-from gdsload.loader.format.safetensors import SafetensorsHeader, atomic_output, read_header
+from gdsload.loader.errors import FileUnreadableError, ManifestError
+from gdsload.loader.format import strict_json
+from gdsload.loader.format.safetensors import SafetensorsHeader, atomic_output, open_regular, read_header
 
 __all__ = [
     "MANIFEST_NAME",
@@ -53,6 +54,10 @@ __all__ = [
 
 MANIFEST_NAME = "gdsload.json"
 MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest ``gdsload.json`` read (a manifest of a million files is a few hundred MB less)."""
+MAX_FILES = 1 << 20
+"""Most files a manifest may list, all ranks together."""
 MAX_RANKS = 4096
 """More ranks than any deployment has: a manifest claiming more is damaged (refused before any allocation)."""
 LAYOUTS = ("vllm", "hf", "trtllm", "plain")
@@ -88,29 +93,39 @@ class Manifest(NamedTuple):
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Manifest:
-        """Parse and validate ``directory/gdsload.json``; raises :class:`ManifestError`."""
-        path = Path(directory) / MANIFEST_NAME
+        """Parse and validate ``directory/gdsload.json``; raises :class:`ManifestError`, or
+        :class:`FileUnreadableError` when it cannot be read (permissions, not a regular file)."""
+        path = str(Path(directory) / MANIFEST_NAME)
+        fd = open_regular(path)
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{str(path)!r} is not valid JSON ({e}); rewrite it with `gdsload shard`") from None
-        return cls.from_dict(doc, where=str(path))
+            size = os.fstat(fd).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"{path!r} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may be; "
+                                    "it is damaged or not a gdsload manifest: rewrite it (gdsload shard and compress "
+                                    "write one) or remove it")
+            raw = _read_all(fd, path, size)
+        finally:
+            os.close(fd)
+        doc = strict_json.loads(raw, ManifestError, repr(path))
+        return cls.from_dict(doc, where=path)
 
     @classmethod
     def from_dict(cls, doc: Any, *, where: str = MANIFEST_NAME) -> Manifest:
         def bad(msg: str) -> ManifestError:
             return ManifestError(f"{where!r}: {msg}")
 
+        strict_json.check_value(doc, ManifestError, repr(where))  # nesting bounded, before anything walks it
         if not isinstance(doc, dict) or doc.get("format") != "gdsload-manifest":
             raise bad("not a gdsload manifest (missing \"format\": \"gdsload-manifest\")")
         version = doc.get("format_version")
         if version != MANIFEST_VERSION:
-            raise bad(f"format_version {version!r} is not supported (this gdsload reads {MANIFEST_VERSION}); upgrade gdsload")
+            raise bad(f"format_version {strict_json.brief(version)} is not supported (this gdsload reads "
+                      f"{MANIFEST_VERSION}); upgrade gdsload")
         sizes = {}
         for key in ("tp_size", "pp_size", "ep_size"):
             value = doc.get(key, 1 if key != "tp_size" else None)
             if type(value) is not int or not 1 <= value <= MAX_RANKS:
-                raise bad(f"{key} must be an integer in 1..{MAX_RANKS}, got {value!r:.40}")
+                raise bad(f"{key} must be an integer in 1..{MAX_RANKS}, got {strict_json.brief(value)}")
             sizes[key] = value
         tp, pp, ep = sizes["tp_size"], sizes["pp_size"], sizes["ep_size"]
         world = tp * pp
@@ -119,15 +134,19 @@ class Manifest(NamedTuple):
         if ep not in (1, tp):
             raise bad(f"ep_size={ep} must be 1 or tp_size={tp} (experts spread over a stage's tensor-parallel ranks)")
         layout = doc.get("layout")
-        if layout not in LAYOUTS:
-            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise bad(f"layout {strict_json.brief(layout)} is not one of {LAYOUTS}")
         raw_ranks = doc.get("ranks")
         if not isinstance(raw_ranks, dict):
             raise bad("'ranks' must map rank numbers to lists of files")
         ranks: dict[int, tuple[ManifestFile, ...]] = {}
+        listed = sum(len(files) for files in raw_ranks.values() if isinstance(files, list))
+        if listed > MAX_FILES:
+            raise bad(f"the ranks list {listed} files, more than the {MAX_FILES} a manifest may list")
         for key, files in raw_ranks.items():
             if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key)) or int(key) >= world:
-                raise bad(f"rank key {key!r:.40} is not a rank in 0..{world - 1} (written without leading zeros)")
+                raise bad(f"rank key {strict_json.brief(key)} is not a rank in 0..{world - 1} (written without leading "
+                          "zeros)")
             if not isinstance(files, list) or not files:
                 raise bad(f"rank {key} must list at least one file")
             entries = []
@@ -135,9 +154,19 @@ class Manifest(NamedTuple):
                 try:
                     entry = ManifestFile(**f)
                 except TypeError as e:
-                    raise bad(f"rank {key}: file entry {f!r:.200} is malformed ({e})") from None
-                if not isinstance(entry.path, str) or os.path.isabs(entry.path) or ".." in Path(entry.path).parts:
-                    raise bad(f"rank {key}: file path {entry.path!r} must be relative and stay inside the directory")
+                    raise bad(f"rank {key}: file entry {strict_json.brief(f)} is malformed ({e})") from None
+                if (not isinstance(entry.path, str) or "\x00" in entry.path or os.path.isabs(entry.path)
+                        or ".." in Path(entry.path).parts):
+                    raise bad(f"rank {key}: file path {strict_json.brief(entry.path)} must be relative and stay inside "
+                              "the directory")
+                for field in ("bytes", "stored_bytes", "logical_bytes"):
+                    value = getattr(entry, field)
+                    if type(value) is not int or not 0 <= value < 2**63:
+                        raise bad(f"rank {key}: file {entry.path!r}: {field} {strict_json.brief(value)} must be an "
+                                  "integer in [0, 2**63)")
+                if entry.digest is not None and not isinstance(entry.digest, str):
+                    raise bad(f"rank {key}: file {entry.path!r}: digest {strict_json.brief(entry.digest)} must be a "
+                              "string '<algorithm>:<hex>' (or null: none recorded)")
                 entries.append(entry._replace(path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
             ranks[int(key)] = tuple(entries)
         missing = sorted(set(range(world)) - set(ranks))
@@ -145,7 +174,7 @@ class Manifest(NamedTuple):
             raise bad(f"the layout has {world} ranks (tp_size={tp} x pp_size={pp}) but ranks {missing[:8]} have no files")
         extra = doc.get("extra") or {}
         if not isinstance(extra, dict):
-            raise bad(f"'extra' must be an object, got {extra!r:.200}; fix or remove it")
+            raise bad(f"'extra' must be an object, got {strict_json.brief(extra)}; fix or remove it")
         return cls(
             tp_size=tp,
             layout=layout,
@@ -168,6 +197,20 @@ class Manifest(NamedTuple):
             "ranks": {str(r): [f._asdict() for f in files] for r, files in sorted(self.ranks.items())},
             "extra": dict(self.extra),
         }
+
+
+def _read_all(fd: int, path: str, size: int) -> bytes:
+    """Up to ``size`` bytes of ``fd`` from its start; :class:`FileUnreadableError` naming ``path`` on a read error."""
+    out = bytearray()
+    try:
+        while len(out) < size:
+            piece = os.pread(fd, size - len(out), len(out))
+            if not piece:
+                break
+            out += piece
+    except OSError as e:
+        raise FileUnreadableError(e.errno, f"{path!r} cannot be read ({e.strerror or e})") from None
+    return bytes(out)
 
 
 def logical_bytes(header: SafetensorsHeader) -> int:

@@ -20,8 +20,10 @@ import collections
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
+import stat
 import struct
 import time
 import sys
@@ -31,7 +33,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES, from_torch
-from gdsload.loader.errors import HeaderError, TruncatedFileError
+from gdsload.loader.errors import FileUnreadableError, HeaderError, TruncatedFileError
+from gdsload.loader.format import strict_json
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +50,7 @@ __all__ = [
     "SafetensorsHeader",
     "read_header",
     "parse_header",
+    "open_regular",
     "TensorSpec",
     "AlignedWriter",
     "save_file",
@@ -89,10 +95,10 @@ class TensorInfo(NamedTuple):
 class SafetensorsHeader:
     """A validated header: every tensor's byte range is known to lie inside the file."""
 
-    __slots__ = ("path", "header_len", "file_size", "tensors", "metadata")
+    __slots__ = ("path", "header_len", "file_size", "tensors", "metadata", "raw")
 
     def __init__(self, path: str, header_len: int, file_size: int, tensors: tuple[TensorInfo, ...],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, raw: bytes = b"") -> None:
         self.path = path
         self.header_len = header_len
         """Bytes of the JSON header (after the 8-byte length)."""
@@ -100,6 +106,9 @@ class SafetensorsHeader:
         self.tensors = tensors
         self.metadata: dict[str, str] = {} if metadata is None else metadata
         """The header's ``__metadata__``."""
+        self.raw = raw
+        """The file's first ``data_offset`` bytes as they were parsed (length and JSON), when known: what a
+        whole-file digest of the loaded bytes starts with."""
 
     def __repr__(self) -> str:
         return (f"SafetensorsHeader(path={self.path!r}, header_len={self.header_len}, file_size={self.file_size}, "
@@ -148,7 +157,7 @@ def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -
     """
     path = os.fspath(path)
     if file is None:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return read_header(path, file=f)
     file_size = os.fstat(file.fileno()).st_size
     file.seek(0)
@@ -162,6 +171,28 @@ def read_header(path: str | os.PathLike[str], *, file: BinaryIO | None = None) -
     _check_header_len(path, n, file_size)
     raw = file.read(n)
     return parse_header(prefix + raw, file_size, path=path)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``; :class:`FileUnreadableError` naming it otherwise.
+
+    Opened without blocking (a FIFO under a model's name would wait for a writer forever) and checked to be a
+    regular file before anything is read from it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileUnreadableError(e.errno, f"{path!r} cannot be opened ({e.strerror or e}); check that it exists "
+                                  "and this user may read it") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileUnreadableError(errno.EINVAL, f"{path!r} is not a regular file; point gdsload at "
+                                      "safetensors files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _check_header_len(path: str, n: int, file_size: int) -> None:
@@ -185,18 +216,12 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
     _check_header_len(path, n, file_size)
     if len(buf) < 8 + n:
         raise TruncatedFileError(f"{path!r}: header is {len(buf) - 8} bytes, its length field says {n}")
-    raw = buf[8 : 8 + n]
+    raw = bytes(buf[8 : 8 + n])
     if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON whitespace may lead, as safetensors accepts
         raise HeaderError(f"{path!r}: header must be a JSON object starting with '{{', got {raw[:16]!r}")
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as e:
-        raise HeaderError(
-            f"{path!r}: key {e.args[0]!r} appears twice in one object of the header (tensor names, and the keys of "
-            "an entry or of __metadata__, must be unique)"
-        ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise HeaderError(f"{path!r}: header is not valid UTF-8 JSON ({e}); the file is corrupt") from None
+    # Nesting is bounded where entries may hold keys of other writers (_parse_tensor); the known fields are flat.
+    doc = strict_json.loads(raw, HeaderError, f"{path!r}: header", max_depth=None, strings=False,
+                            invalid="is not valid UTF-8 JSON; the file is corrupt")
     if not isinstance(doc, dict):
         raise HeaderError(f"{path!r}: header must be a JSON object, got {type(doc).__name__}")
 
@@ -225,27 +250,15 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
             f"{path!r}: data section is {data_len} bytes but the tensors cover {cursor}; "
             "the file has trailing bytes or a header that lies"
         )
-    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata)
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
+    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata,
+                             raw=bytes(buf[: 8 + n]))
 
 
 def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
     if meta is None:
         return {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {meta!r:.200}")
+        raise HeaderError(f"{path!r}: '__metadata__' must map strings to strings, got {strict_json.brief(meta)}")
     for k, v in meta.items():
         _check_text(k, f"{path!r}: metadata key {k!r}", HeaderError)
         _check_text(v, f"{path!r}: metadata value of {k!r}", HeaderError)
@@ -259,11 +272,15 @@ _SUB_BYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
 def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     where = f"{path!r}: tensor {name!r}"
     if not isinstance(entry, dict):
-        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got {entry!r:.200}")
+        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got "
+                          f"{strict_json.brief(entry)}")
     missing = sorted(_TENSOR_KEYS - set(entry))
     if missing:  # other keys are ignored, as safetensors ignores them
         raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
     _check_text(name, f"{where}: the name", HeaderError)
+    if len(entry) > len(_TENSOR_KEYS):  # keys of other writers: bounded and valid Unicode, as safetensors wants
+        strict_json.check_value({k: v for k, v in entry.items() if k not in _TENSOR_KEYS}, HeaderError,
+                                f"{where}: entry", depth=2)
     dtype = entry["dtype"]
     if dtype in _SUB_BYTE_DTYPES:
         raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
@@ -275,17 +292,27 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         # 2**63: a dimension must fit the int64 every framework keeps sizes in (even with another dimension 0)
-        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**63), got {shape!r:.200}")
+        raise HeaderError(f"{where}: shape must be a list of integers in [0, 2**63), got {strict_json.brief(shape)}")
+    count = 1
+    for d in shape:  # counted as safetensors counts (left to right, in 64 bits): an overflow on the way is refused
+        count *= d
+        if count >= 2**63:
+            raise HeaderError(f"{where}: shape {strict_json.brief(shape)} has 2**63 elements or more (counted left "
+                              "to right); no file holds such a tensor")
+    if count * ITEMSIZE[dtype] * 8 >= 2**64:
+        raise HeaderError(f"{where}: shape {strict_json.brief(shape)} x {dtype} is 2**61 bytes or more; no file "
+                          "holds such a tensor")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
+        or not all(type(o) is int and 0 <= o < 2**63 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.200}")
+        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end < 2**63, got "
+                          f"{strict_json.brief(offsets)}")
     begin, end = offsets
-    expected = math.prod(shape) * ITEMSIZE[dtype]
+    expected = count * ITEMSIZE[dtype]
     if end - begin != expected:
         raise HeaderError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes but shape {shape} x {dtype} "
@@ -532,10 +559,17 @@ class AlignedWriter:
     Every offset is known from the header, so :meth:`write` hands the tensor's bytes to ``threads``
     threads that write its pieces in place at once (``pwrite``) and returns; at most
     ``WRITE_IN_FLIGHT`` bytes wait (the writer keeps them alive), and leaving the ``with`` block
-    waits for every write. With ``digest`` (True: blake3; or ``"sha256"``) the file's digest is computed
-    from the same bytes on the way (one more thread, in file order), and ``digest`` holds
-    ``"<algorithm>:<hex>"`` once the block has ended: no second read of the file to hash it. A failed write raises ``OSError`` naming the file
-    and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
+    waits for every write.
+
+    With ``checksums`` (the default) the CRC-32 of each tensor stored raw is computed from the bytes handed to
+    :meth:`write`, beside its writes, and recorded in the header's ``__metadata__``
+    (:mod:`~gdsload.loader.format.checksums`): the header is laid out with zeros in their place, and written
+    once every tensor is, with the checksums filled in. Tensors the metadata describes as compressed get no entry (their
+    decoded bytes carry a ``crc32`` of their own), unless the metadata given already records theirs.
+    With ``digest`` (True: blake3; or ``"sha256"``) ``digest`` holds the whole file's ``"<algorithm>:<hex>"``
+    once the block has ended: hashed on the way when there are no checksums to fill in, else from the finished
+    file before it is renamed into place (the header changes last). A failed write raises ``OSError`` naming
+    the file and the tensor (its ``tensor`` attribute), at the next :meth:`write` or at the block's end.
 
     >>> specs = [TensorSpec("w", "BF16", (4, 4)), TensorSpec("b", "F32", (4,))]
     >>> with AlignedWriter("out.safetensors", specs) as w:  # doctest: +SKIP
@@ -554,16 +588,30 @@ class AlignedWriter:
         alignment: int = DATA_ALIGNMENT,
         digest: bool | str = True,
         threads: int | None = None,
+        checksums: bool = True,
     ):
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads!r} must be at least 1")
-        self.order, self.header, self.data_len = aligned_header(specs, metadata, alignment)
+        specs = list(specs)
+        metadata = dict(metadata or {})
+        self._metadata, self._alignment = metadata, alignment
+        self._crcs: dict[str, int] = {}
+        """Checksums of the table: known ones (kept from the metadata given), then those computed while writing."""
+        self._crc_names: set[str] = set()
+        """Tensors whose CRC-32 is computed from the bytes :meth:`write` gets."""
+        if checksums:
+            self._plan_checksums(specs, metadata)
+        else:
+            metadata.pop(CHECKSUMS_KEY, None)  # a table of other bytes would make every load fail
+        self.order, self.header, self.data_len = aligned_header(specs, metadata or None, alignment)
         self.digest: str | None = None
         """``"<algorithm>:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
-        from gdsload.loader.format.digests import digest_algorithm, hasher  # here: loading a file hashes nothing
+        from gdsload.loader.format.digests import hasher, require  # here: loading a file hashes nothing
 
-        algorithm = digest_algorithm(digest)
-        self._hash = hasher(algorithm) if algorithm else None
+        algorithm = require(digest)  # its package imported now: a writer that cannot hash fails before writing
+        self._algorithm = algorithm
+        # A header that records checksums is written last: then the file is hashed once finished.
+        self._hash = hasher(algorithm) if algorithm and CHECKSUMS_KEY not in metadata else None
         self._threads = threads or min(8, usable_cores())
         self._out = atomic_output(path)
         self._next = 0
@@ -575,6 +623,27 @@ class AlignedWriter:
         """Writes not yet waited for, oldest first: (tensor name or None for the header, bytes, futures)."""
         self._pending_bytes = 0
 
+    def _plan_checksums(self, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
+        """Put a table of zeros for the tensors to checksum into ``metadata`` (filled in at the end)."""
+        from gdsload.loader.format import checksums as sums
+
+        sums.require()
+        names = [s.name for s in specs]
+        packed = _compressed_names(metadata)
+        inherited: dict[str, int] = {}
+        if CHECKSUMS_KEY in metadata:  # a re-pack of a file that records them: its decoded bytes are the same
+            try:
+                inherited = sums.parse_checksums_text(metadata[CHECKSUMS_KEY], set(names), "the metadata given")
+            except ValueError as e:
+                log.warning("%s; the table is not kept", e)
+        self._crc_names = {n for n in names if n not in packed}
+        self._crcs = {n: inherited[n] for n in names if n in packed and n in inherited}
+        # In the order of the table given (a re-pack of intact data records it as it was, byte for byte), then
+        # in the order of the specs.
+        ordered = [n for n in inherited if n in self._crc_names or n in self._crcs]
+        ordered += [n for n in names if n in self._crc_names and n not in inherited]
+        metadata[CHECKSUMS_KEY] = sums.placeholder(ordered)
+
     def __enter__(self) -> AlignedWriter:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -583,8 +652,9 @@ class AlignedWriter:
         if self._hash is not None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="gdsload-hash")
         try:
-            self._submit(None, memoryview(self.header), 0)
-            self._settle(None)
+            if not self._table:  # else the header is written once, last, with its checksums
+                self._submit(None, memoryview(self.header), 0)
+                self._settle(None)
         except BaseException:  # __exit__ does not run when __enter__ raises
             self._stop()
             self._out.__exit__(*sys.exc_info())
@@ -607,21 +677,53 @@ class AlignedWriter:
         if got != spec:
             raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
         view = tensor_bytes(tensor)
-        self._submit(name, view, self._at)
+        self._submit(name, view, self._at, checksum=name in self._crc_names)
         self._at += len(view)
         self._next += 1
         self._settle(WRITE_IN_FLIGHT)
 
-    def _submit(self, name: str | None, view: memoryview, offset: int) -> None:
+    def _submit(self, name: str | None, view: memoryview, offset: int, *, checksum: bool = False) -> None:
         assert self._f is not None and self._pool is not None
         fd = self._f.fileno()
         futures = [self._pool.submit(pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
                    for i in range(0, len(view), WRITE_PIECE)]
+        if checksum:
+            assert name is not None
+            futures.append(self._pool.submit(self._checksum, name, view))
         if self._hasher is not None and len(view):
             assert self._hash is not None
             futures.append(self._hasher.submit(self._hash.update, view))
         self._pending.append((name, len(view), futures))
         self._pending_bytes += len(view)
+
+    def _checksum(self, name: str, view: memoryview) -> None:
+        from gdsload.loader.format.checksums import crc32
+
+        self._crcs[name] = crc32(view)
+
+    @property
+    def _table(self) -> bool:
+        return CHECKSUMS_KEY in self._metadata
+
+    def _finish_header(self) -> None:
+        """Write the header, its checksums now known, in the room left for it (its length does not depend on them)."""
+        if not self._table:
+            return
+        from gdsload.loader.format.checksums import render
+
+        assert self._f is not None
+        table = {n: self._crcs[n] for n in _table_names(self._metadata)}
+        _, header, _ = aligned_header([TensorSpec(s.name, s.dtype, s.shape) for s in self.order],
+                                      {**self._metadata, CHECKSUMS_KEY: render(table)}, self._alignment)
+        if len(header) != len(self.header):  # cannot happen: the table's length does not depend on its values
+            raise AssertionError(f"{self._out.path}: the header changed length when its checksums were filled in")
+        try:
+            pwrite_all(self._f.fileno(), header, 0)
+        except OSError as e:
+            err = OSError(e.errno, f"{self._out.path}: writing the header failed ({e.strerror or e})")
+            err.tensor = None  # type: ignore[attr-defined]
+            raise err from e
+        self.header = header
 
     def _settle(self, limit: int | None) -> None:
         """Wait for the oldest writes until at most ``limit`` bytes are pending (None: all of them);
@@ -659,9 +761,39 @@ class AlignedWriter:
             missing = [s.name for s in self.order[self._next :]]
             self._out.__exit__(ValueError, None, None)
             raise ValueError(f"{self._out.path}: {len(missing)} declared tensors were never written: {missing[:5]}")
+        digest = None
+        if exc_type is None:
+            try:
+                self._finish_header()
+                if self._algorithm and self._hash is None:  # the finished file, before it takes its name
+                    from gdsload.loader.format.digests import file_digest
+
+                    digest = file_digest(self._out.tmp, self._algorithm)
+            except BaseException:
+                self._out.__exit__(*sys.exc_info())
+                raise
         self._out.__exit__(exc_type, exc, tb)
-        if exc_type is None and self._hash is not None:
-            self.digest = self._hash.text()
+        if exc_type is None:
+            self.digest = self._hash.text() if self._hash is not None else digest
+
+
+CHECKSUMS_KEY = "gdsload.checksums"
+"""The ``__metadata__`` key of the per-tensor checksums (:mod:`gdsload.loader.format.checksums`)."""
+
+
+def _compressed_names(metadata: Mapping[str, str]) -> set[str]:
+    """Tensors the metadata's ``gdsload.compression`` document describes as compressed (none when it has none)."""
+    raw = metadata.get("gdsload.compression")
+    if raw is None:
+        return set()
+    doc = strict_json.loads(raw, ValueError, "the metadata's 'gdsload.compression'")
+    tensors = doc.get("tensors") if isinstance(doc, dict) else None
+    return set(tensors) if isinstance(tensors, dict) else set()
+
+
+def _table_names(metadata: Mapping[str, str]) -> list[str]:
+    """The tensor names of the checksum table in ``metadata``, in its order."""
+    return list(json.loads(metadata[CHECKSUMS_KEY])["tensors"])
 
 
 def save_file(

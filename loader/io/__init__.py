@@ -131,6 +131,10 @@ class Backend(abc.ABC):
     picked_by_auto: bool = False
     """Set by :func:`select_backend` when ``auto`` chose this backend: it may then do what serves the load
     best where a backend named explicitly does what its name says (``mmap`` reads a cold rank)."""
+    on_chunk: Callable[[int, int, int], None] | None = None
+    """Set by a load that checks what it reads on the CPU: a reader that supports it calls it with
+    ``(buffer, offset, length)`` from the reading thread as each read into host memory finishes (the load's
+    checksums are computed there, beside the reads). Readers that do not call it are checked after the read."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
         from gdsload.loader.devices import as_device

@@ -29,6 +29,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -82,7 +83,11 @@ static int load_cuda(void) {
 /* One range of one file to one destination address; tag comes back with an error (the caller's extent index). */
 typedef struct { int fd; int tag; long long offset; long long length; unsigned long long dst; } gdsl_extent;
 
-enum { GDSL_OK = 0, GDSL_EOF = 1, GDSL_READ = 2, GDSL_CUDA = 3, GDSL_NOMEM = 4 };
+enum { GDSL_OK = 0, GDSL_EOF = 1, GDSL_READ = 2, GDSL_CUDA = 3, GDSL_NOMEM = 4, GDSL_INVALID = 5 };
+
+/* The most chunks one ticket may queue (2 MiB chunks: 128 TiB; the 4 KiB minimum: 256 GiB): a length from a
+   damaged caller is refused here instead of growing the queue without bound. */
+#define GDSL_MAX_TICKET_CHUNKS (1L << 26)
 /* What went wrong first in a ticket: code, errno (GDSL_READ) or CUresult (GDSL_CUDA), the extent's tag and
    the file offset of the chunk. */
 typedef struct { int code; int detail; int tag; long long offset; } gdsl_error;
@@ -317,26 +322,49 @@ int gdsl_start(engine *e) {
     return r;
 }
 
-/* Queue `n` extents as one ticket; NULL when memory is short or no reader thread could start. */
+/* Queue `n` extents as one ticket; NULL when memory is short or no reader thread could start (errno ENOMEM,
+   EAGAIN), or an extent is not a range of a file (a negative offset or length, an end past 2^63 - 1) or the
+   ticket would need more than GDSL_MAX_TICKET_CHUNKS chunks (errno EINVAL, EOVERFLOW). */
 ticket *gdsl_submit(engine *e, const gdsl_extent *x, long n) {
+    if (!e || n < 0 || (n && !x)) {
+        errno = EINVAL;
+        return NULL;
+    }
     long chunks = 0;
-    for (long i = 0; i < n; i++) chunks += x[i].length > 0 ? (long)((x[i].length + (long long)e->chunk - 1) / (long long)e->chunk) : 0;
+    const long long step = (long long)e->chunk;
+    for (long i = 0; i < n; i++) {
+        if (x[i].offset < 0 || x[i].length < 0 || x[i].offset > LLONG_MAX - x[i].length) {
+            errno = EINVAL;
+            return NULL;
+        }
+        long long k = x[i].length / step + (x[i].length % step != 0);  /* no overflow: no rounding up first */
+        if (k > GDSL_MAX_TICKET_CHUNKS - chunks) {
+            errno = EOVERFLOW;
+            return NULL;
+        }
+        chunks += (long)k;
+    }
     ticket *t = calloc(1, sizeof(ticket));
-    if (!t) return NULL;
+    if (!t) {
+        errno = ENOMEM;
+        return NULL;
+    }
     pthread_mutex_lock(&e->mu);
-    if (!e->started && start(e)) {
+    if (e->stopping || (!e->started && start(e))) {
         pthread_mutex_unlock(&e->mu);
         free(t);
+        errno = EAGAIN;
         return NULL;
     }
     size_t used = e->tail - e->head;
     if (used + (size_t)chunks > e->cap) {
         size_t cap = e->cap ? e->cap : 1024;
-        while (cap < used + (size_t)chunks) cap *= 2;
-        chunk *q = malloc(cap * sizeof(chunk));
+        while (cap < used + (size_t)chunks && cap <= SIZE_MAX / 2 / sizeof(chunk)) cap *= 2;
+        chunk *q = cap >= used + (size_t)chunks ? malloc(cap * sizeof(chunk)) : NULL;
         if (!q) {
             pthread_mutex_unlock(&e->mu);
             free(t);
+            errno = ENOMEM;
             return NULL;
         }
         for (size_t i = 0; i < used; i++) q[i] = e->queue[(e->head + i) % e->cap];
@@ -359,8 +387,14 @@ ticket *gdsl_submit(engine *e, const gdsl_extent *x, long n) {
 }
 
 /* Wait up to `timeout_ms` (< 0: until done) for ticket `t`. Returns 1 when done (then *err holds its first error,
-   code 0 for none, and the ticket is freed), 0 on timeout; *done_bytes is the bytes copied so far. */
+   code 0 for none, and the ticket is freed), 0 on timeout; *done_bytes is the bytes copied so far. A ticket is
+   waited for until done once: after that it is gone (the Python side keeps its outcome). */
 int gdsl_wait(engine *e, ticket *t, int timeout_ms, long long *done_bytes, gdsl_error *err) {
+    if (!e || !t) {
+        *done_bytes = 0;
+        *err = (gdsl_error){GDSL_INVALID, EINVAL, -1, 0};
+        return 1;
+    }
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     if (timeout_ms >= 0) {

@@ -68,10 +68,13 @@ class CpuBackend(Backend):
             return
         views = [self.device.host_memoryview(d) for d in dsts]
         paths = [f.path for f in self.plan.files]
+        on_chunk = self.on_chunk
 
         def work(c: Extent) -> None:
             pread_into(self._fds[c.file_index], views[c.buffer][c.offset : c.offset + c.length], c.file_offset,
                        paths[c.file_index])
+            if on_chunk is not None:  # the bytes are still in this core's caches
+                on_chunk(c.buffer, c.offset, c.length)
             if progress is not None:
                 progress(c.length)
 

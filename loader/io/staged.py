@@ -22,6 +22,7 @@ import errno as _errno
 import importlib.util
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from gdsload.loader.config import parse_bool
 from gdsload.loader.devices import PrimaryContext, cuda_error_name
 from gdsload.loader.errors import BackendUnavailableError, FileUnreadableError, GdsloadError, TruncatedFileError
 
-__all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "unavailable", "library_path", "shared_engine",
+__all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "StagedRangeError", "unavailable", "library_path", "shared_engine",
            "prepare", "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,24 @@ class StagedEngineError(GdsloadError, RuntimeError):
     """The engine could not start, or the CUDA driver failed a copy."""
 
 
+class StagedRangeError(GdsloadError, ValueError):
+    """A range given to the engine is not a range of a file (negative, past 2**63 - 1, or too many chunks)."""
+
+
+class _Ticket:
+    """One submit's reads: the engine's ticket until it has been waited for, then its outcome (kept, so that a
+    second wait, or a wait after :meth:`StagedEngine.close`, gives the same answer without touching freed memory)."""
+
+    __slots__ = ("handle", "lock", "error", "done_bytes")
+
+    def __init__(self, handle: int) -> None:
+        self.handle: int | None = handle
+        """The engine's ticket; None once its outcome is known (the engine frees it then)."""
+        self.lock = threading.RLock()
+        self.error: _Error | None = None
+        self.done_bytes = 0
+
+
 class _Extent(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("tag", ctypes.c_int), ("offset", ctypes.c_longlong),
                 ("length", ctypes.c_longlong), ("dst", ctypes.c_ulonglong)]
@@ -58,7 +77,9 @@ class _Error(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("detail", ctypes.c_int), ("tag", ctypes.c_int), ("offset", ctypes.c_longlong)]
 
 
-_OK, _EOF, _READ, _CUDA, _NOMEM = range(5)
+_OK, _EOF, _READ, _CUDA, _NOMEM, _INVALID = range(6)
+MAX_OFFSET = 2**63 - 1
+"""No byte of a range may lie past this file offset (the largest ``off_t``)."""
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _lock = threading.Lock()
@@ -79,7 +100,7 @@ def _load() -> ctypes.CDLL | None:
                 _why = "the staged engine was not built (the install found no C compiler); reinstall gdsload with one"
                 return None
             try:
-                lib = ctypes.CDLL(path)
+                lib = ctypes.CDLL(path, use_errno=True)
             except OSError as e:
                 _why = f"the staged engine at {path} does not load ({e})"
                 return None
@@ -129,12 +150,19 @@ class StagedEngine:
             raise StagedEngineError("the staged engine did not start (the CUDA driver lacks a function it needs, "
                                     "or memory is short)")
         self._handle: int | None = handle
+        self._state = threading.Lock()
+        """Guards ``_handle``, ``_closing`` and ``_tickets``."""
+        self._closing = False
+        self._tickets: set[_Ticket] = set()
+        """Tickets submitted whose outcome nobody has collected yet."""
 
     def start(self) -> None:
         """Start the threads now: they pin their staging while the caller goes on (a submit starts them otherwise)."""
-        assert self._handle is not None, "engine closed"
-        if self._lib.gdsl_start(self._handle):
-            raise StagedEngineError("the staged engine could not start a reader thread")
+        with self._state:
+            if self._handle is None or self._closing:
+                raise StagedEngineError("the staged engine is closed")
+            if self._lib.gdsl_start(self._handle):
+                raise StagedEngineError("the staged engine could not start a reader thread")
 
     @property
     def staging_bytes(self) -> int:
@@ -144,30 +172,67 @@ class StagedEngine:
     def submit(self, items: Sequence[tuple[int, int, int, int]], paths: Sequence[str],
                progress: Progress | None = None) -> Callable[[], None]:
         """Queue ``(fd, file_offset, length, dst_address)`` ranges (``paths[i]`` names item i in errors); returns the
-        function that waits until every byte is at its destination, calling ``progress`` with the bytes done."""
-        assert self._handle is not None, "engine closed"
+        function that waits until every byte is at its destination, calling ``progress`` with the bytes done.
+
+        A range must lie inside its file: one past the end of a regular file is a :class:`TruncatedFileError` here,
+        one that is negative or reaches past 2**63 - 1 a :class:`StagedRangeError`. The waiter may be called more
+        than once, and after :meth:`close`: it gives the same outcome each time.
+        """
+        _check_ranges(items, paths)
         arr = (_Extent * len(items))(*(_Extent(fd, i, off, n, dst) for i, (fd, off, n, dst) in enumerate(items)))
-        ticket = self._lib.gdsl_submit(self._handle, arr, len(items)) if items else None
-        if items and not ticket:
-            raise StagedEngineError("the staged engine could not queue the reads (out of memory, or no thread starts)")
+        ticket: _Ticket | None = None
+        if items:
+            with self._state:
+                if self._handle is None or self._closing:
+                    raise StagedEngineError("the staged engine is closed; reads cannot be queued on it")
+                handle = self._lib.gdsl_submit(self._handle, arr, len(items))
+                if not handle:
+                    code = ctypes.get_errno()
+                    if code in (_errno.EINVAL, _errno.EOVERFLOW):
+                        raise StagedRangeError(
+                            f"the staged engine refused {len(items)} range(s) of {', '.join(map(repr, paths[:3]))}: "
+                            f"{os.strerror(code)} (a range is negative, ends past byte 2**63 - 1, or needs more than "
+                            f"2**26 chunks of {self.chunk} bytes)")
+                    raise StagedEngineError("the staged engine could not queue the reads (out of memory, or no "
+                                            "thread starts)")
+                ticket = _Ticket(handle)
+                self._tickets.add(ticket)
         lengths = [n for _, _, n, _ in items]
 
         def wait() -> None:
             if ticket is None:
                 return
-            done, err, reported = ctypes.c_longlong(), _Error(), 0
-            while True:
-                finished = self._lib.gdsl_wait(self._handle, ticket, POLL_MS if progress else -1,
-                                               ctypes.byref(done), ctypes.byref(err))
-                if progress is not None and done.value > reported:
-                    progress(done.value - reported)
-                    reported = done.value
-                if finished:
-                    break
-            if err.code != _OK:
-                raise self._error(err, paths, lengths, items)
+            reported = self._collect(ticket, progress)
+            if progress is not None and ticket.done_bytes > reported:
+                progress(ticket.done_bytes - reported)
+            if ticket.error is not None and ticket.error.code != _OK:
+                raise self._error(ticket.error, paths, lengths, items)
 
         return wait
+
+    def _collect(self, ticket: _Ticket, progress: Progress | None) -> int:
+        """Wait for ``ticket`` until its outcome is known (once: later calls find it kept); returns the bytes
+        reported to ``progress`` meanwhile."""
+        done, err, reported = ctypes.c_longlong(), _Error(), 0
+        with ticket.lock:
+            while ticket.error is None:
+                handle = self._handle
+                if handle is None:  # forgotten without a close (the process forked, or is exiting)
+                    ticket.error = _Error(_INVALID, 0, -1, 0)
+                    break
+                finished = self._lib.gdsl_wait(handle, ticket.handle, POLL_MS if progress else -1,
+                                               ctypes.byref(done), ctypes.byref(err))
+                ticket.done_bytes = done.value
+                if finished:
+                    ticket.handle = None  # freed by the engine
+                    ticket.error = _Error(err.code, err.detail, err.tag, err.offset)
+                    with self._state:
+                        self._tickets.discard(ticket)
+                    break
+                if progress is not None and done.value > reported:
+                    progress(done.value - reported)  # may close the engine: the loop checks the outcome again
+                    reported = done.value
+        return reported
 
     def _error(self, err: _Error, paths: Sequence[str], lengths: Sequence[int],
                items: Sequence[tuple[int, int, int, int]]) -> Exception:
@@ -182,13 +247,25 @@ class StagedEngine:
         if err.code == _CUDA:
             where = f" copying {path!r} at byte {err.offset}" if err.tag >= 0 else " setting up its threads"
             return StagedEngineError(f"CUDA failed{where}: {cuda_error_name(err.detail)}")
+        if err.code == _INVALID:
+            return StagedEngineError(f"the reads of {path!r} were not waited for before the staged engine was "
+                                     "dropped (the process forked or is exiting); load again")
         return StagedEngineError("the staged engine's threads could not allocate their staging buffers")
 
     def close(self) -> None:
-        """Finish what was queued, stop the threads and free their buffers."""
-        if self._handle is not None:
-            self._lib.gdsl_close(self._handle)
-            self._handle = None
+        """Finish what was queued, stop the threads and free their buffers. The outcome of every ticket not yet
+        waited for is kept: its waiter still answers (with the reads' error, if any)."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+            pending = list(self._tickets)
+        for ticket in pending:
+            self._collect(ticket, None)
+        with self._state:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.gdsl_close(handle)
         if self._cuda is not None:
             self._cuda.release()
             self._cuda = None
@@ -233,6 +310,27 @@ class StagedReader:
     def close(self) -> None:
         """Nothing to free: the engine stays for the process's next load (:func:`release` frees it)."""
         self.engine = None  # type: ignore[assignment]
+
+
+def _check_ranges(items: Sequence[tuple[int, int, int, int]], paths: Sequence[str]) -> None:
+    """Refuse ranges that cannot be ranges of their files, before the engine sees them."""
+    sizes: dict[int, int | None] = {}
+    for i, (fd, off, n, _) in enumerate(items):
+        path = paths[i] if i < len(paths) else "?"
+        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off > MAX_OFFSET - n:
+            raise StagedRangeError(f"{path!r}: range of {n!r} bytes at offset {off!r} is not a range of a file "
+                                   "(negative, or ending past byte 2**63 - 1)")
+        if fd not in sizes:
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                raise FileUnreadableError(e.errno, f"{path!r}: its descriptor {fd} cannot be used "
+                                          f"({e.strerror or e})") from None
+            sizes[fd] = st.st_size if stat.S_ISREG(st.st_mode) else None
+        size = sizes[fd]
+        if size is not None and off + n > size:
+            raise TruncatedFileError(f"{path!r} ends at byte {size}, inside the range {off}-{off + n} it should "
+                                     "hold; the file shrank while it was being loaded — re-copy it")
 
 
 _shared: dict[tuple[int | None, int, int, int], StagedEngine] = {}
@@ -293,6 +391,10 @@ def _abandon() -> None:
     for eng in _shared.values():
         eng._handle = None
         eng._cuda = None
+        eng._closing = True
+        eng._state = threading.Lock()  # a lock another thread held at the fork stays held in the child
+        for ticket in eng._tickets:
+            ticket.lock = threading.RLock()
     _shared.clear()
 
 

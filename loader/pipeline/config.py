@@ -9,7 +9,7 @@ Precedence: explicit argument > environment variable > default.
 | GDSLOAD_CHUNK_BYTES   | size, 4 KiB multiple <= 1GiB: 16MiB, 1GiB | per backend (cpu 16MiB; pinned, cufile 4MiB cached / 2MiB cold; pinned without kvikio 16MiB) |
 | GDSLOAD_PINNED_BYTES  | size: upper bound on pinned host staging  | 1GiB     |
 | GDSLOAD_STAGING_BYTES | size >= 1MiB: GPU staging of compressed ranks | 960MiB |
-| GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | 0        |
+| GDSLOAD_VERIFY        | 0/1, true/false, yes/no                   | unset: check the checksums files record |
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ class LoadConfig(NamedTuple):
     decoder; read groups are at most a third of it. In place (the default on a GPU) only the last groups
     take memory of their own; loads into the caller's tensors use three buffers of a third each (on the
     CPU, one)."""
-    verify: bool = False
-    """Check each file against the manifest's digest (blake3 or sha256) after loading (costs a hash pass)."""
+    verify: bool | None = None
+    """None (the default): check every tensor against the checksum its file records, on the loaded bytes
+    (:mod:`gdsload.loader.pipeline.verify`). True: also each file's manifest digest, over the loaded bytes, and
+    fail when anything loaded cannot be checked. False: check nothing beyond what a codec checks by itself."""
 
     def check(self) -> LoadConfig:
         """This config, once every value is known to be usable; :class:`ConfigError` naming the first that is not."""
@@ -66,6 +68,8 @@ class LoadConfig(NamedTuple):
             raise ConfigError(f"pinned_bytes={self.pinned_bytes!r} must be at least 1 MiB")
         if type(self.staging_bytes) is not int or self.staging_bytes < 1 << 20:
             raise ConfigError(f"staging_bytes={self.staging_bytes!r} must be at least 1 MiB")
+        if self.verify not in (None, True, False):
+            raise ConfigError(f"verify={self.verify!r} must be None (check recorded checksums), True or False")
         return self
 
     @classmethod

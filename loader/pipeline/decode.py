@@ -500,8 +500,6 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
             codecs.close()
 
     def decode_groups(codecs: GpuCodecs, stream: Stream) -> None:
-        from gdsload.loader.codecs import check_crc32
-
         while True:
             item = work.get()
             if item is None:
@@ -524,7 +522,7 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
                     if verify:
                         for j in jobs:
                             if j.ends and j.entry.layout == "chunks" and not codecs.checked_on_device(j.entry):
-                                check_crc32(j.entry, device.to_host(j.dst), f"{j.path!r}: tensor {j.entry.name!r}")
+                                _check_decoded(codecs, device, j)
             except BaseException as e:
                 errors.append(e)
             finally:
@@ -556,6 +554,21 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
     stats.tail_seconds = time.perf_counter() - t0 - stats.read_seconds
     if errors:
         raise errors[0]
+
+
+def _check_decoded(codecs: GpuCodecs, device: Device, job: Any) -> None:
+    """Check a decoded tensor's ``crc32`` on the GPU (nvCOMP's CRC kernel), or from a host copy without it."""
+    from gdsload.loader.codecs import check_crc32
+
+    entry, where = job.entry, f"{job.path!r}: tensor {job.entry.name!r}"
+    if entry.crc32 is None or not entry.nbytes:
+        return
+    got = codecs.crcs([(device.address(job.dst), entry.nbytes)], where)
+    if got is None:
+        check_crc32(entry, device.to_host(job.dst), where)
+    elif got[0] != entry.crc32:
+        raise CodecError(f"{where}: decoded bytes have CRC-32 {got[0]:#010x} where the file records "
+                         f"{entry.crc32:#010x}; the file is corrupt")
 
 
 _WARNED: set[int] = set()

@@ -28,7 +28,7 @@ from gdsload.loader.format.compression import add_codec_lookup
 from gdsload.loader.format.discovery import RankFiles, discover
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.config import format_bytes, gc_paused
-from gdsload.loader.errors import ConfigError, DeviceMemoryError, IntegrityError
+from gdsload.loader.errors import ConfigError, DeviceMemoryError
 from gdsload.loader.plan import FilePlan, LoadPlan, plan_rank
 from gdsload.loader.pipeline.result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
@@ -94,6 +94,11 @@ def load_rank(
     (``DriverDevice(0)`` loads without torch). Options left as None come from ``GDSLOAD_*``
     environment variables, then defaults (see :class:`LoadConfig`).
 
+    Every tensor is checked against the checksum its file records, on the bytes that were loaded
+    (:mod:`~gdsload.loader.pipeline.verify`); ``verify=True`` also checks each file's manifest digest over
+    the loaded bytes and fails on anything it cannot check, ``verify=False`` turns the checks off.
+    ``result.report.verification`` says what was checked, and how.
+
     ``into`` maps tensor names to contiguous tensors of the same dtype and shape on ``device``
     (an engine's parameters): those are read, or decoded, straight into them, and take no arena
     memory; ``result.tensors`` then holds them themselves. ``only`` loads just the named tensors.
@@ -129,17 +134,29 @@ def load_rank(
         reader.open(plan)
         mapped = reader.file_buffers()
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
+        verifier = None
+        if cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
+            from gdsload.loader.pipeline.verify import Verifier
+
+            verifier = Verifier(plan, rank_files, cfg.verify)
+            if dev.kind == "cpu":
+                verifier.attach(dev, dsts)
+                reader.on_chunk = verifier.on_chunk  # each read's bytes are checked by the thread that read them
+            else:
+                verifier.warm_up(dev)  # nvCOMP's CRC kernel checks them after the copy: loaded during the reads
         clock.lap("setup")
 
         # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the decode stage).
         reader.read(plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
                     dsts, progress)
+        reader.on_chunk = None  # the decode stage reads into staging buffers of its own
         tail, busy, staged = 0.0, 0.0, 0
         if plan.compressed:  # the codecs are imported by the loads that need them
             from gdsload.loader.pipeline.decode import load_compressed
 
-            stats = load_compressed(plan, reader, dsts, verify=cfg.verify, staging_bytes=cfg.staging_bytes,
-                                    progress=progress, threads=cfg.num_threads or 4)
+            stats = load_compressed(plan, reader, dsts, verify=cfg.verify is not False,
+                                    staging_bytes=cfg.staging_bytes, progress=progress,
+                                    threads=cfg.num_threads or 4)
             tail, busy, staged = stats.tail_seconds, stats.decode_busy_seconds, stats.staging_bytes
         dev.synchronize()
         clock.lap("read", hand_to="decode", handed=tail)
@@ -161,7 +178,7 @@ def load_rank(
                            for s in slots}
         clock.lap("place")
 
-        verified = cfg.verify and verify_digests(rank_files, plan, arena, dev)
+        outcome = verifier.finish(dev, dsts, cfg.num_threads or 4) if verifier is not None else None
         clock.lap("verify")
     except BaseException:
         reader.close()
@@ -176,9 +193,12 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[file_report(f, mode, d, engine) for f, mode, d, engine in zip(plan.files, io_modes, direct, engines)],
+        files=[file_report(f, mode, d, engine)._replace(checked_tensors=outcome.checked[i] if outcome else 0,
+                                                         checked_by=outcome.how[i] if outcome else "")
+               for i, (f, mode, d, engine) in enumerate(zip(plan.files, io_modes, direct, engines))],
         phases={k: clock.phases.get(k, 0.0) for k in PHASES},
-        verified=verified,
+        verified=outcome.verified if outcome else False,
+        verification=outcome.summary if outcome else {"mode": "off"},
         decode_busy_seconds=busy,
         staging_bytes=staged,
         direct_tensors=len(plan.targets),
@@ -190,7 +210,7 @@ def load_rank(
 def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:
     try:
         return reader.allocate(nbytes)
-    except (MemoryError, RuntimeError) as e:  # torch's and cupy's out-of-memory errors
+    except (MemoryError, RuntimeError, OverflowError, TypeError) as e:  # out of memory, or a size torch cannot take
         files = ", ".join(repr(f.path) for f in plan.files[:3]) + (", ..." if len(plan.files) > 3 else "")
         raise DeviceMemoryError(
             f"rank {plan.rank} needs {format_bytes(nbytes)} on {reader.device} for {files} and that cannot be "
@@ -239,35 +259,14 @@ def file_report(f: FilePlan, io_mode: str, direct_io: bool, engine: str = "") ->
 
 
 def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any, device: Device) -> bool:
-    """Check every file against the manifest digest; False when there is nothing to check against.
+    """Check every file of a finished load against its manifest digest, computed over the loaded bytes (the header
+    as parsed, the data section as the arena holds it); False when some file cannot be checked that way.
 
-    A host arena that mirrors a file's data section is hashed from memory; other files (on a GPU,
-    compressed, or read into the caller's targets) are hashed from disk.
+    :func:`load_rank` does this itself with ``verify=True`` (:mod:`gdsload.loader.pipeline.verify`); no path is
+    read again, so a file replaced after it was loaded does not pass.
     """
-    entries = [rank_files.manifest_entry(f.path) for f in plan.files]
-    if not all(e is not None and e.digest for e in entries):
-        # The compressed tensors' checksums were checked while decoding; when there are none either, say so.
-        checked = any(t.entry.crc32 is not None or t.entry.layout == "native" for t in plan.compressed)
-        (log.debug if checked else log.warning)(
-            "verify requested but %s has no digests for rank %d; %s", rank_files.root, rank_files.rank,
-            "only the compressed tensors' checksums were checked" if checked else "nothing verified")
-        return False
-    from gdsload.loader.format.digests import algorithm_of, file_digest, hasher  # a load that verifies nothing hashes nothing
+    from gdsload.loader.pipeline.verify import Verifier
 
-    for f, entry in zip(plan.files, entries):
-        assert entry is not None and entry.digest is not None
-        algorithm = algorithm_of(entry.digest, f"{os.path.join(rank_files.root, 'gdsload.json')!r}, file {entry.path!r}")
-        if device.kind == "cpu" and f.mirror_offset >= 0:
-            # The arena mirrors the data section: hash the header from disk and the data from memory.
-            with open(f.path, "rb") as fh:
-                h = hasher(algorithm, fh.read(f.header.data_offset))
-            h.update(device.to_host(arena[f.mirror_offset : f.mirror_offset + f.stored_bytes]))
-            got = h.text()
-        else:
-            got = file_digest(f.path, algorithm)
-        if got != entry.digest:
-            raise IntegrityError(
-                f"{f.path!r}: {algorithm} digest {got!r} does not match the manifest's {entry.digest!r}; "
-                "the file is corrupt or was replaced — re-copy it or rewrite the manifest"
-            )
-    return True
+    v = Verifier(plan, rank_files, True)
+    done = v._digests(device, [arena])
+    return all(done)

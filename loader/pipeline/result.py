@@ -41,18 +41,22 @@ class FileReport(NamedTuple):
     engine: str = ""
     """What moved the file's bytes: ``staged`` (gdsload's C engine), ``kvikio``, ``ring`` (Python threads),
     ``fastsafetensors`` (its reader), ``cufile``, or the backend's name for backends with one way to read."""
+    checked_tensors: int = 0
+    """Tensors of this file whose loaded bytes were checked (see ``checked_by``)."""
+    checked_by: str = ""
+    """What checked them, e.g. ``crc32 (cuda:0, nvCOMP)`` or ``crc32 of decoded bytes``; empty: nothing."""
 
 
 class LoadReport:
     """How one rank's load went: its files, and the wall time of each phase (:data:`PHASES`)."""
 
     FIELDS = ("rank", "device", "backend", "source", "files", "phases", "verified", "decode_busy_seconds",
-              "staging_bytes", "direct_tensors")
+              "staging_bytes", "direct_tensors", "verification")
     """The constructor's arguments, which are also the report's attributes."""
 
     def __init__(self, rank: int, device: str, backend: str, source: str, files: list[FileReport],
                  phases: dict[str, float] | None = None, verified: bool = False, decode_busy_seconds: float = 0.0,
-                 staging_bytes: int = 0, direct_tensors: int = 0) -> None:
+                 staging_bytes: int = 0, direct_tensors: int = 0, verification: dict[str, Any] | None = None) -> None:
         self.rank = rank
         self.device = device
         self.backend = backend
@@ -61,6 +65,9 @@ class LoadReport:
         self.files = files
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0) if phases is None else phases
         self.verified = verified
+        """Every tensor of the load was checked against what its file records (``verification`` says how)."""
+        self.verification: dict[str, Any] = {"mode": "off"} if verification is None else verification
+        """What the verify phase checked and how: its mode, tensors checked and not, and on what."""
         self.decode_busy_seconds = decode_busy_seconds
         """Time spent decoding compressed tensors, most of it hidden behind reads."""
         self.staging_bytes = staging_bytes
@@ -135,6 +142,7 @@ class LoadReport:
             "gbps": self.gbps,
             "phases": dict(self.phases),
             "verified": self.verified,
+            "verification": dict(self.verification),
             "decode_busy_seconds": self.decode_busy_seconds,
             "staging_bytes": self.staging_bytes,
             "direct_tensors": self.direct_tensors,

@@ -195,11 +195,19 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
                 chunk_sizes[n] = slots.sizes[first : first + c]
                 chunk_at[n] = (slots, slots.address + first * slots.slot_bytes)
                 first += c
+        from gdsload.loader.format import checksums
+
+        # The compressed tensors' crc32, and the checksum table a writer records for the raw ones where the source
+        # has none (a re-pack of a gdsload file keeps the source's table): one batch of CRCs on the GPU.
+        table_needed = checksums.METADATA_KEY not in metadata
+        summed = [t.name for t in tensors if t.nbytes and (table_needed or checksum and t.name in set(candidates))]
         crcs: dict[str, int | None] = dict.fromkeys(candidates)
-        if checksum and candidates:
-            got = device_crc32([(where[n].address, where[n].nbytes) for n in candidates], on_stream, stream.ptr, what)
-            for i, n in enumerate(candidates):
+        if summed:
+            got = device_crc32([(where[n].address, where[n].nbytes) for n in summed], on_stream, stream.ptr, what)
+            for i, n in enumerate(summed):
                 crcs[n] = int(got[i]) if got is not None else _host_crc32(cupy, where[n].address, where[n].nbytes)
+        if not checksum:
+            crcs.update(dict.fromkeys(candidates))
 
         specs: list[TensorSpec] = []
         entries: dict[str, dict[str, Any]] = {}
@@ -229,6 +237,9 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
         metadata = dict(metadata)
         if entries:
             metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
+        if table_needed:  # as AlignedWriter records it: the raw tensors, in the order given
+            metadata[checksums.METADATA_KEY] = checksums.render(
+                {t.name: crcs.get(t.name) or 0 for t in tensors if t.name not in packed})
         order, head, data_len = aligned_header(specs, metadata)
 
         data = dev.empty(data_len)

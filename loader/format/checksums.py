@@ -1,0 +1,116 @@
+"""Per-tensor checksums a writer records in the header, so that every load can check the bytes it loaded.
+
+``__metadata__["gdsload.checksums"]`` is a JSON document::
+
+    {"version": 1, "algorithm": "crc32", "tensors": {"lm_head.weight": "9a3f01c2", "model.norm.weight": ...}}
+
+Each value is the CRC-32 of zlib (``zlib.crc32``; the ``crc32`` compressed tensors record of their decoded bytes,
+and what nvCOMP's batched CRC kernel computes on a GPU) of the tensor's bytes as a load hands them out: a raw
+tensor's stored bytes, a compressed tensor's decoded bytes. On the CPU the ``isal`` package computes it (Intel's
+ISA-L, carry-less multiplication over wide registers: several times zlib's speed, without the GIL); where it is
+not installed, ``zlib.crc32`` gives the same values, slower. A file re-packed without changing its
+tensors (``gdsload compress`` keeps the metadata) so keeps a valid table. Values are 8 hex digits, so a writer
+can lay the header out with zeros in their place before the data exists and fill them in afterwards without
+moving anything (:class:`~gdsload.loader.format.safetensors.AlignedWriter` does).
+
+>>> doc = render({"w": crc32(b"abc")})
+>>> parse_checksums_text(doc, {"w"}, "'x.safetensors'")
+{'w': 891568578}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from gdsload.loader.errors import IntegrityError
+from gdsload.loader.format import strict_json
+
+__all__ = ["METADATA_KEY", "ALGORITHM", "crc32", "render", "placeholder", "parse_checksums",
+           "parse_checksums_text", "require"]
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "gdsload.checksums"
+ALGORITHM = "crc32"
+FORMAT_VERSION = 1
+_HEX = frozenset("0123456789abcdef")
+
+
+_IMPL: Callable[..., int] | None = None
+
+
+def _impl() -> Callable[..., int]:
+    global _IMPL
+    if _IMPL is None:
+        try:
+            from isal import isal_zlib
+
+            _IMPL = isal_zlib.crc32
+        except ImportError:  # same values, a few times slower
+            import zlib
+
+            log.info("the isal package is not installed: checksums are computed with zlib.crc32 (slower); "
+                     "`pip install isal` (a gdsload dependency) makes them faster")
+            _IMPL = zlib.crc32
+    return _IMPL
+
+
+def require() -> None:
+    """Pick the CRC-32 implementation now (ISA-L's, else zlib's)."""
+    _impl()
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """zlib's CRC-32 of the bytes-like ``data``, continuing from ``value`` (the CRC of the bytes before it).
+
+    ISA-L computes it where the ``isal`` package is installed, without the GIL: threads checking different
+    tensors run at once.
+    """
+    return _impl()(data, value)
+
+
+def render(checksums: Mapping[str, int]) -> str:
+    """The metadata value recording ``checksums`` (tensor name -> CRC-32)."""
+    return json.dumps({"version": FORMAT_VERSION, "algorithm": ALGORITHM,
+                       "tensors": {name: f"{value:08x}" for name, value in checksums.items()}},
+                      separators=(",", ":"))
+
+
+def placeholder(names: Collection[str]) -> str:
+    """:func:`render` of zeros for ``names``: as long as the final value, whatever the checksums turn out to be."""
+    return render(dict.fromkeys(names, 0))
+
+
+def parse_checksums(header: Any) -> dict[str, int] | None:
+    """The checksums a file records (tensor name -> CRC-32), or None when it records none.
+
+    Raises :class:`IntegrityError` naming the file and the field when the table is malformed or names a tensor
+    the file does not hold.
+    """
+    raw = header.metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    return parse_checksums_text(raw, {t.name for t in header.tensors}, repr(header.path))
+
+
+def parse_checksums_text(raw: str, names: Collection[str], where: str) -> dict[str, int]:
+    """The table in the metadata value ``raw`` of the file ``where`` holding tensors ``names``."""
+    field = f"{where}: __metadata__[{METADATA_KEY!r}]"
+    doc = strict_json.loads(raw, IntegrityError, field)
+    if (not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or doc.get("algorithm") != ALGORITHM
+            or not isinstance(doc.get("tensors"), dict)):
+        raise IntegrityError(f"{field} is not a version {FORMAT_VERSION} {ALGORITHM} table (got "
+                             f"{strict_json.brief(doc)}); rewrite the file with gdsload, or load it with verify=False")
+    out: dict[str, int] = {}
+    for name, value in doc["tensors"].items():
+        if name not in names:
+            raise IntegrityError(f"{field} records a checksum for tensor {strict_json.brief(name)}, which the file "
+                                 "does not hold; the header was edited: rewrite the file with gdsload")
+        if not isinstance(value, str) or len(value) != 8 or not _HEX.issuperset(value):
+            raise IntegrityError(f"{field}: the checksum of tensor {name!r} is {strict_json.brief(value)}, not 8 "
+                                 "lowercase hex digits; rewrite the file with gdsload")
+        out[name] = int(value, 16)
+    return out
