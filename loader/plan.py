@@ -28,7 +28,6 @@ from typing import NamedTuple
 from gdsload.loader.format.compression import CompressedEntry, parse_compression
 from gdsload.loader.format.discovery import RankFiles
 from gdsload.loader.errors import FileUnreadableError, GdsloadError, HeaderError
-from gdsload.loader.format.confine import open_beneath
 from gdsload.loader.format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
 from gdsload.loader.format.manifest import logical_bytes
 
@@ -238,6 +237,8 @@ def open_file(path: str, confine: Sequence[str] | None = None) -> int:
     (:func:`~gdsload.loader.format.confine.open_beneath`).
     """
     if confine:
+        from gdsload.loader.format.confine import open_beneath  # only confined loads (the sidecar's) need it
+
         fd = open_beneath(path, confine)
     else:
         try:
@@ -386,7 +387,8 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
             buf = 1 + len(order) + len(mapped)
             mapped.append(i)
             extents_m: list[Extent] = []
-            logical = 0
+            logical = copied_m = 0
+            mine = len(placements)
             for t in h.tensors:
                 if wanted is not None and t.name not in wanted:
                     continue
@@ -400,12 +402,15 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
                 elif at % t.itemsize == 0:
                     placements.append(Placement(t.name, t.dtype, t.shape, i, at, t.nbytes, buffer=buf))
                 else:  # not aligned in the mapping: read into an aligned arena slot
+                    copied_m += 1
                     cursor = align_up(cursor, _COPY_ALIGNMENT)
                     if t.nbytes:
                         extents_m.append(Extent(i, at, t.nbytes, cursor))
                     placements.append(Placement(t.name, t.dtype, t.shape, i, cursor, t.nbytes))
                     cursor += t.nbytes
-            files[i] = FilePlan(h.path, h, -1, tuple(extents_m), logical, 0)
+            if not any(p.buffer == buf for p in placements[mine:]):
+                mapped.pop()  # no tensor views this file (all read into targets, or left out): nothing to map
+            files[i] = FilePlan(h.path, h, -1, tuple(extents_m), logical, copied_m)
             continue
         if wanted is None and not any(t.name in buffer_of for t in h.tensors):
             # The whole data section is mirrored into the arena: one sequential read, tensors are views.

@@ -36,7 +36,7 @@ def test_a_private_cpu_mapping_is_copy_on_write(tmp_path: Path):
     the loaded bytes. A shared mapping (the copy hand-off) sees the exporter's memory itself."""
     save_file({"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)},
               tmp_path / "m.safetensors")
-    exported = load_rank(tmp_path, 0, device="cpu")
+    exported = load_rank(tmp_path, 0, device="cpu", backend="cpu")  # an arena, as the sidecar's
     doc = export_rank(exported)
     private, shared = import_rank(doc, private=True), import_rank(doc)
     for name, t in exported.tensors.items():
@@ -50,7 +50,7 @@ def test_a_private_cpu_mapping_is_copy_on_write(tmp_path: Path):
 
 def test_a_private_mapping_refuses_a_damaged_name(tmp_path: Path):
     save_file({"a": torch.ones(8)}, tmp_path / "m.safetensors")
-    exported = load_rank(tmp_path, 0, device="cpu")
+    exported = load_rank(tmp_path, 0, device="cpu", backend="cpu")  # an arena, as the sidecar's
     doc = export_rank(exported)
     import base64
 
@@ -303,7 +303,7 @@ def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Pat
     from test_adapters import _Sidecar
 
     model_dir = make_checkpoint(tmp_path / "m", "tiny", tp=1)
-    exported = load_rank(model_dir, 0)
+    exported = load_rank(model_dir, 0, backend="cpu")  # an arena, as the sidecar's
     ref = {k: v.clone() for k, v in exported.tensors.items()}
     with _Sidecar({0: json.loads(json.dumps({**export_rank(exported), "lease": "ab" * 16}))}) as sidecar:
         model = engine_shaped(ref)

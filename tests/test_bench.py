@@ -63,9 +63,13 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
                        timeout=600)
     assert p.returncode == 0, p.stderr
     doc = json.loads((out / "results.json").read_text())
-    assert doc["config"]["methods"] == ["gdsload:cpu", "safetensors", "gdsload:cpu:compressed"] and doc["complete"]
+    assert doc["config"]["methods"] == ["gdsload:auto", "gdsload:cpu", "safetensors", "gdsload:auto:compressed"]
+    assert doc["complete"]
     logical = load_rank(model).report.logical_bytes
-    assert len(doc["runs"]) == 6 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
+    assert len(doc["runs"]) == 8 and all("error" not in r and r["bytes"] == logical for r in doc["runs"])
+    # what load_rank does by default on the CPU: cached files mapped, a cold rank read into fresh memory
+    auto = {(r["condition"], r["backend"], *r["io_modes"]) for r in doc["runs"] if r["method"] == "gdsload:auto"}
+    assert auto == {("warm", "mmap", "mmap"), ("cold", "mmap", "cpu")}
     cold = [r for r in doc["runs"] if r["condition"] == "cold"]
     assert all(r["evicted_by"] in ("drop_caches", "fadvise") and r["resident_before"] < 0.05 for r in cold)
     # Memory: each run's own peak RSS (it holds at least the loaded bytes), no GPU figure on the CPU.
@@ -88,7 +92,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
         ratio = row["median_gbps"] / row["read_gbps"]
         assert ratio > 1.0 if row["method"].endswith(":compressed") else ratio == pytest.approx(1.0), row
     table = format_table(doc)
-    assert "gdsload:cpu:compressed" in table and "cold" in table and "serve:compressed" in table
+    assert "gdsload:auto:compressed" in table and "cold" in table and "serve:compressed" in table
     # gdsload's runs say what read each file, as their load report does
     assert all(len(r["engines"]) == len(r["io_modes"]) for r in doc["runs"] if r["method"].startswith("gdsload"))
     assert " via " not in table  # the cpu backend reads its files itself
@@ -321,7 +325,7 @@ def test_cpu_load_times_the_whole_call_in_fresh_processes(tmp_path):
     code = ("import sys, time\n"
             "from gdsload.bench.cpu_load import _worker\n"
             "print('torch imported before the call:', 'torch' in sys.modules)\n"
-            f"_worker('gdsload-cpu', {str(model)!r}, 2)")
+            f"_worker('gdsload', {str(model)!r}, 2)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "torch imported before the call: False" in p.stdout, p.stdout + p.stderr
     out = tmp_path / "out"
@@ -331,12 +335,34 @@ def test_cpu_load_times_the_whole_call_in_fresh_processes(tmp_path):
     data = json.loads((out / "results.json").read_text())
     runs = data["runs"]
     assert {(r["method"], r["condition"]) for r in runs} == {
-        (m, c) for m in ("gdsload-cpu", "gdsload-mmap", "safetensors") for c in ("cold", "warm")}
+        (m, c) for m in ("gdsload", "gdsload-cpu", "safetensors") for c in ("tmpfs", "cold", "warm")}
+    assert all(r["resident_before"] > 0.99 for r in runs if r["condition"] != "cold")
     assert len({r["bytes"] for r in runs}) == 1
     assert all(0 < r["seconds"] < r["process_s"] for r in runs)
     # taking turns: the second round starts with another method than the first
     warm = [r["method"] for r in runs if r["condition"] == "warm"]
     assert warm[0] != warm[3]
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssFile:"))
+
+
+def test_in_memory_maps_in_every_page_of_a_mapped_load(tmp_path):
+    """The CPU bench's clock stops with every method's bytes in memory: safetensors' tensors view a file
+    mapping, whose pages come into the process only when read."""
+    import safetensors.torch
+    import torch
+
+    from gdsload.bench.methods import in_memory
+
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({"w": torch.arange(4 << 20, dtype=torch.int32), "b": torch.ones(3)}, str(path))
+    tensors = safetensors.torch.load_file(str(path))
+    before = _rss_file()
+    in_memory(tensors.values())
+    assert _rss_file() - before >= 15 << 20
 
 
 def test_multi_gpu_bench_rows_on_cpu(tmp_path):

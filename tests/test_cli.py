@@ -80,7 +80,7 @@ def test_inspect_shows_what_compressed_tensors_decode_to(tmp_path):
 
 def test_load_prints_report(sharded_dir):
     out = run("load", str(sharded_dir), "--rank", "1", "--threads", "2", "--chunk", "64KiB", "--verify").stdout
-    assert out.startswith("rank 1: ") and "backend=cpu io=cpu files=2" in out and "verified=True" in out
+    assert out.startswith("rank 1: ") and "backend=mmap io=mmap files=2" in out and "verified=True" in out
     doc = json.loads(run("load", str(sharded_dir), "--json").stdout)
     assert doc["rank"] == 0 and doc["logical_bytes"] > 0 and len(doc["files"]) == 2
 

@@ -43,7 +43,7 @@ def _map_in_child(doc: dict) -> dict:
 
 
 def test_cpu_arena_maps_in_another_process(sharded_dir):
-    result = load_rank(sharded_dir, 1)
+    result = load_rank(sharded_dir, 1, backend="cpu")
     before = _digests(result.tensors)
     doc = json.loads(json.dumps(export_rank(result)))  # survives JSON, as over HTTP
     assert doc["kind"] == "cpu" and doc["rank"] == 1
@@ -74,8 +74,16 @@ def test_shared_memory_is_for_the_cpu_only():
         TorchDevice(torch.device("cuda", 0), shared=True)
 
 
-def test_import_in_same_process_gives_views_of_one_mapping(sharded_dir):
+def test_a_rank_of_mapped_files_is_refused_naming_the_backends_that_export(sharded_dir):
+    """``auto`` maps the files on the CPU: those tensors have no arena to share, and export says what to load with."""
     result = load_rank(sharded_dir, 0)
+    assert result.report.backend == "mmap"
+    with pytest.raises(IpcError, match=r"views of their files' own pages.*backend='cpu'.*shared=True"):
+        export_rank(result)
+
+
+def test_import_in_same_process_gives_views_of_one_mapping(sharded_dir):
+    result = load_rank(sharded_dir, 0, backend="cpu")
     tensors = import_rank(export_rank(result))
     ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
     assert len(ptrs) == 1
@@ -87,7 +95,7 @@ def test_bad_documents_are_typed_errors(sharded_dir):
         import_rank({"version": 99})
     with pytest.raises(IpcError, match="kind"):
         import_rank({"version": 1, "kind": "tpu"})
-    good = json.loads(json.dumps(export_rank(load_rank(sharded_dir, 0))))
+    good = json.loads(json.dumps(export_rank(load_rank(sharded_dir, 0, backend="cpu"))))
     first = good["tensors"][0]
     for damage, words in (
         (lambda d: d.pop("tensors"), "no valid 'nbytes' and 'tensors'"),

@@ -48,30 +48,32 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_load_rank_matches_safetensors(sharded_dir, rank):
+@pytest.mark.parametrize("rank, backend", [(0, None), (1, None), (1, "cpu")])
+def test_load_rank_matches_safetensors(sharded_dir, rank, backend):
+    """Host memory: ``auto`` maps the files (``mmap``); ``cpu`` reads them into an arena. Same bytes either way."""
     start = time.perf_counter()
-    result = load_rank(sharded_dir, rank, verify=True)
+    result = load_rank(sharded_dir, rank, verify=True, backend=backend)
     wall = time.perf_counter() - start
     ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith(f"r{rank}.")}
     assert set(result.tensors) == set(ref)
     for name, t in ref.items():
         assert _same_bits(result.tensors[name], t), name
     r = result.report
-    assert r.rank == rank and r.backend == "cpu" and r.source == "manifest" and r.verified
+    ran = backend or "mmap"
+    assert r.rank == rank and r.backend == ran and r.source == "manifest" and r.verified
     assert [Path(f.path).name for f in r.files] == [f"model-rank-{rank}-part-{p}.safetensors" for p in (0, 1)]
-    assert all(f.io_mode == "cpu" and f.data_aligned and f.copied_tensors == 0 for f in r.files)
+    assert all(f.io_mode == ran and f.data_aligned and f.copied_tensors == 0 for f in r.files)
     assert r.logical_bytes == r.stored_bytes == sum(t.nbytes for t in ref.values())
     # the phases are laps of one clock: they add up to the call, set-up and tear-down included
     assert tuple(r.phases) == PHASES and all(v >= 0 for v in r.phases.values())
     assert r.seconds <= wall < r.seconds + 0.05, (r.phases, wall)
     assert r.seconds > 0 and r.gbps > 0
-    assert f"rank {rank}:" in r.summary() and "backend=cpu io=cpu files=2" in r.summary()
+    assert f"rank {rank}:" in r.summary() and f"backend={ran} io={ran} files=2" in r.summary()
     json.dumps(r.to_dict())
 
 
 def test_tensors_are_views_into_one_arena(sharded_dir):
-    result = load_rank(sharded_dir, 0)
+    result = load_rank(sharded_dir, 0, backend="cpu")
     (arena,) = result.arenas
     base = arena.untyped_storage().data_ptr()
     for name, t in result.tensors.items():
@@ -168,7 +170,7 @@ def test_many_views_at_once_are_the_views_one_at_a_time():
 @pytest.mark.parametrize("threads, chunk", [(1, 4096), (3, 4096), (8, 1 << 20)])
 def test_threads_and_chunk_sizes_give_identical_bytes(sharded_dir, threads, chunk):
     done = []
-    result = load_rank(sharded_dir, 1, num_threads=threads, chunk_bytes=chunk, progress=done.append)
+    result = load_rank(sharded_dir, 1, backend="cpu", num_threads=threads, chunk_bytes=chunk, progress=done.append)
     ref = _reference(sharded_dir)
     for name, t in result.tensors.items():
         assert _same_bits(t, ref[name]), name
@@ -442,7 +444,21 @@ def test_file_shrinking_during_read_is_an_error(tmp_path, monkeypatch):
     save_file({"x": torch.ones(4096)}, tmp_path / "model.safetensors")
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: 0)
     with pytest.raises(TruncatedFileError, match="shrank while it was being loaded"):
-        load_rank(tmp_path)
+        load_rank(tmp_path, backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["mmap", "cpu"])
+def test_file_cut_short_after_its_header_was_read_is_an_error(tmp_path, backend):
+    """A file truncated in place between planning and reading: a typed error, never tensors over pages that
+    are gone (a mapped tensor there would kill the process with SIGBUS when read)."""
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4096), "b": torch.ones(4096)}, path)
+
+    def cut(plan):
+        os.truncate(path, plan.files[0].header.data_offset + 4096)
+
+    with pytest.raises(TruncatedFileError, match="shrank while it was being loaded|cut short after its header"):
+        load_rank(tmp_path, backend=backend, on_plan=cut)
 
 
 def test_empty_file_set_and_zero_byte_tensors(tmp_path):
@@ -536,6 +552,8 @@ def test_into_reads_straight_into_the_callers_tensors(sharded_dir):
     assert result.report.direct_tensors == len(half) and f"direct={len(half)}" in result.report.summary()
     whole = load_rank(sharded_dir, 0, into=_empty_like_all(ref))
     assert whole.arena.numel() == 0  # nothing left for an arena
+    # nor for a mapping: every file's bytes were read into the caller's tensors, none mapped
+    assert whole.arenas == [whole.arena] and {f.io_mode for f in whole.report.files} == {"cpu"}
 
 
 def test_into_misaligned_and_compressed_tensors(tmp_path):
@@ -612,6 +630,30 @@ def test_mmap_backend_hands_out_views_of_the_files(tmp_path, sharded_dir):
     assert mapped.arena.numel() > 0
     mapped.tensors["b.f32"].add_(1)  # a private mapping: the file stays as it was
     assert _same_bits(load_rank(foreign).tensors["b.f32"], tensors["b.f32"])
+
+
+def test_mmap_backend_reads_a_cold_rank_and_maps_a_cached_one(tmp_path):
+    """Picked by ``auto``, the mmap backend reads a rank evicted from the page cache into an arena with the cpu
+    backend's threads and maps it once cached; named explicitly, it maps a cold rank too. Same bytes as
+    safetensors every time, every byte reported to ``progress``."""
+    from gdsload.loader.io.pagecache import evict, resident_fraction
+
+    path = tmp_path / "model.safetensors"
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(256, 1024 + i, generator=g) for i in range(6)}
+    save_file(tensors, path)
+    evict([str(path)])
+    if resident_fraction([str(path)]) > 0.1:
+        pytest.skip("this file system keeps the file cached after eviction (tmpfs)")
+    for backend, mode in ((None, "cpu"), (None, "mmap"), ("mmap", "mmap")):  # cold, then cached by the first load
+        if backend:  # named explicitly, it maps a cold rank too
+            evict([str(path)])
+        done: list[int] = []
+        result = load_rank(tmp_path, backend=backend, progress=done.append)
+        assert all(_same_bits(result.tensors[k], v) for k, v in tensors.items())
+        assert sum(done) == result.report.stored_bytes
+        assert result.report.backend == "mmap" and {f.io_mode for f in result.report.files} == {mode}
+        assert (len(result.arenas) == 1) == (mode == "cpu")
 
 
 def test_a_fresh_process_reports_torchs_import_apart_from_the_load(sharded_dir):

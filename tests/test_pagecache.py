@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from gdsload.loader.io import pagecache
+from gdsload.loader.io import iomode, pagecache
 
 
 def _fs(monkeypatch, kinds: dict[str, str]) -> None:
-    monkeypatch.setattr(pagecache, "mount_of", lambda p: ("/m", kinds[p]))
+    monkeypatch.setattr(iomode, "mount_of", lambda p: ("/m", kinds[p]))
 
 
 def test_files_on_memory_file_systems_are_never_cold_and_are_not_probed(monkeypatch):
@@ -37,7 +37,7 @@ def test_a_rank_with_a_file_on_disk_is_probed(monkeypatch, resident, cold):
 def test_real_files_on_disk_after_eviction_and_after_reading(tmp_path):
     f = tmp_path / "w.bin"
     f.write_bytes(b"\1" * (4 << 20))
-    if pagecache.mount_of(str(f))[1] in pagecache.MEMORY_FILESYSTEMS:
+    if iomode.mount_of(str(f))[1] in pagecache.MEMORY_FILESYSTEMS:
         pytest.skip("the test directory is on a memory file system")
     f.read_bytes()
     assert pagecache.is_cold(str(f)) is False

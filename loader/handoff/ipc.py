@@ -61,6 +61,12 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
     """Describe ``result``'s arena and tensors so another process can map them."""
     if result.arena is None:
         raise IpcError("the result was closed; there is no arena to export")
+    mapped = [s.name for s in result.slots if s.buffer > result.report.direct_tensors]  # after the caller's targets
+    if mapped:
+        raise IpcError(f"{len(mapped)} tensor(s) are views of their files' own pages, mapped by the 'mmap' backend "
+                       f"(what load_rank picks for host memory), not of an arena ({', '.join(map(repr, mapped[:4]))}); "
+                       "to hand a rank to another process, load it with backend='cpu', or onto "
+                       "TorchDevice(torch.device('cpu'), shared=True) (shared memory from the start)")
     outside = [s.name for s in result.slots if s.buffer]
     if outside:
         raise IpcError(f"{len(outside)} tensor(s) were loaded into the caller's own memory, not the arena "

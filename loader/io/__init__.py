@@ -56,11 +56,12 @@ def register_backend(name: str, target: str, *, auto: int | None = None,
 register_backend("cufile", "gdsload.loader.io.cufile:CuFileBackend", auto=0, kinds=("cuda",))
 register_backend("pinned", "gdsload.loader.io.pinned:PinnedBackend", auto=1, kinds=("cuda",))
 register_backend("fastsafetensors", "gdsload.loader.io.fastsafetensors:FastSafetensorsBackend", kinds=("cuda",))
-register_backend("cpu", "gdsload.loader.io.cpu:CpuBackend", auto=2, kinds=("cpu",))
-register_backend("mmap", "gdsload.loader.io.mmap:MmapBackend", kinds=("cpu",))
+register_backend("mmap", "gdsload.loader.io.mmap:MmapBackend", auto=2, kinds=("cpu",))
+register_backend("cpu", "gdsload.loader.io.cpu:CpuBackend", auto=3, kinds=("cpu",))
 # ``cufile`` comes first in ``auto`` only where it does better than staging through host memory (true
 # GDS or P2PDMA; its auto_skip says so); ``fastsafetensors`` is never picked automatically (it is there
-# for comparison and its users).
+# for comparison and its users). On the CPU, ``mmap`` (the files' own pages, nothing copied) goes before
+# ``cpu`` (reads into fresh memory), except into shared memory, which only an arena can be.
 
 
 def _load_entry_points() -> None:
@@ -124,8 +125,12 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     needs_torch: ClassVar[bool] = True
     """Whether it runs only on a torch device (:class:`~gdsload.loader.devices.TorchDevice`)."""
-    maps_files: ClassVar[bool] = False
-    """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read."""
+    maps_files: bool = False
+    """Whether tensors of uncompressed files are views of the files' mappings (:meth:`file_buffers`), not read;
+    a backend may decide it per load in :meth:`prepare` (the load reads it after that, when it plans)."""
+    picked_by_auto: bool = False
+    """Set by :func:`select_backend` when ``auto`` chose this backend: it may then do what serves the load
+    best where a backend named explicitly does what its name says (``mmap`` reads a cold rank)."""
     on_chunk: Callable[[int, int, int], None] | None = None
     """Set by a load that checks what it reads on the CPU: a reader that supports it calls it with
     ``(buffer, offset, length)`` from the reading thread as each read into host memory finishes (the load's
@@ -154,7 +159,8 @@ class Backend(abc.ABC):
 
     def prepare(self, paths: Sequence[str]) -> None:
         """Start, in the background, set-up that reading these files will need, while the load plans them
-        (the staged engine pins its buffers then); by default nothing. ``open`` must not depend on it."""
+        (the staged engine pins its buffers then), or decide :attr:`maps_files` for them; by default nothing.
+        ``open`` must not depend on it."""
 
     def open(self, plan: LoadPlan) -> None:
         """Prepare to read ``plan``'s files."""
@@ -244,7 +250,9 @@ def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Bac
         except ImportError as e:
             reason = f"cannot import it ({e})"
         if reason is None:
-            return cls(device, options)
+            backend = cls(device, options)
+            backend.picked_by_auto = True
+            return backend
         log.info("backend %s skipped: %s", candidate, reason)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(f"no backend can load to {str(device)!r} here ({'; '.join(skipped)})")

@@ -14,7 +14,6 @@ from typing import Any
 
 from gdsload.loader.devices import Device
 from gdsload.loader.errors import TruncatedFileError
-from gdsload.loader.io.pagecache import is_cold
 from gdsload.loader.plan import Extent, LoadPlan, split_extents
 from gdsload.loader.io import Backend, Progress
 
@@ -51,11 +50,22 @@ class CpuBackend(Backend):
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
         self._fds = list(plan.fds)  # the plan's descriptors: the files its headers came from
-        self._threads = self.options.num_threads or (
-            self.DEFAULT_THREADS if plan.files and is_cold(*plan.open_paths) else self.CACHED_THREADS)
+        self._threads = self.options.num_threads
+
+    def _reader_threads(self) -> int:
+        """Readers for this plan's files: the caller's number, else by whether the files are cached (asked
+        once, when there is something to read: a mapping backend often has nothing)."""
+        if self._threads is None:
+            from gdsload.loader.io.pagecache import is_cold
+
+            assert self.plan is not None
+            self._threads = self.DEFAULT_THREADS if is_cold(*self.plan.open_paths) else self.CACHED_THREADS
+        return self._threads
 
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         assert self.plan is not None
+        if not extents:
+            return
         views = [self.device.host_memoryview(d) for d in dsts]
         paths = [f.path for f in self.plan.files]
         on_chunk = self.on_chunk
@@ -69,7 +79,7 @@ class CpuBackend(Backend):
                 progress(c.length)
 
         chunks = split_extents(extents, self.options.chunk_bytes or self.DEFAULT_CHUNK)
-        threads = max(1, min(self._threads, len(chunks)))
+        threads = max(1, min(self._reader_threads(), len(chunks)))
         if threads == 1:
             for c in chunks:
                 work(c)

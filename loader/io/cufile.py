@@ -36,6 +36,7 @@ from gdsload.loader.devices import Device
 from gdsload.loader.errors import BackendUnavailableError
 from gdsload.loader.io.iomode import (KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, nvidia_fs_loaded,
                                      o_direct_supported, p2pdma_configured)
+from gdsload.loader.io.kvikio_env import settings_to_apply, value_in_force
 from gdsload.loader.io.pagecache import is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
@@ -173,8 +174,10 @@ class CuFileBackend(Backend):
         if not has_switch:
             settings.pop("auto_direct_io_read", None)
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
-        # thread pool for every staging group of a compressed load).
-        self._settings = kvikio.defaults.set(settings)
+        # thread pool for every staging group of a compressed load); a KVIKIO_* variable the user set wins.
+        self._settings = kvikio.defaults.set(settings_to_apply(settings))
+        self._cold_shape = (int(value_in_force(kvikio, settings, "task_size")),
+                            int(value_in_force(kvikio, settings, "num_threads")))
         for fd in plan.fds:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
         self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
@@ -200,6 +203,8 @@ class CuFileBackend(Backend):
         return self.options.chunk_bytes or (self.COLD_TASK if cold else self.DEFAULT_TASK)
 
     def _kvikio_settings(self) -> dict[str, Any]:
+        """The kvikio settings this load wants, before the user's ``KVIKIO_*`` variables take theirs back
+        (:func:`~gdsload.loader.io.kvikio_env.settings_to_apply`)."""
         cold = self.cold_direct
         threads = self.options.num_threads or (self.COLD_THREADS if cold else self.DEFAULT_THREADS)
         if not cold:
@@ -226,8 +231,8 @@ class CuFileBackend(Backend):
         if self.staged is not None:
             return self.staged.submit(extents, dsts, progress)
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
-            settings = self._kvikio_settings()
-            reads = direct_read_order(extents, settings["task_size"], self.COLD_STREAMS or settings["num_threads"])
+            task, threads = self._cold_shape  # kvikio's own: the user's KVIKIO_* where set
+            reads = direct_read_order(extents, task, self.COLD_STREAMS or threads)
         else:
             reads = [e for e in extents if e.length]
         futures = [(e, self._files[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))

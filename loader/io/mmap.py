@@ -1,19 +1,29 @@
 """``mmap``: tensors that are views of the files' own pages in the page cache — nothing is copied.
 
-For a CPU destination whose tensors are only read once more (an engine's ``load_weights`` copies
-each into its parameters), reading them into an arena first is one copy too many: every byte
-would cross memory twice. Here each uncompressed file is mapped (``MAP_PRIVATE``: a write to a
-tensor copies that page, the file never changes) and its tensors are views of the mapping, as
-``safetensors.safe_open`` hands them out. Tensors not aligned for their dtype in the file, and
-compressed tensors, are read into the arena as the ``cpu`` backend reads.
+``auto``'s choice for host memory. Reading a cached file into fresh memory makes every byte cross memory
+once more than it must, and the new pages must be zeroed first; here each uncompressed file is mapped
+(``MAP_PRIVATE``: a write to a tensor copies that page, the file never changes) and its tensors are views
+of the mapping, as ``safetensors.safe_open`` hands them out. Before the load returns, every page its
+tensors use is asked for at once (``MADV_WILLNEED``: pages evicted meanwhile are read together) and then
+mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in later. Tensors not aligned
+for their dtype in the file, the caller's own destinations (``into``), and compressed tensors are read as
+the ``cpu`` backend reads.
 
-Never picked by ``auto``: a mapping lives as long as its tensors, and a file truncated while
-mapped makes a later access fail (``SIGBUS``); the engine adapters ask for it only where they copy
-the tensors right away. During the load itself a truncated file is a :class:`TruncatedFileError`, never a
-``SIGBUS``: each file's size is checked against its header under the mapping, its pages are mapped in with
-``MADV_POPULATE_READ`` (which fails where an access would fault), and the load's own reads of mapped bytes (its
-checksums, a digest) go through :func:`mapped_pieces`, which copies them with ``process_vm_readv`` (a fault
-there is an error code, not a signal).
+When ``auto`` picked it, a cold rank (less than half of it in the page cache, sampled before the plan is
+made) is not mapped: it is read as the ``cpu`` backend reads it, by several threads into an arena, which
+keeps the disk and every core busy; mapped, the first access to each freshly read page would fall to one
+thread, after the reads. Named explicitly (``backend="mmap"``), it maps every rank: the pages stay memory
+the kernel can reclaim, which callers streaming a large model through it count on. The report says which
+files were mapped (``io=mmap``) and which read (``io=cpu``).
+
+A mapping lives as long as its tensors, and a file truncated in place while mapped makes a later
+access fail (``SIGBUS``), as with ``safetensors``; files replaced by a rename (what gdsload's writers
+and most tools do) keep their old pages. During the load itself a truncated file is a
+:class:`TruncatedFileError`, never a ``SIGBUS``: each file's size is checked against its header under the
+mapping, its pages are mapped in with ``MADV_POPULATE_READ`` (which fails where an access would fault),
+and the load's own reads of mapped bytes (its checksums, a digest) go through :func:`mapped_pieces`, which
+copies them with ``process_vm_readv`` (a fault there is an error code, not a signal). ``auto`` leaves shared
+memory (the sidecar's hand-off) to the ``cpu`` backend: only an arena can be handed to another process.
 """
 
 from __future__ import annotations
@@ -23,12 +33,13 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gdsload.loader.devices import Device
 from gdsload.loader.errors import FileUnreadableError, TruncatedFileError
-from gdsload.loader.plan import LoadPlan
+from gdsload.loader.plan import Extent, LoadPlan
+from gdsload.loader.io import Progress
 from gdsload.loader.io.cpu import CpuBackend
 
 __all__ = ["MmapBackend", "mapped_pieces"]
@@ -113,10 +124,15 @@ def _truncated(path: str, at: int) -> TruncatedFileError:
                               f"{at} on of the checked range are gone); re-copy it, and do not change model "
                               "files while they load")
 
+_Run = tuple[int, int, int]
+"""Neighbouring tensors of one mapped file: ``(start, length)`` of the page-aligned range they lie in, and
+their bytes."""
+
 
 class MmapBackend(CpuBackend):
     name = "mmap"
     maps_files = True
+    """Set per load by :meth:`prepare`: False for a cold rank, which is read instead."""
 
     @classmethod
     def probe(cls, device: Device) -> str | None:
@@ -124,12 +140,37 @@ class MmapBackend(CpuBackend):
             return f"it maps files into host memory only, not {str(device)!r}"
         return None
 
+    @classmethod
+    def auto_skip(cls, device: Device) -> str | None:
+        if getattr(device, "shared", False):
+            return "the load goes to shared memory, to be handed to other processes, and only an arena can be"
+        return None
+
+    _cold = False
+
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Picked by ``auto``: map the rank, unless it is cold (see the module doc), by a sampled ``mincore``,
+        under a millisecond (files on tmpfs are always resident). Named explicitly, it always maps (memory
+        the kernel can reclaim, where an arena could not be)."""
+        if not self.picked_by_auto:
+            return
+        from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
+
+        try:
+            self._cold = bool(paths) and resident_fraction(paths, samples=64) < COLD_RESIDENCY
+        except OSError:  # a file that cannot be opened: the plan says so, with the fix
+            self._cold = False
+        self.maps_files = not self._cold
+
     def open(self, plan: LoadPlan) -> None:
         super().open(plan)
+        if self._cold and self._threads is None:
+            self._threads = self.DEFAULT_THREADS  # known cold: no second residency probe
         self._maps: list[Any] = []
+        self._pending: list[tuple[int, mmap.mmap, list[_Run]]] = []
         import torch
 
-        for i in plan.mapped:
+        for i, runs in zip(plan.mapped, _viewed_runs(plan)):
             path, fd = plan.files[i].path, self._fds[i]  # the descriptors the cpu backend opened
             want = plan.files[i].header.file_size
             size = os.fstat(fd).st_size
@@ -140,17 +181,48 @@ class MmapBackend(CpuBackend):
                 m = mmap.mmap(fd, want, access=mmap.ACCESS_COPY) if want else None
             except (OSError, ValueError) as e:
                 raise FileUnreadableError(f"{path!r} cannot be mapped ({e}); load it with backend='cpu'") from None
-            if m is not None:
-                try:
-                    m.madvise(_MADV_POPULATE_READ)
-                except OSError as e:
-                    if e.errno == errno.EFAULT:  # a page past the end of the file: touching it would raise SIGBUS
-                        m.close()
-                        raise TruncatedFileError(f"{path!r} was cut short while it was mapped; re-copy it") from None
-                except (ValueError, AttributeError):
-                    pass  # an older kernel: the pages come in as they are touched
             self._maps.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None
                               else torch.empty(0, dtype=torch.uint8))
+            if m is not None and runs:
+                self._pending.append((i, m, runs))
+
+    def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
+        self._map_in(progress)
+        super().read(extents, dsts, progress)
+
+    def _map_in(self, progress: Progress | None) -> None:
+        """Bring in the pages the mapped tensors use (once, at the first read): every file's are asked for
+        first, so pages evicted meanwhile are read together rather than one fault's readahead window at a
+        time, then each run is mapped."""
+        pending, self._pending = self._pending, []
+        for _, m, runs in pending:
+            for start, length, _ in runs:
+                try:
+                    m.madvise(mmap.MADV_WILLNEED, start, length)
+                except OSError:
+                    break  # only a hint: the pages still come in below
+        populate = True
+        for i, m, runs in pending:
+            for start, length, nbytes in runs:
+                if populate:
+                    try:
+                        m.madvise(_MADV_POPULATE_READ, start, length)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            self._failed(i, start + length, e)
+                        populate = False  # a kernel older than 5.14: the pages come in as they are touched
+                if progress is not None:
+                    progress(nbytes)
+
+    def _failed(self, i: int, end: int, e: OSError) -> None:
+        assert self.plan is not None
+        path = self.plan.files[i].path
+        if e.errno == errno.EFAULT and os.fstat(self._fds[i]).st_size < end:
+            raise TruncatedFileError(f"{path!r} was cut short while it was mapped (it ends before byte {end}): the "
+                                     "file shrank while it was being loaded; re-copy it") from None
+        raise FileUnreadableError(f"{path!r}: its pages up to byte {end} could not be read into memory "
+                                  f"({os.strerror(e.errno or 0)}); check the device it lies on, or load it with "
+                                  "backend='cpu'") from None
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None
@@ -164,3 +236,20 @@ class MmapBackend(CpuBackend):
     def close(self) -> None:
         super().close()
         self._maps = []  # the tensors viewing a mapping keep it; it goes with the last of them
+        self._pending = []
+
+
+def _viewed_runs(plan: LoadPlan) -> list[list[_Run]]:
+    """Per mapped file, the runs of neighbouring tensors viewed in its mapping: the pages a load maps in,
+    and no others (with ``only``, the rest of the file is left unread)."""
+    first = 1 + len(plan.targets)
+    runs: list[list[_Run]] = [[] for _ in plan.mapped]
+    for p in sorted((p for p in plan.placements if p.buffer >= first and p.nbytes), key=lambda p: p.offset):
+        start = p.offset - p.offset % mmap.PAGESIZE
+        mine = runs[p.buffer - first]
+        if mine and start <= mine[-1][0] + mine[-1][1]:
+            at, length, nbytes = mine[-1]
+            mine[-1] = (at, max(at + length, p.offset + p.nbytes) - at, nbytes + p.nbytes)
+        else:
+            mine.append((start, p.offset + p.nbytes - start, p.nbytes))
+    return runs

@@ -7,7 +7,6 @@ import mmap
 import os
 from collections.abc import Iterable
 
-from gdsload.loader.io.iomode import mount_of
 
 __all__ = ["evict", "resident_fraction", "is_cold", "COLD_RESIDENCY", "RESIDENCY_SAMPLES", "MEMORY_FILESYSTEMS"]
 
@@ -101,6 +100,8 @@ def is_cold(*paths: str) -> bool:
     Files on a memory file system are never cold, and are not probed (about 8 ms per 9 GB, 4 % of a
     load from tmpfs).
     """
+    from gdsload.loader.io.iomode import mount_of  # here: importing it costs about half a millisecond
+
     if paths and all(mount_of(p)[1] in MEMORY_FILESYSTEMS for p in paths):
         return False
     return resident_fraction(paths, samples=RESIDENCY_SAMPLES) < COLD_RESIDENCY

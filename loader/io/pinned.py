@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from gdsload.loader.devices import Device
+from gdsload.loader.io.iomode import cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
+from gdsload.loader.io.kvikio_env import settings_to_apply, user_settings, value_in_force
 from gdsload.loader.io.pagecache import COLD_RESIDENCY, is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
@@ -193,14 +195,22 @@ class PinnedBackend(Backend):
         direct = self.kvikio_direct if direct is None else direct
         return self.options.chunk_bytes or (self.KVIKIO_COLD_TASK if direct else self.KVIKIO_TASK)
 
-    def _kvikio_settings(self) -> Any:
-        kv = self._kv
+    def _kvikio_wanted(self, compat_on: Any = "ON") -> dict[str, Any]:
+        """The kvikio settings this load wants (POSIX reads through pinned bounce buffers: compat mode on),
+        before the user's ``KVIKIO_*`` variables take theirs back (:mod:`~gdsload.loader.io.kvikio_env`)."""
         task = self._kvikio_task()
-        settings = {"compat_mode": kv.CompatMode.ON, "num_threads": self._kvikio_threads(),
-                    "task_size": task, "bounce_buffer_size": task}
+        settings = {"compat_mode": compat_on, "num_threads": self._kvikio_threads(), "task_size": task,
+                    "bounce_buffer_size": task}
         if self._kv_switch:
             settings["auto_direct_io_read"] = self.kvikio_direct
-        return kv.defaults.set(settings)
+        return settings
+
+    def _kvikio_settings(self) -> Any:
+        kv = self._kv
+        wanted = self._kvikio_wanted(kv.CompatMode.ON)
+        held = kv.defaults.set(settings_to_apply(wanted))
+        self._kv_shape = (int(value_in_force(kv, wanted, "task_size")), int(value_in_force(kv, wanted, "num_threads")))
+        return held
 
     def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
@@ -212,7 +222,7 @@ class PinnedBackend(Backend):
             return self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)
         kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
-            kv_extents = direct_read_order(kv_extents, self._kvikio_task(), self._kvikio_threads())
+            kv_extents = direct_read_order(kv_extents, *self._kv_shape)  # kvikio's task size and threads
         for e in extents:
             self._ran[e.file_index].add(self._engine[e.file_index])
         staged = [e for e in extents if self._engine[e.file_index] == "staged"]
@@ -244,7 +254,14 @@ class PinnedBackend(Backend):
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None
-        return ["posix"] * len(self.plan.files)
+        modes = ["posix"] * len(self.plan.files)
+        if "kvikio" in self._engine and "compat_mode" in user_settings():
+            # The user's KVIKIO_COMPAT_MODE held, not ours: kvikio may hand its files to cuFile.
+            state = kvikio_state()
+            if not state.compat_preferred:
+                modes = [cufile_io_mode(state, o_direct_supported(f.path), gds_fs=gds_filesystem(f.path))
+                         if e == "kvikio" else m for f, e, m in zip(self.plan.files, self._engine, modes)]
+        return modes
 
     def direct_io(self) -> list[bool]:
         return list(self._direct)

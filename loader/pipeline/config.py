@@ -33,7 +33,7 @@ class LoadConfig(NamedTuple):
     value (:meth:`check`)."""
 
     backend: str = "auto"
-    """Reader backend: ``auto`` (try cufile, pinned, cpu in order; see ``auto_order()``) or one name."""
+    """Reader backend: ``auto`` (try cufile, pinned, mmap, cpu in order; see ``auto_order()``) or one name."""
     num_threads: int | None = None
     """Reader threads per rank; None picks the backend's default."""
     chunk_bytes: int | None = None
