@@ -1,8 +1,17 @@
-"""``gdsload bench``: build a synthetic checkpoint, run the cold-start benchmark, draw its chart."""
+"""``gdsload bench``: the benchmarks, one subcommand each; ``gdsload bench [run] MODEL_DIR`` is the cold-start one.
+
+``run`` (the default: ``gdsload bench MODEL_DIR`` is ``gdsload bench run MODEL_DIR``) builds synthetic checkpoints,
+times cold starts against every peer and the hardware limits, and draws the chart. The others each answer one
+question (``gdsload bench SUBCOMMAND --help``); their modules keep their own argument parsers and run as
+``python -m gdsload.bench.MODULE`` too.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import importlib
+import sys
 
 import click
 
@@ -50,7 +59,7 @@ def _generator_device(device: str) -> str:
     return "cpu"
 
 
-@click.command()
+@click.command("run")
 @click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--compressed", "compressed_dir", type=click.Path(exists=True, file_okay=False),
               help="A compressed copy of MODEL_DIR (gdsload compress), for the :compressed methods.")
@@ -81,7 +90,7 @@ def _generator_device(device: str) -> str:
               help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")
 @click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Only draw chart.png from an existing results.json.")
-def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
+def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
           repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
           compress_codec: str | None, writer: str, ttr: bool,
           plot_json: str | None, experts: int) -> None:
@@ -175,3 +184,65 @@ def bench(model_dir: str | None, compressed_dir: str | None, methods: str | None
     except ImportError:
         click.echo("chart: matplotlib is not installed (pip install matplotlib); draw it later with --plot")
     click.echo(f"results: {cfg.out / 'results.json'}")
+
+
+# The benchmarks that answer one question each: subcommand -> (module, one line of help). Each module's ``main(argv)``
+# parses its own arguments.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "shard": ("shard_bench", "gdsload shard against vLLM's save_sharded_state, per layout: wall time, peak memory"),
+    "checkpoint": ("ckpt_bench", "training checkpoints: the loop's stall, save, restore (torch.save, DCP, gdsload)"),
+    "ratio": ("ckpt_ratio", "how well trained state compresses, by part (weights, AdamW moments), per codec"),
+    "cpu": ("cpu_load", "CPU loads: gdsload against safetensors' load_file, from tmpfs, the page cache and cold"),
+    "verify": ("verify_cost", "what checking every load costs: the same load with verify off and at its default"),
+    "multi-gpu": ("multi_gpu", "tensor parallel on one host: every rank in its own process on its own GPU"),
+    "serve": ("ttr", "the sidecar's time to ready: gdsload serve started, /readyz polled"),
+    "restart": ("restart", "an engine restarting against a warm sidecar: adopted, copied, or read again"),
+    "vllm": ("vllm_load", "loads inside vLLM: gdsload's load format against vLLM's own"),
+}
+
+
+def _passthrough(name: str, module: str, summary: str) -> click.Command:
+    def invoke(args: tuple[str, ...]) -> None:
+        mod = importlib.import_module(f"gdsload.bench.{module}")
+        code = mod.main(list(args)) if _takes_argv(mod.main) else _call_with_argv(mod.main, args, name)
+        if code:
+            sys.exit(code)
+
+    return click.Command(name, callback=invoke, help=summary, short_help=summary, add_help_option=False,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                         params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)])
+
+
+def _takes_argv(fn: object) -> bool:
+    import inspect
+
+    return bool(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def _call_with_argv(fn: object, args: tuple[str, ...], name: str) -> int | None:
+    """A ``main()`` that reads ``sys.argv`` itself: run it with the subcommand's arguments there."""
+    saved = sys.argv
+    sys.argv = [f"gdsload bench {name}", *args]
+    try:
+        return fn()  # type: ignore[operator]
+    finally:
+        sys.argv = saved
+
+
+class _BenchGroup(click.Group):
+    """``gdsload bench ARGS``: a subcommand's name first, else ``run`` (the cold-start bench) takes ARGS."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("bench", cls=_BenchGroup)
+def bench() -> None:
+    """Benchmarks: cold starts against every peer (`run`, the default), and one question each in the others."""
+
+
+bench.add_command(run)
+for _name, (_module, _summary) in SUBCOMMANDS.items():
+    bench.add_command(_passthrough(_name, _module, _summary))

@@ -9,10 +9,11 @@ code, then each rank's regions of the source are read and written, files in para
 Each run is a fresh process (the whole command: imports included); the stopwatch is the wall time
 of that process, and memory is the peak of the summed resident memory of it and every process it
 started (sampled every 20 ms). Methods take turns; each layout runs ``--rounds`` times. A method
-that fails (vLLM's CPU build cannot run pipeline- or expert-parallel layouts) is recorded with the
-last line of its error.
+that fails is recorded with the last line of its error. Each run's rank-0 tensor names are counted: vLLM saves
+its state dict after its kernels' post-processing, which on some platforms repacks or drops parameters, so
+its files may not hold what its own ``sharded_state`` loader asks for.
 
-    python -m gdsload.bench.shard_bench --vllm-python .venv-engine/bin/python --size 2GB --experts 8 \\
+    gdsload bench shard --vllm-python .venv-engine/bin/python --size 2GB --experts 8 \\
         --layouts tp2,tp2-ep,pp2 --rounds 2 --out /tmp/shard-bench
 """
 
@@ -89,6 +90,8 @@ class Run:
     """Peak of the summed RSS of the process and its descendants, bytes."""
     out_bytes: int
     error: str = ""
+    rank0_tensors: int = 0
+    """Tensors in rank 0's files."""
 
 
 def _tree_rss(proc: Any) -> int:
@@ -143,6 +146,13 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*.safetensors")) if path.exists() else 0
 
 
+def _rank0_tensors(path: Path) -> int:
+    from gdsload.loader.format.safetensors import read_header
+
+    files = [p for p in path.glob("*.safetensors") if p.name.startswith(("model-rank-0-", "model-pp-0-tp-0-"))]
+    return sum(len(read_header(p).tensors) for p in files)
+
+
 def _last_error(log: Path) -> str:
     """The last line of ``log`` that names an error (else its last line)."""
     text = log.read_text(errors="replace")
@@ -152,13 +162,15 @@ def _last_error(log: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gdsload.bench.shard_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--vllm-python", required=True, help="An interpreter with vLLM and gdsload installed.")
+    parser = argparse.ArgumentParser(prog="gdsload bench shard", description=__doc__.split("\n")[0])
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="An interpreter with vLLM and gdsload installed (default: this one).")
     parser.add_argument("--source", type=Path, help="A Hugging Face checkpoint (default: a synthetic Mixtral).")
     parser.add_argument("--size", default="1GB", help="Size of the synthetic checkpoint (e.g. 2GB).")
     parser.add_argument("--experts", type=int, default=8, help="Experts of the synthetic Mixtral (0: a Llama).")
     parser.add_argument("--layouts", default="tp2,tp2-ep,pp2", help="Comma-separated layouts: tpN[-ppN][-ep].")
-    parser.add_argument("--methods", default="gdsload,vllm", help="gdsload and/or vllm (save_sharded_state).")
+    parser.add_argument("--methods", default=None,
+                        help="gdsload and/or vllm (save_sharded_state); default: both where vLLM is installed.")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("shard-bench-out"))
     args = parser.parse_args(argv)
@@ -177,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     src_bytes = _size(src)
     script = args.out / "vllm_save_sharded_state.py"
     script.write_text(_VLLM_SAVE)
-    methods = args.methods.split(",")
+    has_vllm = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode == 0
+    methods = args.methods.split(",") if args.methods else (["gdsload", "vllm"] if has_vllm else ["gdsload"])
     runs: list[Run] = []
     for layout in parse_layouts(args.layouts):
         for rnd in range(args.rounds):
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 code, seconds, peak = run_once(_command(method, args.vllm_python, src, out, layout, script),
                                                _env(layout), log)
                 run = Run(method, layout.name, rnd, code == 0, seconds, peak, _size(out),
-                          "" if code == 0 else _last_error(log))
+                          "" if code == 0 else _last_error(log), _rank0_tensors(out))
                 runs.append(run)
                 print(json.dumps(asdict(run)), flush=True)
     summary: dict[str, Any] = {"source": str(src), "source_bytes": src_bytes, "cores": os.cpu_count(),
@@ -203,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                    "seconds": [round(r.seconds, 1) for r in ok],
                    "median_s": round(statistics.median(r.seconds for r in ok), 1) if ok else None,
                    "peak_rss_gb": round(max(r.peak_rss for r in ok) / 1e9, 2) if ok else None,
+                   "rank0_tensors": ok[0].rank0_tensors if ok else None,
                    "error": next((r.error for r in mine if not r.ok), "")}
             summary["table"].append(row)
             print(f"{layout.name:10} {method:8} {row['ok']:5} median {row['median_s']} s, peak RSS "
-                  f"{row['peak_rss_gb']} GB {row['error'][:120]}")
+                  f"{row['peak_rss_gb']} GB, rank 0 holds {row['rank0_tensors']} tensors {row['error'][:120]}")
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     return 0
 

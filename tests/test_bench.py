@@ -486,27 +486,6 @@ def test_restart_bench_refuses_an_unknown_method(tmp_path):
     assert p.returncode == 2 and "['vllm'] unknown" in p.stderr, p.stderr
 
 
-def test_fresh_profile_times_steps_a_load_really_runs(tmp_path):
-    """The profile wraps functions where a load finds them when it runs: a compressed CPU load hits each wrap."""
-    src = make_checkpoint(tmp_path / "m", "tiny")
-    from gdsload.loader.prepare.compress import compress_dir
-
-    compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
-    code = (
-        "import json, sys\n"
-        "from gdsload.bench import fresh_profile as f\n"
-        "f._timeline(); f._instrument()\n"
-        "from gdsload.loader import load_rank\n"
-        "load_rank(sys.argv[1], 0, device='cpu')\n"
-        "print(json.dumps({k: v[1] for k, v in f._TRACE.items()}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "z")], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    calls = json.loads(out.stdout)
-    assert calls["discover"] == calls["plan_rank"] == calls["select_backend"] == calls["load_compressed"] == 1
-
-
 def test_the_table_names_what_read_the_files():
     from gdsload.bench.coldstart import _io
 
@@ -515,3 +494,37 @@ def test_the_table_names_what_read_the_files():
     assert _io({"io_modes": ["posix", "posix"], "engines": ["kvikio", "staged"]}) == "posix via kvikio,staged"
     assert _io({"io_modes": ["posix"], "backend": "cpu", "engines": ["cpu"]}) == "posix"  # the backend itself
     assert _io({"io_modes": None}) == "-"  # a peer: no report
+
+
+def test_shard_bench_runs_gdsload_on_a_tiny_checkpoint(tmp_path):
+    """``gdsload bench shard`` where vLLM is not installed: the built-in rules' layout, timed in fresh processes."""
+    out = tmp_path / "shard-bench"
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "bench", "shard", "--size", "8MiB", "--experts", "0",
+                        "--layouts", "tp2", "--rounds", "1", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    (row,) = doc["table"]
+    assert row["method"] == "gdsload" and row["ok"] == "1/1" and row["median_s"] > 0 and row["peak_rss_gb"] > 0
+    assert row["rank0_tensors"] > 0 and doc["source_bytes"] > 8_000_000
+    assert (out / "gdsload-tp2" / "gdsload.json").exists()
+
+
+def test_every_bench_module_is_behind_gdsload_bench():
+    """Each module of gdsload.bench is a `gdsload bench` subcommand, or what one runs."""
+    from gdsload.bench.cli import SUBCOMMANDS
+
+    used = {m for m, _ in SUBCOMMANDS.values()} | {"cli", "coldstart", "methods", "limits", "plot", "__init__"}
+    here = {p.stem for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")}
+    assert here <= used, sorted(here - used)
+
+
+def test_verify_cost_bench_times_both_modes_on_the_cpu(tmp_path):
+    model = make_checkpoint(tmp_path / "m", "tiny")
+    out = tmp_path / "runs.json"
+    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "bench", "verify", str(model), "--rounds", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (by_mode,) = json.loads(out.read_text()).values()
+    assert set(by_mode) == {"off", "default"} and all(len(v) == 1 and v[0]["seconds"] > 0 for v in by_mode.values())
+    assert "| m |" in p.stdout  # the Markdown table

@@ -69,3 +69,15 @@ def test_code_blocks_run_as_written(doc, tmp_path):
     finally:
         runner.stop()
     assert ran, f"{doc} has no block this machine runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("doc", ["README.md", "bench/README.md"])
+def test_gpu_code_blocks_run_as_written(doc, tmp_path):
+    """On a GPU host: the blocks marked ``gpu``, in order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    runner = Runner(tmp_path, env, sys.executable)
+    for b in blocks(ROOT / doc):
+        if b.where == "gpu":
+            runner.run(b, timeout=3600)

@@ -52,3 +52,13 @@ def test_the_readmes_vllm_blocks_run_as_written(engine: Engine, tmp_path: Path):
     finally:
         runner.stop()
     assert "vllm" in ran and ran.count("vllm-server") >= 2, ran
+
+
+def test_the_bench_readmes_vllm_blocks_run_as_written(engine: Engine, tmp_path: Path):
+    env = {**engine.env(2), "PATH": str(engine.python.parent) + os.pathsep + os.environ.get("PATH", "")}
+    runner = Runner(tmp_path, env, str(engine.python))
+    ran = [b for b in blocks(REPO / "bench" / "README.md") if b.where == "vllm"]
+    assert ran
+    for b in ran:
+        out = runner.run(b, timeout=1200)
+        assert " vllm " in out and "1/1" in out, out[-2000:]  # vLLM's own way ran, and was timed
