@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from gdsload.loader import __version__
+from gdsload.loader.version import __version__
 from gdsload.loader.errors import GdsloadError
 
 from .http_guard import REQUEST_TIMEOUT_S
@@ -54,7 +54,7 @@ from .probes import healthz as healthz_answer
 from .probes import readyz as readyz_answer
 from .settings import ENV_VARS, TOKEN_ENV
 from .supervisor import ExportsOutstandingError, RankNotReadyError, Supervisor, WorkerError
-from .workers import error_doc
+from .worker_protocol import error_doc
 
 __all__ = ["create_app", "UnauthorizedError", "TokenNotConfiguredError", "MAX_BODY_BYTES"]
 

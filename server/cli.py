@@ -20,7 +20,7 @@ import click
 
 # Only light modules here: subcommands import torch-backed parts of the library when they run,
 # so `gdsload --help` and the sidecar's parent process start without importing torch.
-from gdsload.loader import __version__
+from gdsload.loader.version import __version__
 from gdsload.loader.config import format_bytes, parse_size
 from gdsload.loader.errors import GdsloadError
 

@@ -27,7 +27,8 @@ from gdsload.loader.errors import GdsloadError
 from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
 from .settings import ServeConfig
 from .state import RankRecord, RankState
-from .workers import RankNotReadyError, WorkerHandle
+from .worker_protocol import RankNotReadyError
+from .workers import WorkerHandle
 
 __all__ = ["LeaseOperations", "EXPORT_TIMEOUT_S", "remote_error"]
 

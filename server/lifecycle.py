@@ -24,7 +24,8 @@ from .leases import remote_error
 from .settings import ServeConfig
 from .start import start_worker_server
 from .state import RankRecord, RankState, Retiring
-from .workers import WorkerHandle, WorkerSpec
+from .worker_protocol import WorkerSpec
+from .workers import WorkerHandle
 
 __all__ = ["WorkerLifecycle", "KILL_GRACE_S"]
 

@@ -37,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait as wait_for
 from typing import Any, TypeVar
 
-from gdsload.loader import __version__
+from gdsload.loader.version import __version__
 from gdsload.loader.errors import GdsloadError
 
 from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
@@ -47,7 +47,7 @@ from .settings import ServeConfig
 from .state import RankRecord, RankState, Retiring, public_status, rank_doc
 from .start import worker_start_method
 from .target import ModelUnreadableError, Target, check_target
-from .workers import RankNotReadyError, error_doc
+from .worker_protocol import RankNotReadyError, error_doc
 
 __all__ = [
     "Supervisor",

@@ -20,7 +20,7 @@ from gdsload.loader.errors import GdsloadError
 
 from . import forkserver
 from .settings import configure_logging
-from .workers import (
+from .worker_protocol import (
     EXIT_LOAD_FAILED,
     PROGRESS_INTERVAL_S,
     SIGTERM_GRACE_S,

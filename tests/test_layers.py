@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # layer of each package or module (lower may not import higher)
 LAYERS = {
-    "gdsload.loader.errors": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0, "gdsload.loader.driver": 0,
+    "gdsload.loader.errors": 0, "gdsload.loader.version": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0, "gdsload.loader.driver": 0,
     "gdsload.loader.devices": 1,
     "gdsload.loader.format": 2, "gdsload.loader.model_config": 2,
     "gdsload.loader.plan": 3,
@@ -31,9 +31,7 @@ LAYERS = {
     "gdsload.bench": 12,
 }
 # Known, deliberate exceptions: (importer, imported) with the reason.
-ALLOWED = {
-    ("gdsload.loader.format", "gdsload.loader"): "the manifest records __version__, which the package root defines",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _layer(module: str) -> tuple[str, int] | None:
@@ -86,3 +84,69 @@ def test_every_import_points_down_the_layers():
                 if theirs[1] > mine[1] and (mine[0], theirs[0]) not in ALLOWED:
                     wrong.append(f"{module} imports {imported} ({mine[0]} is below {theirs[0]})")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports (a ``from pkg import name`` counts as the
+    submodule ``pkg.name`` where that is a module, else as ``pkg`` itself)."""
+    modules = {}
+    for top in ("loader", "server", "bench"):
+        for path in (ROOT / top).rglob("*.py"):
+            modules[_module_of(path)] = path
+    graph = {}
+    for module, path in modules.items():
+        edges = set()
+        tree = ast.parse(path.read_text())
+        pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != module}
+        graph[module] = edges
+    return graph
+
+
+def test_no_module_imports_itself_back():
+    """No import circles, lazy imports included: a circle means neither module can be read (or tested) alone."""
+    graph = _module_graph()
+    # Tarjan's strongly connected components
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles:\n" + "\n".join(" ↔ ".join(c) for c in circles)
+

@@ -24,7 +24,8 @@ from gdsload.server.settings import (
     parse_device_map,
     parse_ranks,
 )
-from gdsload.server.workers import WorkerSpec, assign_devices, describe_exit, visible_gpus
+from gdsload.server.worker_protocol import WorkerSpec, describe_exit
+from gdsload.server.workers import assign_devices, visible_gpus
 
 
 def test_defaults():

@@ -64,20 +64,20 @@ i=0
 while [[ $i -lt ${#args[@]} ]]; do
     arg=${args[i]}
     case $arg in
-        --tp | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | --allowed-host | \
+        --tp | --tensor-parallel-size | --ranks | --device-map | --backend | --host | --port | --token-file | --allow-root | --allowed-host | \
             --log-format | --log-level | --restart-backoff | --restart-backoff-max | --max-restarts | \
             --stop-timeout | --request-timeout | --lease-grace | --worker-start)
             [[ $((i + 1)) -lt ${#args[@]} ]] || die "$EX_USAGE" "option $arg needs a value"
             value=${args[i + 1]}
             case $arg in
-                --tp | --ranks) has_ranks=1 ;;
+                --tp | --tensor-parallel-size | --ranks) has_ranks=1 ;;
                 --host) host=$value ;;
                 --token-file) token_file=$value ;;
             esac
             i=$((i + 2))
             continue
             ;;
-        --tp=* | --ranks=*) has_ranks=1 ;;
+        --tp=* | --tensor-parallel-size=* | --ranks=*) has_ranks=1 ;;
         --host=*) host=${arg#*=} ;;
         --token-file=*) token_file=${arg#*=} ;;
         --)

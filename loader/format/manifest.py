@@ -279,7 +279,7 @@ def write_manifest(
 
     >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP
     """
-    from gdsload.loader import __version__
+    from gdsload.loader.version import __version__
 
     manifest = Manifest(
         tp_size=tp_size,

@@ -15,7 +15,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from gdsload.loader.format.safetensors import (
 )
 from gdsload.loader.format.manifest import MANIFEST_NAME, write_manifest
 from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
+from gdsload.loader.prepare.stats import CompressStats
 
 if TYPE_CHECKING:
     import torch
@@ -48,34 +48,6 @@ log = logging.getLogger(__name__)
 
 MIN_TENSOR_BYTES = 64 << 10
 """Tensors smaller than this stay raw: too small to gain, and cheaper to read than to decode."""
-
-
-@dataclass
-class CompressStats:
-    files: int = 0
-    tensors: int = 0
-    compressed: int = 0
-    raw: int = 0
-    logical_bytes: int = 0
-    stored_bytes: int = 0
-    seconds: float = 0.0
-    per_dtype: dict[str, list[int]] = field(default_factory=dict)
-    """dtype -> [logical bytes, stored bytes] of the compressed tensors."""
-    digests: dict[str, str] = field(default_factory=dict)
-    """Written file -> its ``"<algorithm>:<hex>"`` digest, computed on the way to disk (when asked for)."""
-
-    @property
-    def ratio(self) -> float:
-        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-    def add(self, other: CompressStats) -> None:
-        for k in ("files", "tensors", "compressed", "raw", "logical_bytes", "stored_bytes", "seconds"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        for dt, (a, b) in other.per_dtype.items():
-            cur = self.per_dtype.setdefault(dt, [0, 0])
-            cur[0] += a
-            cur[1] += b
-        self.digests.update(other.digests)
 
 
 def compress_device(codec: str, device: str | torch.device | None) -> torch.device:

@@ -102,7 +102,7 @@ class EncodedFile:
     """The data section: a uint8 cupy array."""
     index: int
     stats: Any
-    """The file's :class:`~gdsload.loader.prepare.compress.CompressStats` (its digest once written)."""
+    """The file's :class:`~gdsload.loader.prepare.stats.CompressStats` (its digest once written)."""
 
 
 class DeviceTensor(NamedTuple):
@@ -156,7 +156,7 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
     from gdsload.loader.codecs.nvcomp_c import ans_encode, device_crc32
     from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
     from gdsload.loader.format.safetensors import TensorSpec, aligned_header
-    from gdsload.loader.prepare.compress import CompressStats
+    from gdsload.loader.prepare.stats import CompressStats
 
     dst = str(dst)
     what = f"{dst!r}"
