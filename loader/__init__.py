@@ -67,13 +67,13 @@ _LAZY: dict[str, str] = {
     "NoFilesForRankError": "errors",
     "FileUnreadableError": "errors",
     "TruncatedFileError": "errors",
-    "AlignedWriter": "format.safetensors",
+    "AlignedWriter": "format.writer",
     "SafetensorsHeader": "format.safetensors",
     "TensorInfo": "format.safetensors",
-    "TensorSpec": "format.safetensors",
+    "TensorSpec": "format.writer",
     "parse_header": "format.safetensors",
     "read_header": "format.safetensors",
-    "save_file": "format.safetensors",
+    "save_file": "format.writer",
     "MANIFEST_NAME": "format.manifest",
     "Manifest": "format.manifest",
     "ManifestFile": "format.manifest",
@@ -111,7 +111,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from gdsload.loader.pipeline.config import LoadConfig
     from gdsload.loader.format.discovery import RankFiles, discover, list_ranks
     from gdsload.loader.errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, FileUnreadableError, TruncatedFileError
-    from gdsload.loader.format.safetensors import AlignedWriter, SafetensorsHeader, TensorInfo, TensorSpec, parse_header, read_header, save_file
+    from gdsload.loader.format.safetensors import SafetensorsHeader, TensorInfo, parse_header, read_header
+    from gdsload.loader.format.writer import AlignedWriter, TensorSpec, save_file
     from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
     from gdsload.loader.plan import LoadPlan, plan_rank
     from gdsload.loader.prepare.quantize import QuantScheme

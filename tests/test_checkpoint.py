@@ -666,7 +666,7 @@ def test_concurrent_saves_of_one_path_do_not_mix(tmp_path, monkeypatch):
 def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
     import fcntl
 
-    from gdsload.loader.format.safetensors import create_locked
+    from gdsload.loader.format.atomic import create_locked
 
     path = tmp_path / "c.safetensors"
     code = ("import os, sys, torch; from gdsload.loader.checkpoints import container as c; "

@@ -25,7 +25,8 @@ from gdsload.loader.checkpoints.encode import SEGMENT
 from gdsload.loader.errors import (CheckpointError, CheckpointTypeError, CheckpointWriteError, CodecError, ConfigError,
                                    IntegrityError)
 from gdsload.loader.format.compression import parse_compression
-from gdsload.loader.format.safetensors import read_header, save_file
+from gdsload.loader.format.safetensors import read_header
+from gdsload.loader.format.writer import save_file
 from tensor_cases import all_dtypes, random_tensor
 
 

@@ -151,7 +151,7 @@ def test_writer_writes_in_pieces_from_threads_and_hashes_on_the_way(tmp_path, mo
 
     import blake3
 
-    import gdsload.loader.format.safetensors as fmt
+    import gdsload.loader.format.writer as fmt
     from gdsload.loader.format.digests import file_digest
 
     monkeypatch.setattr(fmt, "WRITE_PIECE", 4096)

@@ -26,7 +26,7 @@ import torch
 
 from gdsload.loader.errors import UnfinishedOutputError
 from gdsload.loader import GdsloadError, Manifest, NoFilesForRankError, discover, load_rank, read_header
-from gdsload.loader.format import safetensors as fmt
+from gdsload.loader.format import atomic, writer as fmt
 from gdsload.loader.errors import ConfigError
 from gdsload.loader.prepare.shard import (
     PARTIAL_DIR,
@@ -554,8 +554,8 @@ def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, mo
     src, _ = checkpoints["llama-gqa-tied"]
     kw = dict(tp=2, layout="vllm", quantize="fp8", max_file_bytes=20_000)
     total = _bytes_written(src, tmp_path / "reference", **kw)
-    enter = fmt.atomic_output.__enter__
-    monkeypatch.setattr(fmt.atomic_output, "__enter__", lambda self: _FullDisk(enter(self)))
+    enter = atomic.atomic_output.__enter__
+    monkeypatch.setattr(atomic.atomic_output, "__enter__", lambda self: _FullDisk(enter(self)))
     real_pwrite = os.pwrite  # AlignedWriter writes tensors in place, from its threads
 
     def pwrite(fd: int, data: Any, offset: int) -> int:
@@ -774,7 +774,7 @@ def test_a_kill_at_any_rename_leaves_nothing_that_loads_and_a_rerun_recovers(che
     import time
 
     from gdsload.loader import load_rank
-    from gdsload.loader.format.safetensors import remove_dead_leftovers
+    from gdsload.loader.format.atomic import remove_dead_leftovers
 
     src, _ = checkpoints["llama-bias-untied"]
     if command == "shard":
@@ -952,7 +952,7 @@ def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_
 
     import blake3
 
-    from gdsload.loader.format.safetensors import AlignedWriter
+    from gdsload.loader.format.writer import AlignedWriter
 
     src, _ = checkpoints["llama-gqa-tied"]
     out = tmp_path / "sha"

@@ -95,8 +95,9 @@ from gdsload.loader.checkpoints.writer import open_sink as _open_sink
 from gdsload.loader.checkpoints.writer import with_compression as _with_compression
 from gdsload.loader.checkpoints.writer import write_failed as _write_failed
 from gdsload.loader.checkpoints.tree import Flattener, Leaf, Rebuilder, state_of
-from gdsload.loader.format.safetensors import (DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, atomic_output,
-                                               pwrite_all, read_header)
+from gdsload.loader.format.atomic import atomic_output
+from gdsload.loader.format.safetensors import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, read_header
+from gdsload.loader.format.writer import pwrite_all
 
 __all__ = [
     "CHECKPOINT_KEY",

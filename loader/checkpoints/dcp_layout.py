@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gdsload.loader.errors import CheckpointError
-from gdsload.loader.format.safetensors import remove_dead_leftovers
+from gdsload.loader.format.atomic import remove_dead_leftovers
 
 __all__ = ["METADATA_NAME", "DCP_KEY", "StoredAt", "data_file", "load_metadata", "dump_metadata", "previous_save",
            "remove_unused"]

@@ -41,7 +41,7 @@ from gdsload.loader.checkpoints.encode import Stored, dtype_name, encode, gpu_co
 from gdsload.loader.checkpoints.tensorfile import Planned, TensorFileWriter
 from gdsload.loader.config import format_bytes
 from gdsload.loader.errors import CheckpointError, ConfigError
-from gdsload.loader.format.safetensors import atomic_output
+from gdsload.loader.format.atomic import atomic_output
 
 __all__ = ["GdsloadWriter", "StageReport", "SaveStats"]
 

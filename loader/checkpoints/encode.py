@@ -34,7 +34,7 @@ from gdsload.loader.config import usable_cores
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.errors import CheckpointError, CodecError, ConfigError, IntegrityError
 from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.format.safetensors import tensor_bytes
+from gdsload.loader.format.writer import tensor_bytes
 from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
 
 __all__ = [

@@ -32,7 +32,9 @@ from gdsload.loader.checkpoints.writer import (Appender, WritePipe, header_json,
 from gdsload.loader.codecs.registry import codec as codec_spec
 from gdsload.loader.errors import CheckpointError, ConfigError, GdsloadError
 from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.format.safetensors import MAX_HEADER_BYTES, atomic_output, pwrite_all
+from gdsload.loader.format.atomic import atomic_output
+from gdsload.loader.format.safetensors import MAX_HEADER_BYTES
+from gdsload.loader.format.writer import pwrite_all
 
 __all__ = ["TENSORS_KEY", "FORMAT_VERSION", "GUARD_KEY", "Planned", "TensorFileWriter", "WriteStats"]
 

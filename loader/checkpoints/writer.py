@@ -25,7 +25,8 @@ import torch
 from gdsload.loader.config import format_bytes
 from gdsload.loader.errors import BackendUnavailableError, CheckpointWriteError
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT, pwrite_all, tensor_bytes
+from gdsload.loader.format.safetensors import DATA_ALIGNMENT
+from gdsload.loader.format.writer import pwrite_all, tensor_bytes
 
 __all__ = [
     "QUEUE_DEPTH",

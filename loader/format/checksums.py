@@ -11,7 +11,7 @@ ISA-L, carry-less multiplication over wide registers: several times zlib's speed
 not installed, ``zlib.crc32`` gives the same values, slower. A file re-packed without changing its
 tensors (``gdsload compress`` keeps the metadata) so keeps a valid table. Values are 8 hex digits, so a writer
 can lay the header out with zeros in their place before the data exists and fill them in afterwards without
-moving anything (:class:`~gdsload.loader.format.safetensors.AlignedWriter` does).
+moving anything (:class:`~gdsload.loader.format.writer.AlignedWriter` does).
 
 >>> doc = render({"w": crc32(b"abc")})
 >>> parse_checksums_text(doc, {"w"}, "'x.safetensors'")

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 from gdsload.loader.errors import FileUnreadableError, ManifestError
 from gdsload.loader.format import strict_json
-from gdsload.loader.format.safetensors import SafetensorsHeader, atomic_output, open_regular, read_header
+from gdsload.loader.format.atomic import atomic_output
+from gdsload.loader.format.safetensors import SafetensorsHeader, open_regular, read_header
 
 __all__ = [
     "MANIFEST_NAME",
@@ -274,7 +275,7 @@ def write_manifest(
     """Describe the files of every rank and write ``directory/gdsload.json`` atomically.
 
     With ``digest`` (True: blake3; or ``"sha256"``), each file's digest is taken from ``digests`` (relative
-    path -> ``"<algorithm>:<hex>"``, as :class:`~.safetensors.AlignedWriter` computes while writing) or else
+    path -> ``"<algorithm>:<hex>"``, as :class:`~.writer.AlignedWriter` computes while writing) or else
     read from the file.
 
     >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gdsload.loader.config import format_bytes
 from gdsload.loader.dtypes import to_torch
 from gdsload.loader.errors import GdsloadError
-from gdsload.loader.format.safetensors import TensorSpec
+from gdsload.loader.format.writer import TensorSpec
 from gdsload.loader.prepare.quantize import QuantScheme, compute_scale, quantize_into
 from gdsload.loader.prepare.recipe import Part, Recipe, View
 from gdsload.loader.prepare.source import SourceCheckpoint, SourceCheckpointError
@@ -53,7 +53,7 @@ def write_error(e: OSError, path: Path, what: str) -> ShardWriteError:
 
 
 class TensorFileWriter(Protocol):
-    """What a planned file is written through (:class:`~gdsload.loader.format.safetensors.AlignedWriter` by
+    """What a planned file is written through (:class:`~gdsload.loader.format.writer.AlignedWriter` by
     default). ``order`` is the sequence in which ``write`` must be called; a writer that transforms each
     tensor before storing it (a compressor) implements the same interface."""
 

@@ -24,13 +24,9 @@ from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, pars
 from gdsload.loader.format.digests import require
 from gdsload.loader.format.discovery import scan_layout
 from gdsload.loader.errors import CodecError, ConfigError
-from gdsload.loader.format.safetensors import (
-    AlignedWriter,
-    TensorSpec,
-    create_locked,
-    read_header,
-    remove_dead_leftovers,
-)
+from gdsload.loader.format.atomic import create_locked, remove_dead_leftovers
+from gdsload.loader.format.safetensors import read_header
+from gdsload.loader.format.writer import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import MANIFEST_NAME, write_manifest
 from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
 from gdsload.loader.prepare.stats import CompressStats

@@ -155,7 +155,7 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
     from gdsload.loader.codecs.registry import codec
     from gdsload.loader.codecs.nvcomp_c import ans_encode, device_crc32
     from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
-    from gdsload.loader.format.safetensors import TensorSpec, aligned_header
+    from gdsload.loader.format.writer import TensorSpec, aligned_header
     from gdsload.loader.prepare.stats import CompressStats
 
     dst = str(dst)
@@ -283,7 +283,8 @@ def write_file(enc: EncodedFile, *, digest: bool | str, progress: Callable[[int]
     import cupy
 
     from gdsload.loader.format.digests import digest_algorithm, hasher
-    from gdsload.loader.format.safetensors import WRITE_PIECE, atomic_output, pwrite_all
+    from gdsload.loader.format.atomic import atomic_output
+    from gdsload.loader.format.writer import WRITE_PIECE, pwrite_all
 
     t0 = time.perf_counter()
     cupy.cuda.Device(enc.index).use()

@@ -201,7 +201,7 @@ class GpuShardWriter:
         return sources, loads
 
     def _encode(self, dev: Any, sources: dict[str, DeviceTensor], f: PlannedFile, path: Path) -> EncodedFile:
-        from gdsload.loader.format.safetensors import aligned_header
+        from gdsload.loader.format.writer import aligned_header
 
         metadata = file_metadata(self.plan, f)
         # The order the uncompressed shard's header lists its tensors in: what `gdsload compress` reads.

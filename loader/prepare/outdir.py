@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from gdsload.loader.errors import FormatError, GdsloadError, ManifestError
 from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest
-from gdsload.loader.format.safetensors import atomic_output, read_header
+from gdsload.loader.format.atomic import atomic_output
+from gdsload.loader.format.safetensors import read_header
 
 __all__ = [
     "PARTIAL_DIR",

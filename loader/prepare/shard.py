@@ -38,7 +38,8 @@ from gdsload.loader.config import format_bytes, usable_cores
 from gdsload.loader.errors import ConfigError, GdsloadError
 from gdsload.loader.format.manifest import MANIFEST_NAME, redigest, write_manifest
 from gdsload.loader.format.ranks import ParallelLayout
-from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec, atomic_output
+from gdsload.loader.format.atomic import atomic_output
+from gdsload.loader.format.writer import AlignedWriter, TensorSpec
 from gdsload.loader.prepare import outdir
 from gdsload.loader.prepare.build import (
     CHUNK_BYTES,

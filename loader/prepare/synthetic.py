@@ -27,7 +27,7 @@ import torch
 
 from gdsload.loader.calc.capacity import kv_heads_split
 from gdsload.loader.errors import ConfigError
-from gdsload.loader.format.safetensors import AlignedWriter, TensorSpec
+from gdsload.loader.format.writer import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import write_manifest
 
 __all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint",
