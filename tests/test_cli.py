@@ -39,6 +39,24 @@ def test_inspect(sharded_dir):
     assert len(f["tensor_list"]) == f["tensors"]
 
 
+@pytest.mark.parametrize("hostile", ["nested", "huge-length", "lone-surrogate"])
+def test_inspect_of_a_hostile_header_is_one_typed_error(tmp_path, hostile):
+    """`inspect` refuses a header nested 100,000 deep, one that claims more bytes than the file has, and one the
+    safetensors library rejects (a lone surrogate escape) with one line naming the file: no traceback, exit 1."""
+    import struct
+
+    header = {"nested": b'{"__metadata__": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+              "huge-length": None,
+              "lone-surrogate": b'{"__metadata__": {"k": "\\ud800"}}'}[hostile]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**62) + b"{}" if header is None else struct.pack("<Q", len(header)) + header)
+    p = run("inspect", str(path), ok=False)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith(f"error: {str(path)!r}: ") and p.stderr.count("\n") == 1, p.stderr
+    doc = json.loads(run("inspect", str(path), "--json", ok=False).stdout)
+    assert doc["error"]["type"] == "HeaderError", doc
+
+
 def test_compress_one_file_writes_one_loadable_file(tmp_path):
     """`gdsload compress FILE OUT` writes OUT alone (no manifest), and it loads as the source does."""
     import safetensors.torch

@@ -17,6 +17,7 @@ import torch
 
 from tensor_cases import random_tensor
 from gdsload.loader import CodecError, ConfigError, load_rank, read_header, save_file
+from gdsload.loader.prepare.build import CompressWriteError
 from gdsload.loader.prepare.compress import compress_dir, compress_file
 from gdsload.loader.format.compression import METADATA_KEY, parse_compression
 from gdsload.loader.format.manifest import write_manifest
@@ -402,8 +403,9 @@ def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monk
         return real(*a, **kw)
 
     monkeypatch.setattr(mod, "compress_file", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CompressWriteError, match="No space left.*nothing partial was kept — free space") as err:
         compress_dir(src, tmp_path / "mz2", codec="zstd", device="cpu")
+    assert isinstance(err.value, OSError) and err.value.errno == 28 and err.value.filename == str(tmp_path / "mz2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "mz"]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 import os
 import shutil
 import signal
@@ -477,6 +478,9 @@ def test_zero_head_counts_in_config_are_refused(checkpoints, tmp_path):
     for key, words in (("num_key_value_heads", "num_key_value_heads=0"), ("head_dim", "head_dim must be a positive")):
         (src / "config.json").write_text(json.dumps({**cfg, key: 0}))
         _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=1), UnsupportedModelError, words)
+    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10**9}))  # refused at once, not counted
+    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=1, layout="hf"), UnsupportedModelError,
+           "num_hidden_layers=1000000000", "the config is damaged")
     (src / "config.json").write_text(json.dumps({**cfg, "head_dim": None}))  # as some configs write it: the default
     assert shard_checkpoint(src, tmp_path / "out", tp=1).files
     with pytest.raises(ConfigError, match="must be a string"):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CHUNK_BYTES", "TensorBuilder", "TensorFileWriter", "WriterFactory", "write_file", "ShardWriteError",
-           "write_error"]
+           "CompressWriteError", "write_error"]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,19 @@ class ShardWriteError(GdsloadError, OSError):
     """Writing OUT failed (no space left, permissions, I/O error); nothing partial is left behind."""
 
 
-def write_error(e: OSError, path: Path, what: str) -> ShardWriteError:
-    """A :class:`ShardWriteError` for ``e``, naming ``path``, what was being written, and the fix."""
+class CompressWriteError(GdsloadError, OSError):
+    """Writing a compressed copy failed (no space left, a file too large, a read-only filesystem); nothing
+    partial is left behind."""
+
+
+def write_error(e: OSError, path: Path, what: str, kind: type[OSError] = ShardWriteError) -> OSError:
+    """A ``kind`` (:class:`ShardWriteError` by default) for ``e``, naming ``path``, what was being written, and
+    the fix."""
     code = e.errno if e.errno is not None else errno.EIO
     reason = e.strerror or str(e)
     fix = ("free space on that filesystem or choose an OUT with room" if code in (errno.ENOSPC, errno.EDQUOT)
            else "check the directory's permissions and the filesystem")
-    err = ShardWriteError(code, f"writing {str(path)!r} ({what}) failed: {reason} [errno {code}]; "
+    err = kind(code, f"writing {str(path)!r} ({what}) failed: {reason} [errno {code}]; "
                                 f"nothing partial was kept — {fix}, then rerun")
     err.filename = str(path)
     return err

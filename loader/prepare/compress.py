@@ -10,6 +10,7 @@ the destination and renamed into place when complete. ANS on a GPU runs without 
 from __future__ import annotations
 
 import json
+import errno
 import logging
 import os
 import shutil
@@ -23,11 +24,12 @@ from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as co
 from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
 from gdsload.loader.format.digests import require
 from gdsload.loader.format.discovery import scan_layout
-from gdsload.loader.errors import CodecError, ConfigError
+from gdsload.loader.errors import CodecError, ConfigError, GdsloadError
 from gdsload.loader.format.atomic import create_locked, remove_dead_leftovers
 from gdsload.loader.format.safetensors import read_header
 from gdsload.loader.format.writer import AlignedWriter, TensorSpec
 from gdsload.loader.format.manifest import MANIFEST_NAME, write_manifest
+from gdsload.loader.prepare.build import CompressWriteError, write_error
 from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
 from gdsload.loader.prepare.stats import CompressStats
 
@@ -41,6 +43,9 @@ WRITING_MARKER = ".gdsload-writing"
 """Kept in the staging directory until the output is complete (see discovery's ``UNFINISHED_MARKERS``)."""
 
 log = logging.getLogger(__name__)
+
+_OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+"""Write failures that are the output's, not the source's: a :class:`CompressWriteError` names the fix."""
 
 MIN_TENSOR_BYTES = 64 << 10
 """Tensors smaller than this stay raw: too small to gain, and cheaper to read than to decode."""
@@ -252,8 +257,10 @@ def compress_dir(
         os.rename(staging, out_p)  # OUT appears complete, in one step
         total.digests = {str(out_p / rel): d for rel, d in digests.items()}
         total.seconds = time.perf_counter() - t0
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, GdsloadError) and e.errno in _OUTPUT_FULL:
+            raise write_error(e, out_p, "the compressed copy", CompressWriteError) from e
         raise
     finally:
         os.close(lock)
