@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import time
 import os
 import shutil
 import signal
