@@ -81,8 +81,8 @@ def _generator_device(device: str) -> str:
               help="With --make-model: ranks to split it into.")
 @click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
               help="With --make-model: start a new part file before one would exceed this.")
-@click.option("--compress", "compress_codec", type=click.Choice(codec_names()), default=None,
-              help="With --make-model: also write OUT-CODEC compressed.")
+@click.option("--codec", "--compress", "compress_codec", type=click.Choice(codec_names()), default=None,
+              help="With --make-model: also write OUT-CODEC, compressed with this codec.")
 @click.option("--writer", type=click.Choice(["gdsload", "safetensors"]), default="gdsload", show_default=True,
               help="With --make-model: gdsload's aligned files and manifest, or the safetensors library's "
                    "save_file with Hugging Face's part names and index (the same values; tp=1).")

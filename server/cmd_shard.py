@@ -66,8 +66,8 @@ def _digest_option(digest: bool, algorithm: str) -> bool | str:
               help="Start a new part file before one would exceed this.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Files written at once, each by its own process (default: one per core, as memory allows).")
-@click.option("--compress", "codec", type=click.Choice(codec_names()), default=None,
-              help="Compress the files (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
+@click.option("--codec", "--compress", "codec", type=click.Choice(codec_names()), default=None,
+              help="Compress the files with this codec (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
                    "--quantize is built and compressed on the GPU, without torch.")
 @click.option("--digest/--no-digest", default=True, show_default=True,
               help="Record each file's digest in gdsload.json (hashed on the way to disk).")
@@ -117,7 +117,7 @@ def shard(src: str, out: str, tp: int, pp: int, ep: int, enable_ep: bool, layout
         plan.options = dataclasses.replace(options, digest=False)
         if Path(out).exists():
             if not _is_this_compressed_output(Path(out), plan.fingerprint, codec):
-                raise click.UsageError(f"OUT {out!r} already exists; with --compress it must be a new directory")
+                raise click.UsageError(f"OUT {out!r} already exists; with --codec it must be a new directory")
             # A run stopped after its compressed output appeared, before it removed the uncompressed shards.
             shutil.rmtree(uncompressed, ignore_errors=True)
             redigest(Path(out), options.digest)  # the same files, the digests this run asks for

@@ -54,7 +54,7 @@ def test_synthetic_ranks_hold_whole_heads(tmp_path):
 
 def test_bench_runs_end_to_end_on_cpu(tmp_path):
     model = tmp_path / "m"
-    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--compress", "zstd"],
+    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--codec", "zstd"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     out = tmp_path / "out"

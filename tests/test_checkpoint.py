@@ -151,6 +151,19 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # --------------------------------------------------------------------------- CPU: round trips
 
 
+def test_codec_is_the_keyword_as_everywhere_else(trained, tmp_path):
+    """``codec=`` (the word compress, shard and gdsload.save use) saves as the positional ``algorithm`` does; the
+    two naming different codecs is refused before anything is written."""
+    sd = trained["model_sd"]
+    path = tmp_path / "c.safetensors"
+    report = save_compressed_checkpoint(sd, None, path, codec="zstd")
+    assert report.algorithm.lower() == "zstd"
+    assert_same(load_compressed_checkpoint(path, "cpu")["model"], sd, "model")
+    with pytest.raises(ConfigError, match="name two codecs"):
+        save_compressed_checkpoint(sd, None, tmp_path / "d.safetensors", "ANS", codec="zstd")
+    assert not (tmp_path / "d.safetensors").exists()
+
+
 def test_zstd_round_trip_is_bit_exact(trained):
     ck = load_compressed_checkpoint(trained["path"], "cpu")
     assert set(ck) == {"model", "optimizer", "extras"}

@@ -724,7 +724,7 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
         f.rename(src / "model.safetensors")
     (src / "gdsload.json").unlink()
     plain, packed = tmp_path / "plain", tmp_path / "packed"
-    for out, extra in ((plain, []), (packed, ["--compress", "zstd"])):
+    for out, extra in ((plain, []), (packed, ["--codec", "zstd"])):
         p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(out), "--tp", "2",
                             "--no-progress", *extra], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr

@@ -277,12 +277,13 @@ def save_compressed_checkpoint(
     extras: Mapping[str, Any] | None = None,
     min_gain: float = 0.02,
     writer: str = "auto",
+    codec: str | None = None,
 ) -> CheckpointReport:
     """Save model, optimizer and ``extras`` state to one compressed ``.safetensors`` file, atomically.
 
     ``model_or_state``: a module or its state dict (or None); ``optimizer``: an optimizer or its
     state dict (or None); ``extras``: a dict of JSON-like values, tensors and numpy arrays (epoch,
-    RNG states, a scheduler's state dict). ``algorithm``: ``"ANS"`` (nvCOMP, on the GPU: CUDA
+    RNG states, a scheduler's state dict). ``codec`` (or ``algorithm``, its older name): ``"ANS"`` (nvCOMP, on the GPU: CUDA
     tensors on their own GPU, CPU tensors copied to the current GPU; loads need a GPU),
     ``"Zstd"`` (nvCOMP on CUDA tensors, zstandard on CPU tensors; loads anywhere),
     ``"GDeflate"``, ``"none"``, or ``"auto"`` (ANS where nvCOMP runs, else Zstd). Tensors under
@@ -308,6 +309,9 @@ def save_compressed_checkpoint(
     if dst.is_dir():
         raise ConfigError(f"path {str(path)!r} is a directory; name a file in it, e.g. "
                           f"{str(dst / 'checkpoint.safetensors')!r}")
+    if codec is not None and str(algorithm).lower() not in ("auto", str(codec).lower()):
+        raise ConfigError(f"codec={codec!r} and algorithm={algorithm!r} name two codecs; pass codec= alone")
+    algorithm = codec if codec is not None else algorithm
     codec = _codec_of(algorithm)
     if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain={min_gain!r} must be a number in [0, 1)")

@@ -1,4 +1,4 @@
-"""``gdsload shard --compress ans`` on a GPU without torch: no uncompressed shard reaches the disk.
+"""``gdsload shard --codec ans`` on a GPU without torch: no uncompressed shard reaches the disk.
 
 1. The source tensors the plan needs are read into GPU memory once, file by file (the load
    pipeline, :func:`~gdsload.loader.pipeline.load.load_rank` on a :class:`~gdsload.loader.devices.CupyDevice`).
