@@ -1,4 +1,4 @@
-"""The one compiled part: the staged read engine (loader/io/_staged.c), built where a C compiler is present.
+"""The one compiled part: the staged reader (loader/io/_staged.c), built where a C compiler is present.
 
 It is optional: where it does not build, the install goes on and the pinned and cufile readers use kvikio's
 engine and the Python ring for cached files, as they say in their reports. Everything else is in pyproject.toml.

@@ -325,7 +325,7 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
                    "min_gbps": min(rates), "max_gbps": max(rates), "read_gbps": statistics.median(read_rates),
                    "seconds": statistics.median(r["seconds"] for r in runs),
                    "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
-                   "backend": runs[0].get("backend"), "engines": runs[0].get("engines"),
+                   "backend": runs[0].get("backend"), "readers": runs[0].get("readers"),
                    "max_resident_before": max(r["resident_before"] for r in runs),
                    "rss_peak_bytes": _most(runs, "rss_peak_bytes"), "gpu_peak_bytes": _most(runs, "gpu_peak_bytes"),
                    "gpu_peak_from": runs[0].get("gpu_peak_from"),
@@ -356,8 +356,8 @@ def _io(row: dict[str, Any]) -> str:
     """The I/O modes that ran, and what read the files where the load names another reader than its backend
     (``posix via fastsafetensors``)."""
     modes = ",".join(sorted(set(row.get("io_modes") or []))) or "-"
-    engines = ",".join(sorted({e for e in row.get("engines") or [] if e and e != row.get("backend")}))
-    return f"{modes} via {engines}" if engines else modes
+    readers = ",".join(sorted({e for e in row.get("readers") or [] if e and e != row.get("backend")}))
+    return f"{modes} via {readers}" if readers else modes
 
 
 def format_table(doc: dict[str, Any]) -> str:

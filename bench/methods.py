@@ -137,7 +137,7 @@ def in_memory(tensors: Any) -> None:
 
 def _report_extras(report: Any) -> dict[str, Any]:
     return {"backend": report.backend, "io_modes": [f.io_mode for f in report.files],
-            "direct_io": [f.direct_io for f in report.files], "engines": [f.engine for f in report.files],
+            "direct_io": [f.direct_io for f in report.files], "readers": [f.reader for f in report.files],
             "phases": report.phases, "verified": report.verified, "verification": report.verification,
             "stored_bytes": report.stored_bytes, "decode_busy_seconds": report.decode_busy_seconds}
 

@@ -116,7 +116,7 @@ _KEPT_LOCK = threading.Lock()
 
 class PrimaryContext:
     """GPU ``index``'s primary context (the one torch and CuPy use), retained through the CUDA driver until
-    :meth:`release`: the staged engine copies in it, the decoder's streams are made in it, and a sidecar
+    :meth:`release`: the staged reader copies in it, the decoder's streams are made in it, and a sidecar
     worker makes it while it imports.
 
     Raises :class:`BackendUnavailableError` naming the failing call when the driver does not load or
@@ -514,7 +514,7 @@ def torch_free_unavailable(backend: str = "auto", *, probe: bool = True) -> str 
     """Why a GPU rank cannot load without torch here (None when it can): the one place this is decided.
 
     The torch-free path loads into a :class:`DriverDevice` with the ``cufile`` backend (cached files through the
-    staged engine, others through kvikio: GDS where present); it needs kvikio installed and a CUDA device, and
+    staged reader, others through kvikio: GDS where present); it needs kvikio installed and a CUDA device, and
     runs for ``backend`` ``auto`` or ``cufile``. With ``probe=False`` only the backend and the installed packages
     are looked at (what a server decides before its workers start); ``probe`` also asks the CUDA driver for a
     device. Neither imports kvikio: a rank whose files are cached never does.

@@ -266,7 +266,7 @@ def _advise(r: DoctorReport) -> tuple[str, list[str]]:
                       "any process that sees them all; ANS chunks, what `gdsload compress` writes, are not affected. "
                       "`gdsload serve` workers see one GPU each; give an engine's own worker processes only their "
                       "GPU (CUDA_VISIBLE_DEVICES) when they load such checkpoints.")
-    # The mode the read engine will report (iomode.cufile_io_mode): GDS needs the driver path *and* a kvikio
+    # The mode the reader will report (iomode.cufile_io_mode): GDS needs the driver path *and* a kvikio
     # that uses cuFile and reports GDS available.
     cufile_ok = bool(kv.get("importable")) and not kv.get("compat_preferred") and bool(kv.get("gds_available"))
     mode = "posix"

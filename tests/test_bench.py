@@ -94,7 +94,7 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     table = format_table(doc)
     assert "gdsload:auto:compressed" in table and "cold" in table and "serve:compressed" in table
     # gdsload's runs say what read each file, as their load report does
-    assert all(len(r["engines"]) == len(r["io_modes"]) for r in doc["runs"] if r["method"].startswith("gdsload"))
+    assert all(len(r["readers"]) == len(r["io_modes"]) for r in doc["runs"] if r["method"].startswith("gdsload"))
     assert " via " not in table  # the cpu backend reads its files itself
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     p = subprocess.run([*GDSLOAD, "bench", "--plot", str(out / "results.json"), "--out", str(tmp_path / "charts")],
@@ -489,10 +489,10 @@ def test_restart_bench_refuses_an_unknown_method(tmp_path):
 def test_the_table_names_what_read_the_files():
     from gdsload.bench.coldstart import _io
 
-    assert _io({"io_modes": ["posix", "posix"], "engines": ["fastsafetensors", "fastsafetensors"]}) \
+    assert _io({"io_modes": ["posix", "posix"], "readers": ["fastsafetensors", "fastsafetensors"]}) \
         == "posix via fastsafetensors"
-    assert _io({"io_modes": ["posix", "posix"], "engines": ["kvikio", "staged"]}) == "posix via kvikio,staged"
-    assert _io({"io_modes": ["posix"], "backend": "cpu", "engines": ["cpu"]}) == "posix"  # the backend itself
+    assert _io({"io_modes": ["posix", "posix"], "readers": ["kvikio", "staged"]}) == "posix via kvikio,staged"
+    assert _io({"io_modes": ["posix"], "backend": "cpu", "readers": ["cpu"]}) == "posix"  # the backend itself
     assert _io({"io_modes": None}) == "-"  # a peer: no report
 
 

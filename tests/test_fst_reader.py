@@ -95,7 +95,7 @@ def test_cold_rank_through_the_pinned_backend(tmp_path, monkeypatch, codec, in_p
     res = load_rank(d, device="cuda", backend="pinned")
     assert made and made[0][0] is not None, made
     assert all(f.direct_io for f in res.report.files) and resident_fraction(files) < 0.5  # O_DIRECT ran
-    assert {f.engine for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
+    assert {f.reader for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
     for k, v in ref.items():
         got = res.tensors[k]
         assert got.is_cuda and torch.equal(got.cpu(), v), k
@@ -117,7 +117,7 @@ def test_cold_rank_through_the_torch_free_path(tmp_path, monkeypatch, codec):
     res = load_rank(str(d), 0, device=DriverDevice(0))
     assert made and made[0][0] is not None, made
     assert all(f.direct_io for f in res.report.files)
-    assert {f.engine for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
+    assert {f.reader for f in res.report.files} == {"fastsafetensors"}  # every read, a compressed group's too
     arena = res.device.to_host(res.arena)
     for s in res.slots:
         want = ref[s.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,4 +1,4 @@
-"""GPU read engine and GPU codecs, checked against safetensors on a CUDA host (`pytest -m gpu`)."""
+"""GPU readers and GPU codecs, checked against safetensors on a CUDA host (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -547,16 +547,16 @@ def test_cached_files_go_through_the_staged_engine_and_the_report_says_so(sharde
     for backend in ("pinned", "cufile"):
         _skip_if_missing(backend)
         result = load_rank(sharded_dir, 0, device="cuda", backend=backend)
-        assert {f.engine for f in result.report.files} == {"staged"}, result.report.files
-        assert {f.io_mode for f in result.report.files} == {"posix"} and "engine=staged" in result.report.summary()
+        assert {f.reader for f in result.report.files} == {"staged"}, result.report.files
+        assert {f.io_mode for f in result.report.files} == {"posix"} and "reader=staged" in result.report.summary()
         _check(result, ref)
     monkeypatch.setenv("GDSLOAD_STAGED", "0")  # kvikio's engine instead, as without the built engine
     result = load_rank(sharded_dir, 0, device="cuda", backend="pinned")
-    assert {f.engine for f in result.report.files} <= {"kvikio", "ring"} and "staged" not in result.report.summary()
+    assert {f.reader for f in result.report.files} <= {"kvikio", "ring"} and "staged" not in result.report.summary()
     _check(result, ref)
 
 
-def test_staged_engine_on_the_gpu_copies_exact_ranges_and_names_a_short_file(tmp_path):
+def test_staged_reader_on_the_gpu_copies_exact_ranges_and_names_a_short_file(tmp_path):
     from gdsload.loader.io import staged
 
     if staged.unavailable():
@@ -567,7 +567,7 @@ def test_staged_engine_on_the_gpu_copies_exact_ranges_and_names_a_short_file(tmp
     dst = torch.zeros(data.size + 4096, dtype=torch.uint8, device="cuda")
     fd = os.open(path, os.O_RDONLY)
     try:
-        with staged.StagedEngine(torch.cuda.current_device(), threads=4, chunk=1 << 20, buffers=2) as eng:
+        with staged.StagedPool(torch.cuda.current_device(), threads=4, chunk=1 << 20, buffers=2) as eng:
             with pytest.raises(TruncatedFileError, match="shrank"):
                 eng.submit([(fd, 0, data.size + 4096, dst.data_ptr())], [str(path)])()
             # unaligned ranges in reverse order, the first range starting mid-page

@@ -98,10 +98,10 @@ from gdsload.loader import load_rank
 from gdsload.loader.io.iomode import cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
 r = load_rank({str(model)!r}, device="cuda", backend="pinned")
 state = kvikio_state()
-want = ["posix" if state.compat_preferred or f.engine != "kvikio" else
+want = ["posix" if state.compat_preferred or f.reader != "kvikio" else
         cufile_io_mode(state, o_direct_supported(f.path), gds_fs=gds_filesystem(f.path)) for f in r.report.files]
 print(json.dumps({{"modes": [f.io_mode for f in r.report.files], "want": want,
-                  "engines": [f.engine for f in r.report.files]}}))
+                  "readers": [f.reader for f in r.report.files]}}))
 """
     env = {**os.environ, "KVIKIO_COMPAT_MODE": "AUTO", "GDSLOAD_STAGED": "0"}  # cached files through kvikio
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -140,9 +140,9 @@ def test_pinned_ring_reader_count_follows_what_it_serves():
     from gdsload.loader.io import ReadOptions
     from gdsload.loader.io.pinned import PinnedBackend
 
-    def wanted(engines, direct, threads=None):
+    def wanted(readers, direct, threads=None):
         b = PinnedBackend(torch.device("cuda"), ReadOptions(num_threads=threads))
-        b._engine, b._direct = engines, direct
+        b._reader_of, b._direct = readers, direct
         return b.ring_threads()
 
     assert wanted(["ring", "ring"], [True, True]) == PinnedBackend.RING_THREADS_COLD == 4
@@ -174,18 +174,18 @@ def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_
     b.open(plan)
     b.close()
     assert b.direct_io() == [True]
-    if switch:  # kvikio's engine, O_DIRECT, the cold shape
-        assert b.kvikio_direct and b.engines() == ["kvikio"]
+    if switch:  # kvikio's reader, O_DIRECT, the cold shape
+        assert b.kvikio_direct and b.readers() == ["kvikio"]
         assert seen["settings"] == [{"compat_mode": "ON", "num_threads": 4, "task_size": 2 << 20,
                                      "bounce_buffer_size": 2 << 20, "auto_direct_io_read": True}]
     else:  # a kvikio without the switch: our O_DIRECT ring
-        assert not b.kvikio_direct and b.engines() == ["ring"] and seen["settings"] == []
+        assert not b.kvikio_direct and b.readers() == ["ring"] and seen["settings"] == []
 
     path.read_bytes()  # cached now: kvikio reads through the page cache
     seen["settings"].clear()
     b = PinnedBackend(torch.device("cuda"), ReadOptions())
     b.open(plan)
     b.close()
-    assert not b.kvikio_direct and b.engines() == ["kvikio"] and b.direct_io() == [False]
+    assert not b.kvikio_direct and b.readers() == ["kvikio"] and b.direct_io() == [False]
     assert seen["settings"][0]["num_threads"] == 16 and seen["settings"][0].get("auto_direct_io_read") in (
         (False,) if switch else (None,))

@@ -1,4 +1,4 @@
-"""The staged read engine (loader/io/_staged.c) driven into host memory: the same threads, buffers, queue and
+"""The staged reader (loader/io/_staged.c) driven into host memory: the same threads, buffers, queue and
 error paths as on a GPU, with memcpy in place of the device copy. On a GPU: tests/test_gpu.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from gdsload.loader import TruncatedFileError, discover, plan_rank, save_file
 from gdsload.loader.devices import as_device
 from gdsload.loader.errors import FileUnreadableError
 from gdsload.loader.io import staged
-from gdsload.loader.io.staged import StagedEngine, StagedReader
+from gdsload.loader.io.staged import StagedPool, StagedReader
 
-pytestmark = pytest.mark.skipif(staged.library_path() is None, reason="the staged engine was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(staged.library_path() is None, reason="the staged reader was not built (no C compiler)")
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_every_byte_lands_where_its_extent_says(blob, threads, chunk, buffers):
         expect[at : at + n] = data[off : off + n]
         at += n
     done: list[int] = []
-    with StagedEngine(None, threads=threads, chunk=chunk, buffers=buffers) as eng:
+    with StagedPool(None, threads=threads, chunk=chunk, buffers=buffers) as eng:
         eng.submit(items, [path] * len(items), done.append)()
     assert np.array_equal(out, expect)
     assert sum(done) == data.size and all(d > 0 for d in done)
@@ -54,7 +54,7 @@ def test_every_byte_lands_where_its_extent_says(blob, threads, chunk, buffers):
 def test_tickets_in_flight_together_finish_each_with_its_own_bytes(blob):
     data, fd, path = blob
     outs = [np.zeros(3_000_000, np.uint8) for _ in range(3)]
-    with StagedEngine(None, threads=4, chunk=256 << 10, buffers=2) as eng:
+    with StagedPool(None, threads=4, chunk=256 << 10, buffers=2) as eng:
         waits = [eng.submit([(fd, i * 3_000_000, 3_000_000, o.ctypes.data)], [path]) for i, o in enumerate(outs)]
         for w in reversed(waits):  # waited for out of order
             w()
@@ -62,10 +62,10 @@ def test_tickets_in_flight_together_finish_each_with_its_own_bytes(blob):
         assert np.array_equal(o, data[i * 3_000_000 : (i + 1) * 3_000_000])
 
 
-def test_a_range_past_the_end_names_the_file_and_the_engine_goes_on(blob):
+def test_a_range_past_the_end_names_the_file_and_the_pool_goes_on(blob):
     data, fd, path = blob
     out = np.zeros(data.size + 5000, np.uint8)
-    with StagedEngine(None, threads=2, chunk=1 << 20, buffers=2) as eng:
+    with StagedPool(None, threads=2, chunk=1 << 20, buffers=2) as eng:
         with pytest.raises(TruncatedFileError, match=rf"'{path}'.*ends at byte 9000001.*shrank"):
             eng.submit([(fd, 0, data.size + 5000, out.ctypes.data)], [path])()
         eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()  # the next ticket is read in full
@@ -76,7 +76,7 @@ def test_a_read_error_names_the_file_and_errno(tmp_path):
     out = np.zeros(10, np.uint8)
     r, w = os.pipe()  # pread on a pipe fails with ESPIPE
     try:
-        with StagedEngine(None, threads=1, chunk=4096, buffers=1) as eng:
+        with StagedPool(None, threads=1, chunk=4096, buffers=1) as eng:
             with pytest.raises(FileUnreadableError, match=r"'/models/a.safetensors' at byte 0: .*ESPIPE"):
                 eng.submit([(r, 0, 10, out.ctypes.data)], ["/models/a.safetensors"])()
     finally:
@@ -86,15 +86,15 @@ def test_a_read_error_names_the_file_and_errno(tmp_path):
 
 def test_bad_shapes_and_the_off_switch(monkeypatch):
     with pytest.raises(ValueError, match="threads=0"):
-        StagedEngine(None, threads=0, chunk=1 << 20)
+        StagedPool(None, threads=0, chunk=1 << 20)
     with pytest.raises(ValueError, match="chunk=100"):
-        StagedEngine(None, threads=1, chunk=100)
+        StagedPool(None, threads=1, chunk=100)
     assert staged.unavailable() is None
     monkeypatch.setenv("GDSLOAD_STAGED", "0")
     assert "GDSLOAD_STAGED" in staged.unavailable()
 
 
-def test_a_plan_read_through_the_engine_matches_safetensors(tmp_path):
+def test_a_plan_read_through_the_pool_matches_safetensors(tmp_path):
     tensors = {f"w{i}": torch.randn(1000 + 37 * i, 65).to(torch.bfloat16) for i in range(6)}
     tensors["ids"] = torch.arange(12345, dtype=torch.int64)
     save_file(dict(list(tensors.items())[:3]), tmp_path / "model-00001-of-00002.safetensors")
@@ -121,17 +121,17 @@ def test_a_plan_read_through_the_engine_matches_safetensors(tmp_path):
         plan.close()
 
 
-def test_loads_share_the_process_engine_until_it_is_released(blob):
+def test_loads_share_the_process_pool_until_it_is_released(blob):
     data, fd, path = blob
-    first = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
-    assert staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2) is first
-    assert staged.shared_engine(None, threads=3, chunk=1 << 20, buffers=2) is not first  # another shape
+    first = staged.shared_pool(None, threads=2, chunk=1 << 20, buffers=2)
+    assert staged.shared_pool(None, threads=2, chunk=1 << 20, buffers=2) is first
+    assert staged.shared_pool(None, threads=3, chunk=1 << 20, buffers=2) is not first  # another shape
     out = np.zeros(data.size, np.uint8)
     first.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
     assert np.array_equal(out, data)
     staged.release()
     assert first._handle is None  # stopped, its buffers freed
-    again = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+    again = staged.shared_pool(None, threads=2, chunk=1 << 20, buffers=2)
     assert again is not first
     out[:] = 0
     again.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
@@ -139,15 +139,15 @@ def test_loads_share_the_process_engine_until_it_is_released(blob):
     staged.release()
 
 
-def test_a_forked_child_makes_its_own_engine(blob):
+def test_a_forked_child_makes_its_own_pool(blob):
     data, fd, path = blob
-    parent = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+    parent = staged.shared_pool(None, threads=2, chunk=1 << 20, buffers=2)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: the parent's threads are not here, so it must not reuse the parent's engine
+    if pid == 0:  # the child: the parent's threads are not here, so it must not reuse the parent's pool
         ok = 0
         try:
-            child = staged.shared_engine(None, threads=2, chunk=1 << 20, buffers=2)
+            child = staged.shared_pool(None, threads=2, chunk=1 << 20, buffers=2)
             out = np.zeros(data.size, np.uint8)
             child.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
             ok = int(child is not parent and np.array_equal(out, data))
@@ -165,7 +165,7 @@ def test_a_forked_child_makes_its_own_engine(blob):
 def test_threads_started_ahead_of_the_first_ticket_read_it_whole(blob):
     data, fd, path = blob
     out = np.zeros(data.size, np.uint8)
-    with StagedEngine(None, threads=4, chunk=1 << 20, buffers=2) as eng:
+    with StagedPool(None, threads=4, chunk=1 << 20, buffers=2) as eng:
         eng.start()
         eng.start()  # a second start changes nothing
         eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()
@@ -178,7 +178,7 @@ class _Cuda:
     kind, index = "cuda", 3
 
 
-def test_prepare_starts_the_engine_only_where_it_will_read(monkeypatch, blob):
+def test_prepare_starts_the_pool_only_where_it_will_read(monkeypatch, blob):
     _, _, path = blob
     started: list[tuple] = []
 
@@ -189,16 +189,16 @@ def test_prepare_starts_the_engine_only_where_it_will_read(monkeypatch, blob):
         def start(self):
             started.append(self.key)
 
-    monkeypatch.setattr(staged, "shared_engine", lambda index, **shape: Recorder(index, *sorted(shape.items())))
+    monkeypatch.setattr(staged, "shared_pool", lambda index, **shape: Recorder(index, *sorted(shape.items())))
     cold = {"value": False}
     monkeypatch.setattr("gdsload.loader.io.pagecache.is_cold", lambda *paths: cold["value"])
 
     staged.prepare(_Cuda(), [path], threads=5)
     assert started == [(3, ("buffers", staged.DEFAULT_BUFFERS), ("chunk", staged.DEFAULT_CHUNK), ("threads", 5))]
-    staged.prepare(as_device("cpu"), [path])  # host memory: the reader makes its own engine when it needs one
+    staged.prepare(as_device("cpu"), [path])  # host memory: the reader makes its own pool when it needs one
     staged.prepare(_Cuda(), [])
     cold["value"] = True
-    staged.prepare(_Cuda(), [path])  # a cold rank is read with O_DIRECT by another engine
+    staged.prepare(_Cuda(), [path])  # a cold rank is read with O_DIRECT by another pool
     monkeypatch.setenv("GDSLOAD_STAGED", "0")
     cold["value"] = False
     staged.prepare(_Cuda(), [path])
@@ -217,9 +217,9 @@ def test_a_load_prepares_its_reader_with_the_rank_files(monkeypatch, tmp_path):
     assert torch.equal(result.tensors["w"], torch.arange(10, dtype=torch.float32))
 
 
-def test_a_gpu_engine_without_a_driver_says_which_call_failed():
-    """The engine, the decoder's streams and a sidecar worker retain a GPU's primary context through one helper;
-    where the driver does not load or refuses, the engine's error names the driver call."""
+def test_a_gpu_pool_without_a_driver_says_which_call_failed():
+    """The pool, the decoder's streams and a sidecar worker retain a GPU's primary context through one helper;
+    where the driver does not load or refuses, the pool's error names the driver call."""
     import ctypes
 
     from gdsload.loader.devices import PrimaryContext, _driver_stream
@@ -227,13 +227,13 @@ def test_a_gpu_engine_without_a_driver_says_which_call_failed():
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
-        with pytest.raises(staged.StagedEngineError, match=r"libcuda\.so\.1\) does not load"):
-            StagedEngine(0, threads=1, chunk=1 << 16)
+        with pytest.raises(staged.StagedReaderError, match=r"libcuda\.so\.1\) does not load"):
+            StagedPool(0, threads=1, chunk=1 << 16)
         assert _driver_stream(0) is None  # torch makes the stream then
         return
     ctx = PrimaryContext(0)
     assert ctx.handle and ctx.new_stream() != ctx.new_stream()
     ctx.release()
     assert ctx.handle is None
-    with pytest.raises(staged.StagedEngineError, match=r"cuDeviceGet failed for CUDA device 4096: CUDA_ERROR_INVALID_DEVICE"):
-        StagedEngine(4096, threads=1, chunk=1 << 16)
+    with pytest.raises(staged.StagedReaderError, match=r"cuDeviceGet failed for CUDA device 4096: CUDA_ERROR_INVALID_DEVICE"):
+        StagedPool(4096, threads=1, chunk=1 << 16)

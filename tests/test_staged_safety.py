@@ -1,4 +1,4 @@
-"""The staged read engine's Python API used wrongly: each misuse ends in a typed error or a plain answer, never a
+"""The staged reader's Python API used wrongly: each misuse ends in a typed error or a plain answer, never a
 hang, a crash or a read of freed memory. Each case runs in a child process (a crash or a hang there fails the
 test instead of ending the run), with glibc filling freed memory with junk so that a use after free shows."""
 
@@ -13,13 +13,13 @@ import pytest
 
 from gdsload.loader.io import staged
 
-pytestmark = pytest.mark.skipif(staged.library_path() is None, reason="the staged engine was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(staged.library_path() is None, reason="the staged reader was not built (no C compiler)")
 
 _PRELUDE = """
 import os, sys, threading
 import numpy as np
 from gdsload.loader import GdsloadError
-from gdsload.loader.io.staged import StagedEngine
+from gdsload.loader.io.staged import StagedPool
 path = sys.argv[1]
 data = np.random.default_rng(3).integers(0, 256, 3_000_000, dtype=np.uint8)
 data.tofile(path)
@@ -41,31 +41,31 @@ def _child(tmp_path, body: str, timeout: float = 60) -> str:
 
 
 @pytest.mark.parametrize("offset, length, error", [
-    (0, 2**63 - 1, "TruncatedFileError"),  # past the end of the file: refused before the engine sees it
+    (0, 2**63 - 1, "TruncatedFileError"),  # past the end of the file: refused before the pool sees it
     (1, 2**63 - 1, "StagedRangeError"),    # past 2**63 - 1
     (-1, 10, "StagedRangeError"),
     (0, -5, "StagedRangeError"),
 ])
 def test_a_range_no_file_holds_is_a_typed_error_at_once(tmp_path, offset, length, error):
     out = _child(tmp_path, f"""
-        with StagedEngine(None, threads=2, chunk=4096, buffers=1) as eng:
+        with StagedPool(None, threads=2, chunk=4096, buffers=1) as eng:
             try:
                 eng.submit([(fd, {offset}, {length}, out.ctypes.data)], [path])()
             except GdsloadError as e:
                 print(type(e).__name__, "|", e)
-            eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()  # the engine goes on
+            eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()  # the pool goes on
         assert (out == data).all()
         print("ok")
     """)
     assert out.startswith(error) and "blob.bin" in out and out.rstrip().endswith("ok"), out
 
 
-def test_a_huge_length_on_a_descriptor_without_a_size_is_refused_by_the_engine(tmp_path):
-    """A pipe has no size to check against: the engine itself refuses a range of 2**63 - 1 bytes (it would need
+def test_a_huge_length_on_a_descriptor_without_a_size_is_refused_by_the_pool(tmp_path):
+    """A pipe has no size to check against: the pool itself refuses a range of 2**63 - 1 bytes (it would need
     2**42 chunks), where it used to loop forever growing its queue."""
     out = _child(tmp_path, """
         r, w = os.pipe()
-        with StagedEngine(None, threads=1, chunk=2 << 20, buffers=1) as eng:
+        with StagedPool(None, threads=1, chunk=2 << 20, buffers=1) as eng:
             try:
                 eng.submit([(r, 0, 2**63 - 1, out.ctypes.data)], ["/models/pipe"])()
             except GdsloadError as e:
@@ -76,9 +76,9 @@ def test_a_huge_length_on_a_descriptor_without_a_size_is_refused_by_the_engine(t
 
 def test_a_waiter_called_after_close_answers(tmp_path):
     """The reads were finished by close(); their waiter then returns (or raises their error), without touching
-    the engine that is gone."""
+    the pool that is gone."""
     out = _child(tmp_path, """
-        eng = StagedEngine(None, threads=2, chunk=65536, buffers=2)
+        eng = StagedPool(None, threads=2, chunk=65536, buffers=2)
         wait = eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])
         eng.close()
         wait()
@@ -90,13 +90,13 @@ def test_a_waiter_called_after_close_answers(tmp_path):
             print(type(e).__name__, "|", e)
         print("ok")
     """)
-    assert out.startswith("StagedEngineError | the staged engine is closed") and out.rstrip().endswith("ok"), out
+    assert out.startswith("StagedReaderError | the staged reader is closed") and out.rstrip().endswith("ok"), out
 
 
 def test_waiting_twice_or_from_two_threads_gives_one_outcome(tmp_path):
     out = _child(tmp_path, """
         short = os.open(path, os.O_RDONLY)
-        with StagedEngine(None, threads=3, chunk=65536, buffers=2) as eng:
+        with StagedPool(None, threads=3, chunk=65536, buffers=2) as eng:
             wait = eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])
             wait()
             wait()  # the ticket was freed by the first: this must not wait on it again
@@ -115,7 +115,7 @@ def test_waiting_twice_or_from_two_threads_gives_one_outcome(tmp_path):
 
 def test_a_read_error_is_given_to_every_waiter_and_after_close(tmp_path):
     out = _child(tmp_path, """
-        eng = StagedEngine(None, threads=2, chunk=4096, buffers=1)
+        eng = StagedPool(None, threads=2, chunk=4096, buffers=1)
         r, w = os.pipe()
         wait = eng.submit([(r, 0, 100, out.ctypes.data)], ["/models/a.safetensors"])
         eng.close()
@@ -129,10 +129,10 @@ def test_a_read_error_is_given_to_every_waiter_and_after_close(tmp_path):
     assert len(lines) == 2 and all(line.startswith("FileUnreadableError") and "ESPIPE" in line for line in lines), out
 
 
-def test_a_progress_callback_that_closes_the_engine(tmp_path):
-    """A waiter's progress callback that closes the engine: the wait ends with the reads' outcome, no deadlock."""
+def test_a_progress_callback_that_closes_the_pool(tmp_path):
+    """A waiter's progress callback that closes the pool: the wait ends with the reads' outcome, no deadlock."""
     out = _child(tmp_path, """
-        eng = StagedEngine(None, threads=1, chunk=4096, buffers=1)
+        eng = StagedPool(None, threads=1, chunk=4096, buffers=1)
         seen = []
         def progress(n):
             seen.append(n)

@@ -223,7 +223,7 @@ def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: boo
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
     monkeypatch.setattr(cufile, "kvikio_state", lambda: KvikioState(True, "stand-in", "ON", True, None))
-    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # these tests are about kvikio's reads, not the staged engine's
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # these tests are about kvikio's reads, not the staged reader's
     return seen
 
 
@@ -364,7 +364,7 @@ def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touche
     reader.open(plan)
     reader.read(plan.extents, [arena])
     assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
-    assert reader.file_engines() == ["fastsafetensors", "fastsafetensors"]
+    assert reader.file_readers() == ["fastsafetensors", "fastsafetensors"]
     reader.close()
     assert done[-1] == "closed" and len(done) > 1
     assert seen["settings"] == [] and seen["opened"] == []  # kvikio was neither set up nor handed a file
@@ -380,7 +380,7 @@ def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touche
     reader.open(plan)
     reader.read(plan.extents, [arena])
     reader.close()
-    assert reader.cold_direct and reader.file_engines() == ["kvikio", "kvikio"] and seen["settings"]
+    assert reader.cold_direct and reader.file_readers() == ["kvikio", "kvikio"] and seen["settings"]
     _assert_oracle_bytes(plan, arena)
 
 
@@ -485,7 +485,7 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
         from gdsload.loader.io import staged
 
         if staged.unavailable() is None and not any(f["io_mode"] in ("gds", "p2pdma") for f in r["files"]):
-            # cached files without GDS: the staged engine reads them, and the report names it; an uncompressed
+            # cached files without GDS: the staged reader reads them, and the report names it; an uncompressed
             # rank then needs no numpy and no kvikio (their imports cost a fresh worker 0.2-0.3 s)
             assert {f["engine"] for f in r["files"]} == {"staged"} and {f["io_mode"] for f in r["files"]} == {"posix"}
             assert out["imported"] == [], out["imported"]

@@ -159,7 +159,7 @@ class Backend(abc.ABC):
 
     def prepare(self, paths: Sequence[str]) -> None:
         """Start, in the background, set-up that reading these files will need, while the load plans them
-        (the staged engine pins its buffers then), or decide :attr:`maps_files` for them; by default nothing.
+        (the staged reader pins its buffers then), or decide :attr:`maps_files` for them; by default nothing.
         ``open`` must not depend on it."""
 
     def open(self, plan: LoadPlan) -> None:
@@ -190,8 +190,8 @@ class Backend(abc.ABC):
         assert self.plan is not None
         return [False] * len(self.plan.files)
 
-    def file_engines(self) -> list[str]:
-        """What moved each file's bytes, for the report (``FileReport.engine``); by default the backend's name."""
+    def file_readers(self) -> list[str]:
+        """What moved each file's bytes, for the report (``FileReport.reader``); by default the backend's name."""
         assert self.plan is not None
         return [self.name] * len(self.plan.files)
 

@@ -1,9 +1,9 @@
-/* gdsload's staged read engine: files in the page cache (or tmpfs) to GPU memory through small pinned buffers.
+/* gdsload's staged reader: files in the page cache (or tmpfs) to GPU memory through small pinned buffers.
  *
  * Reader threads take file chunks from one queue in order, pread(2) each into one of their own pinned host
  * buffers and start its host-to-device copy on their own CUDA stream, then read the next chunk into the next
  * buffer while the copy runs; a buffer is reused once the event recorded after its copy has completed. Pinned
- * staging is threads * buffers * chunk bytes, allocated once per engine (16 threads with two 2 MiB buffers each
+ * staging is threads * buffers * chunk bytes, allocated once per pool (16 threads with two 2 MiB buffers each
  * was the fastest shape measured; smaller buffers, which stay in the cores' caches, were slower).
  *
  * The staging is one anonymous mapping asking for transparent huge pages; each thread faults in its own slice
@@ -19,8 +19,8 @@
  * remaining chunks are skipped.
  *
  * The CUDA driver API is looked up at run time (dlopen of libcuda.so.1), so this builds with a C compiler
- * alone and loads where no driver is. With a NULL context the engine copies into host memory instead
- * (memcpy from the same staging buffers): the tests drive every path of the engine that way on hosts
+ * alone and loads where no driver is. With a NULL context the pool copies into host memory instead
+ * (memcpy from the same staging buffers): the tests drive every path of the pool that way on hosts
  * without a GPU.
  *
  * Python reaches it through ctypes (gdsload.loader.io.staged); ctypes releases the GIL around every call.
@@ -100,7 +100,7 @@ typedef struct ticket {
 
 typedef struct { int fd; int tag; long long offset; size_t length; unsigned long long dst; ticket *t; } chunk;
 
-typedef struct engine {
+typedef struct pool {
     CUcontext ctx;  /* NULL: host destinations */
     int threads;
     size_t chunk;
@@ -118,7 +118,7 @@ typedef struct engine {
     void *staging_base;      /* the mapping itself (staging rounded up to 2 MiB) */
     size_t staging_len, slice;
     gdsl_error setup_error;  /* a thread could not set itself up */
-} engine;
+} pool;
 
 static void fail(ticket *t, int code, int detail, int tag, long long offset) {
     if (t->error.code == GDSL_OK) {
@@ -130,7 +130,7 @@ static void fail(ticket *t, int code, int detail, int tag, long long offset) {
 }
 
 /* Account for a chunk whose copy completed (or that was skipped); the caller holds e->mu. */
-static void credit(engine *e, ticket *t, size_t bytes) {
+static void credit(pool *e, ticket *t, size_t bytes) {
     t->done_bytes += (long long)bytes;
     if (--t->pending == 0 || bytes) pthread_cond_broadcast(&e->done);
 }
@@ -148,7 +148,7 @@ static CUresult wait_event(CUevent ev) {
     }
 }
 
-static void retire(engine *e, slot *s) {
+static void retire(pool *e, slot *s) {
     if (!s->busy) return;
     int r = e->ctx ? wait_event(s->ev) : 0;
     pthread_mutex_lock(&e->mu);
@@ -160,7 +160,7 @@ static void retire(engine *e, slot *s) {
 
 /* Pin this thread's slice of the staging mapping: fault its pages in here (in parallel with the other threads),
    then register it. Returns the slice, or NULL when it cannot be pinned that way. */
-static char *pin_slice(engine *e, int id) {
+static char *pin_slice(pool *e, int id) {
     if (!e->staging) return NULL;
     char *p = e->staging + (size_t)id * e->slice;
     for (size_t off = 0; off < e->slice; off += 4096) p[off] = 0;
@@ -168,7 +168,7 @@ static char *pin_slice(engine *e, int id) {
 }
 
 static void *worker(void *arg) {
-    engine *e = arg;
+    pool *e = arg;
     slot *slots = calloc((size_t)e->buffers, sizeof(slot));
     CUstream stream = NULL;
     char *pinned = NULL;
@@ -272,13 +272,13 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* An engine of `threads` readers, each with `buffers` staging buffers of `chunk` bytes, copying in `ctx`
+/* A pool of `threads` readers, each with `buffers` staging buffers of `chunk` bytes, copying in `ctx`
    (a CUDA context; NULL: into host memory). Returns NULL when the CUDA driver cannot be loaded or memory is short;
    the threads start, and pin their buffers, with the first ticket. */
-engine *gdsl_open(void *ctx, int threads, size_t chunk, int buffers) {
+pool *gdsl_open(void *ctx, int threads, size_t chunk, int buffers) {
     if (threads < 1 || buffers < 1 || chunk < 4096) return NULL;
     if (ctx && load_cuda()) return NULL;
-    engine *e = calloc(1, sizeof(engine));
+    pool *e = calloc(1, sizeof(pool));
     if (!e) return NULL;
     e->ctx = ctx;
     e->threads = threads;
@@ -308,14 +308,14 @@ engine *gdsl_open(void *ctx, int threads, size_t chunk, int buffers) {
     return e;
 }
 
-static int start(engine *e) {
+static int start(pool *e) {
     for (; e->started < e->threads; e->started++)
         if (pthread_create(&e->tids[e->started], NULL, worker, e)) return e->started ? 0 : -1;
     return 0;
 }
 
 /* Start the reader threads now (they pin their staging, then wait for tickets); 0 when at least one runs. */
-int gdsl_start(engine *e) {
+int gdsl_start(pool *e) {
     pthread_mutex_lock(&e->mu);
     int r = e->started ? 0 : start(e);
     pthread_mutex_unlock(&e->mu);
@@ -325,7 +325,7 @@ int gdsl_start(engine *e) {
 /* Queue `n` extents as one ticket; NULL when memory is short or no reader thread could start (errno ENOMEM,
    EAGAIN), or an extent is not a range of a file (a negative offset or length, an end past 2^63 - 1) or the
    ticket would need more than GDSL_MAX_TICKET_CHUNKS chunks (errno EINVAL, EOVERFLOW). */
-ticket *gdsl_submit(engine *e, const gdsl_extent *x, long n) {
+ticket *gdsl_submit(pool *e, const gdsl_extent *x, long n) {
     if (!e || n < 0 || (n && !x)) {
         errno = EINVAL;
         return NULL;
@@ -389,7 +389,7 @@ ticket *gdsl_submit(engine *e, const gdsl_extent *x, long n) {
 /* Wait up to `timeout_ms` (< 0: until done) for ticket `t`. Returns 1 when done (then *err holds its first error,
    code 0 for none, and the ticket is freed), 0 on timeout; *done_bytes is the bytes copied so far. A ticket is
    waited for until done once: after that it is gone (the Python side keeps its outcome). */
-int gdsl_wait(engine *e, ticket *t, int timeout_ms, long long *done_bytes, gdsl_error *err) {
+int gdsl_wait(pool *e, ticket *t, int timeout_ms, long long *done_bytes, gdsl_error *err) {
     if (!e || !t) {
         *done_bytes = 0;
         *err = (gdsl_error){GDSL_INVALID, EINVAL, -1, 0};
@@ -418,8 +418,8 @@ int gdsl_wait(engine *e, ticket *t, int timeout_ms, long long *done_bytes, gdsl_
     return finished;
 }
 
-/* Finish the work queued, stop the threads, free their buffers and the engine. */
-void gdsl_close(engine *e) {
+/* Finish the work queued, stop the threads, free their buffers and the pool. */
+void gdsl_close(pool *e) {
     if (!e) return;
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
@@ -437,5 +437,5 @@ void gdsl_close(engine *e) {
 
 /* An importable module, so that the install places it like any extension; its functions are called through ctypes. */
 static struct PyModuleDef staged_module = {PyModuleDef_HEAD_INIT, "_staged",
-                                           "gdsload's staged read engine (called through ctypes).", -1, NULL};
+                                           "gdsload's staged reader (called through ctypes).", -1, NULL};
 PyMODINIT_FUNC PyInit__staged(void) { return PyModule_Create(&staged_module); }

@@ -20,9 +20,9 @@ rank faster than kvikio's shape above.
 It reads into any CUDA :class:`~gdsload.loader.devices.Device`: torch's memory, or the CUDA driver's for the
 workers that load without torch (the only reader there, so ``auto`` takes it even without GDS). A cached
 rank on a host without GDS never imports kvikio.
-Without GDS, a rank whose files are cached is read by the staged engine
+Without GDS, a rank whose files are cached is read by the staged reader
 (:mod:`gdsload.loader.io.staged`) where it is built, as the ``pinned`` backend reads it; the report
-then says ``posix`` and ``engine=staged``.
+then says ``posix`` and ``reader=staged``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from gdsload.loader.io.pagecache import is_cold
 from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.fst_reader import make_fst_reader
-from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import StagedReaderError, StagedReader
 from gdsload.loader.io.staged import prepare as staged_prepare
 from gdsload.loader.io.staged import unavailable as staged_unavailable
 
@@ -75,14 +75,14 @@ class CuFileBackend(Backend):
     cold_reader: Any = None
     """Set by :meth:`open`: fastsafetensors' reader for this cold rank's :meth:`read` calls, or None."""
     staged: Any = None
-    """Set by :meth:`open`: the staged engine, reading every file of a cached rank without GDS, or None."""
+    """Set by :meth:`open`: the staged reader, reading every file of a cached rank without GDS, or None."""
 
     @classmethod
     def probe(cls, device: Device) -> str | None:
         if device.kind != "cuda":
             return f"it loads to CUDA devices, not {str(device)!r}"
         if not _gds_possible() and staged_unavailable() is None:
-            # A cached rank is read by the staged engine and never imports kvikio (about 30 ms, and numpy's
+            # A cached rank is read by the staged reader and never imports kvikio (about 30 ms, and numpy's
             # 0.2-0.3 s in a process without it); a cold one imports it at open, which reports a broken install.
             if importlib.util.find_spec("kvikio") is None:
                 return "kvikio is not installed; install gdsload[cu12] or gdsload[cu13]"
@@ -109,7 +109,7 @@ class CuFileBackend(Backend):
         return None
 
     def prepare(self, paths: Sequence[str]) -> None:
-        if not _gds_possible():  # no GDS: a cached rank goes through the staged engine
+        if not _gds_possible():  # no GDS: a cached rank goes through the staged reader
             staged_prepare(self.device, paths, threads=self.options.num_threads, chunk=self.options.chunk_bytes)
 
     def open(self, plan: LoadPlan) -> None:
@@ -128,11 +128,11 @@ class CuFileBackend(Backend):
             return
         if why is None and not gds and not cold:
             # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory; the staged
-            # engine does that faster (see loader/io/staged.py), and the report says so. kvikio is not imported.
+            # reader does that faster (see loader/io/staged.py), and the report says so. kvikio is not imported.
             try:
                 self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
                                            chunk=self.options.chunk_bytes)
-            except StagedEngineError as e:
+            except StagedReaderError as e:
                 why = str(e)
             else:
                 self._modes = ["posix"] * len(plan.files)
@@ -158,11 +158,11 @@ class CuFileBackend(Backend):
             why = "GPUDirect Storage serves some of the files"
         if why is None:
             # Bounce buffers either way (a cold rank without O_DIRECT, or kvikio's compat mode where GDS could
-            # run): the staged engine reads through the page cache faster, as above.
+            # run): the staged reader reads through the page cache faster, as above.
             try:
                 self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
                                            chunk=self.options.chunk_bytes)
-            except StagedEngineError as e:
+            except StagedReaderError as e:
                 why = str(e)
         if self.staged is not None:
             self._modes = ["posix"] * len(plan.files)
@@ -225,9 +225,9 @@ class CuFileBackend(Backend):
                 self._ran[e.file_index].add("fastsafetensors")
             return self.cold_reader.submit(extents, [(self.device.address(d), self.device.nbytes(d)) for d in dsts],
                                            progress)
-        engine = "staged" if self.staged is not None else "kvikio"
+        reader = "staged" if self.staged is not None else "kvikio"
         for e in extents:
-            self._ran[e.file_index].add(engine)
+            self._ran[e.file_index].add(reader)
         if self.staged is not None:
             return self.staged.submit(extents, dsts, progress)
         if self.cold_direct:  # one task per read, queued as one sequential stream per thread
@@ -257,7 +257,7 @@ class CuFileBackend(Backend):
     def direct_io(self) -> list[bool]:
         return list(self._direct)
 
-    def file_engines(self) -> list[str]:
+    def file_readers(self) -> list[str]:
         """What read each file: ``staged``, ``kvikio`` (cuFile under it, with GDS) or ``fastsafetensors``."""
         return ["+".join(sorted(r)) or ("staged" if self.staged is not None else "kvikio") for r in self._ran]
 

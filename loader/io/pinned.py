@@ -1,25 +1,25 @@
 """``pinned``: the fast path for hosts without GPUDirect Storage.
 
 Files are read into small pinned host buffers and copied to the GPU asynchronously, all of a
-rank's files read by one pool of threads, staging bounded by ``ReadOptions.pinned_bytes``. Two engines,
+rank's files read by one pool of threads, staging bounded by ``ReadOptions.pinned_bytes``. The reader is
 chosen per file from its page-cache residency (``mincore``):
 
-- **cached files** (page cache or tmpfs) go through gdsload's staged engine
+- **cached files** (page cache or tmpfs) go through gdsload's staged reader
   (:mod:`gdsload.loader.io.staged`, C): 16 threads ``pread`` 2 MiB chunks into two pinned buffers
   each and copy them to the device on their own streams, the threads and buffers kept for the
-  process's next load. It reads as fast as kvikio's engine, and a load skips kvikio's import
+  process's next load. It reads as fast as kvikio's reader, and a load skips kvikio's import
   (about 65 ms) and set-up; where it was not built (no C compiler at install), or with
-  ``GDSLOAD_STAGED=0``, kvikio's C++ POSIX engine reads them (compatibility mode forced on, 16
+  ``GDSLOAD_STAGED=0``, kvikio's C++ POSIX reader reads them (compatibility mode forced on, 16
   threads, 4 MiB tasks), and without kvikio the Python ring below, whose per-chunk overhead
   (event record and host-allocator locking in ``Tensor.copy_``) caps it at about 33 GB/s.
 - **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
-  ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio engine reading with
+  ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio reader reading with
   O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
   as one sequential stream per thread (see ``cufile``'s module doc); on a virtio disk this beat the
   ring below, taking turns in fresh processes.
 - **cold ranks, when fastsafetensors is installed**: its native reader does every read, as in
   ``cufile`` (see :mod:`gdsload.loader.io.fst_reader`; ``CuFileBackend.COLD_READER``), and no other
-  engine is set up.
+  reader is set up.
 - otherwise our own ring reads the cold files (and, without kvikio, the cached ones too): reader
   threads ``preadv`` (O_DIRECT for cold files: 4 KiB-rounded, lead discarded) into their own
   double-buffered pinned buffers, and start the host-to-device copy on their stream while reading
@@ -27,7 +27,7 @@ chosen per file from its page-cache residency (``mincore``):
   reader.
 
 The report says ``posix`` for all of them (POSIX reads staged through host memory), flags O_DIRECT, and
-names the engine that read each file (``FileReport.engine``).
+names the reader that read each file (``FileReport.reader``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
 from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
 from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
 from gdsload.loader.io.fst_reader import make_fst_reader
-from gdsload.loader.io.staged import StagedEngineError, StagedReader
+from gdsload.loader.io.staged import StagedReaderError, StagedReader
 from gdsload.loader.io.staged import prepare as staged_prepare
 from gdsload.loader.io.staged import unavailable as staged_unavailable
 
@@ -112,7 +112,7 @@ class PinnedBackend(Backend):
         self._fst = None
         fst_why = None
         if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
-            # fastsafetensors' reader does every read of a cold rank (see cufile): no other engine is set up
+            # fastsafetensors' reader does every read of a cold rank (see cufile): no other reader is set up
             self._fst, fst_why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
                                                  open_paths=[fd_path(fd) for fd in plan.fds])
         staged_why = staged_unavailable() if not all(self._direct) else "no cached files"
@@ -120,14 +120,14 @@ class PinnedBackend(Backend):
             try:
                 self._staged = StagedReader(self.device, plan, threads=self.options.num_threads,
                                             chunk=self.options.chunk_bytes)
-            except StagedEngineError as e:
+            except StagedReaderError as e:
                 staged_why = str(e)
-        # kvikio only where it reads something: cold files, or cached ones without the staged engine.
+        # kvikio only where it reads something: cold files, or cached ones without the staged reader.
         self._kv = _kvikio() if self._fst is None and (any(self._direct) or staged_why is not None) else None
         self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
         self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
                               and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
-        self._engine = [("kvikio" if self.kvikio_direct else "ring") if d
+        self._reader_of = [("kvikio" if self.kvikio_direct else "ring") if d
                         else "staged" if staged_why is None else "kvikio" if self._kv is not None else "ring"
                         for d in self._direct] if self._fst is None else ["fastsafetensors"] * len(plan.files)
         if staged_why is not None and not all(self._direct):
@@ -137,20 +137,20 @@ class PinnedBackend(Backend):
             log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", fst_why)
         self._cufiles: dict[int, Any] = {}
         self._kv_settings: Any = None
-        if "kvikio" in self._engine:
+        if "kvikio" in self._reader_of:
             # kvikio's settings are process-wide; they hold from open to close. Setting them per
             # read would rebuild its thread pool and bounce buffers (cudaFreeHost synchronizes
             # the device) for every staging group of a compressed load.
             self._kv_settings = self._kvikio_settings()
             for i, f in enumerate(plan.files):  # one by one: close() closes those opened before a failure
-                if self._engine[i] == "kvikio":
+                if self._reader_of[i] == "kvikio":
                     self._cufiles[i] = self._kv.CuFile(fd_path(plan.fds[i]), "r")
             if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
                 self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
-        self._ring = self._make_ring() if "ring" in self._engine else None
+        self._ring = self._make_ring() if "ring" in self._reader_of else None
 
     def _make_ring(self) -> Any:
-        """The Python ring, for the files no other engine reads; imported only then."""
+        """The Python ring, for the files no other reader reads; imported only then."""
         from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
 
         assert self.plan is not None
@@ -158,7 +158,7 @@ class PinnedBackend(Backend):
         threads = self.ring_threads()
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
         budget = (self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
-                  - (self._staged.engine.staging_bytes if self._staged is not None else 0))
+                  - (self._staged.pool.staging_bytes if self._staged is not None else 0))
         ring_threads = max(1, min(threads, budget // per_thread))
         if ring_threads < threads:
             log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
@@ -170,7 +170,7 @@ class PinnedBackend(Backend):
 
     def ring_threads(self) -> int:
         """Readers the ring wants (before the pinned budget): as asked, else per what it serves."""
-        cached_in_ring = any(e == "ring" and not d for e, d in zip(self._engine, self._direct))
+        cached_in_ring = any(e == "ring" and not d for e, d in zip(self._reader_of, self._direct))
         return self.options.num_threads or (self.RING_THREADS_CACHED if cached_in_ring else self.RING_THREADS_COLD)
 
     def _open(self, path: str, fd: int, *, cold: bool) -> tuple[int, bool]:
@@ -220,21 +220,21 @@ class PinnedBackend(Backend):
             for e in extents:
                 self._ran[e.file_index].add("fastsafetensors")
             return self._fst.submit(extents, [(d.data_ptr(), d.nbytes) for d in dsts], progress)
-        kv_extents = [e for e in extents if self._engine[e.file_index] == "kvikio" and e.length]
+        kv_extents = [e for e in extents if self._reader_of[e.file_index] == "kvikio" and e.length]
         if self.kvikio_direct:  # one task per read, queued as one sequential stream per thread
             kv_extents = direct_read_order(kv_extents, *self._kv_shape)  # kvikio's task size and threads
         for e in extents:
-            self._ran[e.file_index].add(self._engine[e.file_index])
-        staged = [e for e in extents if self._engine[e.file_index] == "staged"]
+            self._ran[e.file_index].add(self._reader_of[e.file_index])
+        staged = [e for e in extents if self._reader_of[e.file_index] == "staged"]
         staged_wait = self._staged.submit(staged, dsts, progress) if self._staged is not None and staged else None
-        ring = [e for e in extents if self._engine[e.file_index] == "ring"]
+        ring = [e for e in extents if self._reader_of[e.file_index] == "ring"]
         ring_wait = self._ring.submit(ring, dsts, progress) if self._ring is not None and ring else None
         futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
                    for e in kv_extents]
 
         def wait() -> None:
             assert self.plan is not None
-            # Every engine writes into dst until its own waiter returns: wait for all, even when one failed.
+            # Every reader writes into dst until its own waiter returns: wait for all, even when one failed.
             try:
                 if staged_wait is not None:
                     staged_wait()
@@ -255,26 +255,26 @@ class PinnedBackend(Backend):
     def io_modes(self) -> list[str]:
         assert self.plan is not None
         modes = ["posix"] * len(self.plan.files)
-        if "kvikio" in self._engine and "compat_mode" in user_settings():
+        if "kvikio" in self._reader_of and "compat_mode" in user_settings():
             # The user's KVIKIO_COMPAT_MODE held, not ours: kvikio may hand its files to cuFile.
             state = kvikio_state()
             if not state.compat_preferred:
                 modes = [cufile_io_mode(state, o_direct_supported(f.path), gds_fs=gds_filesystem(f.path))
-                         if e == "kvikio" else m for f, e, m in zip(self.plan.files, self._engine, modes)]
+                         if e == "kvikio" else m for f, e, m in zip(self.plan.files, self._reader_of, modes)]
         return modes
 
     def direct_io(self) -> list[bool]:
         return list(self._direct)
 
-    def engines(self) -> list[str]:
-        """Per file: ``staged`` (our C engine), ``kvikio`` (its C++ POSIX engine) or ``ring`` (our Python
+    def readers(self) -> list[str]:
+        """Per file: ``staged`` (our staged reader), ``kvikio`` (its C++ POSIX reader) or ``ring`` (our Python
         threads); whole reads of a cold rank go through fastsafetensors' reader when :meth:`open` made one
         (``fastsafetensors`` in the report)."""
-        return list(self._engine)
+        return list(self._reader_of)
 
-    def file_engines(self) -> list[str]:
+    def file_readers(self) -> list[str]:
         """What read each file in this load, ``+``-joined where both whole reads and staging groups ran."""
-        return ["+".join(sorted(r)) or e for r, e in zip(self._ran, self._engine)]
+        return ["+".join(sorted(r)) or e for r, e in zip(self._ran, self._reader_of)]
 
     def close(self) -> None:
         if getattr(self, "_staged", None) is not None:

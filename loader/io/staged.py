@@ -1,12 +1,12 @@
-"""The staged read engine (``_staged.c``), from Python: cached files into GPU memory through small pinned buffers.
+"""The staged reader (``_staged.c``), from Python: cached files into GPU memory through small pinned buffers.
 
 Reader threads in C ``pread`` file chunks into their own pinned buffers and copy each to the device on their
 own CUDA stream while reading the next chunk; see the C file's header for the design. It is what the
 ``pinned`` and ``cufile`` readers use for files in the page cache or on tmpfs when it is built (the install
-builds it where a C compiler is present); without it they use kvikio's engine, and their reports say which
-ran (``engines()``).
+builds it where a C compiler is present); without it they use kvikio's reader, and their reports say which
+ran (``file_readers()``).
 
->>> eng = StagedEngine(device_index=0, threads=16, chunk=2 << 20, buffers=3)  # doctest: +SKIP
+>>> eng = StagedPool(device_index=0, threads=16, chunk=2 << 20, buffers=3)  # doctest: +SKIP
 >>> wait = eng.submit([(fd, 0, nbytes, dst_address)], ["/models/m/model.safetensors"])  # doctest: +SKIP
 >>> wait()  # doctest: +SKIP
 >>> eng.close()  # doctest: +SKIP
@@ -31,7 +31,7 @@ from gdsload.loader.config import parse_bool
 from gdsload.loader.devices import PrimaryContext, cuda_error_name
 from gdsload.loader.errors import BackendUnavailableError, FileUnreadableError, GdsloadError, TruncatedFileError
 
-__all__ = ["StagedEngine", "StagedReader", "StagedEngineError", "StagedRangeError", "unavailable", "library_path", "shared_engine",
+__all__ = ["StagedPool", "StagedReader", "StagedReaderError", "StagedRangeError", "unavailable", "library_path", "shared_pool",
            "prepare", "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
 
 log = logging.getLogger(__name__)
@@ -42,27 +42,27 @@ POLL_MS = 50
 DEFAULT_THREADS = 16
 DEFAULT_CHUNK = 2 << 20
 DEFAULT_BUFFERS = 2
-"""The engine's default shape: 16 readers, two 2 MiB buffers each (64 MiB of pinned staging). From tmpfs on an
-H200 this shape was the fastest of those tried (``bench/RESULTS.md``, "Read engines")."""
+"""The pool's default shape: 16 readers, two 2 MiB buffers each (64 MiB of pinned staging). From tmpfs on an
+H200 this shape was the fastest of those tried (``bench/RESULTS.md``)."""
 
 
-class StagedEngineError(GdsloadError, RuntimeError):
-    """The engine could not start, or the CUDA driver failed a copy."""
+class StagedReaderError(GdsloadError, RuntimeError):
+    """The pool could not start, or the CUDA driver failed a copy."""
 
 
 class StagedRangeError(GdsloadError, ValueError):
-    """A range given to the engine is not a range of a file (negative, past 2**63 - 1, or too many chunks)."""
+    """A range given to the pool is not a range of a file (negative, past 2**63 - 1, or too many chunks)."""
 
 
 class _Ticket:
-    """One submit's reads: the engine's ticket until it has been waited for, then its outcome (kept, so that a
-    second wait, or a wait after :meth:`StagedEngine.close`, gives the same answer without touching freed memory)."""
+    """One submit's reads: the pool's ticket until it has been waited for, then its outcome (kept, so that a
+    second wait, or a wait after :meth:`StagedPool.close`, gives the same answer without touching freed memory)."""
 
     __slots__ = ("handle", "lock", "error", "done_bytes")
 
     def __init__(self, handle: int) -> None:
         self.handle: int | None = handle
-        """The engine's ticket; None once its outcome is known (the engine frees it then)."""
+        """The pool's ticket; None once its outcome is known (the pool frees it then)."""
         self.lock = threading.RLock()
         self.error: _Error | None = None
         self.done_bytes = 0
@@ -86,7 +86,7 @@ _lock = threading.Lock()
 
 
 def library_path() -> str | None:
-    """Where the built engine is, or None when the install did not build it."""
+    """Where the built staged reader is, or None when the install did not build it."""
     spec = importlib.util.find_spec("gdsload.loader.io._staged")
     return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".so") else None
 
@@ -97,12 +97,12 @@ def _load() -> ctypes.CDLL | None:
         if _lib is None and _why is None:
             path = library_path()
             if path is None:
-                _why = "the staged engine was not built (the install found no C compiler); reinstall gdsload with one"
+                _why = "the staged reader was not built (the install found no C compiler); reinstall gdsload with one"
                 return None
             try:
                 lib = ctypes.CDLL(path, use_errno=True)
             except OSError as e:
-                _why = f"the staged engine at {path} does not load ({e})"
+                _why = f"the staged reader at {path} does not load ({e})"
                 return None
             V = ctypes.c_void_p
             lib.gdsl_open.argtypes = [V, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
@@ -120,34 +120,34 @@ def _load() -> ctypes.CDLL | None:
 
 
 def unavailable() -> str | None:
-    """Why the engine cannot be used here, or None when it can (``GDSLOAD_STAGED=0`` turns it off)."""
+    """Why the staged reader cannot be used here, or None when it can (``GDSLOAD_STAGED=0`` turns it off)."""
     switch = os.environ.get("GDSLOAD_STAGED", "").strip()
     if switch and not parse_bool(switch, "GDSLOAD_STAGED"):
-        return "GDSLOAD_STAGED turns the staged engine off"
+        return "GDSLOAD_STAGED turns the staged reader off"
     return None if _load() is not None else _why
 
 
-class StagedEngine:
+class StagedPool:
     """``threads`` readers with ``buffers`` staging buffers of ``chunk`` bytes each, copying to CUDA device
     ``device_index`` (None: into host memory). Threads start, and pin their buffers, with the first submit."""
 
     def __init__(self, device_index: int | None, *, threads: int, chunk: int, buffers: int = 3):
         lib = _load()
         if lib is None:
-            raise StagedEngineError(_why or "the staged engine is unavailable")
+            raise StagedReaderError(_why or "the staged reader is unavailable")
         if threads < 1 or buffers < 1 or chunk < 4096:
-            raise ValueError(f"bad engine shape: threads={threads} chunk={chunk} buffers={buffers}")
+            raise ValueError(f"bad pool shape: threads={threads} chunk={chunk} buffers={buffers}")
         self._lib = lib
         self.threads, self.chunk, self.buffers = threads, chunk, buffers
         try:
             self._cuda = PrimaryContext(device_index) if device_index is not None else None
         except BackendUnavailableError as e:
-            raise StagedEngineError(str(e)) from None
+            raise StagedReaderError(str(e)) from None
         handle = lib.gdsl_open(self._cuda.handle if self._cuda else None, threads, chunk, buffers)
         if not handle:
             if self._cuda:
                 self._cuda.release()
-            raise StagedEngineError("the staged engine did not start (the CUDA driver lacks a function it needs, "
+            raise StagedReaderError("the staged reader did not start (the CUDA driver lacks a function it needs, "
                                     "or memory is short)")
         self._handle: int | None = handle
         self._state = threading.Lock()
@@ -160,13 +160,13 @@ class StagedEngine:
         """Start the threads now: they pin their staging while the caller goes on (a submit starts them otherwise)."""
         with self._state:
             if self._handle is None or self._closing:
-                raise StagedEngineError("the staged engine is closed")
+                raise StagedReaderError("the staged reader is closed")
             if self._lib.gdsl_start(self._handle):
-                raise StagedEngineError("the staged engine could not start a reader thread")
+                raise StagedReaderError("the staged reader could not start a reader thread")
 
     @property
     def staging_bytes(self) -> int:
-        """Host staging (pinned, on a GPU) the engine holds once all its threads run."""
+        """Host staging (pinned, on a GPU) the pool holds once all its threads run."""
         return self.threads * self.buffers * self.chunk
 
     def submit(self, items: Sequence[tuple[int, int, int, int]], paths: Sequence[str],
@@ -184,16 +184,16 @@ class StagedEngine:
         if items:
             with self._state:
                 if self._handle is None or self._closing:
-                    raise StagedEngineError("the staged engine is closed; reads cannot be queued on it")
+                    raise StagedReaderError("the staged reader is closed; reads cannot be queued on it")
                 handle = self._lib.gdsl_submit(self._handle, arr, len(items))
                 if not handle:
                     code = ctypes.get_errno()
                     if code in (_errno.EINVAL, _errno.EOVERFLOW):
                         raise StagedRangeError(
-                            f"the staged engine refused {len(items)} range(s) of {', '.join(map(repr, paths[:3]))}: "
+                            f"the staged reader refused {len(items)} range(s) of {', '.join(map(repr, paths[:3]))}: "
                             f"{os.strerror(code)} (a range is negative, ends past byte 2**63 - 1, or needs more than "
                             f"2**26 chunks of {self.chunk} bytes)")
-                    raise StagedEngineError("the staged engine could not queue the reads (out of memory, or no "
+                    raise StagedReaderError("the staged reader could not queue the reads (out of memory, or no "
                                             "thread starts)")
                 ticket = _Ticket(handle)
                 self._tickets.add(ticket)
@@ -224,13 +224,13 @@ class StagedEngine:
                                                ctypes.byref(done), ctypes.byref(err))
                 ticket.done_bytes = done.value
                 if finished:
-                    ticket.handle = None  # freed by the engine
+                    ticket.handle = None  # freed by the pool
                     ticket.error = _Error(err.code, err.detail, err.tag, err.offset)
                     with self._state:
                         self._tickets.discard(ticket)
                     break
                 if progress is not None and done.value > reported:
-                    progress(done.value - reported)  # may close the engine: the loop checks the outcome again
+                    progress(done.value - reported)  # may close the pool: the loop checks the outcome again
                     reported = done.value
         return reported
 
@@ -246,11 +246,11 @@ class StagedEngine:
                                                    f"{os.strerror(err.detail)} ({_errno.errorcode.get(err.detail, '?')})")
         if err.code == _CUDA:
             where = f" copying {path!r} at byte {err.offset}" if err.tag >= 0 else " setting up its threads"
-            return StagedEngineError(f"CUDA failed{where}: {cuda_error_name(err.detail)}")
+            return StagedReaderError(f"CUDA failed{where}: {cuda_error_name(err.detail)}")
         if err.code == _INVALID:
-            return StagedEngineError(f"the reads of {path!r} were not waited for before the staged engine was "
+            return StagedReaderError(f"the reads of {path!r} were not waited for before the staged reader was "
                                      "dropped (the process forked or is exiting); load again")
-        return StagedEngineError("the staged engine's threads could not allocate their staging buffers")
+        return StagedReaderError("the staged reader's threads could not allocate their staging buffers")
 
     def close(self) -> None:
         """Finish what was queued, stop the threads and free their buffers. The outcome of every ticket not yet
@@ -270,7 +270,7 @@ class StagedEngine:
             self._cuda.release()
             self._cuda = None
 
-    def __enter__(self) -> StagedEngine:
+    def __enter__(self) -> StagedPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -284,9 +284,10 @@ class StagedEngine:
 
 
 class StagedReader:
-    """The staged engine reading some files of a load plan into a device's buffers, for a reader backend.
+    """One load's reads of some files of its plan into a device's buffers through the staged reader, for a reader
+    backend.
 
-    It uses the process's shared engine of its shape (:func:`shared_engine`).
+    It uses the process's shared pool of its shape (:func:`shared_pool`).
     """
 
     def __init__(self, device: Any, plan: Any, *, threads: int | None = None, chunk: int | None = None,
@@ -294,26 +295,26 @@ class StagedReader:
         self.device = device
         self.plan = plan
         index = (device.index or 0) if device.kind == "cuda" else None
-        self.engine = _engine_for(index, threads, chunk, buffers)
+        self.pool = _pool_for(index, threads, chunk, buffers)
 
     def submit(self, extents: Sequence[Any], dsts: Sequence[Any], progress: Progress | None = None
                ) -> Callable[[], None]:
         """Start copying ``extents`` (:class:`~gdsload.loader.plan.Extent`) into ``dsts``; returns the waiter."""
         extents = [e for e in extents if e.length]
         bases = [self.device.address(d) for d in dsts]
-        for e in extents:  # the engine writes raw addresses: an extent must fit its buffer
+        for e in extents:  # the pool writes raw addresses: an extent must fit its buffer
             if e.offset < 0 or e.offset + e.length > self.device.nbytes(dsts[e.buffer]):
                 raise ValueError(f"extent {e} does not fit its buffer of {self.device.nbytes(dsts[e.buffer])} bytes")
         items = [(self.plan.fds[e.file_index], e.file_offset, e.length, bases[e.buffer] + e.offset) for e in extents]
-        return self.engine.submit(items, [self.plan.files[e.file_index].path for e in extents], progress)
+        return self.pool.submit(items, [self.plan.files[e.file_index].path for e in extents], progress)
 
     def close(self) -> None:
-        """Nothing to free: the engine stays for the process's next load (:func:`release` frees it)."""
-        self.engine = None  # type: ignore[assignment]
+        """Nothing to free: the pool stays for the process's next load (:func:`release` frees it)."""
+        self.pool = None  # type: ignore[assignment]
 
 
 def _check_ranges(items: Sequence[tuple[int, int, int, int]], paths: Sequence[str]) -> None:
-    """Refuse ranges that cannot be ranges of their files, before the engine sees them."""
+    """Refuse ranges that cannot be ranges of their files, before the pool sees them."""
     sizes: dict[int, int | None] = {}
     for i, (fd, off, n, _) in enumerate(items):
         path = paths[i] if i < len(paths) else "?"
@@ -333,12 +334,12 @@ def _check_ranges(items: Sequence[tuple[int, int, int, int]], paths: Sequence[st
                                      "hold; the file shrank while it was being loaded — re-copy it")
 
 
-_shared: dict[tuple[int | None, int, int, int], StagedEngine] = {}
+_shared: dict[tuple[int | None, int, int, int], StagedPool] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_engine(device_index: int | None, *, threads: int, chunk: int, buffers: int) -> StagedEngine:
-    """The process's engine of this shape for this device, made on first use and kept.
+def shared_pool(device_index: int | None, *, threads: int, chunk: int, buffers: int) -> StagedPool:
+    """The process's pool of this shape for this device, made on first use and kept.
 
     Its threads and pinned buffers serve every later load in the process, so a load pays neither their
     set-up nor their tear-down (freeing 64 MiB of pinned memory takes about 20 ms). Loads running at
@@ -349,20 +350,20 @@ def shared_engine(device_index: int | None, *, threads: int, chunk: int, buffers
     with _shared_lock:
         eng = _shared.get(key)
         if eng is None:
-            eng = _shared[key] = StagedEngine(device_index, threads=threads, chunk=chunk, buffers=buffers)
+            eng = _shared[key] = StagedPool(device_index, threads=threads, chunk=chunk, buffers=buffers)
         return eng
 
 
-def _engine_for(index: int | None, threads: int | None, chunk: int | None, buffers: int | None = None) -> StagedEngine:
-    """The shared engine a load of these options uses (None: the default shape), the same for ``prepare``
-    and :class:`StagedReader`, so that the engine started ahead is the one that reads."""
-    return shared_engine(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
+def _pool_for(index: int | None, threads: int | None, chunk: int | None, buffers: int | None = None) -> StagedPool:
+    """The shared pool a load of these options uses (None: the default shape), the same for ``prepare``
+    and :class:`StagedReader`, so that the pool started ahead is the one that reads."""
+    return shared_pool(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
                          buffers=buffers or DEFAULT_BUFFERS)
 
 
 def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, chunk: int | None = None) -> None:
-    """Start the shared engine that :class:`StagedReader` will use for ``paths`` on ``device``, when it will
-    read them (a CUDA device, the engine built and on, the files cached): its threads pin their staging while
+    """Start the shared pool that :class:`StagedReader` will use for ``paths`` on ``device``, when it will
+    read them (a CUDA device, the pool built and on, the files cached): its threads pin their staging while
     the caller plans the load. A failure here is left for the reader to meet and report."""
     if device.kind != "cuda" or not paths or unavailable() is not None:
         return
@@ -371,22 +372,22 @@ def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, ch
     if is_cold(*paths):
         return
     try:
-        _engine_for(device.index or 0, threads, chunk).start()
-    except (StagedEngineError, OSError) as e:
-        log.debug("staged engine not started ahead of the load: %s", e)
+        _pool_for(device.index or 0, threads, chunk).start()
+    except (StagedReaderError, OSError) as e:
+        log.debug("staged reader not started ahead of the load: %s", e)
 
 
 def release() -> None:
-    """Stop the process's shared engines and give their pinned staging back to the driver."""
+    """Stop the process's shared pools and give their pinned staging back to the driver."""
     with _shared_lock:
-        engines = list(_shared.values())
+        pools = list(_shared.values())
         _shared.clear()
-    for eng in engines:
+    for eng in pools:
         eng.close()
 
 
 def _abandon() -> None:
-    """Forget the shared engines without touching them: at exit the OS frees them (no CUDA call then), and in a
+    """Forget the shared pools without touching them: at exit the OS frees them (no CUDA call then), and in a
     forked child their threads do not exist."""
     for eng in _shared.values():
         eng._handle = None

@@ -121,7 +121,7 @@ def load_rank(
     reader = select_backend(cfg.backend, dev, ReadOptions(cfg.num_threads, cfg.chunk_bytes, cfg.pinned_bytes))
     clock.lap("setup")
     rank_files = discover(path, rank)
-    reader.prepare(rank_files.files)  # e.g. the staged engine pins its buffers while the headers are read
+    reader.prepare(rank_files.files)  # e.g. the staged reader pins its buffers while the headers are read
     plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened,
                      confine=confine)
     try:
@@ -160,7 +160,7 @@ def load_rank(
             tail, busy, staged = stats.tail_seconds, stats.decode_busy_seconds, stats.staging_bytes
         dev.synchronize()
         clock.lap("read", hand_to="decode", handed=tail)
-        io_modes, direct, engines = reader.io_modes(), reader.direct_io(), reader.file_engines()
+        io_modes, direct, readers = reader.io_modes(), reader.direct_io(), reader.file_readers()
 
         for p in plan.placements:
             if p.copy_from is not None and p.nbytes:  # a misaligned tensor moves to its aligned place
@@ -193,9 +193,9 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[file_report(f, mode, d, engine)._replace(checked_tensors=outcome.checked[i] if outcome else 0,
+        files=[file_report(f, mode, d, read_by)._replace(checked_tensors=outcome.checked[i] if outcome else 0,
                                                          checked_by=outcome.how[i] if outcome else "")
-               for i, (f, mode, d, engine) in enumerate(zip(plan.files, io_modes, direct, engines))],
+               for i, (f, mode, d, read_by) in enumerate(zip(plan.files, io_modes, direct, readers))],
         phases={k: clock.phases.get(k, 0.0) for k in PHASES},
         verified=outcome.verified if outcome else False,
         verification=outcome.summary if outcome else {"mode": "off"},
@@ -242,7 +242,7 @@ def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any
     return bufs, specs
 
 
-def file_report(f: FilePlan, io_mode: str, direct_io: bool, engine: str = "") -> FileReport:
+def file_report(f: FilePlan, io_mode: str, direct_io: bool, reader: str = "") -> FileReport:
     """What the load report says about one file."""
     return FileReport(
         path=f.path,
@@ -254,7 +254,7 @@ def file_report(f: FilePlan, io_mode: str, direct_io: bool, engine: str = "") ->
         data_aligned=f.header.data_aligned,
         direct_io=direct_io,
         compressed_tensors=f.compressed,
-        engine=engine,
+        reader=reader,
     )
 
 

@@ -38,8 +38,8 @@ class FileReport(NamedTuple):
     direct_io: bool = False
     """Read with O_DIRECT (bypassing the page cache)."""
     compressed_tensors: int = 0
-    engine: str = ""
-    """What moved the file's bytes: ``staged`` (gdsload's C engine), ``kvikio``, ``ring`` (Python threads),
+    reader: str = ""
+    """What moved the file's bytes: ``staged`` (gdsload's staged reader), ``kvikio``, ``ring`` (Python threads),
     ``fastsafetensors`` (its reader), ``cufile``, or the backend's name for backends with one way to read."""
     checked_tensors: int = 0
     """Tensors of this file whose loaded bytes were checked (see ``checked_by``)."""
@@ -107,8 +107,8 @@ class LoadReport:
         return ",".join(sorted(counts))
 
     @property
-    def engines(self) -> str:
-        return ",".join(sorted({f.engine for f in self.files if f.engine}))
+    def readers(self) -> str:
+        return ",".join(sorted({f.reader for f in self.files if f.reader}))
 
     def summary(self) -> str:
         """``rank 0: 1.07 GB in 0.512 s (2.09 GB/s) backend=cpu io=cpu files=4``"""
@@ -118,8 +118,8 @@ class LoadReport:
             f"rank {self.rank}: {format_bytes(self.logical_bytes)} in {self.load_seconds:.3f} s ({self.gbps:.2f} GB/s)"
             f"{after} backend={self.backend} io={self.io_modes} files={len(self.files)}"
         )
-        if self.engines and self.engines != self.backend:
-            line += f" engine={self.engines}"
+        if self.readers and self.readers != self.backend:
+            line += f" reader={self.readers}"
         copied = sum(f.copied_tensors for f in self.files)
         if copied:
             line += f" copied={copied}"
