@@ -1,5 +1,5 @@
 """gdsload.bench: cold-start and peer benchmarks. Depends on the loader; never imported by it."""
 
-from gdsload.server.signals import stop_on_sigterm
+from ..server.signals import stop_on_sigterm
 
 __all__ = ["stop_on_sigterm"]

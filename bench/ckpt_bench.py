@@ -35,8 +35,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-METHODS = ("torch.save", "dcp", "dcp-async", "dcp-zstd", "dcp-zstd-async", "gdsload-dcp", "gdsload-dcp-async",
-           "gdsload", "container")
+METHODS = (
+    "torch.save",
+    "dcp",
+    "dcp-async",
+    "dcp-zstd",
+    "dcp-zstd-async",
+    "gdsload-dcp",
+    "gdsload-dcp-async",
+    "gdsload",
+    "container",
+)
 _SIDE = 4096
 
 
@@ -67,8 +76,16 @@ def prepare(size: int, out: Path, steps: int = 3) -> Path:
             flat[f"optim/{i}/{key}"] = value
     out.mkdir(parents=True, exist_ok=True)
     save_file(flat, out / "state.safetensors")
-    (out / "state.json").write_text(json.dumps({"size": size, "tensors": len(weights), "steps": steps,
-                                                "bytes": sum(t.numel() * t.element_size() for t in flat.values())}))
+    (out / "state.json").write_text(
+        json.dumps(
+            {
+                "size": size,
+                "tensors": len(weights),
+                "steps": steps,
+                "bytes": sum(t.numel() * t.element_size() for t in flat.values()),
+            }
+        )
+    )
     return out / "state.safetensors"
 
 
@@ -83,8 +100,9 @@ def load_state(path: Path, device: str) -> dict[str, Any]:
         if k.startswith("optim/"):
             _, i, key = k.split("/")
             state.setdefault(int(i), {})[key] = v
-    groups = [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-               "params": sorted(state)}]
+    groups = [
+        {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "params": sorted(state)}
+    ]
     return {"model": model, "optim": {"state": dict(sorted(state.items())), "param_groups": groups}}
 
 
@@ -141,8 +159,8 @@ def run_one(method: str, state_path: Path, out: Path, device: str) -> dict[str, 
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     import gdsload
-    from gdsload.loader.checkpoints import GdsloadReader, GdsloadWriter
-    from gdsload.loader.checkpoints.container import load_compressed_checkpoint, save_compressed_checkpoint
+    from ..loader.checkpoints import GdsloadReader, GdsloadWriter
+    from ..loader.checkpoints.container import load_compressed_checkpoint, save_compressed_checkpoint
 
     warnings.simplefilter("ignore")
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -202,8 +220,16 @@ def run_one(method: str, state_path: Path, out: Path, device: str) -> dict[str, 
     _same(state, back, "state")
     logical = sum(t.numel() * t.element_size() for t in state["model"].values())
     logical += sum(v.numel() * v.element_size() for s in state["optim"]["state"].values() for v in s.values())
-    row = {"method": method, "stall_s": stall, "save_s": save_s, "restore_s": restore, "logical_bytes": logical,
-           "written_bytes": written, "ratio": logical / written, "bit_exact": True}
+    row = {
+        "method": method,
+        "stall_s": stall,
+        "save_s": save_s,
+        "restore_s": restore,
+        "logical_bytes": logical,
+        "written_bytes": written,
+        "ratio": logical / written,
+        "bit_exact": True,
+    }
     if isinstance(writer, GdsloadWriter) and writer.last_stage is not None:
         row["staged_host_bytes"] = writer.last_stage.host_bytes
     return row
@@ -215,10 +241,22 @@ def run_one(method: str, state_path: Path, out: Path, device: str) -> dict[str, 
 def run(state_path: Path, root: Path, methods: list[str], rounds: int, device: str) -> dict[str, Any]:
     rows = []
     for r in range(rounds):
-        order = methods[r % len(methods):] + methods[: r % len(methods)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for method in order:
-            cmd = [sys.executable, "-m", "gdsload.bench.ckpt_bench", "one", "--method", method, "--state",
-                   str(state_path), "--dir", str(root / "out"), "--device", device]
+            cmd = [
+                sys.executable,
+                "-m",
+                "gdsload.bench.ckpt_bench",
+                "one",
+                "--method",
+                method,
+                "--state",
+                str(state_path),
+                "--dir",
+                str(root / "out"),
+                "--device",
+                device,
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise SystemExit(f"{method} failed (round {r + 1}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
@@ -230,8 +268,11 @@ def run(state_path: Path, root: Path, methods: list[str], rounds: int, device: s
     summary = []
     for method in methods:
         mine = [x for x in rows if x["method"] == method]
-        entry: dict[str, Any] = {"method": method, "written_bytes": mine[-1]["written_bytes"],
-                                 "ratio": mine[-1]["ratio"]}
+        entry: dict[str, Any] = {
+            "method": method,
+            "written_bytes": mine[-1]["written_bytes"],
+            "ratio": mine[-1]["ratio"],
+        }
         for key in ("stall_s", "save_s", "restore_s"):
             vals = [x[key] for x in mine]
             entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
@@ -241,18 +282,21 @@ def run(state_path: Path, root: Path, methods: list[str], rounds: int, device: s
 
 def table(doc: dict[str, Any]) -> str:
     """The summary as a markdown table: median (min–max) seconds."""
+
     def cell(d: dict[str, float]) -> str:
         return f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})"
 
     lines = ["| method | stall s | save s | restore s | written GB | ratio |", "|---|---|---|---|---|---|"]
     for e in doc["summary"]:
-        lines.append(f"| {e['method']} | {cell(e['stall_s'])} | {cell(e['save_s'])} | {cell(e['restore_s'])} | "
-                     f"{e['written_bytes'] / 1e9:.3f} | {e['ratio']:.3f} |")
+        lines.append(
+            f"| {e['method']} | {cell(e['stall_s'])} | {cell(e['save_s'])} | {cell(e['restore_s'])} | "
+            f"{e['written_bytes'] / 1e9:.3f} | {e['ratio']:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def _size(text: str) -> int:
-    from gdsload.loader import parse_size
+    from ..loader import parse_size
 
     return parse_size(text)
 

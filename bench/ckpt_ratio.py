@@ -22,18 +22,29 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.checkpoints.encode import encode
+from ..loader.checkpoints.encode import encode
 
-CODECS = {"zstd": ("zstd", False, 1), "zstd+planes": ("zstd", True, 1), "zstd3+planes": ("zstd", True, 3),
-          "ans": ("ans", False, 1)}
+CODECS = {
+    "zstd": ("zstd", False, 1),
+    "zstd+planes": ("zstd", True, 1),
+    "zstd3+planes": ("zstd", True, 3),
+    "ans": ("ans", False, 1),
+}
 
 
 def _model(kind: str, scale: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    common = dict(vocab_size=8192, hidden_size=128 * scale, intermediate_size=344 * scale, num_hidden_layers=4,
-                  num_attention_heads=4 * scale, num_key_value_heads=2 * scale, max_position_embeddings=512,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=8192,
+        hidden_size=128 * scale,
+        intermediate_size=344 * scale,
+        num_hidden_layers=4,
+        num_attention_heads=4 * scale,
+        num_key_value_heads=2 * scale,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     if kind == "dense":
         return LlamaForCausalLM(LlamaConfig(**common))
     common["intermediate_size"] = 172 * scale
@@ -100,8 +111,12 @@ def ratios(tensors: dict[str, list[torch.Tensor]], codecs: list[str]) -> dict[st
                 s = encode(src, codec, name=f"{part}/{i}", planes=planes, level=level)
                 logical += s.nbytes
                 stored += s.data.nbytes
-            row[part] = {"ratio": logical / stored, "logical_bytes": logical, "stored_bytes": stored,
-                         "encode_gbps": logical / (time.perf_counter() - t0) / 1e9}
+            row[part] = {
+                "ratio": logical / stored,
+                "logical_bytes": logical,
+                "stored_bytes": stored,
+                "encode_gbps": logical / (time.perf_counter() - t0) / 1e9,
+            }
         out[name] = row
     return out
 
@@ -114,7 +129,7 @@ def main() -> None:
     ap.add_argument("--codecs", default=None, help="default: every one that runs here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from gdsload.loader.codecs import nvcomp_available
+    from ..loader.codecs import nvcomp_available
 
     codecs = args.codecs.split(",") if args.codecs else [c for c in CODECS if c != "ans" or nvcomp_available() is None]
     doc: dict[str, Any] = {"steps": args.steps, "scale": args.scale, "torch": torch.__version__, "models": {}}
@@ -124,8 +139,11 @@ def main() -> None:
         n = sum(t.numel() for t in tensors["weights"])
         doc["models"][kind] = {"params": n, "ratios": ratios(tensors, codecs)}
         for codec, row in doc["models"][kind]["ratios"].items():
-            print(f"{kind} ({n / 1e6:.1f} M params) {codec}: "
-                  + ", ".join(f"{part} {r['ratio']:.3f}" for part, r in row.items()), flush=True)
+            print(
+                f"{kind} ({n / 1e6:.1f} M params) {codec}: "
+                + ", ".join(f"{part} {r['ratio']:.3f}" for part, r in row.items()),
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

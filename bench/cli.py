@@ -15,9 +15,9 @@ import sys
 
 import click
 
-from gdsload.loader import parse_size
-from gdsload.loader.codecs.registry import codec_names
-from gdsload.server.cli import DEVICE_OR_AUTO
+from ..loader import parse_size
+from ..loader.codecs.registry import codec_names
+from ..server.cli import DEVICE_OR_AUTO
 
 
 def _given(name: str) -> bool:
@@ -27,26 +27,30 @@ def _given(name: str) -> bool:
 
 def _check_whole(path: str, what: str) -> None:
     """The bench loads one whole checkpoint on one device: refuse a tensor-parallel split."""
-    from gdsload.loader import GdsloadError
-    from gdsload.loader.format.discovery import list_ranks
+    from ..loader import GdsloadError
+    from ..loader.format.discovery import list_ranks
 
     try:
         _, tp, ranks = list_ranks(path)
     except GdsloadError as e:
         raise click.UsageError(f"{what} {path!r}: {e}") from None
     if len(ranks) > 1:
-        raise click.UsageError(f"{what} {path!r} holds {len(ranks)} ranks (tp={tp}); `gdsload bench` loads one whole "
-                               "checkpoint on one device: give it the unsharded copy, and time tensor-parallel loads "
-                               "with `python -m gdsload.bench.multi_gpu`")
+        raise click.UsageError(
+            f"{what} {path!r} holds {len(ranks)} ranks (tp={tp}); `gdsload bench` loads one whole "
+            "checkpoint on one device: give it the unsharded copy, and time tensor-parallel loads "
+            "with `python -m gdsload.bench.multi_gpu`"
+        )
 
 
 def _check_compressed(path: str) -> None:
-    from gdsload.loader import discover, read_header
-    from gdsload.loader.format.compression import parse_compression
+    from ..loader import discover, read_header
+    from ..loader.format.compression import parse_compression
 
     if not any(parse_compression(read_header(f)) for f in discover(path, 0).files):
-        raise click.UsageError(f"--compressed {path!r} holds no compressed tensors; make the copy with "
-                               f"`gdsload compress {path} OUT` and pass OUT")
+        raise click.UsageError(
+            f"--compressed {path!r} holds no compressed tensors; make the copy with "
+            f"`gdsload compress {path} OUT` and pass OUT"
+        )
 
 
 def _generator_device(device: str) -> str:
@@ -61,39 +65,106 @@ def _generator_device(device: str) -> str:
 
 @click.command("run")
 @click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False))
-@click.option("--compressed", "compressed_dir", type=click.Path(exists=True, file_okay=False),
-              help="A compressed copy of MODEL_DIR (gdsload compress), for the :compressed methods.")
+@click.option(
+    "--compressed",
+    "compressed_dir",
+    type=click.Path(exists=True, file_okay=False),
+    help="A compressed copy of MODEL_DIR (gdsload compress), for the :compressed methods.",
+)
 @click.option("--methods", default=None, help="Comma-separated methods (default: every one installed here).")
 @click.option("--cold", "conditions", flag_value="cold", multiple=True, help="Page cache dropped before each run.")
 @click.option("--warm", "conditions", flag_value="warm", multiple=True, help="Files in the page cache.")
 @click.option("--tmpfs", "conditions", flag_value="tmpfs", multiple=True, help="A copy of the files in /dev/shm.")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Runs per method and condition (median, min, max shown).")
-@click.option("--device", type=DEVICE_OR_AUTO, default="auto", show_default=True,
-              help="Where the loads go: auto (cuda when torch sees a CUDA device, else cpu), cuda, cuda:N or cpu.")
-@click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False),
-              help="Where results.json and chart.png go (with --make-model: where the model goes).")
-@click.option("--experts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --make-model: a Mixtral with this many experts per layer (0: a Llama).")
-@click.option("--make-model", "make_model", default=None,
-              help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --make-model: ranks to split it into.")
-@click.option("--max-file-size", "max_file_bytes", default="5GiB", show_default=True,
-              help="With --make-model: start a new part file before one would exceed this.")
-@click.option("--codec", "--compress", "compress_codec", type=click.Choice(codec_names()), default=None,
-              help="With --make-model: also write OUT-CODEC, compressed with this codec.")
-@click.option("--writer", type=click.Choice(["gdsload", "safetensors"]), default="gdsload", show_default=True,
-              help="With --make-model: gdsload's aligned files and manifest, or the safetensors library's "
-                   "save_file with Hugging Face's part names and index (the same values; tp=1).")
-@click.option("--ttr/--no-ttr", default=True, show_default=True,
-              help="Also time `gdsload serve` from process start to /readyz 200 under each condition.")
-@click.option("--plot", "plot_json", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Only draw chart.png from an existing results.json.")
-def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, conditions: tuple[str, ...],
-          repeat: int, device: str, out: str, make_model: str | None, tp: int, max_file_bytes: str,
-          compress_codec: str | None, writer: str, ttr: bool,
-          plot_json: str | None, experts: int) -> None:
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs per method and condition (median, min, max shown).",
+)
+@click.option(
+    "--device",
+    type=DEVICE_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Where the loads go: auto (cuda when torch sees a CUDA device, else cpu), cuda, cuda:N or cpu.",
+)
+@click.option(
+    "--out",
+    default="bench-out",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where results.json and chart.png go (with --make-model: where the model goes).",
+)
+@click.option(
+    "--experts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --make-model: a Mixtral with this many experts per layer (0: a Llama).",
+)
+@click.option(
+    "--make-model",
+    "make_model",
+    default=None,
+    help="Instead of benchmarking, write a synthetic Llama-shaped bf16 checkpoint of this size to --out.",
+)
+@click.option(
+    "--tp", type=click.IntRange(min=1), default=1, show_default=True, help="With --make-model: ranks to split it into."
+)
+@click.option(
+    "--max-file-size",
+    "max_file_bytes",
+    default="5GiB",
+    show_default=True,
+    help="With --make-model: start a new part file before one would exceed this.",
+)
+@click.option(
+    "--codec",
+    "--compress",
+    "compress_codec",
+    type=click.Choice(codec_names()),
+    default=None,
+    help="With --make-model: also write OUT-CODEC, compressed with this codec.",
+)
+@click.option(
+    "--writer",
+    type=click.Choice(["gdsload", "safetensors"]),
+    default="gdsload",
+    show_default=True,
+    help="With --make-model: gdsload's aligned files and manifest, or the safetensors library's "
+    "save_file with Hugging Face's part names and index (the same values; tp=1).",
+)
+@click.option(
+    "--ttr/--no-ttr",
+    default=True,
+    show_default=True,
+    help="Also time `gdsload serve` from process start to /readyz 200 under each condition.",
+)
+@click.option(
+    "--plot",
+    "plot_json",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Only draw chart.png from an existing results.json.",
+)
+def run(
+    model_dir: str | None,
+    compressed_dir: str | None,
+    methods: str | None,
+    conditions: tuple[str, ...],
+    repeat: int,
+    device: str,
+    out: str,
+    make_model: str | None,
+    tp: int,
+    max_file_bytes: str,
+    compress_codec: str | None,
+    writer: str,
+    ttr: bool,
+    plot_json: str | None,
+    experts: int,
+) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
         import json
@@ -104,8 +175,12 @@ def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, 
             doc = json.loads(Path(plot_json).read_text())
             if not isinstance(doc, dict) or not {"config", "summary", "limits", "facts"} <= set(doc):
                 raise ValueError("it has no config, summary, limits and facts")
-            if not isinstance(doc["config"], dict) or not {"conditions", "methods", "device", "repeat"} <= set(
-                    doc["config"]) or not isinstance(doc["facts"], dict) or "date" not in doc["facts"]:
+            if (
+                not isinstance(doc["config"], dict)
+                or not {"conditions", "methods", "device", "repeat"} <= set(doc["config"])
+                or not isinstance(doc["facts"], dict)
+                or "date" not in doc["facts"]
+            ):
                 raise ValueError("its config or facts lack what the chart names")
             drawn = {"method", "condition", "median_gbps", "min_gbps", "max_gbps"}
             if not isinstance(doc["summary"], list) or not all(isinstance(r, dict) for r in doc["summary"]):
@@ -126,17 +201,18 @@ def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, 
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {device} but torch sees no CUDA device here; use --device cpu")
     if make_model:
-        from gdsload.loader.prepare.synthetic import make_checkpoint, make_hf_checkpoint, shape_for_size
+        from ..loader.prepare.synthetic import make_checkpoint, make_hf_checkpoint, shape_for_size
 
         if writer == "safetensors" and tp != 1:
-            raise click.UsageError(f"--writer safetensors writes a whole checkpoint, as published; --tp {tp} needs "
-                                   "--writer gdsload")
+            raise click.UsageError(
+                f"--writer safetensors writes a whole checkpoint, as published; --tp {tp} needs --writer gdsload"
+            )
 
         for target in [Path(out)] + ([Path(f"{out.rstrip('/')}-{compress_codec}")] if compress_codec else []):
             if target.exists() and any(target.iterdir()):  # old part files would sit beside the new model
                 raise click.UsageError(f"{str(target)!r} is not empty; --make-model writes into a new directory")
         if compress_codec:
-            from gdsload.loader.prepare.compress import compress_device
+            from ..loader.prepare.compress import compress_device
 
             compress_device(compress_codec, None)  # a GPU-only codec without nvCOMP: refused before the model is made
         shape = shape_for_size(parse_size(make_model), experts=experts)
@@ -147,7 +223,7 @@ def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, 
         else:
             make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
         if compress_codec:
-            from gdsload.loader.prepare.compress import compress_dir
+            from ..loader.prepare.compress import compress_dir
 
             stats = compress_dir(out, f"{out.rstrip('/')}-{compress_codec}", codec=compress_codec)
             click.echo(f"compressed with {compress_codec}: ratio {stats.ratio:.3f}")
@@ -169,8 +245,16 @@ def run(model_dir: str | None, compressed_dir: str | None, methods: str | None, 
     not_run = conditions_in_memory(conditions, model_dir, compressed_dir)
     if len(not_run) == len(conditions):
         raise click.UsageError(f"--{conditions[0]}: {not_run[conditions[0]]}")
-    cfg = BenchConfig(model_dir=Path(model_dir), compressed_dir=Path(compressed_dir) if compressed_dir else None,
-                      methods=names, repeat=repeat, device=device, out=Path(out), conditions=conditions, ttr=ttr)
+    cfg = BenchConfig(
+        model_dir=Path(model_dir),
+        compressed_dir=Path(compressed_dir) if compressed_dir else None,
+        methods=names,
+        repeat=repeat,
+        device=device,
+        out=Path(out),
+        conditions=conditions,
+        ttr=ttr,
+    )
     doc = run_bench(cfg, log=click.echo)
     click.echo(format_table(doc))
     for m, why in doc["skipped"].items():
@@ -208,9 +292,15 @@ def _passthrough(name: str, module: str, summary: str) -> click.Command:
         if code:
             sys.exit(code)
 
-    return click.Command(name, callback=invoke, help=summary, short_help=summary, add_help_option=False,
-                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-                         params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)])
+    return click.Command(
+        name,
+        callback=invoke,
+        help=summary,
+        short_help=summary,
+        add_help_option=False,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+    )
 
 
 def _takes_argv(fn: object) -> bool:

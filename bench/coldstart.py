@@ -30,8 +30,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.io.iomode import mount_of
-from gdsload.loader.io.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
+from ..loader.io.iomode import mount_of
+from ..loader.io.pagecache import MEMORY_FILESYSTEMS, evict, resident_fraction
 
 from .limits import decode_gbps, h2d_gbps, raw_read_gbps, read_during_h2d
 from .methods import BARE, PEER_MODULES, PEERS
@@ -72,9 +72,9 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
         methods = ["gdsload:auto", "gdsload:cpu", "safetensors"] + (["gdsload:auto:compressed"] if compressed else [])
         return methods, skipped
     for b in OUR_BACKENDS:
-        from gdsload.loader.io import backend_class
+        from ..loader.io import backend_class
 
-        from gdsload.loader.devices import as_device
+        from ..loader.devices import as_device
 
         reason = backend_class(b).probe(as_device(device))
         if reason:
@@ -83,7 +83,7 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
         methods.append(f"gdsload:{b}")
         if compressed and b != "fastsafetensors":
             methods.append(f"gdsload:{b}:compressed")
-    from gdsload.loader.devices import torch_free_unavailable
+    from ..loader.devices import torch_free_unavailable
 
     reason = torch_free_unavailable()
     if reason:
@@ -100,11 +100,26 @@ def default_methods(device: str, compressed: bool) -> tuple[list[str], dict[str,
 
 
 def machine_facts(device: str) -> dict[str, Any]:
-    facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
-                             "platform": platform.platform(), "python": platform.python_version(),
-                             "cpus": os.cpu_count()}
-    for pkg in ("gdsload", "torch", "safetensors", "kvikio-cu13", "kvikio-cu12", "nvidia-nvcomp-cu13",
-                "nvidia-nvcomp-cu12", "fastsafetensors", "instanttensor", "runai-model-streamer", "cupy-cuda13x"):
+    facts: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    for pkg in (
+        "gdsload",
+        "torch",
+        "safetensors",
+        "kvikio-cu13",
+        "kvikio-cu12",
+        "nvidia-nvcomp-cu13",
+        "nvidia-nvcomp-cu12",
+        "fastsafetensors",
+        "instanttensor",
+        "runai-model-streamer",
+        "cupy-cuda13x",
+    ):
         try:
             facts.setdefault("versions", {})[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -115,12 +130,20 @@ def machine_facts(device: str) -> dict[str, Any]:
         facts["gpu"] = torch.cuda.get_device_name()
         facts["cuda"] = torch.version.cuda
         try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.width.current",
-                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            q = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=driver_version,pcie.link.gen.current,pcie.link.width.current",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             facts["nvidia_smi"] = q.stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             pass
-        from gdsload.loader.io.iomode import kvikio_state, nvidia_fs_loaded
+        from ..loader.io.iomode import kvikio_state, nvidia_fs_loaded
 
         facts["nvidia_fs"] = nvidia_fs_loaded()
         facts["kvikio"] = kvikio_state()._asdict()
@@ -129,8 +152,12 @@ def machine_facts(device: str) -> dict[str, Any]:
 
 def _one(method: str, model_dir: Path, device: str, timeout: float) -> dict[str, Any]:
     try:
-        p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, str(model_dir), device],
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-m", "gdsload.bench.methods", method, str(model_dir), device],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:  # a hung loader is a failed run, not the end of the bench
         return {"method": method, "error": [f"timed out after {timeout:g} s"]}
     if p.returncode != 0:
@@ -156,9 +183,12 @@ def conditions_in_memory(conditions: Sequence[str], *dirs: Any) -> dict[str, str
         for f in _files(Path(d)):
             fs = mount_of(f)[1]
             if fs in MEMORY_FILESYSTEMS:
-                return {c: f"{f} lies on a memory file system ({fs}) and never leaves the page cache; `{c}` needs "
-                           "every model file on a disk (the `tmpfs` condition times memory)"
-                        for c in conditions if c in ("warm", "cold")}
+                return {
+                    c: f"{f} lies on a memory file system ({fs}) and never leaves the page cache; `{c}` needs "
+                    "every model file on a disk (the `tmpfs` condition times memory)"
+                    for c in conditions
+                    if c in ("warm", "cold")
+                }
     return {}
 
 
@@ -172,10 +202,23 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
     conditions = [c for c in cfg.conditions if c not in not_run]
     if not conditions:
         raise ValueError(f"no condition can run: {not_run[cfg.conditions[0]]}")
-    doc: dict[str, Any] = {"facts": machine_facts(cfg.device), "config": {
-        "model_dir": str(cfg.model_dir), "compressed_dir": str(cfg.compressed_dir) if compressed else None,
-        "repeat": cfg.repeat, "device": cfg.device, "methods": methods, "conditions": conditions},
-        "skipped": skipped, "conditions_skipped": not_run, "limits": {}, "runs": [], "ttr": [], "complete": False}
+    doc: dict[str, Any] = {
+        "facts": machine_facts(cfg.device),
+        "config": {
+            "model_dir": str(cfg.model_dir),
+            "compressed_dir": str(cfg.compressed_dir) if compressed else None,
+            "repeat": cfg.repeat,
+            "device": cfg.device,
+            "methods": methods,
+            "conditions": conditions,
+        },
+        "skipped": skipped,
+        "conditions_skipped": not_run,
+        "limits": {},
+        "runs": [],
+        "ttr": [],
+        "complete": False,
+    }
     if cfg.device.startswith("cuda"):
         doc["limits"]["h2d_gbps"] = h2d_gbps(cfg.device)
         if compressed:
@@ -201,30 +244,37 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                 # Disks differ: a virtio disk is fastest with few bytes in flight (one reader per
                 # file, 1-2 MiB reads), others want many large reads.
                 direct = _direct_ok(plain_files[0])
-                shapes = {"32x16MiB-interleaved": dict(threads=32, chunk=16 << 20, interleave=True),
-                          "16x16MiB-file-by-file": dict(threads=16, chunk=16 << 20, interleave=False),
-                          "4x16MiB-file-by-file": dict(threads=4, chunk=16 << 20, interleave=False),
-                          "16x512KiB-file-by-file": dict(threads=16, chunk=512 << 10, interleave=False),
-                          "one-per-file-2MiB": dict(chunk=2 << 20, per_file=True),
-                          "one-per-file-1MiB": dict(chunk=1 << 20, per_file=True)}
+                shapes = {
+                    "32x16MiB-interleaved": dict(threads=32, chunk=16 << 20, interleave=True),
+                    "16x16MiB-file-by-file": dict(threads=16, chunk=16 << 20, interleave=False),
+                    "4x16MiB-file-by-file": dict(threads=4, chunk=16 << 20, interleave=False),
+                    "16x512KiB-file-by-file": dict(threads=16, chunk=512 << 10, interleave=False),
+                    "one-per-file-2MiB": dict(chunk=2 << 20, per_file=True),
+                    "one-per-file-1MiB": dict(chunk=1 << 20, per_file=True),
+                }
                 for name, shape in shapes.items():
                     how = evict(plain_files)
                     doc["limits"][f"raw_read_gbps.cold.{name}"] = raw_read_gbps(plain_files, direct=direct, **shape)
-                doc["limits"][f"raw_read_gbps.{condition}"] = max(doc["limits"][f"raw_read_gbps.cold.{n}"]
-                                                                  for n in shapes)
+                doc["limits"][f"raw_read_gbps.{condition}"] = max(
+                    doc["limits"][f"raw_read_gbps.cold.{n}"] for n in shapes
+                )
                 doc["limits"]["raw_read_direct"] = direct
                 doc["limits"]["evicted_by"] = how
             else:
                 raw_read_gbps(plain_files, direct=False)  # fills the cache
                 # From memory, small cache-resident buffers read fastest; take the better of two shapes.
                 doc["limits"][f"raw_read_gbps.{condition}"] = max(
-                    raw_read_gbps(plain_files, direct=False, threads=t, chunk=c) for t, c in ((16, 4 << 20), (32, 16 << 20)))
+                    raw_read_gbps(plain_files, direct=False, threads=t, chunk=c)
+                    for t, c in ((16, 4 << 20), (32, 16 << 20))
+                )
                 if cfg.device.startswith("cuda"):
                     both = read_during_h2d(plain_files, cfg.device)
                     doc["limits"][f"read_during_h2d_gbps.{condition}"] = both["read_gbps"]
                     doc["limits"][f"h2d_during_read_gbps.{condition}"] = both["h2d_gbps"]
-                    log(f"{condition}: reads and H2D copies at once: read {both['read_gbps']:.2f} GB/s, "
-                        f"H2D {both['h2d_gbps']:.2f} GB/s")
+                    log(
+                        f"{condition}: reads and H2D copies at once: read {both['read_gbps']:.2f} GB/s, "
+                        f"H2D {both['h2d_gbps']:.2f} GB/s"
+                    )
             log(f"{condition}: raw read {doc['limits'][f'raw_read_gbps.{condition}']:.2f} GB/s")
             # Methods take turns within each round: a disk whose speed drifts over minutes then
             # favours no method by its place in the list.
@@ -241,8 +291,13 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                         _fill_cache(files)
                         resident = resident_fraction(files)
                     r = _one(method.removesuffix(":compressed"), d, cfg.device, cfg.timeout)
-                    r.update(method=method, condition=condition, run=i, resident_before=round(resident, 4),
-                             evicted_by=evicted)
+                    r.update(
+                        method=method,
+                        condition=condition,
+                        run=i,
+                        resident_before=round(resident, 4),
+                        evicted_by=evicted,
+                    )
                     doc["runs"].append(r)
                     _save(doc, cfg.out)  # a run cut short by a time limit still leaves its data
                     msg = r.get("error") or f"{r['bytes'] / r['seconds'] / 1e9:.2f} GB/s"
@@ -257,8 +312,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:  # type: ignore[no
                     r.update(condition=condition, dir=kind, evicted_by=evicted)
                     doc["ttr"].append(r)
                     _save(doc, cfg.out)
-                    msg = r.get("error") or (f"ready {r['time_to_ready_s']:.2f} s after start "
-                                             f"(load {r['load_seconds_max']:.2f} s)")
+                    msg = r.get("error") or (
+                        f"ready {r['time_to_ready_s']:.2f} s after start (load {r['load_seconds_max']:.2f} s)"
+                    )
                     log(f"  {condition:5} {'serve:' + kind:34} {msg}")
         finally:
             for c in copies:
@@ -298,7 +354,7 @@ def _save(doc: dict[str, Any], out: Path) -> None:
 
 
 def _direct_ok(path: str) -> bool:
-    from gdsload.loader.io.iomode import o_direct_supported
+    from ..loader.io.iomode import o_direct_supported
 
     return o_direct_supported(path)
 
@@ -309,27 +365,49 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
         best_peer = 0.0
         cond_rows = []
         for method in doc["config"]["methods"]:
-            runs = [r for r in doc["runs"] if r["method"] == method and r["condition"] == condition and "error" not in r]
-            errs = [r["error"] for r in doc["runs"] if r["method"] == method and r["condition"] == condition
-                    and "error" in r]
+            runs = [
+                r for r in doc["runs"] if r["method"] == method and r["condition"] == condition and "error" not in r
+            ]
+            errs = [
+                r["error"]
+                for r in doc["runs"]
+                if r["method"] == method and r["condition"] == condition and "error" in r
+            ]
             if not runs:
                 if errs:  # no runs at all: not reached (yet)
-                    cond_rows.append({"method": method, "condition": condition, "error": errs[:1],
-                                      "runs_ok": 0, "runs_failed": len(errs)})
+                    cond_rows.append(
+                        {
+                            "method": method,
+                            "condition": condition,
+                            "error": errs[:1],
+                            "runs_ok": 0,
+                            "runs_failed": len(errs),
+                        }
+                    )
                 continue
             rates = [r["bytes"] / r["seconds"] / 1e9 for r in runs]
             # Bytes taken from the files per second of the whole call: a compressed copy's stored bytes, for
             # everything else the logical ones. Where the disk bounds every method, these meet.
             read_rates = [(r.get("stored_bytes") or r["bytes"]) / r["seconds"] / 1e9 for r in runs]
-            row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),
-                   "min_gbps": min(rates), "max_gbps": max(rates), "read_gbps": statistics.median(read_rates),
-                   "seconds": statistics.median(r["seconds"] for r in runs),
-                   "bytes": runs[0]["bytes"], "io_modes": runs[0].get("io_modes"),
-                   "backend": runs[0].get("backend"), "readers": runs[0].get("readers"),
-                   "max_resident_before": max(r["resident_before"] for r in runs),
-                   "rss_peak_bytes": _most(runs, "rss_peak_bytes"), "gpu_peak_bytes": _most(runs, "gpu_peak_bytes"),
-                   "gpu_peak_from": runs[0].get("gpu_peak_from"),
-                   "runs_ok": len(runs), "runs_failed": len(errs)}
+            row = {
+                "method": method,
+                "condition": condition,
+                "median_gbps": statistics.median(rates),
+                "min_gbps": min(rates),
+                "max_gbps": max(rates),
+                "read_gbps": statistics.median(read_rates),
+                "seconds": statistics.median(r["seconds"] for r in runs),
+                "bytes": runs[0]["bytes"],
+                "io_modes": runs[0].get("io_modes"),
+                "backend": runs[0].get("backend"),
+                "readers": runs[0].get("readers"),
+                "max_resident_before": max(r["resident_before"] for r in runs),
+                "rss_peak_bytes": _most(runs, "rss_peak_bytes"),
+                "gpu_peak_bytes": _most(runs, "gpu_peak_bytes"),
+                "gpu_peak_from": runs[0].get("gpu_peak_from"),
+                "runs_ok": len(runs),
+                "runs_failed": len(errs),
+            }
             if errs:
                 row["error"] = errs[:1]
             if not method.startswith("gdsload"):
@@ -361,25 +439,34 @@ def _io(row: dict[str, Any]) -> str:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    lines = [f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'read':>6} {'s':>7} "
-             f"{'/raw':>6} {'/h2d':>6} {'/peer':>6} {'RSS GB':>6} {'GPU GB':>6}  io"]
+    lines = [
+        f"{'condition':9} {'method':34} {'GB/s':>7} {'min':>7} {'max':>7} {'read':>6} {'s':>7} "
+        f"{'/raw':>6} {'/h2d':>6} {'/peer':>6} {'RSS GB':>6} {'GPU GB':>6}  io"
+    ]
     gb = lambda v: f"{v / 1e9:6.2f}" if v is not None else "     -"  # noqa: E731
     for r in doc["summary"]:
         if "median_gbps" not in r:
             lines.append(f"{r['condition']:9} {r['method']:34} error: {r['error']}")
             continue
         f = lambda v: f"{v:6.2f}" if v is not None else "     -"  # noqa: E731
-        failed = (f"  ({r['runs_failed']} of {r['runs_ok'] + r['runs_failed']} runs failed: {r['error']})"
-                  if r.get("runs_failed") else "")
-        lines.append(f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
-                     f"{r['max_gbps']:7.2f} {f(r.get('read_gbps'))} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
-                     f"{f(r['vs_best_peer'])} {gb(r.get('rss_peak_bytes'))} {gb(r.get('gpu_peak_bytes'))}  "
-                     f"{_io(r)}{failed}")
+        failed = (
+            f"  ({r['runs_failed']} of {r['runs_ok'] + r['runs_failed']} runs failed: {r['error']})"
+            if r.get("runs_failed")
+            else ""
+        )
+        lines.append(
+            f"{r['condition']:9} {r['method']:34} {r['median_gbps']:7.2f} {r['min_gbps']:7.2f} "
+            f"{r['max_gbps']:7.2f} {f(r.get('read_gbps'))} {r['seconds']:7.3f} {f(r['vs_raw_read'])} {f(r['vs_h2d'])} "
+            f"{f(r['vs_best_peer'])} {gb(r.get('rss_peak_bytes'))} {gb(r.get('gpu_peak_bytes'))}  "
+            f"{_io(r)}{failed}"
+        )
     for r in doc.get("ttr", []):
         what = f"{r['condition']:9} {'serve:' + r['dir']:34}"
         if "error" in r:
             lines.append(f"{what} error: {r['error']}")
         else:
-            lines.append(f"{what} ready {r['time_to_ready_s']:.2f} s after process start; load "
-                         f"{r['load_seconds_max']:.2f} s ({', '.join(r['backends'])}, {', '.join(r['io_modes'])})")
+            lines.append(
+                f"{what} ready {r['time_to_ready_s']:.2f} s after process start; load "
+                f"{r['load_seconds_max']:.2f} s ({', '.join(r['backends'])}, {', '.join(r['io_modes'])})"
+            )
     return "\n".join(lines)

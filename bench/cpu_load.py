@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gdsload.loader.io.pagecache import evict, resident_fraction
+from ..loader.io.pagecache import evict, resident_fraction
 
 METHODS = ("gdsload", "gdsload-cpu", "safetensors")
 CONDITIONS = ("tmpfs", "warm", "cold")
@@ -37,10 +37,11 @@ def _worker(method: str, model_dir: str, threads: int | None) -> None:
     files = sorted(str(p) for p in Path(model_dir).glob("*.safetensors"))
     t = time.perf_counter()
     if method in ("gdsload", "gdsload-cpu"):
-        from gdsload.loader import load_rank
+        from ..loader import load_rank
 
-        result = load_rank(model_dir, 0, device="cpu", backend="cpu" if method == "gdsload-cpu" else None,
-                           num_threads=threads)
+        result = load_rank(
+            model_dir, 0, device="cpu", backend="cpu" if method == "gdsload-cpu" else None, num_threads=threads
+        )
         tensors = result.tensors
         nbytes = result.report.logical_bytes
     elif method == "safetensors":
@@ -52,7 +53,7 @@ def _worker(method: str, model_dir: str, threads: int | None) -> None:
         nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
     else:
         raise SystemExit(f"unknown method {method!r}; choose from {METHODS}")
-    from gdsload.bench.methods import in_memory
+    from .methods import in_memory
 
     in_memory(tensors.values())
     seconds = time.perf_counter() - t
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         _worker(args.worker[0], args.worker[1], args.threads)
         return
 
-    from gdsload.loader import parse_size
-    from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
+    from ..loader import parse_size
+    from ..loader.prepare.synthetic import make_checkpoint, shape_for_size
 
     out = Path(args.out)
     model = Path(args.model) if args.model else out / "model"
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.copytree(model, where)
             files = sorted(str(p) for p in where.glob("*.safetensors"))
             for i in range(args.repeat):
-                order = METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]  # taking turns
+                order = METHODS[i % len(METHODS) :] + METHODS[: i % len(METHODS)]  # taking turns
                 for method in order:
                     evicted = evict(files) if condition == "cold" else None
                     if condition == "warm":
@@ -133,24 +134,39 @@ def main(argv: list[str] | None = None) -> None:
             if room is not None:
                 shutil.rmtree(room, ignore_errors=True)
     summary = []
-    print(f"\n{'method':14} {'condition':9} {'median GB/s':>11} {'min':>7} {'max':>7} {'call s':>7} {'process s':>9}"
-          "  resident-before")
+    print(
+        f"\n{'method':14} {'condition':9} {'median GB/s':>11} {'min':>7} {'max':>7} {'call s':>7} {'process s':>9}"
+        "  resident-before"
+    )
     for condition in conditions:
         for method in METHODS:
             sel = [r for r in runs if r["method"] == method and r["condition"] == condition]
             rates = [r["bytes"] / r["seconds"] / 1e9 for r in sel]
             res = max(r["resident_before"] for r in sel)
-            row = {"method": method, "condition": condition, "median_gbps": statistics.median(rates),
-                   "min_gbps": min(rates), "max_gbps": max(rates), "max_resident_before": res,
-                   "median_call_s": statistics.median(r["seconds"] for r in sel),
-                   "median_process_s": statistics.median(r["process_s"] for r in sel),
-                   "bytes": sel[0]["bytes"]}
+            row = {
+                "method": method,
+                "condition": condition,
+                "median_gbps": statistics.median(rates),
+                "min_gbps": min(rates),
+                "max_gbps": max(rates),
+                "max_resident_before": res,
+                "median_call_s": statistics.median(r["seconds"] for r in sel),
+                "median_process_s": statistics.median(r["process_s"] for r in sel),
+                "bytes": sel[0]["bytes"],
+            }
             summary.append(row)
-            print(f"{method:14} {condition:9} {row['median_gbps']:11.2f} {row['min_gbps']:7.2f} "
-                  f"{row['max_gbps']:7.2f} {row['median_call_s']:7.3f} {row['median_process_s']:9.3f}  {res:.2f}")
-    facts = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": os.cpu_count(),
-             "python": platform.python_version(), "threads": args.threads,
-             "files": len(list(model.glob("*.safetensors")))}
+            print(
+                f"{method:14} {condition:9} {row['median_gbps']:11.2f} {row['min_gbps']:7.2f} "
+                f"{row['max_gbps']:7.2f} {row['median_call_s']:7.3f} {row['median_process_s']:9.3f}  {res:.2f}"
+            )
+    facts = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "files": len(list(model.glob("*.safetensors"))),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"facts": facts, "summary": summary, "runs": runs}, indent=2))
     print(f"\nresults: {out / 'results.json'}")

@@ -30,26 +30,44 @@ from typing import Any
 __all__ = ["raw_read_gbps", "raw_read_together", "h2d_gbps", "h2d_all_gbps", "read_during_h2d", "decode_gbps"]
 
 
-def raw_read_gbps(files: list[str], *, direct: bool, threads: int = 32, chunk: int = 16 << 20,
-                  interleave: bool = False, per_file: bool = False) -> float:
+def raw_read_gbps(
+    files: list[str],
+    *,
+    direct: bool,
+    threads: int = 32,
+    chunk: int = 16 << 20,
+    interleave: bool = False,
+    per_file: bool = False,
+) -> float:
     """Read every byte of ``files`` with ``threads`` readers into reused aligned buffers.
 
     Reads go file after file, or with ``interleave`` round-robin across the files (as the
     ``pinned`` ring issues them), or with ``per_file`` one reader per file, front to back
     (``threads`` is then the number of files); which one a disk prefers differs between disks.
     """
-    total, seconds = _raw_read(files, direct=direct, threads=threads, chunk=chunk, interleave=interleave,
-                               per_file=per_file)
+    total, seconds = _raw_read(
+        files, direct=direct, threads=threads, chunk=chunk, interleave=interleave, per_file=per_file
+    )
     return total / seconds / 1e9
 
 
-def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, interleave: bool = False,
-              per_file: bool = False, ready: Any = None, buffer: Any = None) -> tuple[int, float]:
+def _raw_read(
+    files: list[str],
+    *,
+    direct: bool,
+    threads: int,
+    chunk: int,
+    interleave: bool = False,
+    per_file: bool = False,
+    ready: Any = None,
+    buffer: Any = None,
+) -> tuple[int, float]:
     """Bytes read and seconds taken; ``ready`` (if given) is called once the files are open, just
     before the clock starts. Each reader reads into ``buffer(nbytes)`` (a writable, page-aligned
     memoryview of at least ``nbytes``), by default an anonymous ``mmap``."""
-    by_file = [[(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)]
-               for f in files]
+    by_file = [
+        [(f, off, min(chunk, os.path.getsize(f) - off)) for off in range(0, os.path.getsize(f), chunk)] for f in files
+    ]
     if per_file:
         queues = by_file
     elif interleave:
@@ -61,8 +79,15 @@ def _raw_read(files: list[str], *, direct: bool, threads: int, chunk: int, inter
     try:
         for f in files:
             fds[f] = os.open(f, flags)
-        return _read_jobs(fds, queues, direct=direct, threads=len(files) if per_file else threads, chunk=chunk,
-                          ready=ready, buffer=buffer or _mmap_buffer)
+        return _read_jobs(
+            fds,
+            queues,
+            direct=direct,
+            threads=len(files) if per_file else threads,
+            chunk=chunk,
+            ready=ready,
+            buffer=buffer or _mmap_buffer,
+        )
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -72,8 +97,16 @@ def _mmap_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))  # page aligned, as O_DIRECT requires
 
 
-def _read_jobs(fds: dict[str, int], queues: list[list[tuple[str, int, int]]], *, direct: bool, threads: int,
-               chunk: int, ready: Any, buffer: Any) -> tuple[int, float]:
+def _read_jobs(
+    fds: dict[str, int],
+    queues: list[list[tuple[str, int, int]]],
+    *,
+    direct: bool,
+    threads: int,
+    chunk: int,
+    ready: Any,
+    buffer: Any,
+) -> tuple[int, float]:
     """``threads`` readers work through ``queues``: reader i takes jobs from queue i % len(queues), in order."""
     its, lock = [iter(q) for q in queues], threading.Lock()
     if ready is not None:
@@ -99,8 +132,9 @@ def _read_jobs(fds: dict[str, int], queues: list[list[tuple[str, int, int]]], *,
     return total, time.perf_counter() - t
 
 
-def raw_read_together(groups: list[list[str]], *, threads: int = 16, chunk: int = 16 << 20,
-                      timeout: float = 120.0) -> dict[str, Any]:
+def raw_read_together(
+    groups: list[list[str]], *, threads: int = 16, chunk: int = 16 << 20, timeout: float = 120.0
+) -> dict[str, Any]:
     """Each group of files read buffered (no O_DIRECT) by its own process with ``threads`` readers,
     the processes released at one moment once all have opened their files.
 
@@ -108,9 +142,16 @@ def raw_read_together(groups: list[list[str]], *, threads: int = 16, chunk: int 
     Raises ``RuntimeError`` when a worker fails or is not ready within ``timeout``; no worker is
     left running.
     """
-    procs = [subprocess.Popen([sys.executable, "-m", "gdsload.bench.limits", "--read-worker", str(threads), str(chunk),
-                               *g], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for g in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gdsload.bench.limits", "--read-worker", str(threads), str(chunk), *g],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for g in groups
+    ]
     try:
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:  # each says "ready" once its files are open
@@ -151,10 +192,16 @@ def raw_read_together(groups: list[list[str]], *, threads: int = 16, chunk: int 
             p.communicate()
     window = max(r["end"] for r in rows) - min(r["start"] for r in rows)
     total = sum(r["bytes"] for r in rows)
-    return {"processes": len(rows), "threads": threads, "chunk": chunk, "bytes": total,
-            "aggregate_gbps": total / window / 1e9 if window > 0 else 0.0,
-            "per_process_gbps": [r["bytes"] / (r["end"] - r["start"]) / 1e9 if r["end"] > r["start"] else 0.0
-                                 for r in rows]}
+    return {
+        "processes": len(rows),
+        "threads": threads,
+        "chunk": chunk,
+        "bytes": total,
+        "aggregate_gbps": total / window / 1e9 if window > 0 else 0.0,
+        "per_process_gbps": [
+            r["bytes"] / (r["end"] - r["start"]) / 1e9 if r["end"] > r["start"] else 0.0 for r in rows
+        ],
+    }
 
 
 def _last_line(text: str | None) -> str:
@@ -203,8 +250,14 @@ def h2d_all_gbps(devices: list[str], nbytes: int = 1 << 30, repeat: int = 5) -> 
     pairs = []
     for d in devices:
         dev = torch.device(d)
-        pairs.append((dev, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
-                      torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.cuda.Stream(device=dev)))
+        pairs.append(
+            (
+                dev,
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                torch.empty(nbytes, dtype=torch.uint8, device=dev),
+                torch.cuda.Stream(device=dev),
+            )
+        )
     best = float("inf")
     for _ in range(repeat + 1):
         start = threading.Barrier(len(pairs) + 1, timeout=60)  # a thread that failed early breaks it
@@ -228,8 +281,9 @@ def h2d_all_gbps(devices: list[str], nbytes: int = 1 << 30, repeat: int = 5) -> 
     return nbytes * len(pairs) / best / 1e9
 
 
-def read_during_h2d(files: list[str], device: str = "cuda", *, threads: int = 16, chunk: int = 2 << 20,
-                    piece: int = 64 << 20) -> dict[str, float]:
+def read_during_h2d(
+    files: list[str], device: str = "cuda", *, threads: int = 16, chunk: int = 2 << 20, piece: int = 64 << 20
+) -> dict[str, float]:
     """Buffered reads of ``files`` (``threads`` readers, ``chunk`` bytes each) while one stream copies a pinned
     buffer to ``device`` in ``piece``-sized copies, over and over: ``{"read_gbps", "h2d_gbps"}``, both over the
     window the reads took (copies completed in it). The files should be cached or on tmpfs.
@@ -280,20 +334,20 @@ def read_during_h2d(files: list[str], device: str = "cuda", *, threads: int = 16
         raise failed[0]
     inside = [t for t in stamps if t0 <= t <= t1]
     if len(inside) < 2:
-        raise ValueError(f"the reads took {seconds * 1e3:.1f} ms, too short to time {piece}-byte copies "
-                         "against; give larger files")
-    return {"read_gbps": total / seconds / 1e9,
-            "h2d_gbps": (len(inside) - 1) * piece / (inside[-1] - inside[0]) / 1e9}
+        raise ValueError(
+            f"the reads took {seconds * 1e3:.1f} ms, too short to time {piece}-byte copies against; give larger files"
+        )
+    return {"read_gbps": total / seconds / 1e9, "h2d_gbps": (len(inside) - 1) * piece / (inside[-1] - inside[0]) / 1e9}
 
 
 def decode_gbps(model_dir: str | Path, device: str = "cuda", repeat: int = 5) -> float | None:
     """nvCOMP decode rate of the largest compressed tensor under ``model_dir`` (decoded GB/s)."""
     import torch
 
-    from gdsload.loader import read_header
-    from gdsload.loader.codecs import GpuCodecs
-    from gdsload.loader.format.compression import parse_compression
-    from gdsload.loader.devices import as_device
+    from ..loader import read_header
+    from ..loader.codecs import GpuCodecs
+    from ..loader.format.compression import parse_compression
+    from ..loader.devices import as_device
 
     best_entry, best_file = None, None
     for f in sorted(Path(model_dir).glob("*.safetensors")):
@@ -323,4 +377,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "--read-worker":
         _read_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
-        sys.exit("usage: python -m gdsload.bench.limits --read-worker THREADS CHUNK FILE... (used by raw_read_together)")
+        sys.exit(
+            "usage: python -m gdsload.bench.limits --read-worker THREADS CHUNK FILE... (used by raw_read_together)"
+        )

@@ -29,15 +29,19 @@ PROCESS_START = time.perf_counter()
 
 BARE = "gdsload:torch-free"
 PEERS = ("safetensors", "safetensors-device", "fastsafetensors", "instanttensor", "runai")
-PEER_MODULES = {"safetensors": "safetensors", "safetensors-device": "safetensors",
-                "fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor",
-                "runai": "runai_model_streamer"}
+PEER_MODULES = {
+    "safetensors": "safetensors",
+    "safetensors-device": "safetensors",
+    "fastsafetensors": "fastsafetensors",
+    "instanttensor": "instanttensor",
+    "runai": "runai_model_streamer",
+}
 
 
 def _files(model_dir: str) -> list[str]:
     """The files gdsload loads for rank 0 (the manifest's, else every ``*.safetensors``): every method
     reads the same ones, and a stray file beside them counts for none."""
-    from gdsload.loader import discover
+    from ..loader import discover
 
     return list(discover(model_dir, 0).files)
 
@@ -46,16 +50,17 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def load(method: str, model_dir: str, device: str, *, rank: int = 0,
-         files: list[str] | None = None) -> tuple[Any, int, dict[str, Any]]:
+def load(
+    method: str, model_dir: str, device: str, *, rank: int = 0, files: list[str] | None = None
+) -> tuple[Any, int, dict[str, Any]]:
     """Load with ``method``, device synchronized; ``(what keeps the tensors alive, logical bytes, extras)``.
 
     Ours loads ``rank`` of ``model_dir``; a peer loads ``files`` (default: every ``*.safetensors``
     in ``model_dir``). The caller times it; the caller's imports and CUDA context come first.
     """
     if method == BARE:
-        from gdsload.loader.devices import DriverDevice
-        from gdsload.loader.pipeline.load import load_rank
+        from ..loader.devices import DriverDevice
+        from ..loader.pipeline.load import load_rank
 
         res = load_rank(model_dir, rank, device=DriverDevice(_index(device)))
         res.device.synchronize()
@@ -70,7 +75,7 @@ def load(method: str, model_dir: str, device: str, *, rank: int = 0,
             torch.cuda.synchronize(device)
 
     if method.startswith("gdsload:"):
-        from gdsload.loader import load_rank
+        from ..loader import load_rank
 
         res = load_rank(model_dir, rank, device=device, backend=method.split(":", 1)[1])
         sync()
@@ -136,10 +141,17 @@ def in_memory(tensors: Any) -> None:
 
 
 def _report_extras(report: Any) -> dict[str, Any]:
-    return {"backend": report.backend, "io_modes": [f.io_mode for f in report.files],
-            "direct_io": [f.direct_io for f in report.files], "readers": [f.reader for f in report.files],
-            "phases": report.phases, "verified": report.verified, "verification": report.verification,
-            "stored_bytes": report.stored_bytes, "decode_busy_seconds": report.decode_busy_seconds}
+    return {
+        "backend": report.backend,
+        "io_modes": [f.io_mode for f in report.files],
+        "direct_io": [f.direct_io for f in report.files],
+        "readers": [f.reader for f in report.files],
+        "phases": report.phases,
+        "verified": report.verified,
+        "verification": report.verification,
+        "stored_bytes": report.stored_bytes,
+        "decode_busy_seconds": report.decode_busy_seconds,
+    }
 
 
 def _index(device: str) -> int:
@@ -152,8 +164,11 @@ def _driver_context(index: int) -> None:
 
     cuda = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), index) or cuda.cuDevicePrimaryCtxRetain(
-            ctypes.byref(ctx), dev):
+    if (
+        cuda.cuInit(0)
+        or cuda.cuDeviceGet(ctypes.byref(dev), index)
+        or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    ):
         raise SystemExit(f"no CUDA context on device {index}")
 
 
@@ -217,9 +232,17 @@ def run(method: str, model_dir: str, device: str) -> dict[str, Any]:
     seconds = time.perf_counter() - t
     gpu_peak, gpu_how = _gpu_peak(method, device, keep, base)
     del keep
-    return {"method": method, "seconds": seconds, "bytes": nbytes, "startup_seconds": startup,
-            "rss_before_bytes": rss_before, "rss_peak_bytes": _rss("VmHWM"), "gpu_peak_bytes": gpu_peak,
-            "gpu_peak_from": gpu_how, **extra}
+    return {
+        "method": method,
+        "seconds": seconds,
+        "bytes": nbytes,
+        "startup_seconds": startup,
+        "rss_before_bytes": rss_before,
+        "rss_peak_bytes": _rss("VmHWM"),
+        "gpu_peak_bytes": gpu_peak,
+        "gpu_peak_from": gpu_how,
+        **extra,
+    }
 
 
 if __name__ == "__main__":

@@ -53,9 +53,13 @@ def gpu_processes() -> dict[int, dict[str, int]] | None:
     empty dict then proves nothing.
     """
     try:
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
-                              check=True).stdout
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     out: dict[int, dict[str, int]] = {}
@@ -73,7 +77,7 @@ def _free_port() -> int:
 
 
 def _rank_files(model_dir: str, rank: int) -> list[str]:
-    from gdsload.loader import discover
+    from ..loader import discover
 
     return list(discover(model_dir, rank).files)
 
@@ -106,8 +110,17 @@ def _group_worker(method: str, model_dir: str, device_kind: str) -> None:
     dist.barrier()  # every rank holds its tensors now
     smi = gpu_processes() if rank == 0 and device.startswith("cuda") else None
     uuid = str(torch.cuda.get_device_properties(device).uuid) if device.startswith("cuda") else None
-    mine = {"rank": rank, "pid": os.getpid(), "device": device, "uuid": uuid, "start": t0, "end": t1, "bytes": nbytes,
-            "torch_memory": mem, "extra": {k: v for k, v in extra.items() if k in ("backend", "io_modes")}}
+    mine = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "device": device,
+        "uuid": uuid,
+        "start": t0,
+        "end": t1,
+        "bytes": nbytes,
+        "torch_memory": mem,
+        "extra": {k: v for k, v in extra.items() if k in ("backend", "io_modes")},
+    }
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, mine)
     dist.barrier()
@@ -122,10 +135,15 @@ def run_group(method: str, model_dir: str, world: int, device: str = "cuda", tim
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
     procs = []
     for r in range(world):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gdsload.bench.multi_gpu", "--worker", method, model_dir, "--device", device],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gdsload.bench.multi_gpu", "--worker", method, model_dir, "--device", device],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -144,11 +162,17 @@ def run_group(method: str, model_dir: str, world: int, device: str = "cuda", tim
     ranks = doc["ranks"]
     window = max(r["end"] for r in ranks) - min(r["start"] for r in ranks)
     total = sum(r["bytes"] for r in ranks)
-    return {"row": "group", "method": method, "world": world, "bytes": total, "window_s": window,
-            "aggregate_gbps": total / window / 1e9,
-            "per_rank_gbps": {r["rank"]: r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in ranks},
-            "contexts": _contexts({r["pid"]: r["uuid"] for r in ranks if r["uuid"]}, doc["gpu_processes"]),
-            **doc}
+    return {
+        "row": "group",
+        "method": method,
+        "world": world,
+        "bytes": total,
+        "window_s": window,
+        "aggregate_gbps": total / window / 1e9,
+        "per_rank_gbps": {r["rank"]: r["bytes"] / (r["end"] - r["start"]) / 1e9 for r in ranks},
+        "contexts": _contexts({r["pid"]: r["uuid"] for r in ranks if r["uuid"]}, doc["gpu_processes"]),
+        **doc,
+    }
 
 
 def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dict[str, Any] | None:
@@ -157,10 +181,16 @@ def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dic
     if smi is None or not own:
         return None
     seen = {str(pid): sorted(smi.get(pid, {})) for pid in own}
-    return {"gpus_by_pid": seen, "listed": sum(1 for g in seen.values() if g),
-            "foreign": {pid: [g for g in gpus if g != own[int(pid)]] for pid, gpus in seen.items()
-                        if any(g != own[int(pid)] for g in gpus)},
-            "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in own}}
+    return {
+        "gpus_by_pid": seen,
+        "listed": sum(1 for g in seen.values() if g),
+        "foreign": {
+            pid: [g for g in gpus if g != own[int(pid)]]
+            for pid, gpus in seen.items()
+            if any(g != own[int(pid)] for g in gpus)
+        },
+        "mib_by_pid": {str(pid): smi.get(pid, {}) for pid in own},
+    }
 
 
 # ---------------------------------------------------------------------------------------------- limits
@@ -168,14 +198,19 @@ def _contexts(own: dict[int, str], smi: dict[int, dict[str, int]] | None) -> dic
 
 def _limits_worker(model_dir: str, tp: int, device: str) -> None:
     """The ``limits`` row (run as ``--limits``, so that no CUDA context stays in the parent)."""
-    from gdsload.loader import discover
+    from ..loader import discover
 
     from .limits import h2d_all_gbps, h2d_gbps, raw_read_gbps, raw_read_together
 
     per_rank = [discover(model_dir, r).files for r in range(tp)]
     files = [f for fs in per_rank for f in fs]
-    row: dict[str, Any] = {"row": "limits", "tp": tp, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                           "files": len(files), "bytes": sum(os.path.getsize(f) for f in files)}
+    row: dict[str, Any] = {
+        "row": "limits",
+        "tp": tp,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "files": len(files),
+        "bytes": sum(os.path.getsize(f) for f in files),
+    }
     for threads in (16, 32):
         row[f"raw_read_gbps_{threads}_threads"] = raw_read_gbps(files, direct=False, threads=threads)
     # The same bytes read by one process per rank at once (16 threads each): does the host's
@@ -192,8 +227,22 @@ def _limits_worker(model_dir: str, tp: int, device: str) -> None:
 
 def run_limits(model_dir: str, tp: int, device: str = "cuda", timeout: float = 300.0) -> dict[str, Any]:
     try:
-        p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", model_dir, "--limits", "--tp", str(tp),
-                            "--device", device], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gdsload.bench.multi_gpu",
+                model_dir,
+                "--limits",
+                "--tp",
+                str(tp),
+                "--device",
+                device,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return {"row": "limits", "error": f"not done after {timeout:.0f} s"}
     if p.returncode != 0:
@@ -208,8 +257,12 @@ def run_single(method: str, model_dir: str, device: str = "cuda", timeout: float
     """The whole checkpoint on one GPU, in a fresh process (:mod:`gdsload.bench.methods`)."""
     dev = "cuda:0" if device == "cuda" else device
     try:
-        p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, model_dir, dev],
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-m", "gdsload.bench.methods", method, model_dir, dev],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return {"row": "single", "method": method, "error": [f"timed out after {timeout:g} s"]}
     if p.returncode != 0:
@@ -227,9 +280,17 @@ def run_serve(model_dir: str, tp: int, device: str = "cuda", timeout: float = 30
     def inspect(status: dict[str, Any]) -> dict[str, Any]:
         ranks = status["ranks"]
         own = {d["pid"]: d["gpu"]["uuid"] for d in ranks.values() if d.get("pid") and (d.get("gpu") or {}).get("uuid")}
-        return {"gpus": {r: {"cuda_visible_devices": d.get("cuda_visible_devices"), "device": d.get("device"),
-                             "uuid": (d.get("gpu") or {}).get("uuid")} for r, d in ranks.items()},
-                "contexts": _contexts(own, gpu_processes())}
+        return {
+            "gpus": {
+                r: {
+                    "cuda_visible_devices": d.get("cuda_visible_devices"),
+                    "device": d.get("device"),
+                    "uuid": (d.get("gpu") or {}).get("uuid"),
+                }
+                for r, d in ranks.items()
+            },
+            "contexts": _contexts(own, gpu_processes()),
+        }
 
     r = time_to_ready(model_dir, args, timeout=timeout, while_ready=inspect)
     return {"row": "serve", "tp": tp, "dir": model_dir, **r}
@@ -240,39 +301,55 @@ def run_serve(model_dir: str, tp: int, device: str = "cuda", timeout: float = 30
 
 def _summary(rows: list[dict[str, Any]]) -> list[str]:
     out = []
-    single = [r["gbps"] for r in rows if r.get("row") == "single" and r.get("method", "").startswith("gdsload:")
-              and "gbps" in r]
+    single = [
+        r["gbps"]
+        for r in rows
+        if r.get("row") == "single" and r.get("method", "").startswith("gdsload:") and "gbps" in r
+    ]
     base = statistics.median(single) if single else None
     for r in rows:
         if "error" in r:
             out.append(f"{r.get('row')} {r.get('method', r.get('dir'))}: ERROR {r['error']}")
         elif r["row"] == "limits":
-            h2d = (f"; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once {r['h2d_all_gpus_gbps']:.1f} GB/s"
-                   if "h2d_one_gpu_gbps" in r else "")
+            h2d = (
+                f"; pinned H2D one GPU {r['h2d_one_gpu_gbps']:.1f}, all GPUs at once {r['h2d_all_gpus_gbps']:.1f} GB/s"
+                if "h2d_one_gpu_gbps" in r
+                else ""
+            )
             together, small = r.get("raw_read_rank_processes") or {}, r.get("raw_read_rank_processes_4mib") or {}
-            ranks = (f"; {together['processes']} processes at once {together['aggregate_gbps']:.1f} GB/s together"
-                     f" (4 MiB reads: one process {r['raw_read_gbps_16_threads_4mib']:.1f}, "
-                     f"{small['processes']} at once {small['aggregate_gbps']:.1f})" if together and small else "")
-            out.append(f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / "
-                       f"{r['raw_read_gbps_32_threads']:.1f} (32 thr) GB/s{ranks}{h2d}")
+            ranks = (
+                f"; {together['processes']} processes at once {together['aggregate_gbps']:.1f} GB/s together"
+                f" (4 MiB reads: one process {r['raw_read_gbps_16_threads_4mib']:.1f}, "
+                f"{small['processes']} at once {small['aggregate_gbps']:.1f})"
+                if together and small
+                else ""
+            )
+            out.append(
+                f"limits  raw read {r['raw_read_gbps_16_threads']:.1f} (16 thr) / "
+                f"{r['raw_read_gbps_32_threads']:.1f} (32 thr) GB/s{ranks}{h2d}"
+            )
         elif r["row"] == "single":
             out.append(f"single  {r['method']:18} {r['gbps']:6.2f} GB/s (one GPU, whole checkpoint)")
         elif r["row"] == "group":
             scale = f" = {r['aggregate_gbps'] / base:.2f} x single" if base else ""
             ctx = r.get("contexts") or {}
             label = r["method"] + (":compressed" if r.get("compressed") else "")
-            out.append(f"group   {label:18} world={r['world']} {r['aggregate_gbps']:6.2f} GB/s{scale}; "
-                       f"per rank {', '.join(f'{v:.1f}' for v in r['per_rank_gbps'].values())}; "
-                       f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
+            out.append(
+                f"group   {label:18} world={r['world']} {r['aggregate_gbps']:6.2f} GB/s{scale}; "
+                f"per rank {', '.join(f'{v:.1f}' for v in r['per_rank_gbps'].values())}; "
+                f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}"
+            )
         else:
             agg = r.get("aggregate_gbps") or 0
             scale = f" = {agg / base:.2f} x single" if base else ""
             ctx = (r.get("while_ready") or {}).get("contexts") or {}
-            out.append(f"serve   tp={r['tp']} {Path(r['dir']).name:12} ready {r['time_to_ready_s']:.2f} s, loads "
-                       f"{r['load_window_s']:.2f} s window ({r.get('loads_overlap_s') or 0:.2f} s all at once), "
-                       f"{agg:.2f} GB/s{scale}; CUDA ready after "
-                       f"{'/'.join(f'{v:.2f}' for v in (r.get('cuda_ready_after_s') or {}).values()) or 'n/a'} s; "
-                       f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}")
+            out.append(
+                f"serve   tp={r['tp']} {Path(r['dir']).name:12} ready {r['time_to_ready_s']:.2f} s, loads "
+                f"{r['load_window_s']:.2f} s window ({r.get('loads_overlap_s') or 0:.2f} s all at once), "
+                f"{agg:.2f} GB/s{scale}; CUDA ready after "
+                f"{'/'.join(f'{v:.2f}' for v in (r.get('cuda_ready_after_s') or {}).values()) or 'n/a'} s; "
+                f"foreign contexts {ctx.get('foreign') if ctx else 'n/a'}"
+            )
     return out
 
 
@@ -294,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _group_worker(args.worker, args.model_dir, args.device)
         return 0
-    from gdsload.loader import discover
+    from ..loader import discover
 
     from . import stop_on_sigterm
 
@@ -326,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compressed:
             m = "gdsload:cpu" if args.device == "cpu" else "gdsload:pinned"
             for world in worlds:
-                add({**run_group(m, args.compressed, world, args.device, args.timeout), "run": i,
-                     "compressed": True})
+                add({**run_group(m, args.compressed, world, args.device, args.timeout), "run": i, "compressed": True})
         if not args.no_serve:
             for d in filter(None, (args.model_dir, args.compressed)):
                 add({**run_serve(d, tp, args.device, args.timeout), "run": i})

@@ -136,8 +136,16 @@ def _settled_gpu_bytes(before_exit: int | None, timeout: float = 10.0) -> int | 
     return last
 
 
-def run_engine(method: str, model_dir: Path, device: str, url: str, env: dict[str, str], *, token: str = TOKEN,
-               while_running: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_engine(
+    method: str,
+    model_dir: Path,
+    device: str,
+    url: str,
+    env: dict[str, str],
+    *,
+    token: str = TOKEN,
+    while_running: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """One engine process: its answer, the wall time to it, and device memory during and after.
 
     ``while_running(answer)`` is called while the engine still runs (holding its weights and lease).
@@ -145,8 +153,14 @@ def run_engine(method: str, model_dir: Path, device: str, url: str, env: dict[st
     """
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-c", ENGINE, method, str(model_dir), device, url, token],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ENGINE, method, str(model_dir), device, url, token],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
         try:
             return _answer(proc, method, device, t0, log, while_running)
         except subprocess.TimeoutExpired as e:
@@ -157,8 +171,14 @@ def run_engine(method: str, model_dir: Path, device: str, url: str, env: dict[st
                 proc.wait(30)
 
 
-def _answer(proc: subprocess.Popen[str], method: str, device: str, t0: float, log: Any,
-            while_running: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+def _answer(
+    proc: subprocess.Popen[str],
+    method: str,
+    device: str,
+    t0: float,
+    log: Any,
+    while_running: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
     line = proc.stdout.readline() if proc.stdout else ""
     wall = time.perf_counter() - t0
     if not line:
@@ -218,9 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     if not methods:
         ap.error(f"--methods names none; choose from {','.join(METHODS)}")
     if unknown or a.rounds < 1 or a.device not in ("cuda", "cpu") or not (a.model / "config.json").is_file():
-        ap.error(f"methods {unknown} unknown (choose from {METHODS})" if unknown else
-                 "--rounds must be at least 1" if a.rounds < 1 else "--device must be cuda or cpu"
-                 if a.device not in ("cuda", "cpu") else f"{a.model} has no config.json")
+        ap.error(
+            f"methods {unknown} unknown (choose from {METHODS})"
+            if unknown
+            else "--rounds must be at least 1"
+            if a.rounds < 1
+            else "--device must be cuda or cpu"
+            if a.device not in ("cuda", "cpu")
+            else f"{a.model} has no config.json"
+        )
     device = "cuda:0" if a.device == "cuda" else "cpu"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     baseline = gpu_used_bytes() if a.device == "cuda" else None
@@ -234,25 +260,49 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_engine(method, a.model, device, url, env)
                 r["round"] = round_
                 runs.append(r)
-                shown = {k: r.get(k) for k in ("round", "method", "weights_s", "start_to_token_s", "adopted", "copied",
-                                               "gpu_used_during") if r.get(k) is not None}
+                shown = {
+                    k: r.get(k)
+                    for k in (
+                        "round",
+                        "method",
+                        "weights_s",
+                        "start_to_token_s",
+                        "adopted",
+                        "copied",
+                        "gpu_used_during",
+                    )
+                    if r.get(k) is not None
+                }
                 print(json.dumps(shown if "error" not in r else {**shown, "error": r["error"][-300:]}), flush=True)
     finally:
         server.terminate()
         server.wait(60)
     ok = [r for r in runs if "error" not in r]
     shas = {r["logits_sha256"] for r in ok}
-    result = {"model": str(a.model), "device": a.device, "rounds": a.rounds, "sidecar_ready_s": ready_s,
-              "gpu_used_baseline": baseline, "gpu_used_with_sidecar": with_sidecar, "runs": runs,
-              "logits_identical": len(shas) == 1, "failed": len(runs) - len(ok)}
+    result = {
+        "model": str(a.model),
+        "device": a.device,
+        "rounds": a.rounds,
+        "sidecar_ready_s": ready_s,
+        "gpu_used_baseline": baseline,
+        "gpu_used_with_sidecar": with_sidecar,
+        "runs": runs,
+        "logits_identical": len(shas) == 1,
+        "failed": len(runs) - len(ok),
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     gb = 1e9
-    memory = ("" if baseline is None or with_sidecar is None else
-              f"; device memory in use: {baseline / gb:.2f} GB before, {with_sidecar / gb:.2f} GB with the sidecar's rank")
+    memory = (
+        ""
+        if baseline is None or with_sidecar is None
+        else f"; device memory in use: {baseline / gb:.2f} GB before, {with_sidecar / gb:.2f} GB with the sidecar's rank"
+    )
     print(f"sidecar ready in {ready_s:.2f} s{memory}; logits identical across methods: {result['logits_identical']}")
-    print(f"{'method':<12} {'weights_s':>22} {'start→token s':>14} {'GPU in use during':>18} {'after':>8} "
-          f"{'engine holds':>13} adopted/copied")
+    print(
+        f"{'method':<12} {'weights_s':>22} {'start→token s':>14} {'GPU in use during':>18} {'after':>8} "
+        f"{'engine holds':>13} adopted/copied"
+    )
     for method in methods:
         mine = [r for r in ok if r["method"] == method]
         if not mine:
@@ -264,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             vals = [r[key] for r in mine if r.get(key) is not None]
             return f"{statistics.median(vals) / scale:.2f}" if vals else "–"
 
-        print(f"{method:<12} {statistics.median(w):>8.3f} ({w[0]:.3f}–{w[-1]:.3f}) {med('start_to_token_s'):>14} "
-              f"{med('gpu_used_during', gb):>15} GB {med('gpu_used_after', gb):>8} {med('engine_gpu_bytes', gb):>10} GB"
-              f" {mine[0]['adopted']}/{mine[0]['copied']} of {mine[0]['loaded']}")
+        print(
+            f"{method:<12} {statistics.median(w):>8.3f} ({w[0]:.3f}–{w[-1]:.3f}) {med('start_to_token_s'):>14} "
+            f"{med('gpu_used_during', gb):>15} GB {med('gpu_used_after', gb):>8} {med('engine_gpu_bytes', gb):>10} GB"
+            f" {mine[0]['adopted']}/{mine[0]['copied']} of {mine[0]['loaded']}"
+        )
     return 0 if ok and not result["failed"] and result["logits_identical"] else 1
 
 

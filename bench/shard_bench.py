@@ -127,8 +127,16 @@ def run_once(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float
 
 def _env(layout: Layout) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     if layout.workers > 1:
         cores = os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(layout.workers))
@@ -137,8 +145,21 @@ def _env(layout: Layout) -> dict[str, str]:
 
 def _command(method: str, python: str, src: Path, out: Path, layout: Layout, script: Path) -> list[str]:
     if method == "gdsload":
-        return [python, "-m", "gdsload.server.cli", "shard", str(src), str(out), "--tp", str(layout.tp), "--pp",
-                str(layout.pp), "--ep", str(layout.ep), "--no-progress"]
+        return [
+            python,
+            "-m",
+            "gdsload.server.cli",
+            "shard",
+            str(src),
+            str(out),
+            "--tp",
+            str(layout.tp),
+            "--pp",
+            str(layout.pp),
+            "--ep",
+            str(layout.ep),
+            "--no-progress",
+        ]
     return [python, str(script), str(src), str(out), str(layout.tp), str(layout.pp), str(layout.ep)]
 
 
@@ -147,7 +168,7 @@ def _size(path: Path) -> int:
 
 
 def _rank0_tensors(path: Path) -> int:
-    from gdsload.loader.format.safetensors import read_header
+    from ..loader.format.safetensors import read_header
 
     files = [p for p in path.glob("*.safetensors") if p.name.startswith(("model-rank-0-", "model-pp-0-tp-0-"))]
     return sum(len(read_header(p).tensors) for p in files)
@@ -163,20 +184,26 @@ def _last_error(log: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gdsload bench shard", description=__doc__.split("\n")[0])
-    parser.add_argument("--vllm-python", default=sys.executable,
-                        help="An interpreter with vLLM and gdsload installed (default: this one).")
+    parser.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="An interpreter with vLLM and gdsload installed (default: this one).",
+    )
     parser.add_argument("--source", type=Path, help="A Hugging Face checkpoint (default: a synthetic Mixtral).")
     parser.add_argument("--size", default="1GB", help="Size of the synthetic checkpoint (e.g. 2GB).")
     parser.add_argument("--experts", type=int, default=8, help="Experts of the synthetic Mixtral (0: a Llama).")
     parser.add_argument("--layouts", default="tp2,tp2-ep,pp2", help="Comma-separated layouts: tpN[-ppN][-ep].")
-    parser.add_argument("--methods", default=None,
-                        help="gdsload and/or vllm (save_sharded_state); default: both where vLLM is installed.")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="gdsload and/or vllm (save_sharded_state); default: both where vLLM is installed.",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("shard-bench-out"))
     args = parser.parse_args(argv)
 
-    from gdsload.loader.config import parse_size
-    from gdsload.loader.prepare.synthetic import make_hf_checkpoint, shape_for_size
+    from ..loader.config import parse_size
+    from ..loader.prepare.synthetic import make_hf_checkpoint, shape_for_size
 
     args.out.mkdir(parents=True, exist_ok=True)
     src = args.source
@@ -200,27 +227,49 @@ def main(argv: list[str] | None = None) -> int:
                 if method == "vllm":
                     out.mkdir(parents=True)
                 log = args.out / f"{method}-{layout.name}-{rnd}.log"
-                code, seconds, peak = run_once(_command(method, args.vllm_python, src, out, layout, script),
-                                               _env(layout), log)
-                run = Run(method, layout.name, rnd, code == 0, seconds, peak, _size(out),
-                          "" if code == 0 else _last_error(log), _rank0_tensors(out))
+                code, seconds, peak = run_once(
+                    _command(method, args.vllm_python, src, out, layout, script), _env(layout), log
+                )
+                run = Run(
+                    method,
+                    layout.name,
+                    rnd,
+                    code == 0,
+                    seconds,
+                    peak,
+                    _size(out),
+                    "" if code == 0 else _last_error(log),
+                    _rank0_tensors(out),
+                )
                 runs.append(run)
                 print(json.dumps(asdict(run)), flush=True)
-    summary: dict[str, Any] = {"source": str(src), "source_bytes": src_bytes, "cores": os.cpu_count(),
-                               "python": sys.version.split()[0], "runs": [asdict(r) for r in runs], "table": []}
+    summary: dict[str, Any] = {
+        "source": str(src),
+        "source_bytes": src_bytes,
+        "cores": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "runs": [asdict(r) for r in runs],
+        "table": [],
+    }
     for layout in parse_layouts(args.layouts):
         for method in methods:
             mine = [r for r in runs if r.method == method and r.layout == layout.name]
             ok = [r for r in mine if r.ok]
-            row = {"layout": layout.name, "method": method, "ok": f"{len(ok)}/{len(mine)}",
-                   "seconds": [round(r.seconds, 1) for r in ok],
-                   "median_s": round(statistics.median(r.seconds for r in ok), 1) if ok else None,
-                   "peak_rss_gb": round(max(r.peak_rss for r in ok) / 1e9, 2) if ok else None,
-                   "rank0_tensors": ok[0].rank0_tensors if ok else None,
-                   "error": next((r.error for r in mine if not r.ok), "")}
+            row = {
+                "layout": layout.name,
+                "method": method,
+                "ok": f"{len(ok)}/{len(mine)}",
+                "seconds": [round(r.seconds, 1) for r in ok],
+                "median_s": round(statistics.median(r.seconds for r in ok), 1) if ok else None,
+                "peak_rss_gb": round(max(r.peak_rss for r in ok) / 1e9, 2) if ok else None,
+                "rank0_tensors": ok[0].rank0_tensors if ok else None,
+                "error": next((r.error for r in mine if not r.ok), ""),
+            }
             summary["table"].append(row)
-            print(f"{layout.name:10} {method:8} {row['ok']:5} median {row['median_s']} s, peak RSS "
-                  f"{row['peak_rss_gb']} GB, rank 0 holds {row['rank0_tensors']} tensors {row['error'][:120]}")
+            print(
+                f"{layout.name:10} {method:8} {row['ok']:5} median {row['median_s']} s, peak RSS "
+                f"{row['peak_rss_gb']} GB, rank 0 holds {row['rank0_tensors']} tensors {row['error'][:120]}"
+            )
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     return 0
 

@@ -38,8 +38,14 @@ def _get(port: int, path: str, timeout: float = 2.0, token: str | None = None) -
     return _request(port, "GET", path, timeout=timeout, token=token)
 
 
-def _request(port: int, method: str, path: str, body: dict[str, Any] | None = None, token: str | None = None,
-             timeout: float = 2.0) -> tuple[int, bytes]:
+def _request(
+    port: int,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    token: str | None = None,
+    timeout: float = 2.0,
+) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     headers = {"Content-Type": "application/json"}
     if token:
@@ -52,8 +58,9 @@ def _request(port: int, method: str, path: str, body: dict[str, Any] | None = No
         conn.close()
 
 
-def _reload_to_ready(port: int, model_dir: str, token: str, generation: int, timeout: float,
-                     poll_s: float) -> tuple[float, dict[str, Any]]:
+def _reload_to_ready(
+    port: int, model_dir: str, token: str, generation: int, timeout: float, poll_s: float
+) -> tuple[float, dict[str, Any]]:
     """``POST /v1/reload`` of ``model_dir``; seconds until the next generation is ready, and its status."""
     t0 = time.perf_counter()
     # The server stops the old workers before it answers (up to its stop timeout).
@@ -71,9 +78,15 @@ def _reload_to_ready(port: int, model_dir: str, token: str, generation: int, tim
     raise RuntimeError(f"reload not ready after {timeout:.0f} s")
 
 
-def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), *, timeout: float = 300.0,
-                  poll_s: float = 0.01, while_ready: Callable[[dict[str, Any]], Any] | None = None,
-                  reload: bool = False) -> dict[str, Any]:
+def time_to_ready(
+    model_dir: str,
+    serve_args: list[str] | tuple[str, ...] = (),
+    *,
+    timeout: float = 300.0,
+    poll_s: float = 0.01,
+    while_ready: Callable[[dict[str, Any]], Any] | None = None,
+    reload: bool = False,
+) -> dict[str, Any]:
     """Start a server on ``model_dir``; seconds until ``/readyz`` says 200, and what it reported.
 
     ``while_ready(status)``, if given, runs once the server is ready and before it is stopped (the
@@ -82,16 +95,27 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
     the server gets a token of its own and ``--allow-root``, so ``serve_args`` must not name a token file).
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "gdsload.server.cli", "serve", str(model_dir), "--port", str(port),
-           "--log-level", "warning", *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gdsload.server.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *serve_args,
+    ]
     env = dict(os.environ)
     token = secrets.token_hex(16)  # /v1/status shows pids, paths and devices to the token only
     env["GDSLOAD_TOKEN"] = token
     if reload:
         cmd += ["--allow-root", os.path.dirname(os.path.realpath(model_dir))]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
     first_answer = None
     try:
         while True:
@@ -125,10 +149,14 @@ def time_to_ready(model_dir: str, serve_args: list[str] | tuple[str, ...] = (), 
         reloaded = None
         if reload:
             try:
-                seconds, after = _reload_to_ready(port, os.path.realpath(model_dir), token, status["generation"],
-                                                  timeout, poll_s)
-                reloaded = {"reload_to_ready_s": seconds, "server_reported_s": after["load"]["time_to_ready_s"],
-                            **_summary(after, after["load"]["started_at"])}
+                seconds, after = _reload_to_ready(
+                    port, os.path.realpath(model_dir), token, status["generation"], timeout, poll_s
+                )
+                reloaded = {
+                    "reload_to_ready_s": seconds,
+                    "server_reported_s": after["load"]["time_to_ready_s"],
+                    **_summary(after, after["load"]["started_at"]),
+                }
             except (RuntimeError, OSError) as e:
                 reloaded = {"error": str(e)}
     finally:
@@ -159,8 +187,11 @@ def _summary(status: dict[str, Any], started: float) -> dict[str, Any]:
     logical = sum(d.get("logical_bytes") or 0 for d in ranks.values())
     # The ranks load side by side: their bytes over the window from the first load's start to the last one's end,
     # with the end taken in the worker where it reports it (the server may read a worker's message a little later).
-    windows = [((d.get("loaded_at") or d["ready_at"]) - d["seconds"], d.get("loaded_at") or d["ready_at"])
-               for d in ranks.values() if d.get("ready_at") and d.get("seconds")]
+    windows = [
+        ((d.get("loaded_at") or d["ready_at"]) - d["seconds"], d.get("loaded_at") or d["ready_at"])
+        for d in ranks.values()
+        if d.get("ready_at") and d.get("seconds")
+    ]
     window = max(e for _, e in windows) - min(s for s, _ in windows) if windows else None
     # Workers start loading when their own start-up is done, so loads may not overlap: the seconds all
     # ranks were loading at once (0 when one finished before another started).
@@ -174,19 +205,34 @@ def _summary(status: dict[str, Any], started: float) -> dict[str, Any]:
         # Server start -> worker asked for; then asked for -> the worker's load done (taken in the worker, or
         # when the server read "ready"), less the load itself: interpreter, imports, CUDA context.
         "spawned_after_s": {r: round(d["started_at"] - started, 3) for r, d in ranks.items() if d.get("started_at")},
-        "worker_overhead_s": {r: round((d.get("loaded_at") or d["ready_at"]) - d["started_at"] - d["seconds"], 3)
-                              for r, d in ranks.items() if d.get("ready_at") and d.get("started_at") and d.get("seconds")},
+        "worker_overhead_s": {
+            r: round((d.get("loaded_at") or d["ready_at"]) - d["started_at"] - d["seconds"], 3)
+            for r, d in ranks.items()
+            if d.get("ready_at") and d.get("started_at") and d.get("seconds")
+        },
         # Worker asked for -> its entry point ran (forked, or its interpreter up) -> its GPU library imported ->
         # its CUDA context usable (times taken in the worker).
-        "entered_after_s": {r: round(d["entered_at"] - d["started_at"], 3) for r, d in ranks.items()
-                            if d.get("entered_at") and d.get("started_at")},
-        "imported_after_s": {r: round(d["imported_at"] - d["started_at"], 3) for r, d in ranks.items()
-                             if d.get("imported_at") and d.get("started_at")},
-        "cuda_ready_after_s": {r: round(d["cuda_ready_at"] - d["started_at"], 3) for r, d in ranks.items()
-                               if d.get("cuda_ready_at") and d.get("started_at")},
+        "entered_after_s": {
+            r: round(d["entered_at"] - d["started_at"], 3)
+            for r, d in ranks.items()
+            if d.get("entered_at") and d.get("started_at")
+        },
+        "imported_after_s": {
+            r: round(d["imported_at"] - d["started_at"], 3)
+            for r, d in ranks.items()
+            if d.get("imported_at") and d.get("started_at")
+        },
+        "cuda_ready_after_s": {
+            r: round(d["cuda_ready_at"] - d["started_at"], 3)
+            for r, d in ranks.items()
+            if d.get("cuda_ready_at") and d.get("started_at")
+        },
         # Worker's load done -> the server heard of it.
-        "ready_message_lag_s": {r: round(d["ready_at"] - d["loaded_at"], 4) for r, d in ranks.items()
-                                if d.get("ready_at") and d.get("loaded_at")},
+        "ready_message_lag_s": {
+            r: round(d["ready_at"] - d["loaded_at"], 4)
+            for r, d in ranks.items()
+            if d.get("ready_at") and d.get("loaded_at")
+        },
         "phases": {r: d.get("phases") for r, d in ranks.items()},
         "pids": {r: d.get("pid") for r, d in ranks.items()},
         "load_window_s": window,

@@ -27,8 +27,13 @@ def run_once(method: str, model_dir: str, device: str, verify: str | None) -> di
     env.pop("GDSLOAD_VERIFY", None)
     if verify is not None:
         env["GDSLOAD_VERIFY"] = verify
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.methods", method, model_dir, device],
-                       capture_output=True, text=True, env=env, timeout=1800)
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.bench.methods", method, model_dir, device],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if p.returncode:
         raise SystemExit(f"{method} {model_dir} (GDSLOAD_VERIFY={verify}) failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -45,9 +50,11 @@ def measure(dirs: list[str], method: str, device: str, rounds: int) -> dict[str,
 
 
 def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
-    lines = ["| model | GB | verify off: s (median, range) | default: s (median, range) | overhead (medians) | "
-             "verify phase, default (median s) | verified |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | GB | verify off: s (median, range) | default: s (median, range) | overhead (medians) | "
+        "verify phase, default (median s) | verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for d, by_mode in runs.items():
         off = [x["seconds"] for x in by_mode["off"]]
         on = [x["seconds"] for x in by_mode["default"]]
@@ -55,9 +62,11 @@ def table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         verified = {bool(x.get("verified")) for x in by_mode["default"]}
         gb = by_mode["default"][0]["bytes"] / 1e9
         m_off, m_on = statistics.median(off), statistics.median(on)
-        lines.append(f"| {Path(d).name} | {gb:.2f} | {m_off:.3f} ({min(off):.3f}–{max(off):.3f}) | "
-                     f"{m_on:.3f} ({min(on):.3f}–{max(on):.3f}) | {100 * (m_on - m_off) / m_off:+.1f} % | "
-                     f"{statistics.median(phase):.4f} | {', '.join(map(str, sorted(verified)))} |")
+        lines.append(
+            f"| {Path(d).name} | {gb:.2f} | {m_off:.3f} ({min(off):.3f}–{max(off):.3f}) | "
+            f"{m_on:.3f} ({min(on):.3f}–{max(on):.3f}) | {100 * (m_on - m_off) / m_off:+.1f} % | "
+            f"{statistics.median(phase):.4f} | {', '.join(map(str, sorted(verified)))} |"
+        )
     return "\n".join(lines)
 
 

@@ -41,8 +41,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-METHODS = ("vllm:auto", "vllm:sharded_state", "vllm:fastsafetensors", "gdsload:sharded", "gdsload:hf",
-           "gdsload:zstd", "gdsload:sidecar", "gdsload:sidecar-copy")
+METHODS = (
+    "vllm:auto",
+    "vllm:sharded_state",
+    "vllm:fastsafetensors",
+    "gdsload:sharded",
+    "gdsload:hf",
+    "gdsload:zstd",
+    "gdsload:sidecar",
+    "gdsload:sidecar-copy",
+)
 TOKEN = "vllm-load-bench-token-3e7a"
 
 
@@ -91,12 +99,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if spec.get("extra") is not None:
         kwargs["model_loader_extra_config"] = spec["extra"]
-    llm = LLM(model=spec["model"], load_format=spec["load_format"], dtype="bfloat16", max_model_len=256,
-              enforce_eager=True, gpu_memory_utilization=0.5, skip_tokenizer_init=True, seed=0, **kwargs)
+    llm = LLM(
+        model=spec["model"],
+        load_format=spec["load_format"],
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        skip_tokenizer_init=True,
+        seed=0,
+        **kwargs,
+    )
     from vllm import SamplingParams
 
-    llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
-                 use_tqdm=False)
+    llm.generate(
+        {"prompt_token_ids": [1, 2, 3, 4]},
+        SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+        use_tqdm=False,
+    )
     timings["first_token_s"] = time.perf_counter() - CHILD_START
     return timings
 
@@ -110,7 +130,7 @@ def _cli(*args: str) -> None:
 
 def prepare(work: Path, size: int) -> dict[str, Path]:
     """The HF directory, its vllm-layout shard and the shard's Zstd copy (reused when already there)."""
-    from gdsload.loader.prepare.synthetic import make_checkpoint
+    from ..loader.prepare.synthetic import make_checkpoint
 
     dirs = {"hf": work / "hf", "sharded": work / "sharded", "zstd": work / "sharded-zstd"}
     if not (dirs["hf"] / "config.json").exists():
@@ -128,7 +148,7 @@ def warm(model_dir: Path) -> float:
     Called before every run: a host that reclaims page cache between runs would otherwise hand
     one method a cold read and the next a warm one.
     """
-    from gdsload.loader.io.pagecache import resident_fraction
+    from ..loader.io.pagecache import resident_fraction
 
     files = sorted(str(f) for f in model_dir.glob("*.safetensors"))
     for f in files:
@@ -154,11 +174,16 @@ def run_one(python: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"})
     start = time.perf_counter()
-    p = subprocess.run([python, "-m", "gdsload.bench.vllm_load", "--child", json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(
+        [python, "-m", "gdsload.bench.vllm_load", "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     for line in p.stdout.splitlines():
         if line.startswith("VLLM_LOAD "):
-            return {**json.loads(line[len("VLLM_LOAD "):]), "process_s": time.perf_counter() - start}
+            return {**json.loads(line[len("VLLM_LOAD ") :]), "process_s": time.perf_counter() - start}
     tail = [ln for ln in (p.stdout + p.stderr).splitlines() if "Error" in ln or "error" in ln][-3:]
     return {"error": " | ".join(tail) or f"exit {p.returncode}"}
 
@@ -170,9 +195,24 @@ def _start_sidecar(model: Path, work: Path) -> tuple[subprocess.Popen[bytes], di
     token.write_text(TOKEN)
     token.chmod(0o600)
     log = open(work / "sidecar.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gdsload.server.cmd_serve", str(model), "--device-map", "cpu",
-                             "--token-file", str(token), "--host", "127.0.0.1", "--port", "0"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.server.cmd_serve",
+            str(model),
+            "--device-map",
+            "cpu",
+            "--token-file",
+            str(token),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     url = None
     while time.monotonic() < deadline:
@@ -216,8 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.python:
         ap.error("--python is required: an interpreter with vLLM and gdsload installed")
-    from gdsload.loader import parse_size
-    from gdsload.loader.config import format_bytes
+    from ..loader import parse_size
+    from ..loader.config import format_bytes
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -233,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     try:
         for r in range(args.rounds):
-            for m in methods[r % len(methods):] + methods[:r % len(methods)]:  # taking turns
+            for m in methods[r % len(methods) :] + methods[: r % len(methods)]:  # taking turns
                 spec = _spec(m, dirs, sidecar)
                 resident = warm(Path(spec["model"]))
                 res = {**run_one(args.python, spec, args.timeout), "resident_before": resident}
@@ -245,26 +285,43 @@ def main(argv: list[str] | None = None) -> None:
             sidecar_proc.wait(30)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model_bytes": model_bytes, "size": args.size,
-           "rounds": args.rounds, "python": args.python, "cpus": os.cpu_count(),
-           "methods": {m: {"load_weights_s": _summary(rs, "load_weights_s"), "load_model_s": _summary(rs, "load_model_s"),
-                           "process_s": _summary(rs, "process_s"), "first_token_s": _summary(rs, "first_token_s"),
-                           "added_memory_bytes": _summary(rs, "added_memory_bytes"),
-                           "errors": [r["error"] for r in rs if "error" in r], "runs": rs}
-                       for m, rs in results.items()}}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "model_bytes": model_bytes,
+        "size": args.size,
+        "rounds": args.rounds,
+        "python": args.python,
+        "cpus": os.cpu_count(),
+        "methods": {
+            m: {
+                "load_weights_s": _summary(rs, "load_weights_s"),
+                "load_model_s": _summary(rs, "load_model_s"),
+                "process_s": _summary(rs, "process_s"),
+                "first_token_s": _summary(rs, "first_token_s"),
+                "added_memory_bytes": _summary(rs, "added_memory_bytes"),
+                "errors": [r["error"] for r in rs if "error" in r],
+                "runs": rs,
+            }
+            for m, rs in results.items()
+        },
+    }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(f"\nmodel {format_bytes(model_bytes)}, {args.rounds} rounds, warm page cache; medians (min-max)")
-    print(f"{'method':24s} {'load_weights s':>22s} {'load_model s':>22s} {'first token s':>22s} {'process s':>22s} "
-          f"{'memory added':>14s}")
+    print(
+        f"{'method':24s} {'load_weights s':>22s} {'load_model s':>22s} {'first token s':>22s} {'process s':>22s} "
+        f"{'memory added':>14s}"
+    )
     for m, d in doc["methods"].items():
         if d["load_weights_s"] is None:
             print(f"{m:24s} did not run: {d['errors'][0] if d['errors'] else '?'}")
             continue
         lw, lm, ps, mem = d["load_weights_s"], d["load_model_s"], d["process_s"], d["added_memory_bytes"]
         ft = d["first_token_s"] or {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-        print(f"{m:24s} {lw['median']:8.3f} ({lw['min']:.3f}-{lw['max']:.3f}) {lm['median']:8.3f} "
-              f"({lm['min']:.3f}-{lm['max']:.3f}) {ft['median']:8.3f} ({ft['min']:.3f}-{ft['max']:.3f}) "
-              f"{ps['median']:8.3f} ({ps['min']:.3f}-{ps['max']:.3f}) {format_bytes(int(mem['median'])):>14s}")
+        print(
+            f"{m:24s} {lw['median']:8.3f} ({lw['min']:.3f}-{lw['max']:.3f}) {lm['median']:8.3f} "
+            f"({lm['min']:.3f}-{lm['max']:.3f}) {ft['median']:8.3f} ({ft['min']:.3f}-{ft['max']:.3f}) "
+            f"{ps['median']:8.3f} ({ps['min']:.3f}-{ps['max']:.3f}) {format_bytes(int(mem['median'])):>14s}"
+        )
 
 
 if __name__ == "__main__":

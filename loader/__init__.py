@@ -104,28 +104,70 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gdsload.loader.adapters import EngineNotInstalledError, InjectError, InjectReport, LayoutError, inject_from_sidecar, inject_module, meta_init
-    from gdsload.loader.pipeline.load import load_rank
-    from gdsload.loader.checkpoints.container import CheckpointError, CheckpointReport, CheckpointTypeError, CheckpointWriteError, load_compressed_checkpoint, save_compressed_checkpoint
-    from gdsload.loader.config import format_bytes, parse_size
-    from gdsload.loader.pipeline.config import LoadConfig
-    from gdsload.loader.format.discovery import RankFiles, discover, list_ranks
-    from gdsload.loader.errors import BackendUnavailableError, CodecError, ConfigError, FormatError, GdsloadError, HeaderError, IntegrityError, ManifestError, NoFilesForRankError, FileUnreadableError, TruncatedFileError
-    from gdsload.loader.format.safetensors import SafetensorsHeader, TensorInfo, parse_header, read_header
-    from gdsload.loader.format.writer import AlignedWriter, TensorSpec, save_file
-    from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
-    from gdsload.loader.plan import LoadPlan, plan_rank
-    from gdsload.loader.prepare.quantize import QuantScheme
-    from gdsload.loader.pipeline.result import FileReport, LoadReport, LoadResult
-    from gdsload.loader.prepare.shard import SourceCheckpointError, OutputExistsError, ShardConfigError, ShardOptions, ShardPlan, ShardResult, ShardWriteError, SourceNotFoundError, SourceReadError, UnsupportedModelError, UnsupportedSourceError, execute_plan, plan_shard, shard_checkpoint
-    from gdsload.loader.handoff.sidecar_client import DEFAULT_SIDECAR_URL, SidecarClient, SidecarError
+    from .adapters import (
+        EngineNotInstalledError,
+        InjectError,
+        InjectReport,
+        LayoutError,
+        inject_from_sidecar,
+        inject_module,
+        meta_init,
+    )
+    from .pipeline.load import load_rank
+    from .checkpoints.container import (
+        CheckpointError,
+        CheckpointReport,
+        CheckpointTypeError,
+        CheckpointWriteError,
+        load_compressed_checkpoint,
+        save_compressed_checkpoint,
+    )
+    from .config import format_bytes, parse_size
+    from .pipeline.config import LoadConfig
+    from .format.discovery import RankFiles, discover, list_ranks
+    from .errors import (
+        BackendUnavailableError,
+        CodecError,
+        ConfigError,
+        FormatError,
+        GdsloadError,
+        HeaderError,
+        IntegrityError,
+        ManifestError,
+        NoFilesForRankError,
+        FileUnreadableError,
+        TruncatedFileError,
+    )
+    from .format.safetensors import SafetensorsHeader, TensorInfo, parse_header, read_header
+    from .format.writer import AlignedWriter, TensorSpec, save_file
+    from .format.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_manifest
+    from .plan import LoadPlan, plan_rank
+    from .prepare.quantize import QuantScheme
+    from .pipeline.result import FileReport, LoadReport, LoadResult
+    from .prepare.shard import (
+        SourceCheckpointError,
+        OutputExistsError,
+        ShardConfigError,
+        ShardOptions,
+        ShardPlan,
+        ShardResult,
+        ShardWriteError,
+        SourceNotFoundError,
+        SourceReadError,
+        UnsupportedModelError,
+        UnsupportedSourceError,
+        execute_plan,
+        plan_shard,
+        shard_checkpoint,
+    )
+    from .handoff.sidecar_client import DEFAULT_SIDECAR_URL, SidecarClient, SidecarError
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from gdsload.loader.config import gc_paused
+    from .config import gc_paused
 
     with gc_paused():  # importing the pipeline makes objects the collector would scan for nothing
         value = getattr(importlib.import_module(f".{module}", __name__), name)

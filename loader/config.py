@@ -13,12 +13,26 @@ import re
 import threading
 from collections.abc import Iterator
 
-from gdsload.loader.errors import ConfigError
+from .errors import ConfigError
 
 __all__ = ["parse_size", "format_bytes", "parse_bool", "usable_cores", "gc_paused"]
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 
@@ -29,7 +43,9 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
     m = _SIZE_RE.match(value) if isinstance(value, str) else None
     unit = m[2].lower() if m else None
     if not m or unit not in _UNITS:
-        raise ConfigError(f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB")
+        raise ConfigError(
+            f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB"
+        )
     from fractions import Fraction  # here: importing it costs a load's start-up 2 ms
 
     return int(Fraction(m[1]) * _UNITS[unit])  # exact: 2.01GB is 2010000000 bytes, not one byte fewer

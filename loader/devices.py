@@ -27,21 +27,36 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gdsload.loader.errors import BackendUnavailableError, ConfigError
+from .errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["Device", "Stream", "TorchDevice", "CupyDevice", "DriverDevice", "PrimaryContext", "as_device", "cuda_error_name",
-           "device_uuid", "start_primary_context", "torch_free_unavailable"]
+__all__ = [
+    "Device",
+    "Stream",
+    "TorchDevice",
+    "CupyDevice",
+    "DriverDevice",
+    "PrimaryContext",
+    "as_device",
+    "cuda_error_name",
+    "device_uuid",
+    "start_primary_context",
+    "torch_free_unavailable",
+]
 
 
 class Stream:
     """A CUDA stream a device made: its raw handle, a wait, and a context that makes it current."""
 
-    def __init__(self, handle: int, synchronize: Callable[[], None],
-                 activate: Callable[[], contextlib.AbstractContextManager[Any]]):
+    def __init__(
+        self,
+        handle: int,
+        synchronize: Callable[[], None],
+        activate: Callable[[], contextlib.AbstractContextManager[Any]],
+    ):
         self.handle = handle
         self.synchronize = synchronize
         self.activate = activate
@@ -140,8 +155,9 @@ class PrimaryContext:
 
     def _check(self, result: int, what: str) -> None:
         if result:
-            raise BackendUnavailableError(f"{what} failed for CUDA device {self.index}: "
-                                          f"{cuda_error_name(result, self.lib)}")
+            raise BackendUnavailableError(
+                f"{what} failed for CUDA device {self.index}: {cuda_error_name(result, self.lib)}"
+            )
 
     def new_stream(self) -> int:
         """A new non-blocking stream in this context (``cuStreamCreate``), whatever context the thread has."""
@@ -183,7 +199,7 @@ def start_primary_context(index: int = 0) -> None:
 
 def cuda_error_name(result: int, lib: Any = None) -> str:
     """``CUDA_ERROR_...`` for a CUresult (``lib``: the loaded driver, else it is loaded here)."""
-    import gdsload.loader.driver as driver
+    from . import driver
 
     return driver.error_name(result, lib)
 
@@ -256,8 +272,11 @@ class TorchDevice(Device):
             s = _KEPT.get((type(self), self.index, which))
             if s is None:
                 handle = _driver_stream(self.index)
-                s = (torch.cuda.ExternalStream(handle, device=self.device) if handle is not None
-                     else torch.cuda.Stream(device=self.device))
+                s = (
+                    torch.cuda.ExternalStream(handle, device=self.device)
+                    if handle is not None
+                    else torch.cuda.Stream(device=self.device)
+                )
                 _KEPT[type(self), self.index, which] = s
         return Stream(s.cuda_stream, s.synchronize, lambda: torch.cuda.stream(s))
 
@@ -268,7 +287,7 @@ class TorchDevice(Device):
         dst.copy_(src)
 
     def view(self, buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-        from gdsload.loader.dtypes import to_torch
+        from .dtypes import to_torch
 
         dt = to_torch(dtype)
         if not buf.numel():
@@ -278,7 +297,7 @@ class TorchDevice(Device):
     def views(self, bufs: Sequence[Any], slices: Iterable[tuple[int, int, int, str, tuple[int, ...]]]) -> list[Any]:
         # One op a tensor: each buffer is seen as each dtype once, and every tensor is a strided view of that
         # (a slice then two views cost three; a rank has hundreds of tensors).
-        from gdsload.loader.dtypes import to_torch
+        from .dtypes import to_torch
 
         typed: dict[tuple[int, str], Any] = {}
         out = []
@@ -355,8 +374,11 @@ class CupyDevice(Device):
         """Name, UUID (formatted as torch formats it) and memory of this GPU, without torch."""
         props = self.cupy.cuda.runtime.getDeviceProperties(self.index)
         name = props["name"]
-        return {"name": name.decode() if isinstance(name, bytes) else str(name), "uuid": device_uuid(self.index),
-                "total_memory": int(props["totalGlobalMem"])}
+        return {
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "uuid": device_uuid(self.index),
+            "total_memory": int(props["totalGlobalMem"]),
+        }
 
     def ipc_handle(self, buf: Any) -> bytes:
         """The CUDA IPC handle of a buffer this device allocated (the base of its own ``cudaMalloc``)."""
@@ -376,7 +398,7 @@ class DriverDevice(Device):
     uses_torch = False
 
     def __init__(self, index: int = 0):
-        import gdsload.loader.driver as driver
+        from . import driver
 
         self.driver = driver
         self.index = index
@@ -402,8 +424,10 @@ class DriverDevice(Device):
             handle = _KEPT.get((type(self), self.index, which))
             if handle is None:
                 s = ctypes.c_void_p()
-                self.driver.check(self.driver.lib().cuStreamCreate(ctypes.byref(s), self.driver.CU_STREAM_NON_BLOCKING),
-                                  "cuStreamCreate")
+                self.driver.check(
+                    self.driver.lib().cuStreamCreate(ctypes.byref(s), self.driver.CU_STREAM_NON_BLOCKING),
+                    "cuStreamCreate",
+                )
                 handle = _KEPT[type(self), self.index, which] = int(s.value or 0)
 
         def synchronize() -> None:
@@ -426,8 +450,9 @@ class DriverDevice(Device):
             raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
         if src.nbytes:
             self.activate()  # queued on the context's default stream; synchronize() waits for it
-            self.driver.check(self.driver.lib().cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, src.nbytes, None),
-                              "cuMemcpyDtoDAsync")
+            self.driver.check(
+                self.driver.lib().cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, src.nbytes, None), "cuMemcpyDtoDAsync"
+            )
 
     def facts(self) -> dict[str, Any]:
         """Name, UUID (formatted as torch formats it) and memory of this GPU, from the driver."""
@@ -436,8 +461,11 @@ class DriverDevice(Device):
         cuda, name, total = self.driver.lib(), ctypes.create_string_buffer(256), ctypes.c_size_t()
         self.driver.check(cuda.cuDeviceGetName(name, 256, self.index), "cuDeviceGetName")
         self.driver.check(cuda.cuDeviceTotalMem_v2(ctypes.byref(total), self.index), "cuDeviceTotalMem")
-        return {"name": name.value.decode(errors="replace"), "uuid": device_uuid(self.index),
-                "total_memory": int(total.value)}
+        return {
+            "name": name.value.decode(errors="replace"),
+            "uuid": device_uuid(self.index),
+            "total_memory": int(total.value),
+        }
 
     def ipc_handle(self, buf: Any) -> bytes:
         """The CUDA IPC handle of a buffer this device allocated (the base of its own ``cuMemAlloc``)."""
@@ -487,10 +515,12 @@ def _check_shm_room(nbytes: int, shm: str = "/dev/shm") -> None:
         return  # no /dev/shm to measure; torch's allocation reports its own error
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
-        from gdsload.loader.errors import DeviceMemoryError
+        from .errors import DeviceMemoryError
 
-        raise DeviceMemoryError(f"{nbytes} bytes of shared memory are needed and {shm} has {free} free; "
-                                f"give it more room (a container's --shm-size, or a larger tmpfs on {shm})")
+        raise DeviceMemoryError(
+            f"{nbytes} bytes of shared memory are needed and {shm} has {free} free; "
+            f"give it more room (a container's --shm-size, or a larger tmpfs on {shm})"
+        )
 
 
 def as_device(device: str | torch.device | Device) -> Device:
@@ -527,7 +557,7 @@ def torch_free_unavailable(backend: str = "auto", *, probe: bool = True) -> str 
         return "kvikio is not installed (kvikio-cu12 or kvikio-cu13; gdsload[cu12] or gdsload[cu13] bring it)"
     if not probe:
         return None
-    import gdsload.loader.driver as driver
+    from . import driver
 
     try:
         driver.lib()

@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any
 
-from gdsload.loader.errors import BackendUnavailableError, DeviceMemoryError
+from .errors import BackendUnavailableError, DeviceMemoryError
 
 __all__ = ["DeviceBuffer", "lib", "check", "primary", "current", "allocate", "device_count", "error_name"]
 
@@ -72,8 +72,10 @@ def lib() -> ctypes.CDLL:
             try:
                 cuda = ctypes.CDLL("libcuda.so.1")
             except OSError as e:
-                raise BackendUnavailableError(f"the CUDA driver (libcuda.so.1) does not load: {e}; install the "
-                                              "NVIDIA driver, or load with torch on the CPU") from None
+                raise BackendUnavailableError(
+                    f"the CUDA driver (libcuda.so.1) does not load: {e}; install the "
+                    "NVIDIA driver, or load with torch on the CPU"
+                ) from None
             for name, args in _SIGNATURES.items():
                 fn = getattr(cuda, name)
                 fn.argtypes, fn.restype = args, _int

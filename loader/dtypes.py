@@ -38,7 +38,6 @@ ITEMSIZE: dict[str, int] = {name: size for name, (size, _) in _TABLE.items()}
 SAFETENSORS_DTYPES: tuple[str, ...] = tuple(sorted(_TABLE))
 
 
-
 @cache
 def _tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     """Built on first use, so that reading headers does not import torch."""
@@ -64,6 +63,5 @@ def from_torch(dtype: torch.dtype) -> str:
         return _tables()[1][dtype]
     except KeyError:
         raise TypeError(
-            f"torch dtype {dtype} cannot be stored in safetensors; supported: "
-            f"{', '.join(str(d) for d in _tables()[1])}"
+            f"torch dtype {dtype} cannot be stored in safetensors; supported: {', '.join(str(d) for d in _tables()[1])}"
         ) from None

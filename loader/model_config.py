@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.errors import GdsloadError
+from .errors import GdsloadError
 
 __all__ = ["ModelConfig", "ModelConfigError", "TIED_BY_DEFAULT"]
 
@@ -89,8 +89,10 @@ class ModelConfig:
         try:
             doc = json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ModelConfigError(f"{str(p)!r} does not exist; a Hugging Face model directory holds config.json "
-                                   "next to its *.safetensors files") from None
+            raise ModelConfigError(
+                f"{str(p)!r} does not exist; a Hugging Face model directory holds config.json "
+                "next to its *.safetensors files"
+            ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelConfigError(f"{str(p)!r} is not a readable JSON file ({e}); fetch it again") from None
         return cls.from_dict(doc, where=str(p))
@@ -110,18 +112,32 @@ class ModelConfig:
         model_type = doc.get("model_type") if isinstance(doc.get("model_type"), str) else None
         hidden, heads = _int(doc.get("hidden_size")), _int(doc.get("num_attention_heads"))
         kv_heads = _int(doc.get("num_key_value_heads")) if doc.get("num_key_value_heads") is not None else heads
-        head_dim = _int(doc.get("head_dim")) if doc.get("head_dim") is not None else (
-            hidden // heads if hidden and heads else None)
+        head_dim = (
+            _int(doc.get("head_dim"))
+            if doc.get("head_dim") is not None
+            else (hidden // heads if hidden and heads else None)
+        )
         tied = doc.get("tie_word_embeddings")
         experts = next((_int(doc[k]) for k in _EXPERT_KEYS if doc.get(k)), None)
         quant = doc.get("quantization_config")
         return cls(
-            where=where, raw=dict(doc), architecture=architecture, model_type=model_type, wrapper=wrapper,
-            layers=_int(doc.get("num_hidden_layers")), hidden=hidden, heads=heads, kv_heads=kv_heads,
-            head_dim=head_dim, intermediate=_int(doc.get("intermediate_size")), vocab=_int(doc.get("vocab_size")),
+            where=where,
+            raw=dict(doc),
+            architecture=architecture,
+            model_type=model_type,
+            wrapper=wrapper,
+            layers=_int(doc.get("num_hidden_layers")),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=_int(doc.get("intermediate_size")),
+            vocab=_int(doc.get("vocab_size")),
             tie_word_embeddings=bool(tied) if tied is not None else model_type in TIED_BY_DEFAULT,
-            tie_is_default=tied is None, max_position=_int(doc.get("max_position_embeddings")),
-            experts=experts, experts_per_token=_int(doc.get("num_experts_per_tok")),
+            tie_is_default=tied is None,
+            max_position=_int(doc.get("max_position_embeddings")),
+            experts=experts,
+            experts_per_token=_int(doc.get("num_experts_per_tok")),
             moe_intermediate=_int(doc.get("moe_intermediate_size")),
             shared_experts=_int(doc.get("n_shared_experts") or doc.get("num_shared_experts")),
             quantization=quant if isinstance(quant, Mapping) else ({"quant_method": quant} if quant else None),

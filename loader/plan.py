@@ -25,16 +25,29 @@ import stat
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
-from gdsload.loader.format.compression import CompressedEntry, parse_compression
-from gdsload.loader.format.discovery import RankFiles
-from gdsload.loader.errors import FileUnreadableError, GdsloadError, HeaderError
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
-from gdsload.loader.format.manifest import logical_bytes
+from .format.compression import CompressedEntry, parse_compression
+from .format.discovery import RankFiles
+from .errors import FileUnreadableError, GdsloadError, HeaderError
+from .format.safetensors import DATA_ALIGNMENT, SafetensorsHeader, TensorInfo, read_header
+from .format.manifest import logical_bytes
 
-__all__ = ["Extent", "Placement", "CompressedTensor", "FilePlan", "LoadPlan", "PlanError", "TensorMeta", "rank_index",
-           "open_file", "fd_path",
-           "plan_rank", "align_up",
-           "split_extents", "stream_order", "direct_read_order"]
+__all__ = [
+    "Extent",
+    "Placement",
+    "CompressedTensor",
+    "FilePlan",
+    "LoadPlan",
+    "PlanError",
+    "TensorMeta",
+    "rank_index",
+    "open_file",
+    "fd_path",
+    "plan_rank",
+    "align_up",
+    "split_extents",
+    "stream_order",
+    "direct_read_order",
+]
 
 MAX_ARENA_BYTES = 1 << 62
 """A rank whose tensors add up to this much is refused at planning (sizes stay far from 64-bit overflow)."""
@@ -42,8 +55,9 @@ _COPY_ALIGNMENT = 64
 _SLOT_ALIGNMENT = 256
 
 
-def split_extents(extents: Sequence[Extent], chunk_bytes: int, *, interleave: bool = True,
-                  aligned: bool = False) -> list[Extent]:
+def split_extents(
+    extents: Sequence[Extent], chunk_bytes: int, *, interleave: bool = True, aligned: bool = False
+) -> list[Extent]:
     """Cut extents into reads of at most ``chunk_bytes``.
 
     With ``interleave`` the files take turns (round-robin), so that all of a rank's files are in
@@ -237,15 +251,16 @@ def open_file(path: str, confine: Sequence[str] | None = None) -> int:
     (:func:`~gdsload.loader.format.confine.open_beneath`).
     """
     if confine:
-        from gdsload.loader.format.confine import open_beneath  # only confined loads (the sidecar's) need it
+        from .format.confine import open_beneath  # only confined loads (the sidecar's) need it
 
         fd = open_beneath(path, confine)
     else:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
-            raise FileUnreadableError(f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and "
-                                      "this user may read it") from None
+            raise FileUnreadableError(
+                f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and this user may read it"
+            ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise FileUnreadableError(f"{path!r} is not a regular file; point the load at safetensors files")
@@ -257,8 +272,9 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def _open_all(rank_files: RankFiles, opened: Mapping[str, int] | None,
-              confine: Sequence[str] | None = None) -> tuple[list[int], list[bool]]:
+def _open_all(
+    rank_files: RankFiles, opened: Mapping[str, int] | None, confine: Sequence[str] | None = None
+) -> tuple[list[int], list[bool]]:
     """A descriptor per file (the caller's, where given): ``(fds, owned)``; on failure nothing stays open."""
     fds: list[int] = []
     owned: list[bool] = []
@@ -312,8 +328,11 @@ def rank_index(rank_files: RankFiles) -> dict[str, TensorMeta]:
         comp = parse_compression(h)
         for t in h.tensors:
             e = comp.get(t.name)
-            out[t.name] = (TensorMeta(t.name, t.dtype, t.shape, t.nbytes, h.path) if e is None
-                           else TensorMeta(t.name, e.dtype, e.shape, e.nbytes, h.path, True))
+            out[t.name] = (
+                TensorMeta(t.name, t.dtype, t.shape, t.nbytes, h.path)
+                if e is None
+                else TensorMeta(t.name, e.dtype, e.shape, e.nbytes, h.path, True)
+            )
     return out
 
 
@@ -351,18 +370,25 @@ def plan_rank(
         raise
 
 
-def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
-          targets: Mapping[str, tuple[str, tuple[int, ...]]] | None, only: Collection[str] | None,
-          map_files: bool) -> LoadPlan:
+def _plan(
+    rank_files: RankFiles,
+    fds: list[int],
+    owned: list[bool],
+    targets: Mapping[str, tuple[str, tuple[int, ...]]] | None,
+    only: Collection[str] | None,
+    map_files: bool,
+) -> LoadPlan:
     headers = _read_headers(rank_files, fds)
     seen = {t.name for h in headers for t in h.tensors}
     targets = dict(targets or {})
     wanted = None if only is None else set(only) | set(targets)
     unknown = sorted(n for n in (wanted or targets) if n not in seen)
     if unknown:
-        raise PlanError(f"{len(unknown)} requested tensor(s) are not in rank {rank_files.rank} under "
-                        f"{str(rank_files.root)!r}: {', '.join(map(repr, unknown[:8]))}; "
-                        "ask only for names the rank's files hold")
+        raise PlanError(
+            f"{len(unknown)} requested tensor(s) are not in rank {rank_files.rank} under "
+            f"{str(rank_files.root)!r}: {', '.join(map(repr, unknown[:8]))}; "
+            "ask only for names the rank's files hold"
+        )
     order = list(targets)
     buffer_of = {name: i + 1 for i, name in enumerate(order)}
     entries = [parse_compression(h) for h in headers]
@@ -370,9 +396,11 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
     def check_target(name: str, dtype: str, shape: tuple[int, ...], path: str) -> None:
         want = targets[name]
         if (want[0], tuple(want[1])) != (dtype, tuple(shape)):
-            raise PlanError(f"{path!r}: tensor {name!r} is {dtype}{list(shape)} but its destination is "
-                            f"{want[0]}{list(want[1])}; give a destination of the tensor's own dtype and shape "
-                            "(or leave the tensor out of `into` and copy it)")
+            raise PlanError(
+                f"{path!r}: tensor {name!r} is {dtype}{list(shape)} but its destination is "
+                f"{want[0]}{list(want[1])}; give a destination of the tensor's own dtype and shape "
+                "(or leave the tensor out of `into` and copy it)"
+            )
 
     files: list[FilePlan | None] = [None] * len(headers)
     placements: list[Placement] = []
@@ -507,9 +535,19 @@ def _plan(rank_files: RankFiles, fds: list[int], owned: list[bool],
         final.append(p)
     assert all(f is not None for f in files)
     if cursor >= MAX_ARENA_BYTES:
-        raise HeaderError(f"rank {rank_files.rank} under {str(rank_files.root)!r}: its tensors add up to {cursor} bytes, "
-                          f"more than any device holds (2**62 or more); the headers of {', '.join(repr(h.path) for h in headers[:3])} "
-                          "are damaged")
-    return LoadPlan(rank=rank_files.rank, files=tuple(f for f in files if f is not None), placements=tuple(final),
-                    arena_bytes=cursor, compressed=tuple(compressed), targets=tuple(order), mapped=tuple(mapped),
-                    fds=tuple(fds), owned=list(owned))
+        raise HeaderError(
+            f"rank {rank_files.rank} under {str(rank_files.root)!r}: its tensors add up to {cursor} bytes, "
+            f"more than any device holds (2**62 or more); the headers of {', '.join(repr(h.path) for h in headers[:3])} "
+            "are damaged"
+        )
+    return LoadPlan(
+        rank=rank_files.rank,
+        files=tuple(f for f in files if f is not None),
+        placements=tuple(final),
+        arena_bytes=cursor,
+        compressed=tuple(compressed),
+        targets=tuple(order),
+        mapped=tuple(mapped),
+        fds=tuple(fds),
+        owned=list(owned),
+    )

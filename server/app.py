@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from gdsload.loader.version import __version__
-from gdsload.loader.errors import GdsloadError
+from ..loader.version import __version__
+from ..loader.errors import GdsloadError
 
 from .http_guard import REQUEST_TIMEOUT_S
 from .metrics import make_registry, render
@@ -114,11 +114,20 @@ class _HoldResponse(Response):
         listener = asyncio.ensure_future(listen())
         sup = self.supervisor
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")],
+                }
+            )
             await send({"type": "http.response.body", "body": b"held\n", "more_body": True})
-            while (not gone.is_set() and sup.holds(self.rank, self.lease) and not sup.stopping
-                   and not sup.draining.is_set()):
+            while (
+                not gone.is_set()
+                and sup.holds(self.rank, self.lease)
+                and not sup.stopping
+                and not sup.draining.is_set()
+            ):
                 try:
                     await asyncio.wait_for(gone.wait(), timeout=HOLD_POLL_S)
                 except asyncio.TimeoutError:
@@ -141,16 +150,28 @@ class ReloadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model_dir: str = Field(min_length=1, max_length=4096,
-                           description="Absolute path of the model directory to serve; must lie under an --allow-root "
-                                       "directory once symlinks and '..' are resolved.")
+    model_dir: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Absolute path of the model directory to serve; must lie under an --allow-root "
+        "directory once symlinks and '..' are resolved.",
+    )
     ranks: list[Annotated[StrictInt, Field(ge=0, le=4095)]] | None = Field(
-        default=None, min_length=1, max_length=4096,
-        description="Ranks to serve; default: the --ranks/--tp of the server, else every rank of the model.")
-    wait_s: float = Field(default=0.0, ge=0, le=600, strict=True,
-                          description="Seconds to wait for outstanding IPC exports to be released before refusing.")
-    force: StrictBool = Field(default=False, description="Reload even while IPC exports are outstanding "
-                                                         "(their memory becomes invalid).")
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="Ranks to serve; default: the --ranks/--tp of the server, else every rank of the model.",
+    )
+    wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=600,
+        strict=True,
+        description="Seconds to wait for outstanding IPC exports to be released before refusing.",
+    )
+    force: StrictBool = Field(
+        default=False, description="Reload even while IPC exports are outstanding (their memory becomes invalid)."
+    )
 
     @field_validator("model_dir")
     @classmethod
@@ -165,8 +186,13 @@ class UnloadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    wait_s: float = Field(default=0.0, ge=0, le=600, strict=True,
-                          description="Seconds to wait for outstanding IPC exports to be released before refusing.")
+    wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=600,
+        strict=True,
+        description="Seconds to wait for outstanding IPC exports to be released before refusing.",
+    )
     force: StrictBool = Field(default=False, description="Unload even while IPC exports are outstanding.")
 
 
@@ -175,17 +201,34 @@ class ReleaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lease: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$",
-                              description="The lease id returned by GET /v1/ipc/{rank}; omitted: every outstanding "
-                                          "lease of the rank (one engine per rank).")
+    lease: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="The lease id returned by GET /v1/ipc/{rank}; omitted: every outstanding "
+        "lease of the rank (one engine per rank).",
+    )
 
 
-async def _send_error(send: Callable[[_Message], Awaitable[None]], status: int, kind: str, message: str,
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_error(
+    send: Callable[[_Message], Awaitable[None]],
+    status: int,
+    kind: str,
+    message: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = JSONResponse({"error": {"type": kind, "message": message}}).body
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -198,8 +241,9 @@ class _BodyLimit:
         self.limit = limit
         self.timeout = timeout
 
-    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
-                       send: Callable[[_Message], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: _Scope, receive: Callable[[], Awaitable[_Message]], send: Callable[[_Message], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
@@ -215,8 +259,12 @@ class _BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(left, 0.001))
             except asyncio.TimeoutError:
-                await _send_error(send, 408, "RequestTimeout",
-                                  f"the request body did not arrive within {self.timeout:g} s; send it at once")
+                await _send_error(
+                    send,
+                    408,
+                    "RequestTimeout",
+                    f"the request body did not arrive within {self.timeout:g} s; send it at once",
+                )
                 return
             buffered.append(message)
             if message["type"] != "http.request":
@@ -249,13 +297,15 @@ class _HostCheck:
         self.allowed = sorted({_host_pattern(h) for h in allowed})
         self.trusted = TrustedHostMiddleware(self._admitted, allowed_hosts=self.allowed, www_redirect=False)
 
-    async def _admitted(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
-                        send: Callable[[_Message], Awaitable[None]]) -> None:
+    async def _admitted(
+        self, scope: _Scope, receive: Callable[[], Awaitable[_Message]], send: Callable[[_Message], Awaitable[None]]
+    ) -> None:
         scope["gdsload.host_allowed"] = True
         await self.app(scope, receive, send)
 
-    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
-                       send: Callable[[_Message], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: _Scope, receive: Callable[[], Awaitable[_Message]], send: Callable[[_Message], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or scope["path"] in ("/healthz", "/readyz"):
             await self.app(scope, receive, send)
             return
@@ -267,9 +317,13 @@ class _HostCheck:
         await self.trusted(scope, receive, admitted_only)
         if not scope.get("gdsload.host_allowed"):
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            await _send_error(send, 400, "HostNotAllowed",
-                              f"Host {host!r} is not one this server answers ({', '.join(self.allowed)}); "
-                              "start it with --allowed-host NAME to add one")
+            await _send_error(
+                send,
+                400,
+                "HostNotAllowed",
+                f"Host {host!r} is not one this server answers ({', '.join(self.allowed)}); "
+                "start it with --allowed-host NAME to add one",
+            )
 
 
 def _host_pattern(host: str) -> str:
@@ -286,16 +340,22 @@ class _TokenFirst:
         self.protected = protected
         self.token = token
 
-    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
-                       send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and any(scope["method"] in methods and regex.match(scope["path"])
-                                           for methods, regex in self.protected):
+    async def __call__(
+        self, scope: _Scope, receive: Callable[[], Awaitable[_Message]], send: Callable[[_Message], Awaitable[None]]
+    ) -> None:
+        if scope["type"] == "http" and any(
+            scope["method"] in methods and regex.match(scope["path"]) for methods, regex in self.protected
+        ):
             try:
                 _check_token(self.token, _authorization(scope))
             except GdsloadError as e:
-                await _send_error(send, _http_status(e), type(e).__name__, str(e),
-                                  [(b"www-authenticate", b'Bearer realm="gdsload"')] if isinstance(e, UnauthorizedError)
-                                  else None)
+                await _send_error(
+                    send,
+                    _http_status(e),
+                    type(e).__name__,
+                    str(e),
+                    [(b"www-authenticate", b'Bearer realm="gdsload"')] if isinstance(e, UnauthorizedError) else None,
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -322,8 +382,9 @@ def _check_token(token: str | None, given: str | None) -> None:
 _bearer = HTTPBearer(auto_error=False, description=f"The token from {TOKEN_ENV} or --token-file.")
 
 
-def _require_token(request: Request,
-                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+def _require_token(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
     """The route-level check (it documents the scheme in OpenAPI); ``_TokenFirst`` has already run it."""
     _check_token(request.app.state.supervisor.config.token, credentials.credentials if credentials else None)
 
@@ -354,8 +415,9 @@ class _ProbesFastPath:
         self.app = app
         self.supervisor = supervisor
 
-    async def __call__(self, scope: _Scope, receive: Callable[[], Awaitable[_Message]],
-                       send: Callable[[_Message], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: _Scope, receive: Callable[[], Awaitable[_Message]], send: Callable[[_Message], Awaitable[None]]
+    ) -> None:
         if not await answer_probe(scope, send, self.supervisor):
             await self.app(scope, receive, send)
 
@@ -379,7 +441,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         title="gdsload sidecar",
         version=__version__,
         description="Loads a model's tensor-parallel ranks (one worker process per rank) and reports liveness, "
-                    "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
+        "readiness and per-phase load timings; hands the loaded tensors to a local engine by IPC.",
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN: /docs below needs nothing from outside
         redoc_url=None,  # not served, and named nowhere: /docs and /openapi.json describe the API
@@ -404,44 +466,71 @@ def create_app(supervisor: Supervisor) -> FastAPI:
             except GdsloadError as denied:
                 return await _typed_error(request, denied)
         if any(e.get("type") == "json_invalid" for e in exc.errors()):
-            return JSONResponse({"error": {"type": "MalformedJson", "message": "the request body is not valid JSON: "
-                                           + _validation_message(exc)}}, status_code=400)
-        return JSONResponse({"error": {"type": "InvalidRequest", "message": _validation_message(exc)}},
-                            status_code=422)
+            return JSONResponse(
+                {
+                    "error": {
+                        "type": "MalformedJson",
+                        "message": "the request body is not valid JSON: " + _validation_message(exc),
+                    }
+                },
+                status_code=400,
+            )
+        return JSONResponse({"error": {"type": "InvalidRequest", "message": _validation_message(exc)}}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HttpError")
-        return JSONResponse({"error": {"type": kind, "message": f"{request.method} {request.url.path}: {exc.detail}"}},
-                            status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            {"error": {"type": kind, "message": f"{request.method} {request.url.path}: {exc.detail}"}},
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def _server_fault(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this answer, and uvicorn logs it with its traceback.
-        return JSONResponse({"error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}; "
-                                       "see the server's log"}}, status_code=500)
+        return JSONResponse(
+            {"error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}; see the server's log"}},
+            status_code=500,
+        )
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
         return Response(api_page(app.openapi()), media_type="text/html")
 
     # HEAD of either probe is answered like GET, without a body, by the probes' fast path.
-    @app.get("/healthz", tags=["probes"], summary="Liveness: 200 while the process lives and its supervisor runs",
-             responses={200: _json("Alive: status, uptime_s"),
-                        503: _json("The supervisor loop died (status, uptime_s, error): restart the process")})
+    @app.get(
+        "/healthz",
+        tags=["probes"],
+        summary="Liveness: 200 while the process lives and its supervisor runs",
+        responses={
+            200: _json("Alive: status, uptime_s"),
+            503: _json("The supervisor loop died (status, uptime_s, error): restart the process"),
+        },
+    )
     async def healthz() -> Response:
         code, body = healthz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
-    @app.get("/readyz", tags=["probes"], summary="Readiness: 200 only when every served rank is loaded",
-             responses={200: _json("Every rank is ready: ready, generation, per-rank states"),
-                        503: _json("Not ready: ready, generation, per-rank states and the reason")})
+    @app.get(
+        "/readyz",
+        tags=["probes"],
+        summary="Readiness: 200 only when every served rank is loaded",
+        responses={
+            200: _json("Every rank is ready: ready, generation, per-rank states"),
+            503: _json("Not ready: ready, generation, per-rank states and the reason"),
+        },
+    )
     async def readyz() -> Response:
         code, body = readyz_answer(supervisor)
         return Response(body, status_code=code, media_type="application/json")
 
-    @app.get("/v1/status", tags=["status"], summary="Per-rank state, bytes, phase timings, GB/s; details with the token",
-             responses={401: {"description": "A bearer token was sent, and it is not the server's"}})
+    @app.get(
+        "/v1/status",
+        tags=["status"],
+        summary="Per-rank state, bytes, phase timings, GB/s; details with the token",
+        responses={401: {"description": "A bearer token was sent, and it is not the server's"}},
+    )
     async def status(request: Request) -> JSONResponse:
         """Per rank: ``state`` (pending/loading/ready/failed), ``backend``, ``io_mode``,
         ``logical_bytes``/``stored_bytes``/``bytes_done``, ``phases`` (seconds), ``gbps``, the error's type,
@@ -453,9 +542,18 @@ def create_app(supervisor: Supervisor) -> FastAPI:
             _check_token(supervisor.config.token, given)  # a wrong token is refused, not quietly downgraded
         return JSONResponse(supervisor.status(detail=given is not None))
 
-    @app.get("/metrics", tags=["status"], summary="Prometheus metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "The Prometheus text exposition format",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        tags=["status"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "The Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def metrics() -> Response:
         body, content_type = render(registry)
         return Response(body, media_type=content_type)
@@ -467,8 +565,14 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         while supervisor.outstanding_leases() and time.monotonic() < deadline and not supervisor.stopping:
             await asyncio.sleep(0.05)
 
-    @app.post("/v1/reload", tags=["control"], status_code=202, dependencies=protected, responses=_TOKEN_ERRORS,
-              summary="Serve another model directory (e.g. a new version)")
+    @app.post(
+        "/v1/reload",
+        tags=["control"],
+        status_code=202,
+        dependencies=protected,
+        responses=_TOKEN_ERRORS,
+        summary="Serve another model directory (e.g. a new version)",
+    )
     async def reload(body: ReloadRequest) -> dict[str, Any]:
         """Checks the new directory first (allowed root, discovery, device placement): a bad target answers
         4xx and the current model stays. Then stops the current workers and starts the new ones; poll
@@ -477,7 +581,13 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         await wait_for_leases(body.wait_s)
         return await supervisor.switch_async(target, force=body.force)
 
-    @app.post("/v1/unload", tags=["control"], dependencies=protected, responses=_TOKEN_ERRORS, summary="Stop the workers and free memory")
+    @app.post(
+        "/v1/unload",
+        tags=["control"],
+        dependencies=protected,
+        responses=_TOKEN_ERRORS,
+        summary="Stop the workers and free memory",
+    )
     async def unload(body: UnloadRequest | None = None) -> dict[str, Any]:
         """Answers once the workers are asked to stop; they free their memory and exit within
         ``--stop-timeout`` seconds, or are killed (``/v1/status`` counts those still stopping)."""
@@ -485,30 +595,53 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         await wait_for_leases(body.wait_s)
         return await supervisor.switch_async(None, force=body.force)
 
-    @app.get("/v1/ipc/{rank}", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
-             summary="IPC document of a rank for a local engine process")
+    @app.get(
+        "/v1/ipc/{rank}",
+        tags=["hand-off"],
+        dependencies=protected,
+        responses=_TOKEN_ERRORS,
+        summary="IPC document of a rank for a local engine process",
+    )
     async def ipc_export(rank: Annotated[int, Path(ge=0, le=4095)]) -> dict[str, Any]:
         """The arena's IPC handle (CUDA IPC, or shared memory for host-memory ranks) and the tensor table
         (name, dtype, shape, offset, nbytes), for :func:`gdsload.loader.handoff.ipc.import_rank`. The memory stays
         valid until the returned ``lease`` is released or the model is unloaded."""
         return await supervisor.export_async(rank)
 
-    @app.post("/v1/ipc/{rank}/release", tags=["hand-off"], dependencies=protected, responses=_TOKEN_ERRORS,
-              summary="The engine is done with an exported rank")
-    async def ipc_release(rank: Annotated[int, Path(ge=0, le=4095)],
-                          body: ReleaseRequest | None = None) -> dict[str, Any]:
+    @app.post(
+        "/v1/ipc/{rank}/release",
+        tags=["hand-off"],
+        dependencies=protected,
+        responses=_TOKEN_ERRORS,
+        summary="The engine is done with an exported rank",
+    )
+    async def ipc_release(
+        rank: Annotated[int, Path(ge=0, le=4095)], body: ReleaseRequest | None = None
+    ) -> dict[str, Any]:
         return await supervisor.release_async(rank, (body or ReleaseRequest()).lease)
 
-    @app.get("/v1/ipc/{rank}/hold", tags=["hand-off"], dependencies=protected, response_class=PlainTextResponse,
-             responses={**_TOKEN_ERRORS,
-                        200: {"description": "``held``, then nothing until the lease ends (``released`` or "
-                                             "``stopping``)", "content": {"text/plain": {"schema": {"type": "string"}}}}},
-             summary="Hold an exported rank for as long as the engine process lives")
-    async def ipc_hold(request: Request, rank: Annotated[int, Path(ge=0, le=4095)],
-                 lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
-                 pid: Annotated[int | None, Query(ge=1, le=2**22,
-                                                  description="The engine's process id, for /v1/status.")] = None
-                 ) -> Response:
+    @app.get(
+        "/v1/ipc/{rank}/hold",
+        tags=["hand-off"],
+        dependencies=protected,
+        response_class=PlainTextResponse,
+        responses={
+            **_TOKEN_ERRORS,
+            200: {
+                "description": "``held``, then nothing until the lease ends (``released`` or ``stopping``)",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+        },
+        summary="Hold an exported rank for as long as the engine process lives",
+    )
+    async def ipc_hold(
+        request: Request,
+        rank: Annotated[int, Path(ge=0, le=4095)],
+        lease: Annotated[str, Query(pattern=r"^[0-9a-f]{32}$", description="The lease of GET /v1/ipc/{rank}.")],
+        pid: Annotated[
+            int | None, Query(ge=1, le=2**22, description="The engine's process id, for /v1/status.")
+        ] = None,
+    ) -> Response:
         """For an engine whose parameters adopted the exported memory: the answer is ``held``, then the
         connection stays open; the lease is released when it closes (the engine exited), and a reload or
         unload is refused meanwhile unless forced. ``released`` ends the answer if the sidecar voids the
@@ -517,8 +650,11 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         supervisor.hold(rank, lease, pid=pid, peer=f"{client[0]}:{client[1]}" if client else None)
         return _HoldResponse(supervisor, rank, lease)
 
-    protected_routes = [(set(r.methods or ()), r.path_regex) for r in app.routes
-                        if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))]
+    protected_routes = [
+        (set(r.methods or ()), r.path_regex)
+        for r in app.routes
+        if any(getattr(d, "dependency", None) is _require_token for d in getattr(r, "dependencies", ()))
+    ]
     # Added innermost first: the probes, then the Host, then the token, then the body (size and time).
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, timeout=supervisor.config.request_timeout)
     app.add_middleware(_TokenFirst, protected=protected_routes, token=supervisor.config.token)
@@ -542,9 +678,16 @@ def _json(description: str) -> dict[str, Any]:
 
 
 _ERROR_SCHEMA = {
-    "title": "Error", "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["type", "message"],
-                             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+    "title": "Error",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        }
+    },
 }
 
 
@@ -574,13 +717,18 @@ def api_page(spec: dict[str, Any]) -> str:
     for path, item in spec.get("paths", {}).items():
         for method, op in item.items():
             token = "yes" if op.get("security") else "no"
-            rows.append(f"<tr><td><code>{html.escape(method.upper())} {html.escape(path)}</code></td>"
-                        f"<td>{token}</td><td>{html.escape(op.get('summary', ''))}"
-                        f"<br><small>{html.escape((op.get('description') or '').strip())}</small></td></tr>")
+            rows.append(
+                f"<tr><td><code>{html.escape(method.upper())} {html.escape(path)}</code></td>"
+                f"<td>{token}</td><td>{html.escape(op.get('summary', ''))}"
+                f"<br><small>{html.escape((op.get('description') or '').strip())}</small></td></tr>"
+            )
     title = html.escape(f"{spec.get('info', {}).get('title', '')} {spec.get('info', {}).get('version', '')}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>body{{font-family:"
-            "sans-serif;margin:2em}td{vertical-align:top;padding:4px 12px;border-top:1px solid #ddd}</style></head>"
-            f"<body><h1>{title}</h1><p>{html.escape(spec.get('info', {}).get('description', ''))}</p>"
-            "<p>Machine-readable: <a href='/openapi.json'>/openapi.json</a>. Token endpoints want "
-            "<code>Authorization: Bearer TOKEN</code>.</p><table><tr><th>endpoint</th><th>token</th><th>what</th></tr>"
-            + "".join(rows) + "</table></body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>body{{font-family:"
+        "sans-serif;margin:2em}td{vertical-align:top;padding:4px 12px;border-top:1px solid #ddd}</style></head>"
+        f"<body><h1>{title}</h1><p>{html.escape(spec.get('info', {}).get('description', ''))}</p>"
+        "<p>Machine-readable: <a href='/openapi.json'>/openapi.json</a>. Token endpoints want "
+        "<code>Authorization: Bearer TOKEN</code>.</p><table><tr><th>endpoint</th><th>token</th><th>what</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>"
+    )

@@ -20,9 +20,9 @@ import click
 
 # Only light modules here: subcommands import torch-backed parts of the library when they run,
 # so `gdsload --help` and the sidecar's parent process start without importing torch.
-from gdsload.loader.version import __version__
-from gdsload.loader.config import format_bytes, parse_size
-from gdsload.loader.errors import GdsloadError
+from ..loader.version import __version__
+from ..loader.config import format_bytes, parse_size
+from ..loader.errors import GdsloadError
 
 from .signals import stop_on_sigterm
 
@@ -107,14 +107,20 @@ def cli(verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: str, tensors: bool, as_json: bool) -> None:
     """Show ranks, files, tensors, dtypes, bytes, alignment and compression of a checkpoint."""
-    from gdsload.loader import read_header
-    from gdsload.loader.format.compression import parse_compression
-    from gdsload.loader.format.discovery import scan_layout
+    from ..loader import read_header
+    from ..loader.format.compression import parse_compression
+    from ..loader.format.discovery import scan_layout
 
     scanned = scan_layout(path)
     source, ranks = scanned.source, scanned.ranks
-    doc: dict[str, Any] = {"path": str(Path(path).resolve()), "source": source, "tp_size": scanned.tp_size,
-                           "pp_size": scanned.pp_size, "ep_size": scanned.ep_size, "ranks": {}}
+    doc: dict[str, Any] = {
+        "path": str(Path(path).resolve()),
+        "source": source,
+        "tp_size": scanned.tp_size,
+        "pp_size": scanned.pp_size,
+        "ep_size": scanned.ep_size,
+        "ranks": {},
+    }
     for rank, files in sorted(ranks.items()):
         out = []
         for f in files:
@@ -133,37 +139,61 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
             if packed:
                 stored = sum(e.stored_bytes for e in packed.values())
                 logical = sum(e.nbytes for e in packed.values())
-                entry["compression"] = {"tensors": len(packed), "codecs": dict(Counter(e.codec for e in packed.values())),
-                                        "stored_bytes": stored, "logical_bytes": logical,
-                                        "ratio": round(logical / stored, 3) if stored else None}
+                entry["compression"] = {
+                    "tensors": len(packed),
+                    "codecs": dict(Counter(e.codec for e in packed.values())),
+                    "stored_bytes": stored,
+                    "logical_bytes": logical,
+                    "ratio": round(logical / stored, 3) if stored else None,
+                }
             if tensors:
                 entry["tensor_list"] = []
                 for t in h.tensors:
-                    row = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": h.data_offset + t.start,
-                           "bytes": t.nbytes}
+                    row = {
+                        "name": t.name,
+                        "dtype": t.dtype,
+                        "shape": list(t.shape),
+                        "offset": h.data_offset + t.start,
+                        "bytes": t.nbytes,
+                    }
                     if t.name in packed:  # what it decodes to
                         e = packed[t.name]
-                        row.update(dtype=e.dtype, shape=list(e.shape), codec=e.codec, logical_bytes=e.nbytes,
-                                   stored_dtype=t.dtype)
+                        row.update(
+                            dtype=e.dtype,
+                            shape=list(e.shape),
+                            codec=e.codec,
+                            logical_bytes=e.nbytes,
+                            stored_dtype=t.dtype,
+                        )
                     entry["tensor_list"].append(row)
             out.append(entry)
         doc["ranks"][rank] = out
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(f"{doc['path']}: {source} layout, tp={scanned.tp_size} pp={scanned.pp_size} ep={scanned.ep_size}, "
-               f"{len(ranks)} rank(s)")
+    click.echo(
+        f"{doc['path']}: {source} layout, tp={scanned.tp_size} pp={scanned.pp_size} ep={scanned.ep_size}, "
+        f"{len(ranks)} rank(s)"
+    )
     for rank, files in doc["ranks"].items():
         for e in files:
             dtypes = ", ".join(f"{k}×{v}" for k, v in sorted(e["dtypes"].items()))
             align = "data@4K" if e["data_aligned_4k"] else f"data@{e['data_offset']} (unaligned)"
             mis = f", {e['misaligned_tensors']} misaligned" if e["misaligned_tensors"] else ""
             c = e.get("compression")
-            packed_note = (f", {c['tensors']} compressed ({', '.join(f'{k}×{v}' for k, v in sorted(c['codecs'].items()))}:"
-                           f" {format_bytes(c['stored_bytes'])} for {format_bytes(c['logical_bytes'])},"
-                           f" ratio {c['ratio']})") if c else ""
-            click.echo(f"  rank {rank}  {e['file']}: {format_bytes(e['bytes'])}, {e['tensors']} tensors ({dtypes}), "
-                       f"{align}{mis}{packed_note}")
+            packed_note = (
+                (
+                    f", {c['tensors']} compressed ({', '.join(f'{k}×{v}' for k, v in sorted(c['codecs'].items()))}:"
+                    f" {format_bytes(c['stored_bytes'])} for {format_bytes(c['logical_bytes'])},"
+                    f" ratio {c['ratio']})"
+                )
+                if c
+                else ""
+            )
+            click.echo(
+                f"  rank {rank}  {e['file']}: {format_bytes(e['bytes'])}, {e['tensors']} tensors ({dtypes}), "
+                f"{align}{mis}{packed_note}"
+            )
             for t in e.get("tensor_list", []):
                 codec = f"  {t['codec']}: {format_bytes(t['bytes'])} stored" if "codec" in t else ""
                 size = format_bytes(t.get("logical_bytes", t["bytes"]))
@@ -172,27 +202,59 @@ def inspect(path: str, tensors: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="The rank to load (global: pipeline stage x tensor-parallel size + tensor-parallel rank).")
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The rank to load (global: pipeline stage x tensor-parallel size + tensor-parallel rank).",
+)
 @click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Target device: cpu, cuda, cuda:N.")
 @click.option("--backend", default=None, help="auto (default) or a backend name; env GDSLOAD_BACKEND.")
 @click.option("--threads", "num_threads", type=int, default=None, help="Reader threads; env GDSLOAD_NUM_THREADS.")
-@click.option("--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES.")
-@click.option("--verify/--no-verify", default=None, help="--verify: also check the manifest digests, and fail on anything unchecked; --no-verify: check nothing (default: every tensor against its recorded checksum); env GDSLOAD_VERIFY.")
-@click.option("--progress/--no-progress", "show_progress", default=None,
-              help="Progress on stderr (a bar on a terminal, a line every few seconds otherwise).")
+@click.option(
+    "--chunk", "chunk_bytes", type=SIZE, default=None, help="Largest read, e.g. 16MiB; env GDSLOAD_CHUNK_BYTES."
+)
+@click.option(
+    "--verify/--no-verify",
+    default=None,
+    help="--verify: also check the manifest digests, and fail on anything unchecked; --no-verify: check nothing (default: every tensor against its recorded checksum); env GDSLOAD_VERIFY.",
+)
+@click.option(
+    "--progress/--no-progress",
+    "show_progress",
+    default=None,
+    help="Progress on stderr (a bar on a terminal, a line every few seconds otherwise).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def load(path: str, rank: int, device: str, backend: str | None, num_threads: int | None,
-         chunk_bytes: int | None, verify: bool | None, show_progress: bool | None, as_json: bool) -> None:
+def load(
+    path: str,
+    rank: int,
+    device: str,
+    backend: str | None,
+    num_threads: int | None,
+    chunk_bytes: int | None,
+    verify: bool | None,
+    show_progress: bool | None,
+    as_json: bool,
+) -> None:
     """Load one rank and print the load report."""
-    from gdsload.loader import discover, load_rank
+    from ..loader import discover, load_rank
 
     from .progress import progress_bar
 
     total = sum(os.path.getsize(f) for f in discover(path, rank).files)
     with progress_bar(f"load rank {rank}", total, enabled=show_progress) as step:
-        result = load_rank(path, rank, device=device, backend=backend, num_threads=num_threads,
-                           chunk_bytes=chunk_bytes, verify=verify, progress=step)
+        result = load_rank(
+            path,
+            rank,
+            device=device,
+            backend=backend,
+            num_threads=num_threads,
+            chunk_bytes=chunk_bytes,
+            verify=verify,
+            progress=step,
+        )
     print_report(result.report, as_json)
 
 
@@ -203,11 +265,15 @@ def print_report(report: Any, as_json: bool) -> None:
     click.echo(report.summary())
     phases = "  ".join(f"{k}={v * 1000:.1f}ms" for k, v in report.phases.items())
     click.echo(f"  phases: {phases}")
-    click.echo(f"  stored {format_bytes(report.stored_bytes)}, logical {format_bytes(report.logical_bytes)}, "
-               f"source={report.source}, verified={report.verified}")
+    click.echo(
+        f"  stored {format_bytes(report.stored_bytes)}, logical {format_bytes(report.logical_bytes)}, "
+        f"source={report.source}, verified={report.verified}"
+    )
     for f in report.files:
         extra = f", {f.copied_tensors} copied (misaligned)" if f.copied_tensors else ""
-        click.echo(f"  {Path(f.path).name}: io={f.io_mode}, {f.tensors} tensors, {format_bytes(f.logical_bytes)}{extra}")
+        click.echo(
+            f"  {Path(f.path).name}: io={f.io_mode}, {f.tensors} tensors, {format_bytes(f.logical_bytes)}{extra}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

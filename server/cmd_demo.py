@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-from gdsload.loader.pipeline.result import FileReport, LoadReport
+from ..loader.pipeline.result import FileReport, LoadReport
 
 from .cli import SIZE, print_report
 
@@ -41,26 +41,43 @@ def serve_command(*args: str) -> list[str]:
 
 
 @click.command("demo")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Where to build the demo model (default: a temporary directory, removed afterwards).")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where to build the demo model (default: a temporary directory, removed afterwards).",
+)
 @click.option("--tp", default=2, show_default=True, help="Ranks to shard the demo model into (one worker each).")
 @click.option("--size", type=SIZE, default="64MiB", show_default=True, help="Approximate model size.")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for /readyz to answer 200.")
 def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
     """Build a synthetic model as rank shards, serve it with `gdsload serve` (CPU), poll /readyz until 200,
     print the per-rank load reports from /v1/status, then stop the server with SIGTERM."""
-    from gdsload.loader.prepare.synthetic import make_checkpoint, shape_for_size
+    from ..loader.prepare.synthetic import make_checkpoint, shape_for_size
 
     with tempfile.TemporaryDirectory(prefix="gdsload-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp) / "model"
         shape = shape_for_size(size)
-        click.echo(f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}")
+        click.echo(
+            f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}"
+        )
         make_checkpoint(root, shape, tp=tp)
 
         log_path = Path(tmp) / "serve.log"
         # Flags pin what the demo needs; the worker verifies the manifest digests (GDSLOAD_VERIFY).
-        cmd = serve_command(str(root), "--tp", str(tp), "--host", "127.0.0.1", "--port", "0", "--device-map", "cpu",
-                            "--log-level", "info")  # the demo reads the port and each rank's progress from the log
+        cmd = serve_command(
+            str(root),
+            "--tp",
+            str(tp),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device-map",
+            "cpu",
+            "--log-level",
+            "info",
+        )  # the demo reads the port and each rank's progress from the log
         token = secrets.token_hex(16)  # /v1/status shows each rank's load report to the token's holder
         env = {**os.environ, "GDSLOAD_VERIFY": "1", "PYTHONUNBUFFERED": "1", "GDSLOAD_TOKEN": token}
         click.echo(f"starting: gdsload serve {root} --tp {tp} --host 127.0.0.1 --port 0 --device-map cpu")
@@ -74,8 +91,10 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
             for key in sorted(status["ranks"], key=int):
                 r = status["ranks"][key]
                 print_report(_report_from_dict(r["report"]), as_json=False)
-            click.echo(f"time to ready: {status['process']['time_to_ready_s']:.2f} s after the server process started "
-                       f"({status['load']['time_to_ready_s']:.2f} s from the start of the load)")
+            click.echo(
+                f"time to ready: {status['process']['time_to_ready_s']:.2f} s after the server process started "
+                f"({status['load']['time_to_ready_s']:.2f} s from the start of the load)"
+            )
             pids = [r["pid"] for r in status["ranks"].values() if r["pid"]]
             _stop(proc, log_path, pids)
         finally:

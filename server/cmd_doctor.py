@@ -6,7 +6,7 @@ import json
 
 import click
 
-from gdsload.loader.doctor import diagnose, format_report
+from ..loader.doctor import diagnose, format_report
 
 
 @click.command()

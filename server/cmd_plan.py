@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gdsload.loader.calc import capacity
-from gdsload.loader.calc.capacity import (
+from ..loader.calc import capacity
+from ..loader.calc.capacity import (
     GIB,
     KV_BITS,
     MIB,
@@ -49,37 +49,110 @@ def _epilog() -> str:
 
 @click.command("plan", epilog=_epilog())
 @click.argument("model", required=False)
-@click.option("--tp", "--tensor-parallel-size", "tp", type=int, default=1, show_default=True,
-              help="Tensor-parallel size (GPUs per model copy).")
-@click.option("--gpu-memory", type=SIZE, default=f"{BudgetInputs.gpu_memory // MIB}MiB", show_default=True,
-              help="Total memory of ONE GPU as nvidia-smi reports it, e.g. 143771MiB (H200), 81559MiB (H100 80GB).")
-@click.option("--weights", default="bf16", show_default=True,
-              help=f"Weight format: {', '.join(WEIGHT_FORMATS)}.")
-@click.option("--kv-bits", type=int, default=16, show_default=True,
-              help=f"KV-cache bits per element: {', '.join(map(str, KV_BITS))}.")
-@click.option("--gpu-memory-utilization", type=float, default=BudgetInputs.gpu_memory_utilization, show_default=True,
-              help="vLLM's share of GPU memory for weights + activations + KV cache.")
-@click.option("--activation-reserve", type=SIZE, default=f"{BudgetInputs.activation_reserve // GIB}GiB",
-              show_default=True, help="Per GPU: peak activations + non-PyTorch memory (from vLLM's start-up log).")
-@click.option("--cuda-graph-reserve", type=SIZE, default=f"{BudgetInputs.cuda_graph_reserve // GIB}GiB",
-              show_default=True, help="Per GPU: memory of captured CUDA graphs (0 with --enforce-eager).")
-@click.option("--context", "--max-model-len", "--max-seq-len", "context", type=int, default=None,
-              help="Tokens per request for the concurrency figure [default: the model's max_position_embeddings].")
-@click.option("--kv-group-size", type=int, default=BudgetInputs.kv_group_size, show_default=True,
-              help="Quantized KV: elements sharing one scale.")
-@click.option("--kv-scale-bits", type=int, default=None,
-              help="Quantized KV: scale (+ zero-point) bits per group [default: 16 for 4/3-bit KV, 0 for 16/8-bit].")
-@click.option("--block-size", type=int, default=BudgetInputs.block_size, show_default=True,
-              help="KV-cache block (page) size in tokens.")
-@click.option("--kv-heads", "kv_cache_heads", type=int, default=None,
-              help="What-if: size the KV cache for this many KV heads (weights unchanged).")
-@click.option("--quantize-embeddings", is_flag=True,
-              help="Also quantize embed_tokens and lm_head (default: they stay 16-bit, as in vLLM).")
+@click.option(
+    "--tp",
+    "--tensor-parallel-size",
+    "tp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Tensor-parallel size (GPUs per model copy).",
+)
+@click.option(
+    "--gpu-memory",
+    type=SIZE,
+    default=f"{BudgetInputs.gpu_memory // MIB}MiB",
+    show_default=True,
+    help="Total memory of ONE GPU as nvidia-smi reports it, e.g. 143771MiB (H200), 81559MiB (H100 80GB).",
+)
+@click.option("--weights", default="bf16", show_default=True, help=f"Weight format: {', '.join(WEIGHT_FORMATS)}.")
+@click.option(
+    "--kv-bits",
+    type=int,
+    default=16,
+    show_default=True,
+    help=f"KV-cache bits per element: {', '.join(map(str, KV_BITS))}.",
+)
+@click.option(
+    "--gpu-memory-utilization",
+    type=float,
+    default=BudgetInputs.gpu_memory_utilization,
+    show_default=True,
+    help="vLLM's share of GPU memory for weights + activations + KV cache.",
+)
+@click.option(
+    "--activation-reserve",
+    type=SIZE,
+    default=f"{BudgetInputs.activation_reserve // GIB}GiB",
+    show_default=True,
+    help="Per GPU: peak activations + non-PyTorch memory (from vLLM's start-up log).",
+)
+@click.option(
+    "--cuda-graph-reserve",
+    type=SIZE,
+    default=f"{BudgetInputs.cuda_graph_reserve // GIB}GiB",
+    show_default=True,
+    help="Per GPU: memory of captured CUDA graphs (0 with --enforce-eager).",
+)
+@click.option(
+    "--context",
+    "--max-model-len",
+    "--max-seq-len",
+    "context",
+    type=int,
+    default=None,
+    help="Tokens per request for the concurrency figure [default: the model's max_position_embeddings].",
+)
+@click.option(
+    "--kv-group-size",
+    type=int,
+    default=BudgetInputs.kv_group_size,
+    show_default=True,
+    help="Quantized KV: elements sharing one scale.",
+)
+@click.option(
+    "--kv-scale-bits",
+    type=int,
+    default=None,
+    help="Quantized KV: scale (+ zero-point) bits per group [default: 16 for 4/3-bit KV, 0 for 16/8-bit].",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=BudgetInputs.block_size,
+    show_default=True,
+    help="KV-cache block (page) size in tokens.",
+)
+@click.option(
+    "--kv-heads",
+    "kv_cache_heads",
+    type=int,
+    default=None,
+    help="What-if: size the KV cache for this many KV heads (weights unchanged).",
+)
+@click.option(
+    "--quantize-embeddings",
+    is_flag=True,
+    help="Also quantize embed_tokens and lm_head (default: they stay 16-bit, as in vLLM).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int, gpu_memory_utilization: float,
-         activation_reserve: int, cuda_graph_reserve: int, context: int | None, kv_group_size: int,
-         kv_scale_bits: int | None, block_size: int, kv_cache_heads: int | None, quantize_embeddings: bool,
-         as_json: bool) -> None:
+def plan(
+    model: str | None,
+    tp: int,
+    gpu_memory: int,
+    weights: str,
+    kv_bits: int,
+    gpu_memory_utilization: float,
+    activation_reserve: int,
+    cuda_graph_reserve: int,
+    context: int | None,
+    kv_group_size: int,
+    kv_scale_bits: int | None,
+    block_size: int,
+    kv_cache_heads: int | None,
+    quantize_embeddings: bool,
+    as_json: bool,
+) -> None:
     """HBM budget per GPU: weights, free memory, KV-cache tokens, context per request and concurrency.
 
     MODEL is a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b) or a Hugging Face config.json (or the
@@ -93,14 +166,28 @@ def plan(model: str | None, tp: int, gpu_memory: int, weights: str, kv_bits: int
         gdsload plan /models/Qwen2-7B --kv-bits 4 --json
     """
     common: dict[str, Any] = dict(
-        gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization, activation_reserve=activation_reserve,
-        cuda_graph_reserve=cuda_graph_reserve, context=context, kv_group_size=kv_group_size,
-        kv_scale_bits=kv_scale_bits, block_size=block_size, quantize_embeddings=quantize_embeddings)
+        gpu_memory=gpu_memory,
+        gpu_memory_utilization=gpu_memory_utilization,
+        activation_reserve=activation_reserve,
+        cuda_graph_reserve=cuda_graph_reserve,
+        context=context,
+        kv_group_size=kv_group_size,
+        kv_scale_bits=kv_scale_bits,
+        block_size=block_size,
+        quantize_embeddings=quantize_embeddings,
+    )
     if model is None:
-        raise click.UsageError("MODEL is missing: a preset "
-                               f"({', '.join(PRESETS)}) or a path to a config.json")
-    result = capacity.plan(BudgetInputs(capacity.resolve_model(model), tp=tp, weights=weights, kv_bits=kv_bits,
-                                      kv_cache_heads=kv_cache_heads, **common))
+        raise click.UsageError(f"MODEL is missing: a preset ({', '.join(PRESETS)}) or a path to a config.json")
+    result = capacity.plan(
+        BudgetInputs(
+            capacity.resolve_model(model),
+            tp=tp,
+            weights=weights,
+            kv_bits=kv_bits,
+            kv_cache_heads=kv_cache_heads,
+            **common,
+        )
+    )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -117,9 +204,11 @@ def _console() -> Console:
 def _show_plan(p: HbmBudget) -> None:
     i, m = p.inputs, p.inputs.model
     con = _console()
-    con.print(f"[bold]{escape(m.name)}[/]: {m.layers} layers, hidden {m.hidden}, {m.heads} heads / {m.kv_heads} KV heads × "
-              f"{m.head_dim}, intermediate {m.intermediate}, vocab {m.vocab}"
-              f"{', tied embeddings' if m.tied_embeddings else ''}; {p.params / 1e9:,.2f} B parameters")
+    con.print(
+        f"[bold]{escape(m.name)}[/]: {m.layers} layers, hidden {m.hidden}, {m.heads} heads / {m.kv_heads} KV heads × "
+        f"{m.head_dim}, intermediate {m.intermediate}, vocab {m.vocab}"
+        f"{', tied embeddings' if m.tied_embeddings else ''}; {p.params / 1e9:,.2f} B parameters"
+    )
     con.print(f"  source: {m.source}", markup=False)
     con.print(f"  tp {i.tp} × {i.gpu_memory // MIB} MiB, {i.weights} weights, {i.kv_bits}-bit KV cache")
     t = Table(title="Per GPU", title_justify="left")
@@ -128,15 +217,20 @@ def _show_plan(p: HbmBudget) -> None:
     t.add_column("how")
     t.add_row("GPU memory", _gib(i.gpu_memory), f"{i.gpu_memory // MIB} MiB = {i.gpu_memory / 1e9:.2f} GB")
     t.add_row("usable", _gib(p.usable_bytes), f"× gpu_memory_utilization {i.gpu_memory_utilization:g}")
-    t.add_row("− weights", _gib(p.weights_bytes),
-              f"{i.weights}; params × bytes / tp = {_gib(p.weights_naive_bytes)}, "
-              f"replicated {_gib(p.replicated_bytes)}")
+    t.add_row(
+        "− weights",
+        _gib(p.weights_bytes),
+        f"{i.weights}; params × bytes / tp = {_gib(p.weights_naive_bytes)}, replicated {_gib(p.replicated_bytes)}",
+    )
     t.add_row("− activation reserve", _gib(i.activation_reserve), "--activation-reserve")
     t.add_row("− CUDA-graph reserve", _gib(i.cuda_graph_reserve), "--cuda-graph-reserve")
     t.add_row("= KV-cache budget", _gib(p.kv_budget_bytes), "" if p.fits else "[red]does not fit[/]")
-    t.add_row("KV bytes per token", f"{p.kv_bytes_per_token_per_gpu:,} B",
-              f"{p.kv_heads_per_gpu} KV head(s)/GPU, {p.kv_effective_bits:.3f} bits/element"
-              + (f", each head on {p.kv_replication} GPUs" if p.kv_replication > 1 else ""))
+    t.add_row(
+        "KV bytes per token",
+        f"{p.kv_bytes_per_token_per_gpu:,} B",
+        f"{p.kv_heads_per_gpu} KV head(s)/GPU, {p.kv_effective_bits:.3f} bits/element"
+        + (f", each head on {p.kv_replication} GPUs" if p.kv_replication > 1 else ""),
+    )
     con.print(t)
     c = Table(title=f"Capacity (the TP group of {i.tp})", title_justify="left")
     c.add_column("figure")

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from gdsload.loader.errors import GdsloadError
+from ..loader.errors import GdsloadError
 
 from .forkserver import START_METHODS
 from .settings import ENV_VARS, LOG_FORMATS, LOG_LEVELS, TOKEN_ENV, ServeConfig, configure_logging
@@ -33,57 +33,148 @@ def _env(name: str) -> str:
 
 @click.command("serve")
 @click.argument("model_dir", required=False)
-@click.option("--ranks", default=None, help=f"Ranks this host serves, e.g. 0-7 or 0,2,4 (default: all); {_env('ranks')}.")
-@click.option("--tp", "--tensor-parallel-size", "tp", type=int, default=None,
-              help=f"Serve ranks 0..N-1 (every rank of the layout: tp x pp); {_env('tp')}.")
-@click.option("--device-map", default=None,
-              help=f"auto (i-th rank -> i-th visible GPU, CPU without GPUs), cpu, or RANK:GPU pairs like 0:0,1:1; "
-                   f"{_env('device_map')}.")
+@click.option(
+    "--ranks", default=None, help=f"Ranks this host serves, e.g. 0-7 or 0,2,4 (default: all); {_env('ranks')}."
+)
+@click.option(
+    "--tp",
+    "--tensor-parallel-size",
+    "tp",
+    type=int,
+    default=None,
+    help=f"Serve ranks 0..N-1 (every rank of the layout: tp x pp); {_env('tp')}.",
+)
+@click.option(
+    "--device-map",
+    default=None,
+    help=f"auto (i-th rank -> i-th visible GPU, CPU without GPUs), cpu, or RANK:GPU pairs like 0:0,1:1; "
+    f"{_env('device_map')}.",
+)
 @click.option("--backend", default=None, help=f"Reader backend, auto by default; {_env('backend')}.")
 @click.option("--host", default=None, help=f"Address to bind (default 127.0.0.1); {_env('host')}.")
 @click.option("--port", type=int, default=None, help=f"Port (default 8471, 0: any free port); {_env('port')}.")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
-              help=f"File holding the bearer token for reload/unload/IPC; {_env('token_file')}, or the token in {TOKEN_ENV}.")
-@click.option("--allow-root", "allow_roots", multiple=True, type=click.Path(file_okay=False),
-              help=f"Directory model paths must lie in (repeatable); {_env('allow_roots')} (':'-separated).")
-@click.option("--allowed-host", "allowed_hosts", multiple=True,
-              help=f"A Host header the API answers (repeatable; '*': any); default: the loopback names when bound to "
-                   f"loopback, else any; {_env('allowed_hosts')} (','-separated).")
-@click.option("--log-format", type=click.Choice(LOG_FORMATS, case_sensitive=False), default=None, help=f"text or json; {_env('log_format')}.")
-@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None, help=f"Default info; {_env('log_level')}.")
-@click.option("--restart-backoff", type=float, default=None,
-              help=f"Seconds before the first restart of a crashed worker (default 1, doubling); {_env('restart_backoff')}.")
-@click.option("--restart-backoff-max", type=float, default=None,
-              help=f"Longest restart delay in seconds (default 30, or the first delay when that is larger); "
-                   f"{_env('restart_backoff_max')}.")
-@click.option("--max-restarts", type=int, default=None,
-              help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.")
-@click.option("--stop-timeout", type=float, default=None,
-              help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.")
-@click.option("--request-timeout", type=float, default=None,
-              help=f"Seconds a client may take to send a request's headers, then its body (default 10); "
-                   f"{_env('request_timeout')}.")
-@click.option("--lease-grace", type=float, default=None,
-              help=f"Seconds an IPC lease no engine holds stays outstanding (default 3); {_env('lease_grace')}.")
-@click.option("--worker-start", type=click.Choice(START_METHODS, case_sensitive=False), default=None,
-              help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
-                   f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
-                   f"{_env('worker_start')}.")
-def serve(model_dir: str | None, ranks: str | None, tp: int | None, device_map: str | None, backend: str | None,
-          host: str | None, port: int | None, token_file: str | None, allow_roots: tuple[str, ...],
-          allowed_hosts: tuple[str, ...], log_format: str | None, log_level: str | None, restart_backoff: float | None,
-          restart_backoff_max: float | None, max_restarts: int | None, stop_timeout: float | None,
-          request_timeout: float | None, lease_grace: float | None, worker_start: str | None) -> None:
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help=f"File holding the bearer token for reload/unload/IPC; {_env('token_file')}, or the token in {TOKEN_ENV}.",
+)
+@click.option(
+    "--allow-root",
+    "allow_roots",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help=f"Directory model paths must lie in (repeatable); {_env('allow_roots')} (':'-separated).",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help=f"A Host header the API answers (repeatable; '*': any); default: the loopback names when bound to "
+    f"loopback, else any; {_env('allowed_hosts')} (','-separated).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS, case_sensitive=False),
+    default=None,
+    help=f"text or json; {_env('log_format')}.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default=None,
+    help=f"Default info; {_env('log_level')}.",
+)
+@click.option(
+    "--restart-backoff",
+    type=float,
+    default=None,
+    help=f"Seconds before the first restart of a crashed worker (default 1, doubling); {_env('restart_backoff')}.",
+)
+@click.option(
+    "--restart-backoff-max",
+    type=float,
+    default=None,
+    help=f"Longest restart delay in seconds (default 30, or the first delay when that is larger); "
+    f"{_env('restart_backoff_max')}.",
+)
+@click.option(
+    "--max-restarts",
+    type=int,
+    default=None,
+    help=f"Consecutive crashes restarted per rank (default 5); {_env('max_restarts')}.",
+)
+@click.option(
+    "--stop-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds a worker gets to exit on unload/SIGTERM before it is killed (default 10); {_env('stop_timeout')}.",
+)
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds a client may take to send a request's headers, then its body (default 10); "
+    f"{_env('request_timeout')}.",
+)
+@click.option(
+    "--lease-grace",
+    type=float,
+    default=None,
+    help=f"Seconds an IPC lease no engine holds stays outstanding (default 3); {_env('lease_grace')}.",
+)
+@click.option(
+    "--worker-start",
+    type=click.Choice(START_METHODS, case_sensitive=False),
+    default=None,
+    help=f"forkserver: fork workers from a helper that imported their libraries at start; spawn: a fresh "
+    f"interpreter per worker; auto (default): forkserver where workers import torch, else spawn; "
+    f"{_env('worker_start')}.",
+)
+def serve(
+    model_dir: str | None,
+    ranks: str | None,
+    tp: int | None,
+    device_map: str | None,
+    backend: str | None,
+    host: str | None,
+    port: int | None,
+    token_file: str | None,
+    allow_roots: tuple[str, ...],
+    allowed_hosts: tuple[str, ...],
+    log_format: str | None,
+    log_level: str | None,
+    restart_backoff: float | None,
+    restart_backoff_max: float | None,
+    max_restarts: int | None,
+    stop_timeout: float | None,
+    request_timeout: float | None,
+    lease_grace: float | None,
+    worker_start: str | None,
+) -> None:
     """Serve MODEL_DIR (or GDSLOAD_MODEL_DIR): one worker process per local rank, and an HTTP API for health,
     readiness, status, metrics, reload/unload and IPC hand-off (OpenAPI at /docs). Every flag is also a
     GDSLOAD_* variable; flags win."""
     try:
         config = ServeConfig.resolve(
-            model_dir=model_dir, ranks=ranks, tp=tp, device_map=device_map, backend=backend, host=host, port=port,
-            token_file=token_file, allow_roots=allow_roots, allowed_hosts=allowed_hosts, log_format=log_format,
+            model_dir=model_dir,
+            ranks=ranks,
+            tp=tp,
+            device_map=device_map,
+            backend=backend,
+            host=host,
+            port=port,
+            token_file=token_file,
+            allow_roots=allow_roots,
+            allowed_hosts=allowed_hosts,
+            log_format=log_format,
             log_level=log_level,
-            restart_backoff=restart_backoff, restart_backoff_max=restart_backoff_max, max_restarts=max_restarts,
-            stop_timeout=stop_timeout, request_timeout=request_timeout, lease_grace=lease_grace,
+            restart_backoff=restart_backoff,
+            restart_backoff_max=restart_backoff_max,
+            max_restarts=max_restarts,
+            stop_timeout=stop_timeout,
+            request_timeout=request_timeout,
+            lease_grace=lease_grace,
             worker_start=worker_start,
         )
     except GdsloadError as e:
@@ -149,13 +240,23 @@ def run_server(config: ServeConfig) -> None:
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:  # the probes answer: now the rest may start
-                threading.Thread(target=_start_behind, args=(config, supervisor, front), name="gdsload-start",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=_start_behind, args=(config, supervisor, front), name="gdsload-start", daemon=True
+                ).start()
 
     deadlines = Deadlines(config.request_timeout)  # slow and idle clients: see gdsload.server.http_guard
-    server = _Server(uvicorn.Config(HeaderDeadline(front, deadlines), log_config=None, access_log=False,
-                                    lifespan="on", timeout_graceful_shutdown=5, server_header=False,
-                                    http=deadlines.protocol(), proxy_headers=False))
+    server = _Server(
+        uvicorn.Config(
+            HeaderDeadline(front, deadlines),
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+            server_header=False,
+            http=deadlines.protocol(),
+            proxy_headers=False,
+        )
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     # Logged at any --log-level: with --port 0 this line is the only place the port is named.
@@ -177,11 +278,13 @@ def _start_behind(config: ServeConfig, supervisor: Any, front: Any) -> None:
         start_worker_server(config)
         supervisor.start()  # returns at once: the supervisor's thread starts the workers
         if not config.is_loopback and config.token is None:
-            log.warning("listening on %s without a token: anyone who reaches it reads status; set %s", config.host,
-                        TOKEN_ENV)
+            log.warning(
+                "listening on %s without a token: anyone who reaches it reads status; set %s", config.host, TOKEN_ENV
+            )
         if config.token is None:
-            log.info("no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)",
-                     TOKEN_ENV)
+            log.info(
+                "no token configured: /v1/reload, /v1/unload and /v1/ipc answer 403 (set %s or --token-file)", TOKEN_ENV
+            )
         from .app import create_app
 
         app = create_app(supervisor)

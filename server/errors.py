@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdsload.loader.errors import GdsloadError
+from ..loader.errors import GdsloadError
 
 __all__ = ["WorkerError", "UnknownRankError", "UnknownLeaseError", "ExportsOutstandingError"]
 

@@ -41,8 +41,21 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["START_METHODS", "GPU_MODULES", "FST_MODULES", "KVIKIO_MODULES", "TORCH_MODULES", "STATE", "context",
-           "resolve", "start", "preload", "gpu_modules", "preload_modules", "inherited_problem"]
+__all__ = [
+    "START_METHODS",
+    "GPU_MODULES",
+    "FST_MODULES",
+    "KVIKIO_MODULES",
+    "TORCH_MODULES",
+    "STATE",
+    "context",
+    "resolve",
+    "start",
+    "preload",
+    "gpu_modules",
+    "preload_modules",
+    "inherited_problem",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +63,30 @@ START_METHODS = ("auto", "forkserver", "spawn")
 """How worker processes start: ``auto`` (see :func:`resolve`), forked from a helper with the libraries
 imported, or a fresh interpreter."""
 
-GPU_MODULES = ("nvidia.nvcomp", "gdsload.loader.devices", "gdsload.loader.pipeline.load",
-               "gdsload.loader.pipeline.decode", "gdsload.server.workers", "gdsload.server.worker_main")
+GPU_MODULES = (
+    "nvidia.nvcomp",
+    "gdsload.loader.devices",
+    "gdsload.loader.pipeline.load",
+    "gdsload.loader.pipeline.decode",
+    "gdsload.server.workers",
+    "gdsload.server.worker_main",
+)
 """What every GPU worker on the torch-free path may import (a :class:`~gdsload.loader.devices.DriverDevice`
 load); :func:`gpu_modules` adds the cold reader this host will use."""
 FST_MODULES = ("fastsafetensors", "gdsload.loader.io.fst_reader")
 """fastsafetensors' reader, which reads a cold rank where it is installed and GPUDirect Storage is not possible."""
 KVIKIO_MODULES = ("numpy", "kvikio")
 """kvikio, which reads a cold rank otherwise, and every read where GPUDirect Storage may run."""
-TORCH_MODULES = ("numpy", "torch", "safetensors", "gdsload.loader.pipeline.load", "gdsload.loader.pipeline.decode",
-                 "gdsload.loader.io.cpu", "gdsload.server.workers", "gdsload.server.worker_main")
+TORCH_MODULES = (
+    "numpy",
+    "torch",
+    "safetensors",
+    "gdsload.loader.pipeline.load",
+    "gdsload.loader.pipeline.decode",
+    "gdsload.loader.io.cpu",
+    "gdsload.server.workers",
+    "gdsload.server.worker_main",
+)
 """What a worker that loads with ``load_rank`` imports (host-memory ranks, or a backend only torch runs)."""
 
 STATE: dict[str, Any] = {}
@@ -108,7 +135,7 @@ def gpu_modules() -> tuple[str, ...]:
     library is imported to decide."""
     import importlib.util
 
-    from gdsload.loader.io.cufile import _gds_possible
+    from ..loader.io.cufile import _gds_possible
 
     gds = _gds_possible()
     fst = importlib.util.find_spec("fastsafetensors") is not None
@@ -128,10 +155,12 @@ def _cuda_initialised() -> bool | None:
 def inherited_problem() -> str | None:
     """Why this worker cannot use CUDA after its fork (None when it can, or when it was spawned)."""
     if STATE.get("cuda_initialised"):
-        return ("the worker fork server initialised CUDA while importing "
-                f"{sorted(n for n, v in STATE['modules'].items() if not isinstance(v, str))}, so its forks "
-                "cannot use the GPU; start workers with --worker-start spawn (GDSLOAD_WORKER_START=spawn) and "
-                "report the library versions")
+        return (
+            "the worker fork server initialised CUDA while importing "
+            f"{sorted(n for n, v in STATE['modules'].items() if not isinstance(v, str))}, so its forks "
+            "cannot use the GPU; start workers with --worker-start spawn (GDSLOAD_WORKER_START=spawn) and "
+            "report the library versions"
+        )
     return None
 
 
@@ -179,5 +208,4 @@ def start(method: str, *, gpu: bool, torch: bool = False) -> None:
     ctx.set_forkserver_preload(preload_modules(gpu, torch))
     t = time.perf_counter()
     multiprocessing.forkserver.ensure_running()
-    log.debug("worker fork server started in %.3f s (preload: gpu=%s torch=%s)", time.perf_counter() - t, gpu,
-              torch)
+    log.debug("worker fork server started in %.3f s (preload: gpu=%s torch=%s)", time.perf_counter() - t, gpu, torch)

@@ -127,8 +127,9 @@ class HeaderDeadline:
         self.app = app
         self.deadlines = deadlines
 
-    async def __call__(self, scope: _Scope, receive: Callable[..., Awaitable[Any]],
-                       send: Callable[..., Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: _Scope, receive: Callable[..., Awaitable[Any]], send: Callable[..., Awaitable[None]]
+    ) -> None:
         peer = _key(scope.get("client")) if scope["type"] == "http" else None
         guard = self.deadlines.open.get(peer) if peer is not None else None
         if guard is None:

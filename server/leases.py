@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gdsload.loader.errors import GdsloadError
+from ..loader.errors import GdsloadError
 
 from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
 from .settings import ServeConfig
@@ -52,6 +52,7 @@ class LeaseOperations:
     _generation: int
 
     if TYPE_CHECKING:  # the supervisor's
+
         def _call(self, fn: Callable[[], T]) -> T: ...
         async def call_async(self, fn: Callable[[], T]) -> T: ...
         def _publish(self) -> None: ...
@@ -60,7 +61,6 @@ class LeaseOperations:
         """``{rank: IPC exports not yet released}`` for ranks that have any."""
         with self._lock:
             return {r: len(x.leases) for r, x in self._ranks.items() if x.leases}
-
 
     def export(self, rank: int) -> dict[str, Any]:
         """The IPC document of ``rank`` (see :func:`gdsload.loader.handoff.ipc.export_rank`) plus a ``lease`` id.
@@ -74,8 +74,10 @@ class LeaseOperations:
             doc = reply.result(timeout=EXPORT_TIMEOUT_S)
         except FutureTimeout:
             reply.cancel()  # a late answer is dropped, and its lease released
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
-                              "(stopped or stuck); see /v1/status") from None
+            raise WorkerError(
+                f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
+                "(stopped or stuck); see /v1/status"
+            ) from None
         return self._exported(doc, lease)
 
     async def export_async(self, rank: int) -> dict[str, Any]:
@@ -86,8 +88,10 @@ class LeaseOperations:
             doc = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(reply)), EXPORT_TIMEOUT_S)
         except asyncio.TimeoutError:
             reply.cancel()
-            raise WorkerError(f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
-                              "(stopped or stuck); see /v1/status") from None
+            raise WorkerError(
+                f"rank {rank}: the worker did not answer the export within {EXPORT_TIMEOUT_S:.0f} s "
+                "(stopped or stuck); see /v1/status"
+            ) from None
         return self._exported(doc, lease)
 
     def _exported(self, doc: dict[str, Any], lease: str) -> dict[str, Any]:
@@ -105,7 +109,6 @@ class LeaseOperations:
         """:meth:`release` for an event loop."""
         return await self.call_async(lambda: self._release(rank, lease))
 
-
     def hold(self, rank: int, lease: str, *, pid: int | None, peer: str | None) -> None:
         """Record that an engine holds ``lease`` of ``rank`` for as long as it lives (``GET
         /v1/ipc/{rank}/hold``, whose connection stays open: the lease is released when it closes)."""
@@ -114,11 +117,15 @@ class LeaseOperations:
             if x is None:
                 raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
             if lease not in x.leases:
-                raise UnknownLeaseError(f"lease {lease!r} is not outstanding on rank {rank}; it was released "
-                                        "already, or a worker restart or reload voided it")
+                raise UnknownLeaseError(
+                    f"lease {lease!r} is not outstanding on rank {rank}; it was released "
+                    "already, or a worker restart or reload voided it"
+                )
             if lease in x.holders:
-                raise ExportsOutstandingError(f"lease {lease!r} of rank {rank} is already held (by engine pid "
-                                              f"{x.holders[lease]['pid']}); each engine holds the lease it mapped with")
+                raise ExportsOutstandingError(
+                    f"lease {lease!r} of rank {rank} is already held (by engine pid "
+                    f"{x.holders[lease]['pid']}); each engine holds the lease it mapped with"
+                )
             x.holders[lease] = {"lease": lease, "pid": pid, "peer": peer, "since": time.time()}
             self._publish()
         log.info("rank %d: lease %s held by engine pid %s (%s) until its connection closes", rank, lease, pid, peer)
@@ -128,7 +135,6 @@ class LeaseOperations:
         with self._lock:
             x = self._ranks.get(rank)
             return x is not None and lease in x.leases
-
 
     def _expire_leases(self) -> None:
         """Release every lease no engine has held within ``lease_grace`` seconds of its export (the engine died
@@ -148,14 +154,15 @@ class LeaseOperations:
             if handle is not None:
                 handle.send("release", lease=lease)
 
-
     def _command(self, rank: int, kind: str, lease: str) -> Future[Any]:
         with self._lock:
             x = self._ranks.get(rank)
             if x is None:
                 raise UnknownRankError(f"rank {rank} is not served here; served ranks: {sorted(self._ranks)}")
             if x.state is not RankState.READY or x.handle is None:
-                raise RankNotReadyError(f"rank {rank} is {x.state.value}; poll /readyz until it answers 200, then ask again")
+                raise RankNotReadyError(
+                    f"rank {rank} is {x.state.value}; poll /readyz until it answers 200, then ask again"
+                )
             request_id = uuid.uuid4().hex
             fut: Future[Any] = Future()
             x.pending[request_id] = (fut, lease)

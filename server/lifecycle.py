@@ -54,6 +54,7 @@ class WorkerLifecycle:
     _internal: queue.SimpleQueue[Callable[[], None]]
 
     if TYPE_CHECKING:  # the supervisor's
+
         def _post(self, fn: Callable[[], Any]) -> None: ...
         def _publish(self) -> None: ...
 
@@ -72,11 +73,18 @@ class WorkerLifecycle:
         """Start ``x``'s worker on a thread of its own: starting one may wait (a fork server still importing
         torch, a slow fork), and nothing on this thread may."""
         assert self._model is not None
-        spec = WorkerSpec(rank=x.rank, model_dir=self._model["real_path"], backend=self.config.backend,
-                          cuda_visible_devices=x.cuda_visible_devices, gpu_explicit=x.gpu_explicit,
-                          confine=self.config.allow_roots or (self._model["real_path"],),
-                          generation=self._generation, log_format=self.config.log_format,
-                          log_level=self.config.log_level, stop_timeout=self.config.stop_timeout)
+        spec = WorkerSpec(
+            rank=x.rank,
+            model_dir=self._model["real_path"],
+            backend=self.config.backend,
+            cuda_visible_devices=x.cuda_visible_devices,
+            gpu_explicit=x.gpu_explicit,
+            confine=self.config.allow_roots or (self._model["real_path"],),
+            generation=self._generation,
+            log_format=self.config.log_format,
+            log_level=self.config.log_level,
+            stop_timeout=self.config.stop_timeout,
+        )
         with self._lock:
             x.starting = True
             if x.error is not None:
@@ -87,8 +95,9 @@ class WorkerLifecycle:
             x.started_at = time.time()  # asked for: a forked worker may be running (and importing) before it returns
             self._publish()
         self._starting += 1
-        threading.Thread(target=self._start_worker, args=(x, spec), name=f"gdsload-start-rank{x.rank}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._start_worker, args=(x, spec), name=f"gdsload-start-rank{x.rank}", daemon=True
+        ).start()
 
     def _start_worker(self, x: RankRecord, spec: WorkerSpec) -> None:
         try:
@@ -125,8 +134,9 @@ class WorkerLifecycle:
             start_worker_server(self.config)  # started early by `serve`; here for other callers, or anew
             return WorkerHandle.spawn(spec, "forkserver")
         except (OSError, EOFError) as e:  # it could not start, or it died while forking
-            log.warning("the worker fork server failed (%s: %s); starting workers with spawn from now on",
-                        type(e).__name__, e)
+            log.warning(
+                "the worker fork server failed (%s: %s); starting workers with spawn from now on", type(e).__name__, e
+            )
             with self._lock:
                 self.worker_start = "spawn"
                 self._fork_server = {"error": f"{type(e).__name__}: {e}"}
@@ -139,8 +149,9 @@ class WorkerLifecycle:
         for h in handles:
             h.retired = True
             h.send("unload")
-            self._retiring.append(Retiring(h, now + self.config.stop_timeout,
-                                            now + self.config.stop_timeout + KILL_GRACE_S))
+            self._retiring.append(
+                Retiring(h, now + self.config.stop_timeout, now + self.config.stop_timeout + KILL_GRACE_S)
+            )
 
     def _tend_retiring(self) -> None:
         """Reap the stopping workers that exited; SIGTERM those past ``stop_timeout``, SIGKILL after that."""
@@ -193,13 +204,17 @@ class WorkerLifecycle:
                 x.stored_bytes, x.logical_bytes = report["stored_bytes"], report["logical_bytes"]
                 x.bytes_done, x.ready_at, x.consecutive_crashes = report["stored_bytes"], time.time(), 0
                 x.loaded_at = payload.get("loaded_at")
-                note = (f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
-                        f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}")
+                note = (
+                    f"rank {x.rank}: ready on {x.device}: {report['logical_bytes']} bytes in "
+                    f"{report['seconds']:.3f} s ({report['gbps']:.2f} GB/s) backend={report['backend']}"
+                )
             elif kind == "failed":
                 x.state, x.error, x.error_reported = RankState.FAILED, payload["error"], True
                 self._failures[x.rank] += 1
-                failure = (f"rank {x.rank} failed to load: {payload['error']['type']}: {payload['error']['message']}"
-                           " (the rank stays failed until POST /v1/reload)")
+                failure = (
+                    f"rank {x.rank} failed to load: {payload['error']['type']}: {payload['error']['message']}"
+                    " (the rank stays failed until POST /v1/reload)"
+                )
             elif kind == "reply":
                 fut, lease = x.pending.pop(payload["id"], (None, None))
                 if fut is not None and fut.cancelled():  # the asker stopped waiting: nobody maps this export
@@ -259,8 +274,10 @@ class WorkerLifecycle:
         self._failures[x.rank] += 1
         x.consecutive_crashes += 1
         if x.consecutive_crashes > self.config.max_restarts:
-            what += (f"; not restarted after {self.config.max_restarts} consecutive restart(s) — "
-                     "see the log, then POST /v1/reload")
+            what += (
+                f"; not restarted after {self.config.max_restarts} consecutive restart(s) — "
+                "see the log, then POST /v1/reload"
+            )
             x.next_restart_at = None
         else:
             delay = min(self.config.restart_backoff * 2 ** (x.consecutive_crashes - 1), self.config.restart_backoff_max)
@@ -275,8 +292,11 @@ class WorkerLifecycle:
             return
         now = time.monotonic()
         with self._lock:
-            due = [x for x in self._ranks.values()
-                   if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None]
+            due = [
+                x
+                for x in self._ranks.values()
+                if x.next_restart_at is not None and x.next_restart_at <= now and x.handle is None
+            ]
             for x in due:
                 x.next_restart_at = None
                 x.start_wanted = True

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gdsload.loader.pipeline.result import PHASES
+from ..loader.pipeline.result import PHASES
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
@@ -55,20 +55,30 @@ class SidecarCollector(Collector):
         s = self._supervisor.status()
         ranks = s["ranks"]
 
-        yield GaugeMetricFamily("gdsload_ready", "1 when every served rank is loaded (what /readyz answers 200 to)",
-                                value=1.0 if s["ready"] else 0.0)
+        yield GaugeMetricFamily(
+            "gdsload_ready",
+            "1 when every served rank is loaded (what /readyz answers 200 to)",
+            value=1.0 if s["ready"] else 0.0,
+        )
         ready = GaugeMetricFamily("gdsload_rank_ready", "1 when the rank's tensors are loaded", labels=["rank"])
         state = GaugeMetricFamily("gdsload_rank_state", "1 for the rank's current state", labels=["rank", "state"])
-        phase = GaugeMetricFamily("gdsload_load_phase_seconds", "Seconds of each phase of the rank's last load",
-                                  labels=["rank", "phase"])
-        seconds = GaugeMetricFamily("gdsload_load_seconds", "Seconds of the rank's last load (all phases)",
-                                    labels=["rank"])
-        nbytes = GaugeMetricFamily("gdsload_load_bytes", "Bytes of the rank: logical (in memory) and stored (on disk)",
-                                   labels=["rank", "kind"])
-        done = GaugeMetricFamily("gdsload_load_read_bytes", "Stored bytes read so far by the rank's current or last load",
-                                 labels=["rank"])
-        rate = GaugeMetricFamily("gdsload_load_throughput_bytes_per_second",
-                                 "Logical bytes per second of the rank's last load", labels=["rank"])
+        phase = GaugeMetricFamily(
+            "gdsload_load_phase_seconds", "Seconds of each phase of the rank's last load", labels=["rank", "phase"]
+        )
+        seconds = GaugeMetricFamily(
+            "gdsload_load_seconds", "Seconds of the rank's last load (all phases)", labels=["rank"]
+        )
+        nbytes = GaugeMetricFamily(
+            "gdsload_load_bytes", "Bytes of the rank: logical (in memory) and stored (on disk)", labels=["rank", "kind"]
+        )
+        done = GaugeMetricFamily(
+            "gdsload_load_read_bytes", "Stored bytes read so far by the rank's current or last load", labels=["rank"]
+        )
+        rate = GaugeMetricFamily(
+            "gdsload_load_throughput_bytes_per_second",
+            "Logical bytes per second of the rank's last load",
+            labels=["rank"],
+        )
         leases = GaugeMetricFamily("gdsload_ipc_leases", "IPC exports of the rank not yet released", labels=["rank"])
         for key, r in ranks.items():
             ready.add_metric([key], 1.0 if r["state"] == "ready" else 0.0)
@@ -87,26 +97,32 @@ class SidecarCollector(Collector):
 
         # Every served rank has both counters from the start, at 0: rate() and increase() cannot count the
         # first event of a series that appears with it.
-        failures = CounterMetricFamily("gdsload_load_failures", "Loads that failed or workers that died, per rank",
-                                       labels=["rank"])
-        restarts = CounterMetricFamily("gdsload_worker_restarts", "Workers restarted after a crash, per rank",
-                                       labels=["rank"])
+        failures = CounterMetricFamily(
+            "gdsload_load_failures", "Loads that failed or workers that died, per rank", labels=["rank"]
+        )
+        restarts = CounterMetricFamily(
+            "gdsload_worker_restarts", "Workers restarted after a crash, per rank", labels=["rank"]
+        )
         for family, counts in ((failures, s["failures_total"]), (restarts, s["restarts_total"])):
             for key in sorted(set(ranks) | set(counts), key=int):
                 family.add_metric([key], float(counts.get(key, 0)))
         yield failures
         yield restarts
 
-        ttr = GaugeMetricFamily("gdsload_time_to_ready_seconds",
-                                "Seconds to readiness: from process start (scope=process, first time only) and "
-                                "from the start of the current load or reload (scope=load)", labels=["scope"])
+        ttr = GaugeMetricFamily(
+            "gdsload_time_to_ready_seconds",
+            "Seconds to readiness: from process start (scope=process, first time only) and "
+            "from the start of the current load or reload (scope=load)",
+            labels=["scope"],
+        )
         if s["process"]["time_to_ready_s"] is not None:
             ttr.add_metric(["process"], float(s["process"]["time_to_ready_s"]))
         if s["load"]["time_to_ready_s"] is not None:
             ttr.add_metric(["load"], float(s["load"]["time_to_ready_s"]))
         yield ttr
-        yield CounterMetricFamily("gdsload_model_generation", "Loads and reloads so far (unload counts too)",
-                                  value=float(s["generation"]))
+        yield CounterMetricFamily(
+            "gdsload_model_generation", "Loads and reloads so far (unload counts too)", value=float(s["generation"])
+        )
         info = GaugeMetricFamily("gdsload_build_info", "The gdsload version serving", labels=["version"])
         info.add_metric([s["version"]], 1.0)
         yield info

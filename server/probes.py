@@ -38,6 +38,7 @@ _ASGIApp = Callable[[_Scope, _Receive, _Send], Awaitable[None]]
 APP_WAIT_S = 30.0
 """Longest a request other than a probe waits for the API application to be built at start-up (then 503)."""
 
+
 def healthz(supervisor: Supervisor) -> tuple[int, bytes]:
     """``(200 or 503, JSON body)`` of ``/healthz``: alive while the process lives and its supervisor runs."""
     uptime = round(time.time() - supervisor.process_start, 3)
@@ -60,9 +61,17 @@ async def answer_probe(scope: _Scope, send: _Send, supervisor: Supervisor) -> bo
     if probe is None or scope["method"] not in ("GET", "HEAD"):
         return False
     code, body = probe(supervisor)
-    await send({"type": "http.response.start", "status": code,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                            (b"cache-control", b"no-store")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": code,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"cache-control", b"no-store"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
     return True
 
@@ -121,7 +130,15 @@ class ProbeFront:
 
 async def _unavailable(send: _Send, message: str) -> None:
     body = json.dumps({"error": {"type": "ServerStarting", "message": message}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                            (b"retry-after", b"1")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

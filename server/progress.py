@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from gdsload.loader.config import format_bytes
+from ..loader.config import format_bytes
 
 __all__ = ["progress_bar"]
 
@@ -35,11 +35,24 @@ def progress_bar(label: str, total: int, *, enabled: bool | None = None) -> Iter
         return
     if sys.stderr.isatty():
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-            TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
-        with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        with Progress(
+            TextColumn(f"[bold]{label}[/]"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as bar:
             task = bar.add_task(label, total=total)
             yield lambda n: bar.advance(task, n)
         return
@@ -52,8 +65,11 @@ def progress_bar(label: str, total: int, *, enabled: bool | None = None) -> Iter
         pct = f" ({100 * done / total:.0f}%)" if total else ""
         left = f", {(total - done) / rate:.1f} s left" if rate > 0 and total > done and not final else ""
         end = f" in {elapsed:.1f} s" if final else ""
-        print(f"{label}: {format_bytes(done)} of {format_bytes(total)}{pct}, {format_bytes(rate)}/s{left}{end}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{label}: {format_bytes(done)} of {format_bytes(total)}{pct}, {format_bytes(rate)}/s{left}{end}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def advance(n: int) -> None:
         nonlocal done, last

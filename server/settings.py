@@ -49,14 +49,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from gdsload.loader.errors import ConfigError, GdsloadError
+from ..loader.errors import ConfigError, GdsloadError
 
 __all__ = [
     "ServeConfig",
     "PathNotAllowedError",
     "ENV_VARS",
     "MAX_LOCAL_RANKS",
-
     "TOKEN_ENV",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -97,7 +96,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MAX_RANK = 4095
 MAX_LOCAL_RANKS = 16
 """Most ranks one host serves (one worker process each): more is a configuration error, not a load."""
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z"
+)
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+\Z")
 MIN_TOKEN_LENGTH = 16
 """Shortest bearer token accepted: guessing one must be out of reach (``openssl rand -hex 32`` gives 64)."""
@@ -174,7 +175,9 @@ def confine_path(path: str, roots: Sequence[str]) -> str:
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return real
     # Where a link leads is not named: it may be anything of the server's (its working directory, /proc/self/...).
-    shown = f"{path!r} is" if real == os.path.normpath(path) else f"{path!r} resolves (through a symlink or '..') to a path"
+    shown = (
+        f"{path!r} is" if real == os.path.normpath(path) else f"{path!r} resolves (through a symlink or '..') to a path"
+    )
     raise PathNotAllowedError(
         f"model path {shown} outside the allowed roots {list(roots)}; move the model under one of them "
         f"or add its directory with --allow-root"
@@ -237,15 +240,19 @@ class ServeConfig:
         if self.model_dir is not None and (not isinstance(self.model_dir, str) or not os.path.isabs(self.model_dir)):
             raise ConfigError(f"model_dir={self.model_dir!r} must be an absolute path")
         if self.ranks is not None:
-            if (not isinstance(self.ranks, tuple) or not self.ranks
-                    or any(type(r) is not int or not 0 <= r <= _MAX_RANK for r in self.ranks)
-                    or len(set(self.ranks)) != len(self.ranks)):
+            if (
+                not isinstance(self.ranks, tuple)
+                or not self.ranks
+                or any(type(r) is not int or not 0 <= r <= _MAX_RANK for r in self.ranks)
+                or len(set(self.ranks)) != len(self.ranks)
+            ):
                 raise ConfigError(f"ranks={self.ranks!r} must be a non-empty tuple of distinct ranks in 0..{_MAX_RANK}")
             if len(self.ranks) > MAX_LOCAL_RANKS:
                 raise ConfigError(
                     f"ranks={_short(self.ranks)} asks this host to serve {len(self.ranks)} ranks, one worker process "
                     f"each; one host serves at most {MAX_LOCAL_RANKS} — split the ranks across hosts with --ranks "
-                    f"(e.g. 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)")
+                    f"(e.g. 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)"
+                )
         if self.tp is not None and (type(self.tp) is not int or self.ranks != tuple(range(self.tp))):
             raise ConfigError(f"tp={self.tp!r} must be an integer whose ranks 0..tp-1 are the ranks served")
         dm = parse_device_map(self.device_map)
@@ -255,7 +262,7 @@ class ServeConfig:
                 raise ConfigError(
                     f"device_map={self.device_map!r} does not place ranks {unmapped}; add RANK:GPU (or RANK:cpu) for each"
                 )
-        from gdsload.loader.io import backend_names, is_backend
+        from ..loader.io import backend_names, is_backend
 
         if self.backend != "auto" and not is_backend(self.backend):
             raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *backend_names()]}")
@@ -348,8 +355,9 @@ class ServeConfig:
         unknown = set(flags) - set(ENV_VARS)
         if unknown:
             raise TypeError(f"unknown serve option(s) {sorted(unknown)}; known: {sorted(ENV_VARS)}")
-        given = {k: v for k, v in flags.items()
-                 if v is not None and not (k in ("allow_roots", "allowed_hosts") and not v)}
+        given = {
+            k: v for k, v in flags.items() if v is not None and not (k in ("allow_roots", "allowed_hosts") and not v)
+        }
         raw: dict[str, Any] = {k: env[var] for k, var in ENV_VARS.items() if var in env and k not in given}
         if "ranks" in given or "tp" in given:  # one setting: a flag for either hides the environment's
             raw.pop("ranks", None)
@@ -424,8 +432,7 @@ def _convert(key: str, value: Any, origin: str) -> Any:
             if key == "tp" and (type(value) is not int or not 1 <= value <= _MAX_RANK + 1):
                 raise ConfigError(f"{origin}={value!r} must be an integer in 1..{_MAX_RANK + 1}")
             return value
-        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout",
-                   "lease_grace"):
+        if key in ("restart_backoff", "restart_backoff_max", "stop_timeout", "request_timeout", "lease_grace"):
             return float(value.strip()) if isinstance(value, str) else value
         if key == "allow_roots":
             parts = value.split(os.pathsep) if isinstance(value, str) else list(value)
@@ -448,13 +455,19 @@ def _read_token_file(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except FileNotFoundError:
-        raise ConfigError(f"token file {path!r} does not exist; write the token into it (e.g. `openssl rand -hex 32 > {path}`)") from None
+        raise ConfigError(
+            f"token file {path!r} does not exist; write the token into it (e.g. `openssl rand -hex 32 > {path}`)"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"token file {path!r} cannot be read ({e})") from None
     if not token:
-        raise ConfigError(f"token file {path!r} is empty; write the token into it (e.g. `openssl rand -hex 32 > {path}`)")
+        raise ConfigError(
+            f"token file {path!r} is empty; write the token into it (e.g. `openssl rand -hex 32 > {path}`)"
+        )
     if stat.S_IMODE(st.st_mode) & 0o007:  # group access is how Kubernetes Secrets (fsGroup) are shared; others is not
-        log.warning("token file %r is accessible to every user (mode %o); chmod o-rwx it", path, stat.S_IMODE(st.st_mode))
+        log.warning(
+            "token file %r is accessible to every user (mode %o); chmod o-rwx it", path, stat.S_IMODE(st.st_mode)
+        )
     return token
 
 

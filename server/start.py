@@ -18,7 +18,7 @@ __all__ = ["worker_imports", "worker_start_method", "start_worker_server"]
 def worker_imports(config: ServeConfig) -> tuple[bool, bool]:
     """``(gpu, torch)``: whether this host's workers may load on a GPU without torch, and whether some may
     load with torch (a host-memory rank, a backend the torch-free path does not run, or no kvikio)."""
-    from gdsload.loader.devices import torch_free_unavailable
+    from ..loader.devices import torch_free_unavailable
 
     dm = parse_device_map(config.device_map)
     gpu = bool(visible_gpus()) and dm != "cpu" and not (isinstance(dm, dict) and all(g is None for g in dm.values()))

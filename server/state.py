@@ -118,19 +118,51 @@ def rank_doc(x: RankRecord, now: float, restarts: int, failures: int) -> dict[st
         "loaded_at": x.loaded_at,
         "leases": len(x.leases),
         "held_by": sorted(x.holders.values(), key=lambda h: h["since"]),
-        "lease_table": [{"lease": lease, "age_s": round(now - mono, 3), "exported_at": wall,
-                         "held_by": x.holders.get(lease)}
-                        for lease, (mono, wall) in sorted(x.leases.items(), key=lambda kv: kv[1][0])],
+        "lease_table": [
+            {"lease": lease, "age_s": round(now - mono, 3), "exported_at": wall, "held_by": x.holders.get(lease)}
+            for lease, (mono, wall) in sorted(x.leases.items(), key=lambda kv: kv[1][0])
+        ],
         "report": x.report,
     }
 
 
-PUBLIC_RANK_FIELDS = ("rank", "state", "device", "backend", "io_mode", "logical_bytes", "stored_bytes", "bytes_done",
-                      "phases", "seconds", "gbps", "verified", "restarts", "failures", "next_restart_in_s",
-                      "started_at", "entered_at", "imported_at", "cuda_ready_at", "loaded_at", "ready_at", "leases")
+PUBLIC_RANK_FIELDS = (
+    "rank",
+    "state",
+    "device",
+    "backend",
+    "io_mode",
+    "logical_bytes",
+    "stored_bytes",
+    "bytes_done",
+    "phases",
+    "seconds",
+    "gbps",
+    "verified",
+    "restarts",
+    "failures",
+    "next_restart_in_s",
+    "started_at",
+    "entered_at",
+    "imported_at",
+    "cuda_ready_at",
+    "loaded_at",
+    "ready_at",
+    "leases",
+)
 """What ``/v1/status`` shows of a rank without the token (plus the type of its error)."""
-_PUBLIC_FIELDS = ("version", "state", "ready", "generation", "load", "stopping_workers", "leases", "failures_total",
-                  "restarts_total", "worker_start")
+_PUBLIC_FIELDS = (
+    "version",
+    "state",
+    "ready",
+    "generation",
+    "load",
+    "stopping_workers",
+    "leases",
+    "failures_total",
+    "restarts_total",
+    "worker_start",
+)
 
 
 def _error_type(error: dict[str, str] | None) -> dict[str, str] | None:
@@ -143,7 +175,9 @@ def public_status(doc: dict[str, Any]) -> dict[str, Any]:
     out = {k: doc[k] for k in _PUBLIC_FIELDS}
     out["error"] = _error_type(doc["error"])
     out["process"] = {k: doc["process"][k] for k in ("started_at", "uptime_s", "time_to_ready_s")}
-    out["ranks"] = {key: {**{k: r[k] for k in PUBLIC_RANK_FIELDS}, "error": _error_type(r["error"])}
-                    for key, r in doc["ranks"].items()}
+    out["ranks"] = {
+        key: {**{k: r[k] for k in PUBLIC_RANK_FIELDS}, "error": _error_type(r["error"])}
+        for key, r in doc["ranks"].items()
+    }
     out["detail"] = "pids, paths, devices, error messages, leases and the configuration: send the bearer token"
     return out

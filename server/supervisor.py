@@ -37,8 +37,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait as wait_for
 from typing import Any, TypeVar
 
-from gdsload.loader.version import __version__
-from gdsload.loader.errors import GdsloadError
+from ..loader.version import __version__
+from ..loader.errors import GdsloadError
 
 from .errors import ExportsOutstandingError, UnknownLeaseError, UnknownRankError, WorkerError
 from .leases import EXPORT_TIMEOUT_S, LeaseOperations
@@ -127,8 +127,12 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
             if target is not None:  # every rank pending from the first request on
                 self._install(target)
             elif config.model_dir is not None:  # shown from the first request on, before discovery has run
-                self._model = {"path": config.model_dir, "real_path": os.path.realpath(config.model_dir),
-                               "source": None, "tp_size": None}
+                self._model = {
+                    "path": config.model_dir,
+                    "real_path": os.path.realpath(config.model_dir),
+                    "source": None,
+                    "tp_size": None,
+                }
             self._publish()
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,7 +185,9 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
     def _status(self) -> dict[str, Any]:
         now_wall, now = time.time(), time.monotonic()
         with self._lock:
-            ranks = {str(r): rank_doc(x, now, self._restarts[r], self._failures[r]) for r, x in sorted(self._ranks.items())}
+            ranks = {
+                str(r): rank_doc(x, now, self._restarts[r], self._failures[r]) for r, x in sorted(self._ranks.items())
+            }
             ready = self._is_ready()
             if ready:
                 state = "ready"
@@ -202,8 +208,9 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
                     "pid": os.getpid(),
                     "started_at": self.process_start,
                     "uptime_s": now_wall - self.process_start,
-                    "time_to_ready_s": (self._first_ready_wall - self.process_start
-                                        if self._first_ready_wall is not None else None),
+                    "time_to_ready_s": (
+                        self._first_ready_wall - self.process_start if self._first_ready_wall is not None else None
+                    ),
                 },
                 "load": {
                     "started_at": self._gen_started_wall,
@@ -221,8 +228,9 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
 
     # ------------------------------------------------------------------ operations
 
-    def reload(self, model_dir: str, ranks: Sequence[int] | None = None, *, wait_s: float = 0.0,
-               force: bool = False) -> dict[str, Any]:
+    def reload(
+        self, model_dir: str, ranks: Sequence[int] | None = None, *, wait_s: float = 0.0, force: bool = False
+    ) -> dict[str, Any]:
         """Replace the served model by ``model_dir`` (which must lie under an allowed root).
 
         The new directory is checked (confinement, discovery, device placement) before anything is
@@ -287,8 +295,9 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
             return fut.result(timeout=CALL_TIMEOUT_S)
         except FutureTimeout:
             fut.cancel()
-            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
-                              "see the log") from None
+            raise WorkerError(
+                f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; see the log"
+            ) from None
 
     async def call_async(self, fn: Callable[[], T]) -> T:
         """:meth:`_call` for an event loop: the loop waits, no thread does."""
@@ -296,8 +305,9 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise WorkerError(f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; "
-                              "see the log") from None
+            raise WorkerError(
+                f"the supervisor did not run the operation within {CALL_TIMEOUT_S:.0f} s; see the log"
+            ) from None
 
     def _loop(self) -> None:
         try:
@@ -343,7 +353,8 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
         with self._lock:
             self.loop_error = self._model_error = {
                 "type": "SupervisorFailed",
-                "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar"}
+                "message": f"the supervisor loop failed ({type(e).__name__}: {e}); restart the sidecar",
+            }
             self._publish()
 
     def _run_internal(self) -> None:
@@ -372,8 +383,12 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
         grace = self.config.lease_grace
         with self._lock:
             due = [x.next_restart_at for x in self._ranks.values() if x.next_restart_at is not None]
-            due += [mono + grace for x in self._ranks.values() for lease, (mono, _) in x.leases.items()
-                    if lease not in x.holders]
+            due += [
+                mono + grace
+                for x in self._ranks.values()
+                for lease, (mono, _) in x.leases.items()
+                if lease not in x.holders
+            ]
         due += [r.kill_at if r.signalled else r.term_at for r in self._retiring]
         if self._retiring:
             due.append(now + 0.25)  # a forked worker's exit shows on its pidfd; the rest are polled
@@ -412,15 +427,24 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
             self._run_internal()
             self._tend_retiring()
         if self._retiring or self._starting:
-            log.error("%d worker(s) did not stop and %d start(s) did not come back by the shutdown's deadline",
-                      len(self._retiring), self._starting)
+            log.error(
+                "%d worker(s) did not stop and %d start(s) did not come back by the shutdown's deadline",
+                len(self._retiring),
+                self._starting,
+            )
         log.info("all workers stopped")
 
     def _initial_load(self, path: str) -> None:
         target = self._target
         if target is not None:  # installed by __init__: start its workers
-            log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, target.path,
-                     target.source, target.tp_size, sorted(target.devices))
+            log.info(
+                "generation %d: serving %s (%s layout, tp=%d), ranks %s",
+                self._generation,
+                target.path,
+                target.source,
+                target.tp_size,
+                sorted(target.devices),
+            )
             with self._lock:
                 for x in self._ranks.values():
                     x.start_wanted = True
@@ -446,8 +470,12 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
             leases = {r: sorted(x.leases) for r, x in self._ranks.items() if x.leases}
             if leases and not force:
                 held = sorted({h["pid"] for x in self._ranks.values() for h in x.holders.values()}, key=str)
-                who = (f"; engine pid(s) {held} hold theirs while they run (their parameters are this memory): "
-                       "stop those engines" if held else "")
+                who = (
+                    f"; engine pid(s) {held} hold theirs while they run (their parameters are this memory): "
+                    "stop those engines"
+                    if held
+                    else ""
+                )
                 raise ExportsOutstandingError(
                     f"IPC exports are still outstanding ({ {r: len(v) for r, v in leases.items()} } by rank; "
                     f"leases {sum(leases.values(), [])}){who}; the engine must POST /v1/ipc/RANK/release first — "
@@ -464,8 +492,14 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
         if plan is None:
             log.info("unloaded %s", previous)
             return {"unloaded": previous, "generation": self._generation}
-        log.info("generation %d: serving %s (%s layout, tp=%d), ranks %s", self._generation, plan.path, plan.source,
-                 plan.tp_size, sorted(plan.devices))
+        log.info(
+            "generation %d: serving %s (%s layout, tp=%d), ranks %s",
+            self._generation,
+            plan.path,
+            plan.source,
+            plan.tp_size,
+            sorted(plan.devices),
+        )
         with self._lock:
             for x in self._ranks.values():
                 x.start_wanted = True
@@ -480,19 +514,28 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
         if plan is None:
             self._model, self._ranks = None, {}
         else:
-            self._model = {"path": plan.path, "real_path": plan.real_path, "source": plan.source,
-                           "tp_size": plan.tp_size}
+            self._model = {
+                "path": plan.path,
+                "real_path": plan.real_path,
+                "source": plan.source,
+                "tp_size": plan.tp_size,
+            }
             self._ranks = {}
             for r, (cvd, explicit) in plan.devices.items():
-                self._ranks[r] = RankRecord(r, cvd, explicit,
-                                       files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())])
+                self._ranks[r] = RankRecord(
+                    r, cvd, explicit, files=[os.path.relpath(f, plan.real_path) for f in plan.files.get(r, ())]
+                )
         self._publish()
 
     # ------------------------------------------------------------------ derived state (lock held)
 
     def _is_ready(self) -> bool:
-        return (self._model is not None and self._model_error is None and bool(self._ranks)
-                and all(x.state is RankState.READY for x in self._ranks.values()))
+        return (
+            self._model is not None
+            and self._model_error is None
+            and bool(self._ranks)
+            and all(x.state is RankState.READY for x in self._ranks.values())
+        )
 
     def _publish(self) -> None:
         """Rebuild the ``/readyz`` answer; call with the lock held after every state change."""
@@ -502,8 +545,12 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
             first = self._first_ready_wall is None
             if first:
                 self._first_ready_wall = time.time()
-            log.info("all %d rank(s) ready in %.3f s%s", len(self._ranks), self._gen_ready_s,
-                     f" ({self._first_ready_wall - self.process_start:.3f} s after process start)" if first else "")
+            log.info(
+                "all %d rank(s) ready in %.3f s%s",
+                len(self._ranks),
+                self._gen_ready_s,
+                f" ({self._first_ready_wall - self.process_start:.3f} s after process start)" if first else "",
+            )
         states = {str(r): x.state.value for r, x in sorted(self._ranks.items())}
         # For anyone who reaches the port: states and reasons, no path (the model's is in /v1/status, with the token).
         body: dict[str, Any] = {"ready": ready, "generation": self._generation, "ranks": states}
@@ -520,6 +567,7 @@ class Supervisor(LeaseOperations, WorkerLifecycle):
                 body["reason"] = (
                     f"rank(s) {', '.join(str(x.rank) for x in failed)} failed "
                     f"({', '.join(sorted({x.error['type'] for x in failed if x.error}))}); see /v1/status"
-                    if failed else f"waiting for rank(s) {', '.join(waiting)}"
+                    if failed
+                    else f"waiting for rank(s) {', '.join(waiting)}"
                 )
         self._readyz = (200 if ready else 503, json.dumps(body, separators=(",", ":")).encode())

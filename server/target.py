@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gdsload.loader.errors import (
+from ..loader.errors import (
     ConfigError,
     FileUnreadableError,
     GdsloadError,
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _MANIFEST_LIMIT = 64 << 20
 """Largest ``gdsload.json`` a reload's check reads."""
+
 
 class ModelNotFoundError(GdsloadError, FileNotFoundError):
     """The model path does not exist."""
@@ -100,8 +101,7 @@ def ranges(ranks: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = None, *,
-                 strict: bool = False) -> Target:
+def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = None, *, strict: bool = False) -> Target:
     """Check ``path`` for serving with ``config`` (``ranks``: a reload's own list); a :class:`Target` or a typed error.
 
     ``strict`` (a reload): the path must lie under an allowed root, and every served file's header is
@@ -126,33 +126,42 @@ def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = N
         if not strict:
             raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}: {e})") from None
         log.warning("reload target %r refused: %s: %s", path, type(e).__name__, e)
-        raise ModelUnreadableError(f"model directory {path!r} cannot be served ({type(e).__name__}); the details "
-                                   "are in the server's log") from None
+        raise ModelUnreadableError(
+            f"model directory {path!r} cannot be served ({type(e).__name__}); the details are in the server's log"
+        ) from None
 
 
 def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | None, strict: bool) -> Target:
-    from gdsload.loader.format.discovery import discover, scan_layout
+    from ..loader.format.discovery import discover, scan_layout
 
     if not os.path.exists(real):
-        raise ModelNotFoundError(f"model directory {path!r} does not exist; give the directory that holds the "
-                                 "model's .safetensors files (and its gdsload.json, if it has one)")
+        raise ModelNotFoundError(
+            f"model directory {path!r} does not exist; give the directory that holds the "
+            "model's .safetensors files (and its gdsload.json, if it has one)"
+        )
     if not os.path.isdir(real) and not real.endswith(".safetensors"):
-        raise ModelNotFoundError(f"model path {path!r} is not a directory or a .safetensors file; give the directory "
-                                 "that holds the model's .safetensors files")
+        raise ModelNotFoundError(
+            f"model path {path!r} is not a directory or a .safetensors file; give the directory "
+            "that holds the model's .safetensors files"
+        )
     try:
         # Only the served ranks' files must be here: a node holds its own ranks of a multi-node layout.
         scanned = scan_layout(real, check=tuple(ranks if ranks is not None else config.ranks or ()) or None)
         source, tp, files = scanned.source, scanned.world_size, scanned.ranks
     except (NoFilesForRankError, UnfinishedOutputError) as e:
         if "no .safetensors files" in str(e):
-            raise type(e)(f"{e}; serve the directory `gdsload shard` or vLLM's save_sharded_state wrote, or a "
-                          "Hugging Face model directory") from None
+            raise type(e)(
+                f"{e}; serve the directory `gdsload shard` or vLLM's save_sharded_state wrote, or a "
+                "Hugging Face model directory"
+            ) from None
         raise
     except GdsloadError:
         raise
     except OSError as e:
-        raise ModelUnreadableError(f"model directory {path!r} cannot be read ({e.strerror or type(e).__name__}); "
-                                   "check that it exists and this user may read it") from None
+        raise ModelUnreadableError(
+            f"model directory {path!r} cannot be read ({e.strerror or type(e).__name__}); "
+            "check that it exists and this user may read it"
+        ) from None
     sizes = f"tp={scanned.tp_size}" + (f" x pp={scanned.pp_size}" if scanned.pp_size > 1 else "")
     held = f"{path!r} holds rank{'s' if len(files) > 1 else ''} {ranges(list(files))} ({_layout(source)}, {sizes})"
 
@@ -161,16 +170,22 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
     elif config.tp is not None:
         if config.tp != tp:
             if source == "plain":
-                fix = (f"serve it without --tp (or with --tp 1), or shard it first: gdsload shard {path} OUT "
-                       f"--tp {config.tp}")
+                fix = (
+                    f"serve it without --tp (or with --tp 1), or shard it first: gdsload shard {path} OUT "
+                    f"--tp {config.tp}"
+                )
             elif scanned.pp_size > 1:
-                fix = (f"--tp counts the ranks one host serves; serve all {tp} (no --tp), or a node's own with "
-                       "--ranks")
+                fix = f"--tp counts the ranks one host serves; serve all {tp} (no --tp), or a node's own with --ranks"
             else:
                 fix = f"serve it with --tp {tp}, or reshard its source: gdsload shard SRC OUT --tp {config.tp}"
-            raise TensorParallelMismatchError(f"--tp {config.tp} does not match the model: {held}; {fix}"
-                                              + ("; to serve part of its ranks on this host, use --ranks"
-                                                 if config.tp < tp and source != "plain" else ""))
+            raise TensorParallelMismatchError(
+                f"--tp {config.tp} does not match the model: {held}; {fix}"
+                + (
+                    "; to serve part of its ranks on this host, use --ranks"
+                    if config.tp < tp and source != "plain"
+                    else ""
+                )
+            )
         served, asked = tuple(range(tp)), f"--tp {config.tp}"
     elif config.ranks is not None:
         served, asked = config.ranks, f"--ranks {ranges(config.ranks)}"
@@ -180,7 +195,8 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
         raise TooManyRanksError(
             f"{asked or repr(path) + f' (tp={tp})'} asks this host to serve {len(served)} ranks, one worker process "
             f"each; one host serves at most {MAX_LOCAL_RANKS} — split the ranks across hosts with --ranks (e.g. "
-            f"--ranks 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)")
+            f"--ranks 0-{MAX_LOCAL_RANKS - 1} here, the rest on the next)"
+        )
     for r in served:
         if r not in files:
             try:
@@ -195,7 +211,7 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
     if strict:
         if source == "manifest":
             _same_manifest(real, roots, files)
-        from gdsload.loader.plan import plan_rank
+        from ..loader.plan import plan_rank
 
         for r in served:
             # Every header and the compression metadata (HeaderError, CodecError, ...), opened as the workers
@@ -203,19 +219,24 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
             with plan_rank(discover(real, r), confine=roots or None):
                 pass
     devices = assign_devices(served, config.device_map, visible_gpus())
-    return Target(path=path, real_path=real, source=source, tp_size=tp, files=dict(files), ranks=served,
-                  devices=devices)
+    return Target(
+        path=path, real_path=real, source=source, tp_size=tp, files=dict(files), ranks=served, devices=devices
+    )
 
 
 def _layout(source: str) -> str:
-    return {"manifest": "gdsload manifest", "vllm": "vLLM rank files", "trtllm": "TensorRT-LLM rank files",
-            "plain": "one unsharded checkpoint"}.get(source, source)
+    return {
+        "manifest": "gdsload manifest",
+        "vllm": "vLLM rank files",
+        "trtllm": "TensorRT-LLM rank files",
+        "plain": "one unsharded checkpoint",
+    }.get(source, source)
 
 
 def _same_manifest(real: str, roots: Sequence[str], files: dict[int, tuple[str, ...]]) -> None:
     """Read ``gdsload.json`` again through a confined open: the files discovery found must be the ones it lists."""
-    from gdsload.loader.format.confine import open_beneath
-    from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest
+    from ..loader.format.confine import open_beneath
+    from ..loader.format.manifest import MANIFEST_NAME, Manifest
 
     where = os.path.join(real, MANIFEST_NAME)
     fd = open_beneath(where, roots)
@@ -234,20 +255,29 @@ def _same_manifest(real: str, roots: Sequence[str], files: dict[int, tuple[str, 
         raise ManifestError(f"{where!r} is not valid JSON; rewrite it with `gdsload shard`") from None
     listed = {r: tuple(os.path.join(real, f.path) for f in entries) for r, entries in manifest.ranks.items()}
     if listed != files:
-        raise ManifestError(f"{where!r} changed while the model was checked; try the reload again once the "
-                            "directory is complete")
+        raise ManifestError(
+            f"{where!r} changed while the model was checked; try the reload again once the directory is complete"
+        )
 
 
 # Errors whose text is built from the request and the directory's names, never from file contents.
-_VERBATIM = (NoFilesForRankError, UnfinishedOutputError, PathNotAllowedError, ConfigError, ModelNotFoundError,
-             TensorParallelMismatchError, FileUnreadableError, ModelUnreadableError)
+_VERBATIM = (
+    NoFilesForRankError,
+    UnfinishedOutputError,
+    PathNotAllowedError,
+    ConfigError,
+    ModelNotFoundError,
+    TensorParallelMismatchError,
+    FileUnreadableError,
+    ModelUnreadableError,
+)
 _QUOTED_PATH = re.compile(r"'(/[^']*)'")
 _QUOTED_NAME = re.compile(r"'([^'/]+\.(?:safetensors|json))'")
 
 
 def _public_error(e: GdsloadError, roots: Sequence[str]) -> GdsloadError:
     """``e`` as a reload's caller may see it: no file bytes, no path outside ``roots``."""
-    from gdsload.loader.format.confine import PathEscapesRootError
+    from ..loader.format.confine import PathEscapesRootError
 
     def inside(p: str) -> bool:
         p = os.path.normpath(p)
@@ -263,8 +293,10 @@ def _public_error(e: GdsloadError, roots: Sequence[str]) -> GdsloadError:
         named = [m for m in _QUOTED_PATH.findall(text) if inside(m)] + _QUOTED_NAME.findall(text)
         named = list(dict.fromkeys(named))[:3]
         where = " and ".join(repr(n) for n in named) if named else "a file of the model"
-        message = (f"{where}: not a valid model ({type(e).__name__}); the details are in the server's log — fix or "
-                   "re-copy the files, then reload again")
+        message = (
+            f"{where}: not a valid model ({type(e).__name__}); the details are in the server's log — fix or "
+            "re-copy the files, then reload again"
+        )
     try:
         out = type(e)(message)
     except Exception:  # an error type with another constructor

@@ -16,7 +16,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from gdsload.loader.errors import GdsloadError
+from ..loader.errors import GdsloadError
 
 from . import forkserver
 from .settings import configure_logging
@@ -32,7 +32,7 @@ from .worker_protocol import (
 )
 
 if TYPE_CHECKING:
-    from gdsload.loader.plan import LoadPlan
+    from ..loader.plan import LoadPlan
 
 __all__ = ["worker_main"]
 
@@ -112,8 +112,10 @@ class _Worker:
             timer.start()
 
     def _exit_unstopped(self, signum: int) -> None:
-        log.warning("SIGTERM %.0f s ago and the server has not stopped this worker; exiting",
-                    time.monotonic() - (self._sigterm_at or 0.0))
+        log.warning(
+            "SIGTERM %.0f s ago and the server has not stopped this worker; exiting",
+            time.monotonic() - (self._sigterm_at or 0.0),
+        )
         logging.shutdown()
         os._exit(128 + signum)
 
@@ -150,7 +152,7 @@ class _Worker:
         marks: dict[str, float] = {"entered_at": self.entered_at}
         target: Any = device
         if bare:
-            from gdsload.loader.devices import DriverDevice
+            from ..loader.devices import DriverDevice
 
             marks["imported_at"] = time.time()
             target = DriverDevice(0)
@@ -168,12 +170,13 @@ class _Worker:
         else:
             import torch
 
-            from gdsload.loader.devices import TorchDevice
+            from ..loader.devices import TorchDevice
 
             target = TorchDevice(torch.device("cpu"), shared=True)  # handed over without a move (export_rank)
             gpu = None
-        self.channel.send("hello", pid=os.getpid(), device=device, gpu=gpu, fork_server=forkserver.STATE or None,
-                          **marks)
+        self.channel.send(
+            "hello", pid=os.getpid(), device=device, gpu=gpu, fork_server=forkserver.STATE or None, **marks
+        )
 
         def loading(plan: LoadPlan) -> None:  # called once the headers are parsed, before any data is read
             self.channel.send(
@@ -183,10 +186,17 @@ class _Worker:
                 logical_bytes=sum(f.logical_bytes for f in plan.files),
             )
 
-        from gdsload.loader.pipeline.load import load_rank
+        from ..loader.pipeline.load import load_rank
 
-        return load_rank(self.spec.model_dir, self.spec.rank, device=target, backend=self.spec.backend,
-                         confine=self.spec.confine or None, progress=_Progress(self.channel), on_plan=loading)
+        return load_rank(
+            self.spec.model_dir,
+            self.spec.rank,
+            device=target,
+            backend=self.spec.backend,
+            confine=self.spec.confine or None,
+            progress=_Progress(self.channel),
+            on_plan=loading,
+        )
 
     def _device(self) -> tuple[str, bool]:
         """Where this rank loads, and whether it loads without torch (a ``DriverDevice``).
@@ -196,7 +206,7 @@ class _Worker:
         """
         if not self.spec.cuda_visible_devices:
             return "cpu", False
-        from gdsload.loader.devices import torch_free_unavailable
+        from ..loader.devices import torch_free_unavailable
 
         why = torch_free_unavailable(self.spec.backend)
         if why is None:
@@ -206,8 +216,7 @@ class _Worker:
 
         if torch.cuda.is_available():
             return "cuda:0", False
-        why = ("this torch build has no CUDA support" if torch.version.cuda is None
-               else "CUDA reports no usable device")
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "CUDA reports no usable device"
         if self.spec.gpu_explicit:
             raise GpuUnavailableError(
                 f"rank {self.spec.rank} is mapped to GPU {self.spec.cuda_visible_devices!r} by --device-map, but "
@@ -242,7 +251,7 @@ class _Worker:
                 log.error("unknown command %r from the server; ignored", kind)
 
     def _export(self, request_id: str, lease: str) -> None:
-        from gdsload.loader.handoff.ipc import export_rank
+        from ..loader.handoff.ipc import export_rank
 
         with self._lock:
             result = self._result
@@ -293,7 +302,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us in order
     if spec.cuda_visible_devices and forkserver.inherited_problem() is None:
-        from gdsload.loader.devices import start_primary_context
+        from ..loader.devices import start_primary_context
 
         start_primary_context(0)
     configure_logging(spec.log_format, spec.log_level, rank=spec.rank)

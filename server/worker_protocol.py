@@ -22,7 +22,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from gdsload.loader.errors import GdsloadError
+from ..loader.errors import GdsloadError
 
 __all__ = [
     "WorkerSpec",

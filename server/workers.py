@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.errors import ConfigError
+from ..loader.errors import ConfigError
 
 from . import forkserver
 from .settings import parse_device_map
@@ -116,8 +116,13 @@ class WorkerHandle:
     liveness, and the signals that stop it, go through a pidfd of the worker itself where Linux has them.
     """
 
-    def __init__(self, spec: WorkerSpec, process: multiprocessing.process.BaseProcess, conn: Connection,
-                 start_method: str = "spawn"):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        process: multiprocessing.process.BaseProcess,
+        conn: Connection,
+        start_method: str = "spawn",
+    ):
         self.spec = spec
         self.process = process
         self.conn: Connection | None = conn
@@ -140,8 +145,7 @@ class WorkerHandle:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         from .worker_main import worker_main
 
-        process = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"gdsload-rank{spec.rank}",
-                              daemon=True)
+        process = ctx.Process(target=worker_main, args=(spec, child_conn), name=f"gdsload-rank{spec.rank}", daemon=True)
         # A spawned interpreter inherits os.environ as it is at start(): set the variable there so it is in
         # force before anything in the child can initialise CUDA (a forked worker sets it in worker_main,
         # before it makes its context). The lock keeps concurrent starts apart.
@@ -166,8 +170,13 @@ class WorkerHandle:
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = before
         child_conn.close()
-        log.info("rank %d: started worker pid %s by %s (CUDA_VISIBLE_DEVICES=%r)", spec.rank, process.pid,
-                 start_method, spec.cuda_visible_devices)
+        log.info(
+            "rank %d: started worker pid %s by %s (CUDA_VISIBLE_DEVICES=%r)",
+            spec.rank,
+            process.pid,
+            start_method,
+            spec.cuda_visible_devices,
+        )
         return cls(spec, process, parent_conn, start_method)
 
     @property
@@ -218,8 +227,9 @@ class WorkerHandle:
             return False
         try:
             if not select.select([], [self.conn.fileno()], [], 0)[1]:
-                log.warning("rank %d: worker pid %s is not reading its commands; %r not sent", self.spec.rank,
-                            self.pid, kind)
+                log.warning(
+                    "rank %d: worker pid %s is not reading its commands; %r not sent", self.spec.rank, self.pid, kind
+                )
                 return False
             self.conn.send((kind, payload))  # commands are small: a writable pipe takes one whole
             return True

@@ -25,7 +25,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; run `pytest -m gpu` on the GPU machine"))
         mark = item.get_closest_marker("multi_gpu")
         if mark is not None and n < (mark.args[0] if mark.args else 2):
-            item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0] if mark.args else 2} CUDA devices, found {n}"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {mark.args[0] if mark.args else 2} CUDA devices, found {n}")
+            )
         if "gds" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs real GPUDirect Storage (nvidia-fs or P2PDMA)"))
 

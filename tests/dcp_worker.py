@@ -65,7 +65,9 @@ class Tiny(nn.Module):
         return self.head(h)
 
 
-def setup(rank: int, world: int, port: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def setup(
+    rank: int, world: int, port: int
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(0)
     model = Tiny()
     if world > 1:
@@ -89,8 +91,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, VOCAB, (4, 16), generator=g)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-          steps: range) -> list[str]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, steps: range
+) -> list[str]:
     losses = []
     for step in steps:
         x, y = batch(step)  # every rank the same batch: FSDP averages identical gradients
@@ -103,14 +106,14 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_sc
     return losses
 
 
-def state(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-          step: int) -> dict:
+def state(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, step: int) -> dict:
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd, "sched": sched.state_dict(), "step": step}
 
 
-def restore(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-            path: Path) -> int:
+def restore(
+    model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, path: Path
+) -> int:
     s = state(model, opt, sched, -1)
     dcp.load(s, storage_reader=GdsloadReader(path))
     set_state_dict(model, opt, model_state_dict=s["model"], optim_state_dict=s["optim"])
@@ -154,6 +157,7 @@ def kill_after(calls: int) -> None:
 
 def kill_before_metadata() -> None:
     """SIGKILL this process when the coordinator is about to rename the metadata into place."""
+
     class Killer:
         def __init__(self, path: object) -> None:
             pass

@@ -80,7 +80,9 @@ class Runner:
             cmd = ["bash", "-euo", "pipefail", "-c", block.code]
         p = subprocess.run(cmd, cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=timeout)
         out = p.stdout + p.stderr
-        assert p.returncode == 0, f"README block at {block} failed (exit {p.returncode}):\n{block.code}\n---\n{out[-4000:]}"
+        assert p.returncode == 0, (
+            f"README block at {block} failed (exit {p.returncode}):\n{block.code}\n---\n{out[-4000:]}"
+        )
         return out
 
     def start(self, block: Block, ready_path: str, timeout: float = 300, default_port: int | None = None) -> int:
@@ -89,14 +91,23 @@ class Runner:
         assert port is not None, f"README block at {block} names no --port to wait for"
         log = self.workdir / f"block-{block.line}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.code], cwd=self.workdir, env=self.env,
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                ["bash", "-euo", "pipefail", "-c", block.code],
+                cwd=self.workdir,
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.background.append(proc)
         deadline = time.monotonic() + timeout
         while _answers(f"http://127.0.0.1:{port}{ready_path}") != 200:
-            assert proc.poll() is None, f"README block at {block} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"README block at {block}: {ready_path} not 200 in {timeout:.0f} s:\n" \
-                                                f"{log.read_text()[-4000:]}"
+            assert proc.poll() is None, (
+                f"README block at {block} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"README block at {block}: {ready_path} not 200 in {timeout:.0f} s:\n{log.read_text()[-4000:]}"
+            )
             time.sleep(0.25)
         return port
 

@@ -21,8 +21,14 @@ URL_RE = re.compile(r"listening on (http://[^\s\"]+:\d+)")
 class Server:
     """``gdsload serve`` in a child process, its log in a file, an httpx client on its URL."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, new_group: bool = False,
-                 token: str | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        new_group: bool = False,
+        token: str | None = None,
+    ):
         """``token``: started with it (``GDSLOAD_TOKEN``) unless ``args`` name a token file; :meth:`status` sends
         the server's token, wherever it came from, and so sees every detail."""
         clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
@@ -38,7 +44,9 @@ class Server:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--host", "127.0.0.1", "--port", "0"],
-                stdout=log, stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**clean, "PYTHONUNBUFFERED": "1", **env},
                 start_new_session=new_group,  # its own process group, to be signalled as a whole
             )
         self.url = self._wait_for_url(60)

@@ -15,8 +15,23 @@ from torch import nn
 
 def all_dtypes() -> list[torch.dtype]:
     """Every torch dtype safetensors can store, in this torch build."""
-    names = ["bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2", "int16", "uint16", "float16", "bfloat16",
-             "int32", "uint32", "float32", "int64", "uint64", "float64"]
+    names = [
+        "bool",
+        "uint8",
+        "int8",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int16",
+        "uint16",
+        "float16",
+        "bfloat16",
+        "int32",
+        "uint32",
+        "float32",
+        "int64",
+        "uint64",
+        "float64",
+    ]
     return [getattr(torch, n) for n in names if hasattr(torch, n)]
 
 

@@ -48,8 +48,17 @@ from gdsload.loader.handoff.sidecar_client import (
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False)
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.25,
+    tie_word_embeddings=False,
+)
 PROMPT = [[3, 17, 42, 99, 7, 250, 12, 64]]
 NEW_TOKENS = 12
 TOKEN = "s3cret-token-0123456789"
@@ -102,7 +111,7 @@ def reference() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = _reference()
     logits, tokens = _run(model)
     assert tokens.shape[1] == len(PROMPT[0]) + NEW_TOKENS
-    assert len(set(tokens[0, len(PROMPT[0]):].tolist())) > 2, "degenerate reference; raise initializer_range"
+    assert len(set(tokens[0, len(PROMPT[0]) :].tolist())) > 2, "degenerate reference; raise initializer_range"
     return model, logits, tokens
 
 
@@ -258,9 +267,11 @@ def test_options_name_the_key_and_the_fix(tmp_path):
 
 
 def test_importing_adapters_imports_no_engine():
-    code = ("import sys, gdsload.loader.adapters, gdsload.loader.adapters.vllm, gdsload.loader.adapters.trtllm, "
-            "gdsload.loader.adapters.sglang, gdsload.loader.handoff.sidecar_client; "
-            "print([m for m in ('vllm', 'sglang', 'tensorrt_llm', 'transformers') if m in sys.modules])")
+    code = (
+        "import sys, gdsload.loader.adapters, gdsload.loader.adapters.vllm, gdsload.loader.adapters.trtllm, "
+        "gdsload.loader.adapters.sglang, gdsload.loader.handoff.sidecar_client; "
+        "print([m for m in ('vllm', 'sglang', 'tensorrt_llm', 'transformers') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -418,11 +429,21 @@ mapped.release()  # drops the last references to the mapping, then tells the sid
 
 
 def _generate_in_child(url: str, device: str, out: Path) -> dict[str, Any]:
-    args = dict(url=url, token=TOKEN, rank=0, device=device, config=CONFIG, prompt=PROMPT, new_tokens=NEW_TOKENS,
-                threads=torch.get_num_threads(), out=str(out))
+    args = dict(
+        url=url,
+        token=TOKEN,
+        rank=0,
+        device=device,
+        config=CONFIG,
+        prompt=PROMPT,
+        new_tokens=NEW_TOKENS,
+        threads=torch.get_num_threads(),
+        out=str(out),
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True,
-                       timeout=300, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return torch.load(out)
 

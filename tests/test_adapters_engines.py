@@ -38,17 +38,24 @@ def hf_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=g).to(torch.bfloat16)
 
-    w = {"model.embed_tokens.weight": rnd(VOCAB, HIDDEN), "model.norm.weight": rnd(HIDDEN),
-         "lm_head.weight": rnd(VOCAB, HIDDEN)}
+    w = {
+        "model.embed_tokens.weight": rnd(VOCAB, HIDDEN),
+        "model.norm.weight": rnd(HIDDEN),
+        "lm_head.weight": rnd(VOCAB, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
-              p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * HEAD_DIM),
-              p + "mlp.gate_proj.weight": rnd(INTER, HIDDEN), p + "mlp.up_proj.weight": rnd(INTER, HIDDEN),
-              p + "mlp.down_proj.weight": rnd(HIDDEN, INTER),
-              p + "input_layernorm.weight": rnd(HIDDEN), p + "post_attention_layernorm.weight": rnd(HIDDEN)}
+        w |= {
+            p + "self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": rnd(INTER, HIDDEN),
+            p + "mlp.up_proj.weight": rnd(INTER, HIDDEN),
+            p + "mlp.down_proj.weight": rnd(HIDDEN, INTER),
+            p + "input_layernorm.weight": rnd(HIDDEN),
+            p + "post_attention_layernorm.weight": rnd(HIDDEN),
+        }
     return w
 
 
@@ -68,15 +75,20 @@ def _vocab_rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
 
 def vllm_rank(hf: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
     """vLLM's LlamaForCausalLM state dict for one tensor-parallel rank, derived from HF weights."""
-    out = {"model.embed_tokens.weight": _vocab_rows(hf["model.embed_tokens.weight"], rank, tp),
-           "lm_head.weight": _vocab_rows(hf["lm_head.weight"], rank, tp), "model.norm.weight": hf["model.norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": _vocab_rows(hf["model.embed_tokens.weight"], rank, tp),
+        "lm_head.weight": _vocab_rows(hf["lm_head.weight"], rank, tp),
+        "model.norm.weight": hf["model.norm.weight"],
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = torch.cat([_rows(hf[p + f"self_attn.{x}_proj.weight"], rank, tp)
-                                                          for x in "qkv"])
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [_rows(hf[p + f"self_attn.{x}_proj.weight"], rank, tp) for x in "qkv"]
+        )
         out[p + "self_attn.o_proj.weight"] = _cols(hf[p + "self_attn.o_proj.weight"], rank, tp)
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([_rows(hf[p + f"mlp.{x}_proj.weight"], rank, tp)
-                                                        for x in ("gate", "up")])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [_rows(hf[p + f"mlp.{x}_proj.weight"], rank, tp) for x in ("gate", "up")]
+        )
         out[p + "mlp.down_proj.weight"] = _cols(hf[p + "mlp.down_proj.weight"], rank, tp)
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[p + n] = hf[p + n]
@@ -90,26 +102,40 @@ class VllmLlama(nn.Module):
     ``stacked_params_mapping`` and ``weight_loader``s do, and returns the names it filled.
     """
 
-    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+    stacked = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
 
     def __init__(self, rank: int, tp: int, *, lora_rows: int = 0, skip: tuple[str, ...] = ()):
         super().__init__()
         self.rank, self.tp, self.skip = rank, tp, skip
         vocab = PAD_VOCAB // tp
         q, kv, inter = HEADS * HEAD_DIM // tp, KV_HEADS * HEAD_DIM // tp, INTER // tp
-        self.shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "lm_head.weight": (vocab + lora_rows, HIDDEN),
-                       "model.norm.weight": (HIDDEN,)}
+        self.shapes = {
+            "model.embed_tokens.weight": (vocab, HIDDEN),
+            "lm_head.weight": (vocab + lora_rows, HIDDEN),
+            "model.norm.weight": (HIDDEN,),
+        }
         for i in range(LAYERS):
             p = f"model.layers.{i}."
-            self.shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, HIDDEN),
-                            p + "self_attn.o_proj.weight": (HIDDEN, q),
-                            p + "mlp.gate_up_proj.weight": (2 * inter, HIDDEN),
-                            p + "mlp.down_proj.weight": (HIDDEN, inter),
-                            p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,)}
-        self.params = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.zeros(s, dtype=torch.bfloat16),
-                                                                           requires_grad=False)
-                                        for k, s in self.shapes.items()})
+            self.shapes |= {
+                p + "self_attn.qkv_proj.weight": (q + 2 * kv, HIDDEN),
+                p + "self_attn.o_proj.weight": (HIDDEN, q),
+                p + "mlp.gate_up_proj.weight": (2 * inter, HIDDEN),
+                p + "mlp.down_proj.weight": (HIDDEN, inter),
+                p + "input_layernorm.weight": (HIDDEN,),
+                p + "post_attention_layernorm.weight": (HIDDEN,),
+            }
+        self.params = nn.ParameterDict(
+            {
+                k.replace(".", "__"): nn.Parameter(torch.zeros(s, dtype=torch.bfloat16), requires_grad=False)
+                for k, s in self.shapes.items()
+            }
+        )
         self.q, self.kv, self.inter = q, kv, inter
 
     def named_parameters(self, *args: Any, **kwargs: Any):  # vLLM's names, not ParameterDict's
@@ -144,7 +170,7 @@ class VllmLlama(nn.Module):
                 if "embed_tokens" in name or "lm_head" in name:
                     start = self.rank * (PAD_VOCAB // self.tp)
                     n = max(0, min(VOCAB - start, PAD_VOCAB // self.tp))
-                    dst[:n].copy_(w[start:start + n])
+                    dst[:n].copy_(w[start : start + n])
                 elif "o_proj" in name or "down_proj" in name:
                     dst.copy_(w.narrow(1, self.rank * dst.shape[1], dst.shape[1]))
                 else:
@@ -183,8 +209,10 @@ def hf_tp2_dir(hf, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hf-tp2")
     ranks = {}
     for r in range(2):
-        part = {k: (v if v.ndim == 1 else _rows(v, r, 2) if "o_proj" not in k and "down" not in k else _cols(v, r, 2))
-                for k, v in hf.items()}
+        part = {
+            k: (v if v.ndim == 1 else _rows(v, r, 2) if "o_proj" not in k and "down" not in k else _cols(v, r, 2))
+            for k, v in hf.items()
+        }
         save_file({k: v.contiguous() for k, v in part.items()}, root / f"model-rank-{r}-part-0.safetensors")
         ranks[r] = [f"model-rank-{r}-part-0.safetensors"]
     write_manifest(root, ranks, tp_size=2, layout="hf")
@@ -197,8 +225,12 @@ def hf_tp2_dir(hf, tmp_path_factory) -> Path:
 def test_vllm_sharded_state_copies_each_rank_with_the_narrowing_rule(hf, vllm_dir):
     for rank in range(2):
         plan = gvllm.choose_route(vllm_dir, rank=rank, tp_size=2, options=AdapterOptions())
-        assert (plan.kind, plan.file_rank, plan.layout.layout, plan.layout.source) == ("sharded_state", rank,
-                                                                                       "vllm", "vllm")
+        assert (plan.kind, plan.file_rank, plan.layout.layout, plan.layout.source) == (
+            "sharded_state",
+            rank,
+            "vllm",
+            "vllm",
+        )
         model = VllmLlama(rank, 2, lora_rows=LORA_EXTRA)
         report = gvllm.load_into_model(model, vllm_dir, rank=rank, tp_size=2)
         assert report.ok and report.narrowed == ["lm_head.weight"]
@@ -234,8 +266,9 @@ def test_vllm_load_weights_reports_unfilled_parameters(hf_dir):
     model = VllmLlama(0, 1, skip=("model.norm.weight",))
     with pytest.raises(InjectError, match=r"left 1 parameters unfilled: 'model.norm.weight'"):
         gvllm.load_into_model(model, hf_dir, rank=0, tp_size=1)
-    report = gvllm.load_into_model(VllmLlama(0, 1, skip=("model.norm.weight",)), hf_dir, rank=0, tp_size=1,
-                                   options=AdapterOptions(strict=False))
+    report = gvllm.load_into_model(
+        VllmLlama(0, 1, skip=("model.norm.weight",)), hf_dir, rank=0, tp_size=1, options=AdapterOptions(strict=False)
+    )
     assert report.missing == ["model.norm.weight"]
 
 
@@ -263,8 +296,14 @@ def test_vllm_strict_sharded_state_lists_everything_before_writing(hf, tmp_path)
 
 def test_vllm_filter_shared_tensors_follows_sharded_state():
     base = torch.arange(12.0)
-    state = {"b.fused": base, "a.view": base[:6], "c.same": base, "other": torch.ones(3),
-             "strided": base[::2], "empty": torch.empty(0)}
+    state = {
+        "b.fused": base,
+        "a.view": base[:6],
+        "c.same": base,
+        "other": torch.ones(3),
+        "strided": base[::2],
+        "empty": torch.empty(0),
+    }
     kept = gvllm.filter_shared_tensors(state)
     # The widest tensor wins; of identical spans the smallest name; views and non-contiguous tensors are covered.
     assert sorted(kept) == ["b.fused", "other"]
@@ -391,7 +430,9 @@ def test_sglang_live_update_checks_and_reports_refusals(hf):
     with pytest.raises(InjectError, match=r"unknown names \('model.layers.0.self_attn.q_proj.weight'"):
         gsglang.update_weights_from_tensors(engine, hf, expected=engine.model)
     assert engine.calls == []  # nothing was sent
-    with pytest.raises(gsglang.EngineUpdateError, match=r"bucket 1/1 .*AssertionError: shape \(250, 64\) vs \(256, 64\).*fused names") as e:
+    with pytest.raises(
+        gsglang.EngineUpdateError, match=r"bucket 1/1 .*AssertionError: shape \(250, 64\) vs \(256, 64\).*fused names"
+    ) as e:
         gsglang.update_weights_from_tensors(engine, hf)
     assert isinstance(e.value, RuntimeError)
 
@@ -421,8 +462,9 @@ def test_sglang_real_package_accepts_the_loader_class():
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_loader.loader import get_model_loader
 
-    loader = get_model_loader(LoadConfig(load_format=gsglang.loader_class(),
-                                         model_loader_extra_config={"backend": "cpu"}))
+    loader = get_model_loader(
+        LoadConfig(load_format=gsglang.loader_class(), model_loader_extra_config={"backend": "cpu"})
+    )
     assert type(loader) is gsglang.loader_class() and loader.options.backend == "cpu"
 
 
@@ -447,12 +489,15 @@ def _legacy(root: Path, mapping: dict[str, int], files: int) -> dict[int, dict[s
     ranks = {}
     for r in range(files):
         g = torch.Generator().manual_seed(r)
-        ranks[r] = {"transformer.vocab_embedding.weight": torch.randn(32, 8, generator=g).half(),
-                    "transformer.layers.0.attention.qkv.weight": torch.randn(24, 8, generator=g).half(),
-                    "lm_head.weight": torch.randn(32, 8, generator=g).half()}
+        ranks[r] = {
+            "transformer.vocab_embedding.weight": torch.randn(32, 8, generator=g).half(),
+            "transformer.layers.0.attention.qkv.weight": torch.randn(24, 8, generator=g).half(),
+            "lm_head.weight": torch.randn(32, 8, generator=g).half(),
+        }
         save_file(ranks[r], root / f"rank{r}.safetensors")
-    (root / "config.json").write_text(json.dumps({"architecture": "LlamaForCausalLM", "dtype": "float16",
-                                                  "mapping": mapping}))
+    (root / "config.json").write_text(
+        json.dumps({"architecture": "LlamaForCausalLM", "dtype": "float16", "mapping": mapping})
+    )
     return ranks
 
 

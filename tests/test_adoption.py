@@ -34,8 +34,10 @@ from test_server import TOKEN
 def test_a_private_cpu_mapping_is_copy_on_write(tmp_path: Path):
     """What the engine writes into adopted tensors stays its own: the exporter and other importers keep
     the loaded bytes. A shared mapping (the copy hand-off) sees the exporter's memory itself."""
-    save_file({"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)},
-              tmp_path / "m.safetensors")
+    save_file(
+        {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)},
+        tmp_path / "m.safetensors",
+    )
     exported = load_rank(tmp_path, 0, device="cpu", backend="cpu")  # an arena, as the sidecar's
     doc = export_rank(exported)
     private, shared = import_rank(doc, private=True), import_rank(doc)
@@ -184,14 +186,21 @@ def _serve(model: Path, tmp_path: Path) -> Server:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
-    return Server([str(model), "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(tmp_path)],
-                  tmp_path / "serve.log")
+    return Server(
+        [str(model), "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(tmp_path)],
+        tmp_path / "serve.log",
+    )
 
 
 def _start_engine(server: Server, files: list[str]) -> tuple[subprocess.Popen[str], dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", _ENGINE, server.url, TOKEN, *files], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, server.url, TOKEN, *files],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     assert line, f"the engine exited with {proc.wait(30)}"
     return proc, json.loads(line)
@@ -307,8 +316,13 @@ def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Pat
     ref = {k: v.clone() for k, v in exported.tensors.items()}
     with _Sidecar({0: json.loads(json.dumps({**export_rank(exported), "lease": "ab" * 16}))}) as sidecar:
         model = engine_shaped(ref)
-        report = load_into_model(model, None, rank=0, tp_size=1,
-                                 options=AdapterOptions(sidecar_url=sidecar.url, token=FAKE_TOKEN, layout="vllm"))
+        report = load_into_model(
+            model,
+            None,
+            rank=0,
+            tp_size=1,
+            options=AdapterOptions(sidecar_url=sidecar.url, token=FAKE_TOKEN, layout="vllm"),
+        )
         assert (report.adopted, report.copied) == (0, len(ref)), report.summary()
         assert sidecar.released == [0]
     state = model.state_dict()
@@ -408,7 +422,9 @@ def test_a_transformers_model_adopts_the_sidecars_gpu_memory_over_cuda_ipc(tmp_p
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
-    server = Server([str(model), "--token-file", str(token_file), "--allow-root", str(tmp_path)], tmp_path / "serve.log")
+    server = Server(
+        [str(model), "--token-file", str(token_file), "--allow-root", str(tmp_path)], tmp_path / "serve.log"
+    )
     try:
         server.poll_ready(timeout=120)
         assert server.status()["ranks"]["0"]["device"].startswith("cuda")
@@ -418,7 +434,9 @@ def test_a_transformers_model_adopts_the_sidecars_gpu_memory_over_cuda_ipc(tmp_p
         # The adopting engine allocated what the fresh read did less the whole model: buffers and activations only.
         assert fresh["allocated_bytes"] >= nbytes, fresh
         assert fresh["allocated_bytes"] - adopted["allocated_bytes"] >= 0.98 * nbytes, (adopted, fresh)
-        print(f"engine allocations: adopted {adopted['allocated_bytes'] / 1e6:.1f} MB, fresh read "
-              f"{fresh['allocated_bytes'] / 1e6:.1f} MB, model {nbytes / 1e6:.1f} MB")
+        print(
+            f"engine allocations: adopted {adopted['allocated_bytes'] / 1e6:.1f} MB, fresh read "
+            f"{fresh['allocated_bytes'] / 1e6:.1f} MB, model {nbytes / 1e6:.1f} MB"
+        )
     finally:
         server.close()

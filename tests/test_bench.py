@@ -22,11 +22,15 @@ def test_make_model_is_reproducible_and_llama_shaped(tmp_path):
     b = make_checkpoint(tmp_path / "b", "tiny", tp=2)
     for rank in (0, 1):
         ta, tb = load_rank(a, rank).tensors, load_rank(b, rank).tensors
-        assert all(ta[k].view(-1).view(__import__("torch").int16).equal(tb[k].view(-1).view(__import__("torch").int16))
-                   for k in ta)
+        assert all(
+            ta[k].view(-1).view(__import__("torch").int16).equal(tb[k].view(-1).view(__import__("torch").int16))
+            for k in ta
+        )
     full = dict((n, s) for n, s, _ in tensor_shapes(PRESETS["tiny"]))
     r0 = load_rank(a, 0).tensors
-    assert r0["model.layers.0.self_attn.q_proj.weight"].shape[0] * 2 == full["model.layers.0.self_attn.q_proj.weight"][0]
+    assert (
+        r0["model.layers.0.self_attn.q_proj.weight"].shape[0] * 2 == full["model.layers.0.self_attn.q_proj.weight"][0]
+    )
     assert r0["model.layers.0.mlp.down_proj.weight"].shape[1] * 2 == full["model.layers.0.mlp.down_proj.weight"][1]
     w = r0["model.layers.0.mlp.up_proj.weight"].float()
     assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
@@ -54,13 +58,34 @@ def test_synthetic_ranks_hold_whole_heads(tmp_path):
 
 def test_bench_runs_end_to_end_on_cpu(tmp_path):
     model = tmp_path / "m"
-    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--codec", "zstd"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--codec", "zstd"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     out = tmp_path / "out"
-    p = subprocess.run([*GDSLOAD, "bench", str(model), "--compressed", f"{model}-zstd", "--device", "cpu",
-                        "--repeat", "1", "--warm", "--cold", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [
+            *GDSLOAD,
+            "bench",
+            str(model),
+            "--compressed",
+            f"{model}-zstd",
+            "--device",
+            "cpu",
+            "--repeat",
+            "1",
+            "--warm",
+            "--cold",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads((out / "results.json").read_text())
     assert doc["config"]["methods"] == ["gdsload:auto", "gdsload:cpu", "safetensors", "gdsload:auto:compressed"]
@@ -75,14 +100,25 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     # Memory: each run's own peak RSS (it holds at least the loaded bytes), no GPU figure on the CPU.
     assert all(r["rss_peak_bytes"] >= r["rss_before_bytes"] > 0 and r["gpu_peak_bytes"] is None for r in doc["runs"])
     assert all(r["rss_peak_bytes"] >= logical for r in doc["runs"] if r["method"] == "safetensors")
-    assert all(row["rss_peak_bytes"] == max(r["rss_peak_bytes"] for r in doc["runs"] if r["method"] == row["method"]
-                                            and r["condition"] == row["condition"]) for row in doc["summary"])
+    assert all(
+        row["rss_peak_bytes"]
+        == max(
+            r["rss_peak_bytes"]
+            for r in doc["runs"]
+            if r["method"] == row["method"] and r["condition"] == row["condition"]
+        )
+        for row in doc["summary"]
+    )
     assert doc["limits"]["raw_read_gbps.cold"] > 0 and doc["facts"]["cpus"] >= 1
     shapes = {k: v for k, v in doc["limits"].items() if k.startswith("raw_read_gbps.cold.")}
     assert len(shapes) == 6 and doc["limits"]["raw_read_gbps.cold"] == max(shapes.values())
     # The sidecar's time to ready, per condition and directory, from a real `gdsload serve` on loopback.
-    assert [(t["condition"], t["dir"]) for t in doc["ttr"]] == [("warm", "plain"), ("warm", "compressed"),
-                                                                 ("cold", "plain"), ("cold", "compressed")]
+    assert [(t["condition"], t["dir"]) for t in doc["ttr"]] == [
+        ("warm", "plain"),
+        ("warm", "compressed"),
+        ("cold", "plain"),
+        ("cold", "compressed"),
+    ]
     for t in doc["ttr"]:
         assert "error" not in t, t
         assert t["backends"] == ["cpu"] and t["logical_bytes"] == logical
@@ -97,8 +133,12 @@ def test_bench_runs_end_to_end_on_cpu(tmp_path):
     assert all(len(r["readers"]) == len(r["io_modes"]) for r in doc["runs"] if r["method"].startswith("gdsload"))
     assert " via " not in table  # the cpu backend reads its files itself
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    p = subprocess.run([*GDSLOAD, "bench", "--plot", str(out / "results.json"), "--out", str(tmp_path / "charts")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [*GDSLOAD, "bench", "--plot", str(out / "results.json"), "--out", str(tmp_path / "charts")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0 and (tmp_path / "charts" / "chart.png").read_bytes()[:4] == b"\x89PNG", p.stderr
 
 
@@ -112,8 +152,12 @@ def test_a_model_made_as_hugging_face_publishes_it_holds_the_same_tensors(tmp_pa
 
     a, b = tmp_path / "aligned", tmp_path / "hf"
     for out, extra in ((a, []), (b, ["--writer", "safetensors"])):
-        p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--max-file-size", "3MB", "--out", str(out),
-                            *extra], capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [*GDSLOAD, "bench", "--make-model", "8MB", "--max-file-size", "3MB", "--out", str(out), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr
     parts = sorted(x.name for x in b.glob("*.safetensors"))
     assert len(parts) >= 3 and parts[0] == f"model-00001-of-{len(parts):05d}.safetensors"
@@ -121,14 +165,30 @@ def test_a_model_made_as_hugging_face_publishes_it_holds_the_same_tensors(tmp_pa
     index = json.loads((b / "model.safetensors.index.json").read_text())
     ref = {k: v for f in parts for k, v in safetensors.torch.load_file(str(b / f)).items()}
     assert set(index["weight_map"]) == set(ref) and index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in ref.values())
+        t.numel() * t.element_size() for t in ref.values()
+    )
     assert any(read_header(b / f).data_offset % 4096 for f in parts)  # the library's layout, not gdsload's
     ours = load_rank(a).tensors
     assert set(ours) == set(ref) and all(torch.equal(ours[k], v) for k, v in ref.items())
     got = load_rank(b).tensors
     assert all(torch.equal(got[k], v) for k, v in ref.items())
-    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--writer", "safetensors", "--tp", "2", "--out",
-                        str(tmp_path / "t2")], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            *GDSLOAD,
+            "bench",
+            "--make-model",
+            "8MB",
+            "--writer",
+            "safetensors",
+            "--tp",
+            "2",
+            "--out",
+            str(tmp_path / "t2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "--tp 2 needs --writer gdsload" in p.stderr and not (tmp_path / "t2").exists()
 
 
@@ -139,9 +199,19 @@ def test_tmpfs_condition_copies_afresh_and_removes_only_its_copy(tmp_path):
     model = make_checkpoint(tmp_path / "m", "tiny")
     shm = tmp_path / "shm"
     stale = make_checkpoint(shm / "gdsload-bench-plain", "tiny", tp=2)  # someone's older copy, another model
-    doc = run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu",
-                                out=tmp_path / "out", conditions=("tmpfs",), tmpfs_root=shm, ttr=False),
-                    log=lambda *a: None)
+    doc = run_bench(
+        BenchConfig(
+            model_dir=model,
+            methods=["gdsload:cpu"],
+            repeat=1,
+            device="cpu",
+            out=tmp_path / "out",
+            conditions=("tmpfs",),
+            tmpfs_root=shm,
+            ttr=False,
+        ),
+        log=lambda *a: None,
+    )
     assert [r["bytes"] for r in doc["runs"]] == [load_rank(model).report.logical_bytes]
     assert sorted(p.name for p in shm.iterdir()) == ["gdsload-bench-plain"] and (stale / "gdsload.json").exists()
 
@@ -156,19 +226,42 @@ def test_warm_and_cold_are_not_run_on_a_memory_file_system(tmp_path, monkeypatch
     shm = tmp_path / "shm"
     shm.mkdir()
     lines: list[str] = []
-    doc = run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "out",
-                                conditions=("tmpfs", "warm", "cold"), tmpfs_root=shm, ttr=False), log=lines.append)
+    doc = run_bench(
+        BenchConfig(
+            model_dir=model,
+            methods=["gdsload:cpu"],
+            repeat=1,
+            device="cpu",
+            out=tmp_path / "out",
+            conditions=("tmpfs", "warm", "cold"),
+            tmpfs_root=shm,
+            ttr=False,
+        ),
+        log=lines.append,
+    )
     assert doc["config"]["conditions"] == ["tmpfs"] and [r["condition"] for r in doc["runs"]] == ["tmpfs"]
     assert set(doc["conditions_skipped"]) == {"warm", "cold"}
-    assert all(why.startswith(str(model)) and "lies on a memory file system (tmpfs)" in why
-               for why in doc["conditions_skipped"].values())
+    assert all(
+        why.startswith(str(model)) and "lies on a memory file system (tmpfs)" in why
+        for why in doc["conditions_skipped"].values()
+    )
     assert any(line.startswith("condition cold skipped") for line in lines)
     other = make_checkpoint(tmp_path / "elsewhere", "tiny")
     assert coldstart.conditions_in_memory(("cold",), other, None) == {}
     assert set(coldstart.conditions_in_memory(("cold",), other, model)) == {"cold"}  # one directory in memory is enough
     with pytest.raises(ValueError, match="no condition can run"):
-        run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "o2",
-                              conditions=("cold",), ttr=False), log=lines.append)
+        run_bench(
+            BenchConfig(
+                model_dir=model,
+                methods=["gdsload:cpu"],
+                repeat=1,
+                device="cpu",
+                out=tmp_path / "o2",
+                conditions=("cold",),
+                ttr=False,
+            ),
+            log=lines.append,
+        )
     assert not (tmp_path / "o2").exists()
 
 
@@ -182,8 +275,12 @@ def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
     room = Path(tempfile.mkdtemp(prefix="gdsload-test-", dir="/dev/shm"))
     try:
         model = make_checkpoint(room / "m", "tiny")
-        p = subprocess.run([*GDSLOAD, "bench", str(model), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [*GDSLOAD, "bench", str(model), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode != 0 and "lies on a memory file system (tmpfs)" in p.stderr and "Traceback" not in p.stderr
         assert not (tmp_path / "o").exists()
         # A directory on disk whose files are links into tmpfs is in memory too.
@@ -191,8 +288,12 @@ def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
         links.mkdir()
         for f in model.iterdir():
             (links / f.name).symlink_to(f)
-        p = subprocess.run([*GDSLOAD, "bench", str(links), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [*GDSLOAD, "bench", str(links), "--device", "cpu", "--cold", "--out", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode != 0 and "lies on a memory file system (tmpfs)" in p.stderr, p.stderr
     finally:
         shutil.rmtree(room)
@@ -201,12 +302,17 @@ def test_bench_cli_refuses_cold_alone_on_tmpfs(tmp_path):
 def test_bench_cli_refuses_bad_input_in_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.json").write_text("{")
-    for args, words in ((["--repeat", "0", str(tmp_path)], "0 is not in the range x>=1"),
-                        (["--device", "gpu0", str(tmp_path)], "'gpu0' is not a device"),
-                        (["--device", "cpu", str(tmp_path / "empty")], "holds no .safetensors files"),
-                        (["--make-model", "8MB", "--tp", "3", "--out", str(tmp_path / "t3")], "tp=3 does not split this synthetic shape by whole heads"),
-                        (["--make-model", "8MB", "--compress", "lzma", "--out", str(tmp_path / "c")], "'lzma'"),
-                        (["--plot", str(tmp_path / "bad.json")], "is not a results.json")):
+    for args, words in (
+        (["--repeat", "0", str(tmp_path)], "0 is not in the range x>=1"),
+        (["--device", "gpu0", str(tmp_path)], "'gpu0' is not a device"),
+        (["--device", "cpu", str(tmp_path / "empty")], "holds no .safetensors files"),
+        (
+            ["--make-model", "8MB", "--tp", "3", "--out", str(tmp_path / "t3")],
+            "tp=3 does not split this synthetic shape by whole heads",
+        ),
+        (["--make-model", "8MB", "--compress", "lzma", "--out", str(tmp_path / "c")], "'lzma'"),
+        (["--plot", str(tmp_path / "bad.json")], "is not a results.json"),
+    ):
         p = subprocess.run([*GDSLOAD, "bench", *args], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "empty"]  # nothing half-made
@@ -220,14 +326,25 @@ def test_bench_cli_refuses_what_it_would_measure_wrongly(tmp_path):
     nofacts = tmp_path / "nofacts.json"
     nofacts.write_text(json.dumps({"config": {}, "summary": [], "limits": {}}))
     empty = tmp_path / "empty.json"
-    empty.write_text(json.dumps({"config": {"conditions": ["warm"], "methods": [], "device": "cpu", "repeat": 1},
-                                 "summary": [], "limits": {}, "facts": {"date": "x"}}))
+    empty.write_text(
+        json.dumps(
+            {
+                "config": {"conditions": ["warm"], "methods": [], "device": "cpu", "repeat": 1},
+                "summary": [],
+                "limits": {},
+                "facts": {"date": "x"},
+            }
+        )
+    )
     nulls = tmp_path / "nulls.json"
     nulls.write_text(empty.read_text().replace('"summary": []', '"summary": null'))
     partial = tmp_path / "partial.json"
     good_row = {"method": "x", "condition": "warm", "median_gbps": 1, "min_gbps": 1, "max_gbps": 1}
-    partial.write_text(empty.read_text().replace('"summary": []', json.dumps(
-        {"summary": [good_row, {"method": "y", "median_gbps": 1}]})[1:-1]))
+    partial.write_text(
+        empty.read_text().replace(
+            '"summary": []', json.dumps({"summary": [good_row, {"method": "y", "median_gbps": 1}]})[1:-1]
+        )
+    )
     for args, words in (
         ([str(tp2), "--device", "cpu"], "holds 2 ranks (tp=2)"),  # peers would read both ranks, we one
         ([str(plain), "--device", "cpu", "--methods", "gdsload:cpu:compressed"], "needs --compressed DIR"),
@@ -238,17 +355,27 @@ def test_bench_cli_refuses_what_it_would_measure_wrongly(tmp_path):
         (["--plot", str(nulls)], "its summary is not a list"),
         (["--plot", str(partial)], "a summary row lacks one of"),
     ):
-        p = subprocess.run([*GDSLOAD, "bench", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o")]),
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [*GDSLOAD, "bench", *args] + ([] if "--out" in args else ["--out", str(tmp_path / "o")]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode != 0 and words in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
     assert (tmp_path / "notes" / "x.txt").read_text() == "mine" and not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(__import__("gdsload.loader.codecs", fromlist=["x"]).nvcomp_available() is None,
-                    reason="checks the refusal on hosts without nvCOMP")
+@pytest.mark.skipif(
+    __import__("gdsload.loader.codecs", fromlist=["x"]).nvcomp_available() is None,
+    reason="checks the refusal on hosts without nvCOMP",
+)
 def test_make_model_refuses_a_gpu_codec_before_writing(tmp_path):
-    p = subprocess.run([*GDSLOAD, "bench", "--make-model", "8MB", "--compress", "ans", "--out", str(tmp_path / "m")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [*GDSLOAD, "bench", "--make-model", "8MB", "--compress", "ans", "--out", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "'ans' compresses on a GPU only" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "m").exists()
 
@@ -270,8 +397,11 @@ def test_failed_and_timed_out_runs_are_counted_not_hidden(tmp_path):
     r = _one("gdsload:cpu", model, "cpu", timeout=0.001)  # a hung loader: an error row, not a traceback
     assert r["error"] == ["timed out after 0.001 s"]
     ok = {"method": "gdsload:cpu", "condition": "warm", "bytes": 100, "seconds": 1.0, "resident_before": 1.0}
-    doc = {"config": {"conditions": ["warm"], "methods": ["gdsload:cpu"]}, "limits": {},
-           "runs": [ok, {**ok, "seconds": 2.0}, {**r, "condition": "warm"}]}
+    doc = {
+        "config": {"conditions": ["warm"], "methods": ["gdsload:cpu"]},
+        "limits": {},
+        "runs": [ok, {**ok, "seconds": 2.0}, {**r, "condition": "warm"}],
+    }
     (row,) = summarize(doc)
     assert (row["runs_ok"], row["runs_failed"], row["median_gbps"]) == (2, 1, 75e-9)
     doc["summary"] = [row]
@@ -286,8 +416,19 @@ def test_tmpfs_copy_is_removed_when_copying_fails(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     with pytest.raises(OSError):
-        run_bench(BenchConfig(model_dir=model, methods=["gdsload:cpu"], repeat=1, device="cpu", out=tmp_path / "out",
-                              conditions=("tmpfs",), tmpfs_root=shm, ttr=False), log=lambda *a: None)
+        run_bench(
+            BenchConfig(
+                model_dir=model,
+                methods=["gdsload:cpu"],
+                repeat=1,
+                device="cpu",
+                out=tmp_path / "out",
+                conditions=("tmpfs",),
+                tmpfs_root=shm,
+                ttr=False,
+            ),
+            log=lambda *a: None,
+        )
     assert list(shm.iterdir()) == []
 
 
@@ -296,16 +437,18 @@ def test_sigterm_during_the_bench_removes_its_tmpfs_copy(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     # The bench as `gdsload bench` runs it (SIGTERM handled as for every one-shot command), stopped mid-run.
-    code = ("import os, signal\n"
-            "from pathlib import Path\n"
-            "from gdsload.server.signals import stop_on_sigterm\n"
-            "import gdsload.bench.coldstart as c\n"
-            "def one(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "c._one = one\n"
-            "stop_on_sigterm()\n"
-            f"c.run_bench(c.BenchConfig(model_dir=Path({str(model)!r}), methods=['gdsload:cpu'], repeat=1, "
-            f"device='cpu', out=Path({str(tmp_path / 'out')!r}), conditions=('tmpfs',), tmpfs_root=Path({str(shm)!r}), "
-            "ttr=False), log=lambda *a: None)")
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from gdsload.server.signals import stop_on_sigterm\n"
+        "import gdsload.bench.coldstart as c\n"
+        "def one(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "c._one = one\n"
+        "stop_on_sigterm()\n"
+        f"c.run_bench(c.BenchConfig(model_dir=Path({str(model)!r}), methods=['gdsload:cpu'], repeat=1, "
+        f"device='cpu', out=Path({str(tmp_path / 'out')!r}), conditions=('tmpfs',), tmpfs_root=Path({str(shm)!r}), "
+        "ttr=False), log=lambda *a: None)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 143, p.stderr
     assert list(shm.iterdir()) == []
@@ -322,20 +465,27 @@ def test_time_to_ready_stops_when_the_server_refuses_its_target(tmp_path):
 def test_cpu_load_times_the_whole_call_in_fresh_processes(tmp_path):
     """Every method in its own process, its loader's import inside the clock, the process timed too."""
     model = make_checkpoint(tmp_path / "m", "tiny")
-    code = ("import sys, time\n"
-            "from gdsload.bench.cpu_load import _worker\n"
-            "print('torch imported before the call:', 'torch' in sys.modules)\n"
-            f"_worker('gdsload', {str(model)!r}, 2)")
+    code = (
+        "import sys, time\n"
+        "from gdsload.bench.cpu_load import _worker\n"
+        "print('torch imported before the call:', 'torch' in sys.modules)\n"
+        f"_worker('gdsload', {str(model)!r}, 2)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "torch imported before the call: False" in p.stdout, p.stdout + p.stderr
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.cpu_load", "--model", str(model), "--repeat", "2",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.bench.cpu_load", "--model", str(model), "--repeat", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads((out / "results.json").read_text())
     runs = data["runs"]
     assert {(r["method"], r["condition"]) for r in runs} == {
-        (m, c) for m in ("gdsload", "gdsload-cpu", "safetensors") for c in ("tmpfs", "cold", "warm")}
+        (m, c) for m in ("gdsload", "gdsload-cpu", "safetensors") for c in ("tmpfs", "cold", "warm")
+    }
     assert all(r["resident_before"] > 0.99 for r in runs if r["condition"] != "cold")
     assert len({r["bytes"] for r in runs}) == 1
     assert all(0 < r["seconds"] < r["process_s"] for r in runs)
@@ -370,9 +520,27 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     tp2 = make_checkpoint(tmp_path / "tp2", "tiny", tp=2)
     tp1 = make_checkpoint(tmp_path / "tp1", "tiny", tp=1)
     out = tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.multi_gpu", str(tp2), "--single", str(tp1),
-                        "--device", "cpu", "--methods", "gdsload:pinned,safetensors", "--repeat", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.bench.multi_gpu",
+            str(tp2),
+            "--single",
+            str(tp1),
+            "--device",
+            "cpu",
+            "--methods",
+            "gdsload:pinned,safetensors",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]
     assert not [r for r in rows if "error" in r]
@@ -382,7 +550,10 @@ def test_multi_gpu_bench_rows_on_cpu(tmp_path):
     together = limits["raw_read_rank_processes"]  # one reader process per rank, started together
     assert together["processes"] == 2 and together["bytes"] == limits["bytes"]
     assert together["aggregate_gbps"] > 0 and len(together["per_process_gbps"]) == 2
-    assert limits["raw_read_rank_processes_4mib"]["bytes"] == limits["bytes"] and limits["raw_read_gbps_16_threads_4mib"] > 0
+    assert (
+        limits["raw_read_rank_processes_4mib"]["bytes"] == limits["bytes"]
+        and limits["raw_read_gbps_16_threads_4mib"] > 0
+    )
     single = {r["method"]: r for r in rows if r["row"] == "single"}
     assert set(single) == {"gdsload:cpu", "safetensors"}
     assert single["gdsload:cpu"]["bytes"] == single["safetensors"]["bytes"] > 0
@@ -465,9 +636,25 @@ def test_restart_bench_runs_engines_against_a_sidecar_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.restart", str(model), "--device", "cpu", "--rounds", "2",
-                        "--methods", "adopted,safetensors", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.bench.restart",
+            str(model),
+            "--device",
+            "cpu",
+            "--rounds",
+            "2",
+            "--methods",
+            "adopted,safetensors",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
     assert result["logits_identical"] and result["failed"] == 0
@@ -481,16 +668,22 @@ def test_restart_bench_runs_engines_against_a_sidecar_on_cpu(tmp_path):
 
 def test_restart_bench_refuses_an_unknown_method(tmp_path):
     model = make_checkpoint(tmp_path / "m", "tiny", tp=1)
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.restart", str(model), "--methods", "adopted,vllm"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.bench.restart", str(model), "--methods", "adopted,vllm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "['vllm'] unknown" in p.stderr, p.stderr
 
 
 def test_the_table_names_what_read_the_files():
     from gdsload.bench.coldstart import _io
 
-    assert _io({"io_modes": ["posix", "posix"], "readers": ["fastsafetensors", "fastsafetensors"]}) \
+    assert (
+        _io({"io_modes": ["posix", "posix"], "readers": ["fastsafetensors", "fastsafetensors"]})
         == "posix via fastsafetensors"
+    )
     assert _io({"io_modes": ["posix", "posix"], "readers": ["kvikio", "staged"]}) == "posix via kvikio,staged"
     assert _io({"io_modes": ["posix"], "backend": "cpu", "readers": ["cpu"]}) == "posix"  # the backend itself
     assert _io({"io_modes": None}) == "-"  # a peer: no report
@@ -499,9 +692,28 @@ def test_the_table_names_what_read_the_files():
 def test_shard_bench_runs_gdsload_on_a_tiny_checkpoint(tmp_path):
     """``gdsload bench shard`` where vLLM is not installed: the built-in rules' layout, timed in fresh processes."""
     out = tmp_path / "shard-bench"
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "bench", "shard", "--size", "8MiB", "--experts", "0",
-                        "--layouts", "tp2", "--rounds", "1", "--out", str(out)], capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.server.cli",
+            "bench",
+            "shard",
+            "--size",
+            "8MiB",
+            "--experts",
+            "0",
+            "--layouts",
+            "tp2",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "results.json").read_text())
     (row,) = doc["table"]
@@ -522,8 +734,12 @@ def test_every_bench_module_is_behind_gdsload_bench():
 def test_verify_cost_bench_times_both_modes_on_the_cpu(tmp_path):
     model = make_checkpoint(tmp_path / "m", "tiny")
     out = tmp_path / "runs.json"
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "bench", "verify", str(model), "--rounds", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.server.cli", "bench", "verify", str(model), "--rounds", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     (by_mode,) = json.loads(out.read_text()).values()
     assert set(by_mode) == {"off", "default"} and all(len(v) == 1 and v[0]["seconds"] > 0 for v in by_mode.values())

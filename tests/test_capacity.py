@@ -30,14 +30,20 @@ from gdsload.loader.calc.capacity import (
 from gdsload.server.cmd_plan import plan as plan_command
 
 # A model small enough to count by hand: 2 layers, hidden 64, 4 heads / 2 KV heads of 16, MLP 128, vocab 100.
-TINY = ModelSpec("tiny", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100,
-                 max_position=1000)
+TINY = ModelSpec(
+    "tiny", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=100, max_position=1000
+)
 TINY_PARAMS = (
-    100 * 64 * 2                                        # embed_tokens + lm_head (untied)
-    + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64              # q, k, v (2 KV heads × 16 = 32 rows), o
-           + 3 * 64 * 128                               # gate, up, down
-           + 2 * 64)                                    # two RMSNorms per layer
-    + 64                                                # final norm
+    100 * 64 * 2  # embed_tokens + lm_head (untied)
+    + 2
+    * (
+        64 * 64
+        + 2 * 32 * 64
+        + 64 * 64  # q, k, v (2 KV heads × 16 = 32 rows), o
+        + 3 * 64 * 128  # gate, up, down
+        + 2 * 64
+    )  # two RMSNorms per layer
+    + 64  # final norm
 )
 NO_RESERVE = dict(activation_reserve=0, cuda_graph_reserve=0)
 
@@ -52,12 +58,15 @@ def test_tiny_param_count_by_hand() -> None:
     assert count_params(replace(TINY, tied_embeddings=True)) == TINY_PARAMS - 100 * 64
 
 
-@pytest.mark.parametrize("name, total", [
-    # the totals the Hugging Face model cards and safetensors indexes report
-    ("llama-3.1-8b", 8_030_261_248),
-    ("llama-3.1-70b", 70_553_706_496),
-    ("llama-3.1-405b", 405_853_388_800),
-])
+@pytest.mark.parametrize(
+    "name, total",
+    [
+        # the totals the Hugging Face model cards and safetensors indexes report
+        ("llama-3.1-8b", 8_030_261_248),
+        ("llama-3.1-70b", 70_553_706_496),
+        ("llama-3.1-405b", 405_853_388_800),
+    ],
+)
 def test_presets_match_published_parameter_counts(name: str, total: int) -> None:
     assert count_params(PRESETS[name]) == total
 
@@ -75,12 +84,12 @@ def test_tiny_weights_per_gpu_bf16() -> None:
 def test_kv_heads_replicated_when_fewer_than_tp() -> None:
     # tp=4 > 2 KV heads: each GPU keeps one KV head (each head on 2 GPUs), K/V weights and cache replicated
     p = plan(BudgetInputs(TINY, tp=4, weights="bf16"))
-    per_layer = 1024 + 1024 + 1024 + 1024 + 3 * 2048 + 128   # q 16×64, k 16×64, v 16×64, o 64×16, MLP 32-wide
+    per_layer = 1024 + 1024 + 1024 + 1024 + 3 * 2048 + 128  # q 16×64, k 16×64, v 16×64, o 64×16, MLP 32-wide
     assert p.weights_bytes == (2 * per_layer + 2 * 32 * 64 + 64) * 2
-    assert p.replicated_bytes == (2 * (1024 + 1024) + 2 * 128 + 64) * 2   # k, v, norms, final norm
+    assert p.replicated_bytes == (2 * (1024 + 1024) + 2 * 128 + 64) * 2  # k, v, norms, final norm
     assert (p.kv_heads_per_gpu, p.kv_replication) == (1, 2)
-    assert p.kv_bytes_per_token_per_gpu == 2 * 2 * 1 * 16 * 2             # 2 × layers × 1 head × 16 × 2 B
-    assert p.kv_bytes_per_token_model == 2 * 2 * 2 * 16 * 2               # distinct bytes: both heads once
+    assert p.kv_bytes_per_token_per_gpu == 2 * 2 * 1 * 16 * 2  # 2 × layers × 1 head × 16 × 2 B
+    assert p.kv_bytes_per_token_model == 2 * 2 * 2 * 16 * 2  # distinct bytes: both heads once
     assert any("each KV head on 2 GPUs" in a for a in p.assumptions)
     # the same on a real model: Llama 3.1 8B has 8 KV heads; at tp=16 each is on 2 GPUs
     p8 = plan(BudgetInputs(PRESETS["llama-3.1-8b"], tp=16, weights="bf16"))
@@ -91,11 +100,11 @@ def test_kv_heads_replicated_when_fewer_than_tp() -> None:
 
 
 def test_quantized_weights_by_hand() -> None:
-    linear = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128)      # 73,728 linear-layer weights
-    rest = TINY_PARAMS - linear                                           # embeddings, norms: stay 16-bit
-    pad = 28 * 64 * 2                                                      # vocab padding rows (embed + lm_head)
+    linear = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128)  # 73,728 linear-layer weights
+    rest = TINY_PARAMS - linear  # embeddings, norms: stay 16-bit
+    pad = 28 * 64 * 2  # vocab padding rows (embed + lm_head)
     fp8 = plan(BudgetInputs(TINY, weights="fp8", **NO_RESERVE))
-    assert fp8.weights_bytes == linear + 7 * 2 * 4 + (rest + pad) * 2    # + one fp32 scale per matrix
+    assert fp8.weights_bytes == linear + 7 * 2 * 4 + (rest + pad) * 2  # + one fp32 scale per matrix
     # int4: half a byte per weight + one fp16 scale per 128 inputs per output row
     scales = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64) * 1 * 2
     assert plan(BudgetInputs(TINY, weights="int4")).weights_bytes == linear // 2 + scales + (rest + pad) * 2
@@ -116,26 +125,30 @@ def test_kv_bytes_per_token_and_scale_overhead() -> None:
 
 
 def test_tiny_plan_end_to_end_by_hand() -> None:
-    p = plan(BudgetInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, weights="bf16", context=100,
-                        **NO_RESERVE))
+    p = plan(
+        BudgetInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, weights="bf16", context=100, **NO_RESERVE)
+    )
     usable = 1_048_576 // 2
     weights = (TINY_PARAMS + 28 * 64 * 2) * 2
     assert (p.usable_bytes, p.kv_budget_bytes) == (usable, usable - weights)
-    per_token = 2 * 2 * 2 * 16 * 2                                  # 256 B
-    blocks = (usable - weights) // (16 * per_token)                   # whole 16-token blocks
+    per_token = 2 * 2 * 2 * 16 * 2  # 256 B
+    blocks = (usable - weights) // (16 * per_token)  # whole 16-token blocks
     assert p.max_tokens == blocks * 16 == 1328
-    assert p.max_context_per_request == 1000                           # capped by max_position_embeddings
-    assert p.concurrent_sequences == 1328 // 112 == 11                 # 100 tokens occupy 7 blocks = 112
-    reserves = plan(BudgetInputs(TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, activation_reserve=65536,
-                               cuda_graph_reserve=32768))
+    assert p.max_context_per_request == 1000  # capped by max_position_embeddings
+    assert p.concurrent_sequences == 1328 // 112 == 11  # 100 tokens occupy 7 blocks = 112
+    reserves = plan(
+        BudgetInputs(
+            TINY, gpu_memory=1 * MIB, gpu_memory_utilization=0.5, activation_reserve=65536, cuda_graph_reserve=32768
+        )
+    )
     assert reserves.kv_budget_bytes == usable - weights - 65536 - 32768
 
 
 def test_405b_fp8_tp8_by_hand() -> None:
     p = plan(BudgetInputs(PRESETS["llama-3.1-405b"], tp=8, weights="fp8", kv_bits=16))
     h, ff, layers = 16384, 53248 // 8, 126
-    linear = layers * (h * 2048 + 2 * h * 128 + 2048 * h + 3 * h * ff)   # per rank: 1 of 8 KV heads
-    embeddings = 2 * (128256 // 8) * h * 2                              # bf16 embed_tokens + lm_head
+    linear = layers * (h * 2048 + 2 * h * 128 + 2048 * h + 3 * h * ff)  # per rank: 1 of 8 KV heads
+    embeddings = 2 * (128256 // 8) * h * 2  # bf16 embed_tokens + lm_head
     norms = (2 * h * layers + h) * 2
     assert p.weights_bytes == linear + 7 * layers * 4 + embeddings + norms == 51_264_785_864
     assert p.kv_bytes_per_token_per_gpu == 2 * 126 * 1 * 128 * 2 == 64_512
@@ -162,8 +175,14 @@ def test_article_405b_ratio_reproduced() -> None:
     d16, d3 = both(base)
     assert d3.max_tokens / d16.max_tokens == pytest.approx(16 / 3.125, rel=1e-4)  # 3 bits + an fp16 scale per 128
     assert d16.max_tokens > 10 * ARTICLE_TOKENS_16BIT  # gdsload's default: over a million tokens at 16-bit
-    article = replace(base, kv_scale_bits=0, activation_reserve=0, cuda_graph_reserve=0, quantize_embeddings=True,
-                      kv_cache_heads=spec.heads)
+    article = replace(
+        base,
+        kv_scale_bits=0,
+        activation_reserve=0,
+        cuda_graph_reserve=0,
+        quantize_embeddings=True,
+        kv_cache_heads=spec.heads,
+    )
     a16, a3 = both(article)
     assert a3.max_tokens / a16.max_tokens == pytest.approx(16 / 3, rel=1e-3)
     assert a16.max_tokens == pytest.approx(ARTICLE_TOKENS_16BIT, rel=0.01) and a3.max_tokens > ARTICLE_TOKENS_3BIT
@@ -176,8 +195,10 @@ def test_article_405b_ratio_reproduced() -> None:
     assert a16.max_tokens == (usable - weights) // (16 * 2 * 126 * 16 * 128 * 2) * 16 == 82_288
     assert a3.max_tokens == (usable - weights) // (16 * 2 * 126 * 16 * 48) * 16 == 438_880
     # with bf16 weights the same assumptions give far less: the article used fp8
-    assert plan(replace(article, weights="bf16", quantize_embeddings=False, kv_bits=16)).max_tokens < \
-        0.5 * ARTICLE_TOKENS_16BIT
+    assert (
+        plan(replace(article, weights="bf16", quantize_embeddings=False, kv_bits=16)).max_tokens
+        < 0.5 * ARTICLE_TOKENS_16BIT
+    )
 
 
 def test_does_not_fit_is_an_answer() -> None:
@@ -187,31 +208,52 @@ def test_does_not_fit_is_an_answer() -> None:
 
 
 def test_hf_config_file(tmp_path) -> None:
-    doc = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-           "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    doc = {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(doc))
-    spec = resolve_model(tmp_path)                      # a directory holding config.json
+    spec = resolve_model(tmp_path)  # a directory holding config.json
     assert count_params(spec) == 8_030_261_248 and spec.head_dim == 128
     # Qwen2-style: q/k/v biases, tied embeddings
-    qwen = ModelSpec.from_hf_config({**doc, "model_type": "qwen2", "tie_word_embeddings": True, "num_hidden_layers": 1,
-                                     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                     "intermediate_size": 128, "vocab_size": 100})
+    qwen = ModelSpec.from_hf_config(
+        {
+            **doc,
+            "model_type": "qwen2",
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 1,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        }
+    )
     assert count_params(qwen) == 100 * 64 + (64 * 64 + 2 * 32 * 64 + 64 + 2 * 32 + 64 * 64 + 3 * 64 * 128 + 128) + 64
     assert resolve_model("LLaMA-3.1-70B") is PRESETS["llama-3.1-70b"]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(kv_bits=5), ["--kv-bits", "= 5", "16, 8, 4, 3"]),
-    (dict(weights="fp4"), ["--weights", "'fp4'", "bf16, fp8, int4"]),
-    (dict(tp=3), ["--tp", "= 3", "allowed values: [1, 2, 4, 8, 16,"]),
-    (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization", "1.5", "(0, 1]"]),
-    (dict(gpu_memory=0), ["--gpu-memory", "0"]),
-    (dict(activation_reserve=-1), ["--activation-reserve", "-1"]),
-    (dict(context=0), ["--context", "0"]),
-    (dict(kv_cache_heads=3), ["--kv-heads", "= 3", "[1, 2, 4, 8, 16, 32, 64, 128]"]),
-    (dict(kv_scale_bits=99), ["--kv-scale-bits", "99", "0..64"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(kv_bits=5), ["--kv-bits", "= 5", "16, 8, 4, 3"]),
+        (dict(weights="fp4"), ["--weights", "'fp4'", "bf16, fp8, int4"]),
+        (dict(tp=3), ["--tp", "= 3", "allowed values: [1, 2, 4, 8, 16,"]),
+        (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization", "1.5", "(0, 1]"]),
+        (dict(gpu_memory=0), ["--gpu-memory", "0"]),
+        (dict(activation_reserve=-1), ["--activation-reserve", "-1"]),
+        (dict(context=0), ["--context", "0"]),
+        (dict(kv_cache_heads=3), ["--kv-heads", "= 3", "[1, 2, 4, 8, 16, 32, 64, 128]"]),
+        (dict(kv_scale_bits=99), ["--kv-scale-bits", "99", "0..64"]),
+    ],
+)
 def test_validation_errors_name_flag_value_and_allowed(kwargs, words) -> None:
     with pytest.raises(ConfigError) as e:
         BudgetInputs(PRESETS["llama-3.1-405b"], **kwargs)
@@ -224,8 +266,18 @@ def test_model_errors(tmp_path) -> None:
     with pytest.raises(ConfigError, match="neither a preset .*llama-3.1-405b"):
         resolve_model("llama-9")
     moe = tmp_path / "moe.json"
-    moe.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                               "intermediate_size": 128, "vocab_size": 100, "num_local_experts": 8}))
+    moe.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "num_local_experts": 8,
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         resolve_model(moe)
     bad = tmp_path / "bad.json"
@@ -238,8 +290,14 @@ def test_model_errors(tmp_path) -> None:
 
 
 def test_config_families_ties_and_wrappers(tmp_path) -> None:
-    dims = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 128, "vocab_size": 100}
+    dims = {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
     # A two-matrix MLP (GPT-NeoX, Phi-2) would be miscounted as gated: refused, naming the model_type
     with pytest.raises(ConfigError, match="'gpt_neox' is not one the planner counts"):
         ModelSpec.from_hf_config({**dims, "model_type": "gpt_neox"})
@@ -250,8 +308,9 @@ def test_config_families_ties_and_wrappers(tmp_path) -> None:
     assert "taken as true" in gemma.source
     assert not ModelSpec.from_hf_config({**dims, "model_type": "gemma", "tie_word_embeddings": False}).tied_embeddings
     # A multimodal wrapper: the text_config's dims, the wrapper's tie flag, and a word that the encoder is left out
-    wrapped = ModelSpec.from_hf_config({"model_type": "llava", "tie_word_embeddings": True,
-                                        "text_config": {**dims, "model_type": "qwen2"}})
+    wrapped = ModelSpec.from_hf_config(
+        {"model_type": "llava", "tie_word_embeddings": True, "text_config": {**dims, "model_type": "qwen2"}}
+    )
     assert wrapped.tied_embeddings and wrapped.qkv_bias and "vision or audio encoder is not counted" in wrapped.source
     with pytest.raises(ConfigError, match="'llava'"):  # the text model's type is what is checked, so it is needed
         ModelSpec.from_hf_config({"model_type": "llava", "text_config": {**dims, "model_type": "llava"}})
@@ -266,15 +325,21 @@ def test_fits_needs_one_request_and_one_block() -> None:
     # A budget above zero but below one block says why
     base = plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1))
     block = 16 * base.kv_bytes_per_token_per_gpu
-    tight = plan(BudgetInputs(PRESETS["llama-3.1-8b"], gpu_memory_utilization=1,
-                            gpu_memory=base.inputs.gpu_memory - base.kv_budget_bytes + block - 1))
+    tight = plan(
+        BudgetInputs(
+            PRESETS["llama-3.1-8b"],
+            gpu_memory_utilization=1,
+            gpu_memory=base.inputs.gpu_memory - base.kv_budget_bytes + block - 1,
+        )
+    )
     assert 0 < tight.kv_budget_bytes < block and tight.max_tokens == 0 and not tight.fits
     assert any("less than one cache block" in n for n in tight.notes)
 
 
 def test_kv_heads_checked_against_tp_names_kv_heads() -> None:
-    qwen7 = ModelSpec("qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944,
-                      vocab=152064)
+    qwen7 = ModelSpec(
+        "qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064
+    )
     BudgetInputs(qwen7, tp=4)  # the model itself splits over 4 GPUs
     with pytest.raises(ConfigError) as e:
         BudgetInputs(qwen7, tp=4, kv_cache_heads=7)
@@ -283,6 +348,7 @@ def test_kv_heads_checked_against_tp_names_kv_heads() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the command
+
 
 def test_cli_json_and_table() -> None:
     runner = CliRunner()
@@ -294,11 +360,33 @@ def test_cli_json_and_table() -> None:
     assert doc["inputs"]["gpu_memory"] == 143771 * MIB and doc["inputs"]["model"]["kv_heads"] == 8
     assert doc["fits"] is True and len(doc["assumptions"]) >= 8 and doc["formulas"]
 
-    r = runner.invoke(plan_command, ["llama-3.1-70b", "--tp", "4", "--gpu-memory", "80GiB", "--context", "8192",
-                                     "--activation-reserve", "2GiB", "--cuda-graph-reserve", "0"])
+    r = runner.invoke(
+        plan_command,
+        [
+            "llama-3.1-70b",
+            "--tp",
+            "4",
+            "--gpu-memory",
+            "80GiB",
+            "--context",
+            "8192",
+            "--activation-reserve",
+            "2GiB",
+            "--cuda-graph-reserve",
+            "0",
+        ],
+    )
     assert r.exit_code == 0, r.output
-    for text in ("Per GPU", "KV-cache budget", "concurrent sequences of 8,192 tokens", "Assumptions",
-                 "81920 MiB", "gpu_memory_utilization 0.9", "activation reserve 2.00 GiB", "CUDA-graph reserve 0.00"):
+    for text in (
+        "Per GPU",
+        "KV-cache budget",
+        "concurrent sequences of 8,192 tokens",
+        "Assumptions",
+        "81920 MiB",
+        "gpu_memory_utilization 0.9",
+        "activation reserve 2.00 GiB",
+        "CUDA-graph reserve 0.00",
+    ):
         assert text in r.output, text
 
 
@@ -319,9 +407,19 @@ def test_cli_help_states_what_the_code_computes() -> None:
 def test_cli_prints_paths_verbatim_and_no_nan(tmp_path) -> None:
     d = tmp_path / "qwen2[awq]"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64,
-                                               "num_attention_heads": 4, "num_key_value_heads": 2,
-                                               "intermediate_size": 128, "vocab_size": 100}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            }
+        )
+    )
     r = CliRunner().invoke(plan_command, [str(d), "--context", "64"])
     assert r.exit_code == 0, r.output
     assert "qwen2[awq]/config.json" in r.output  # not read as rich markup
@@ -342,9 +440,12 @@ def test_cli_errors_are_typed_and_one_line(monkeypatch, capsys) -> None:
 
 
 def test_installed_command_runs_as_a_user_runs_it() -> None:
-    code = ("import sys, gdsload.server.cli as c; "
-            "c._LAZY_COMMANDS.setdefault('plan', 'gdsload.server.cmd_plan:plan'); c.main(sys.argv[1:])")
-    p = subprocess.run([sys.executable, "-c", code, "plan", "llama-3.1-8b", "--json"], capture_output=True,
-                       text=True, timeout=60)
+    code = (
+        "import sys, gdsload.server.cli as c; "
+        "c._LAZY_COMMANDS.setdefault('plan', 'gdsload.server.cmd_plan:plan'); c.main(sys.argv[1:])"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, "plan", "llama-3.1-8b", "--json"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["params"] == 8_030_261_248

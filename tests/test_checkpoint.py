@@ -65,8 +65,9 @@ class TinyTransformer(nn.Module):
         return self.head(self.blocks(self.embed(x)))
 
 
-def _make(seed: int, device: str = "cpu", embed: bool = True,
-          dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _make(
+    seed: int, device: str = "cpu", embed: bool = True, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = TinyTransformer(embed).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -144,8 +145,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
     path = tmp_path_factory.mktemp("ckpt") / "step-3.safetensors"
     report = save_compressed_checkpoint(model, opt, path, "Zstd", extras=extras)
-    return {"model": model, "opt": opt, "path": path, "report": report, "extras": copy.deepcopy(extras),
-            "model_sd": copy.deepcopy(model.state_dict()), "opt_sd": copy.deepcopy(opt.state_dict())}
+    return {
+        "model": model,
+        "opt": opt,
+        "path": path,
+        "report": report,
+        "extras": copy.deepcopy(extras),
+        "model_sd": copy.deepcopy(model.state_dict()),
+        "opt_sd": copy.deepcopy(opt.state_dict()),
+    }
 
 
 # --------------------------------------------------------------------------- CPU: round trips
@@ -237,6 +245,7 @@ def test_file_is_safetensors_with_no_pickle(trained):
         header = json.loads(f.read(n))
     meta = header.pop("__metadata__")
     assert set(meta) == {"format", CHECKPOINT_KEY, METADATA_KEY}
+
     def strict(token: str) -> None:
         raise AssertionError(f"{token} is not standard JSON; other readers of the skeleton would reject it")
 
@@ -283,8 +292,13 @@ def test_extras_with_tensors_nested_containers_sharing_and_odd_keys(tmp_path):
         "keys": {3: "int", 2.5: "float", None: "none", True: "bool", (1, "a"): "tuple", "s": {"deep": [None]}},
         "odict": OrderedDict([("z", 1), ("a", 2)]),
         "numbers": [0, -1, 2**70, 1e-310, float("-inf"), float("nan"), -0.0, True, False, None, "ü/\u2603"],
-        "numpy": {"arr": np.arange(12, dtype=">u4").reshape(3, 4), "f16": np.ones(3, np.float16),
-                  "scalar": np.float32(0.1), "bool": np.bool_(True), "empty": np.zeros((0, 2))},
+        "numpy": {
+            "arr": np.arange(12, dtype=">u4").reshape(3, 4),
+            "f16": np.ones(3, np.float16),
+            "scalar": np.float32(0.1),
+            "bool": np.bool_(True),
+            "empty": np.zeros((0, 2)),
+        },
         "a/b": torch.ones(3),
         "a": {"b": torch.zeros(3)},  # the same tensor name as above: made unique
     }
@@ -299,12 +313,16 @@ def test_extras_with_tensors_nested_containers_sharing_and_odd_keys(tmp_path):
     assert parse_compression(read_header(path))["extra/nested/0/0"].codec == "zstd"
 
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True),
-                     st.text(max_size=8))
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**80), 2**80), st.floats(allow_nan=True), st.text(max_size=8)
+)
 _keys = st.one_of(st.text(max_size=6), st.integers(-5, 5), st.tuples(st.integers(0, 3), st.text(max_size=2)))
 _leaves = st.one_of(_scalars, st.integers(0, 300).map(lambda n: torch.arange(n, dtype=torch.int16).reshape(-1, 1)))
-_trees = st.recursive(_leaves, lambda kids: st.one_of(st.lists(kids, max_size=4), st.tuples(kids, kids),
-                                                      st.dictionaries(_keys, kids, max_size=4)), max_leaves=12)
+_trees = st.recursive(
+    _leaves,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.tuples(kids, kids), st.dictionaries(_keys, kids, max_size=4)),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -359,8 +377,9 @@ def test_every_dtype_round_trips_compressed_or_raw(tmp_path):
     path = tmp_path / "dtypes.safetensors"
     report = save_compressed_checkpoint(state, None, path, "zstd")
     comp = parse_compression(read_header(path))
-    raw_stream = [t.name for t in read_header(path).tensors if t.dtype == "U8" and t.name not in comp
-                  and "uint8" not in t.name]
+    raw_stream = [
+        t.name for t in read_header(path).tensors if t.dtype == "U8" and t.name not in comp and "uint8" not in t.name
+    ]
     assert comp and raw_stream and report.compressed == len(comp)
     ck = load_compressed_checkpoint(path, "cpu")
     expected = dict(state, c64=state["c64"].resolve_conj())
@@ -429,11 +448,14 @@ def test_kvikio_writer_writes_the_same_file(trained, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "kvikio", types.SimpleNamespace(CuFile=_FakeCuFile))
     _FakeCuFile.opened.clear()
     a, b = tmp_path / "kvikio.safetensors", tmp_path / "auto.safetensors"
-    r = save_compressed_checkpoint(trained["model_sd"], trained["opt_sd"], a, "zstd", extras=trained["extras"],
-                                   writer="kvikio")
+    r = save_compressed_checkpoint(
+        trained["model_sd"], trained["opt_sd"], a, "zstd", extras=trained["extras"], writer="kvikio"
+    )
     assert r.writer == "kvikio" and len(_FakeCuFile.opened) == 1
-    assert save_compressed_checkpoint(trained["model_sd"], trained["opt_sd"], b, "zstd", extras=trained["extras"]
-                                      ).writer == "kvikio"  # auto takes kvikio when it imports
+    assert (
+        save_compressed_checkpoint(trained["model_sd"], trained["opt_sd"], b, "zstd", extras=trained["extras"]).writer
+        == "kvikio"
+    )  # auto takes kvikio when it imports
     assert a.read_bytes() == b.read_bytes() == trained["path"].read_bytes()  # posix wrote that one
 
 
@@ -583,8 +605,11 @@ def test_loading_something_else_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="version 99"):
         load_compressed_checkpoint(newer)
     lying = tmp_path / "lying.safetensors"
-    skeleton = {"version": 1, "tree": {"model": {"dict": [["w", {"tensor": "model/w"}]]}},
-                "tensors": {"model/w": {"dtype": "F32", "shape": [3], "device": "cpu"}}}
+    skeleton = {
+        "version": 1,
+        "tree": {"model": {"dict": [["w", {"tensor": "model/w"}]]}},
+        "tensors": {"model/w": {"dtype": "F32", "shape": [3], "device": "cpu"}},
+    }
     save_file({"model/w": torch.ones(2)}, lying, {CHECKPOINT_KEY: json.dumps(skeleton)})
     with pytest.raises(CheckpointError, match="skeleton says F32"):
         load_compressed_checkpoint(lying)
@@ -628,8 +653,9 @@ def test_load_reads_the_file_whose_header_it_read(tmp_path, monkeypatch):
     # A trainer renames a new checkpoint over the path while a load is between header and data.
     path, other = tmp_path / "latest.safetensors", tmp_path / "next.safetensors"
     save_compressed_checkpoint(None, None, path, "none", extras={"x": torch.arange(4, dtype=torch.float32)})
-    save_compressed_checkpoint(None, None, other, "none", extras={"z": torch.ones(8, dtype=torch.float64),
-                                                                  "x": torch.full((4,), 7.0)})
+    save_compressed_checkpoint(
+        None, None, other, "none", extras={"z": torch.ones(8, dtype=torch.float64), "x": torch.full((4,), 7.0)}
+    )
     real = ckpt_mod._skeleton
 
     def swap_then_parse(header: Any) -> Any:
@@ -682,11 +708,13 @@ def test_a_killed_save_leaves_a_temp_the_next_save_removes(tmp_path):
     from gdsload.loader.format.atomic import create_locked
 
     path = tmp_path / "c.safetensors"
-    code = ("import os, sys, torch; from gdsload.loader.checkpoints import container as c; "
-            "real = c._compress\n"
-            "def die(*a):\n    os._exit(9)\n"
-            "c._compress = die; "
-            f"c.save_compressed_checkpoint({{'w': torch.ones(1 << 18)}}, None, {str(path)!r}, 'zstd')")
+    code = (
+        "import os, sys, torch; from gdsload.loader.checkpoints import container as c; "
+        "real = c._compress\n"
+        "def die(*a):\n    os._exit(9)\n"
+        "c._compress = die; "
+        f"c.save_compressed_checkpoint({{'w': torch.ones(1 << 18)}}, None, {str(path)!r}, 'zstd')"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 9, p.stderr
     (dead,) = [tmp_path / n for n in _listing(tmp_path) if n.startswith(".c.safetensors.tmp-")]
@@ -811,9 +839,13 @@ def test_gpu_ans_training_checkpoint_round_trips_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("algorithm", ["ANS", "GDeflate", "Zstd"])
 def test_gpu_codecs_round_trip_cpu_and_cuda_tensors(tmp_path, algorithm):
     g = torch.Generator().manual_seed(3)
-    cpu_state = {"bf16": (0.02 * torch.randn(512, 1024, generator=g)).bfloat16(),
-                 "f32": torch.randn(300, 400, generator=g), "i64": torch.arange(50_000),
-                 "noise": random_tensor((200_000,), torch.uint8, seed=4), "small": torch.ones(7)}
+    cpu_state = {
+        "bf16": (0.02 * torch.randn(512, 1024, generator=g)).bfloat16(),
+        "f32": torch.randn(300, 400, generator=g),
+        "i64": torch.arange(50_000),
+        "noise": random_tensor((200_000,), torch.uint8, seed=4),
+        "small": torch.ones(7),
+    }
     state = {**{f"cpu.{k}": v for k, v in cpu_state.items()}, **{f"gpu.{k}": v.cuda() for k, v in cpu_state.items()}}
     path = tmp_path / "c.safetensors"
     r = save_compressed_checkpoint(state, None, path, algorithm)  # ANS/GDeflate: CPU tensors go via the GPU
@@ -849,8 +881,12 @@ def test_gpu_kvikio_and_posix_write_the_same_file(tmp_path):
 def test_gpu_pipeline_report_on_a_larger_state(tmp_path):
     torch.manual_seed(0)
     state = {f"layer{i}.w": (0.02 * torch.randn(4096, 4096, device="cuda")) for i in range(16)}  # 1.07 GB fp32
-    optim = {"state": {i: {"exp_avg": 1e-3 * torch.randn(4096, 4096, device="cuda"), "step": torch.tensor(9.0)}
-                       for i in range(4)}, "param_groups": [{"lr": 1e-4, "params": list(range(4))}]}
+    optim = {
+        "state": {
+            i: {"exp_avg": 1e-3 * torch.randn(4096, 4096, device="cuda"), "step": torch.tensor(9.0)} for i in range(4)
+        },
+        "param_groups": [{"lr": 1e-4, "params": list(range(4))}],
+    }
     path = tmp_path / "big.safetensors"
     r = save_compressed_checkpoint(state, optim, path, "ANS")
     assert r.ratio > 1.0 and r.compressed == 20

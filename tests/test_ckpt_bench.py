@@ -32,9 +32,26 @@ def test_rounds_run_each_method_in_a_fresh_process_and_summarise(state, tmp_path
 
 def test_the_ratio_bench_reports_each_part(tmp_path):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "-m", "gdsload.bench.ckpt_ratio", "--steps", "2", "--scale", "1",
-                        "--models", "dense", "--codecs", "zstd,zstd+planes", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.bench.ckpt_ratio",
+            "--steps",
+            "2",
+            "--scale",
+            "1",
+            "--models",
+            "dense",
+            "--codecs",
+            "zstd,zstd+planes",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     ratios = json.loads(out.read_text())["models"]["dense"]["ratios"]
     assert set(ratios) == {"zstd", "zstd+planes"}

@@ -45,9 +45,11 @@ def test_inspect_of_a_hostile_header_is_one_typed_error(tmp_path, hostile):
     safetensors library rejects (a lone surrogate escape) with one line naming the file: no traceback, exit 1."""
     import struct
 
-    header = {"nested": b'{"__metadata__": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
-              "huge-length": None,
-              "lone-surrogate": b'{"__metadata__": {"k": "\\ud800"}}'}[hostile]
+    header = {
+        "nested": b'{"__metadata__": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+        "huge-length": None,
+        "lone-surrogate": b'{"__metadata__": {"k": "\\ud800"}}',
+    }[hostile]
     path = tmp_path / "bad.safetensors"
     path.write_bytes(struct.pack("<Q", 2**62) + b"{}" if header is None else struct.pack("<Q", len(header)) + header)
     p = run("inspect", str(path), ok=False)

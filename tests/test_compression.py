@@ -245,8 +245,15 @@ def test_ans_on_a_cpu_host_names_the_fix(tmp_path):
     # with the fix in the message, after its metadata validated.
     z = tmp_path / "z.safetensors"
     compress_file(src, z, codec="zstd", device="cpu")
-    _rewrite_metadata(z, lambda t: [e.update(codec="ans", layout="native", params={"data_type": "<f2"})
-                                    or e.pop("chunks") or e.pop("chunk_bytes") for e in t.values()])
+    _rewrite_metadata(
+        z,
+        lambda t: [
+            e.update(codec="ans", layout="native", params={"data_type": "<f2"})
+            or e.pop("chunks")
+            or e.pop("chunk_bytes")
+            for e in t.values()
+        ],
+    )
     with pytest.raises(CodecError, match="only a GPU decodes.*device='cuda'.*--codec zstd"):
         load_rank(z)
     assert not (tmp_path / "a.safetensors").exists()
@@ -281,11 +288,18 @@ def test_ans_chunk_tables_name_each_tensor_checked_by_crc32():
     from gdsload.loader.codecs.nvcomp_c import AnsChunks
     from gdsload.loader.format.compression import CompressedEntry
 
-    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    a = CompressedEntry(
+        "a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16
+    )
     b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), None, 16)
     e = CompressedEntry("e", "BF16", (0,), 0, "ans", "chunks", 0, {}, 262144, (), 0, 16)
-    c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, None), (b, 5 << 20, 7 << 30, "f: b", 0, None),
-                         (e, 9 << 20, 9 << 30, "f: e", 0, None)])
+    c = AnsChunks.build(
+        [
+            (a, 1 << 20, 1 << 30, "f: a", 0, None),
+            (b, 5 << 20, 7 << 30, "f: b", 0, None),
+            (e, 9 << 20, 9 << 30, "f: e", 0, None),
+        ]
+    )
     assert c.crc_dst.tolist() == [1 << 30] and c.crc_bytes.tolist() == [600_000]
     assert c.crc_expected.tolist() == [0xDEADBEEF] and list(c.crc_owner) == [0]
 
@@ -297,7 +311,9 @@ def test_ans_chunk_tables_for_a_tensor_decoded_a_run_of_chunks_at_a_time():
     from gdsload.loader.codecs.nvcomp_c import AnsChunks
     from gdsload.loader.format.compression import CompressedEntry
 
-    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    a = CompressedEntry(
+        "a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16
+    )
     head = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 0, 1)])
     assert head.src.tolist() == [1 << 20] and head.dst.tolist() == [1 << 30] and len(head.crc_dst) == 0
     assert head.dst_bytes.tolist() == [262144] and head.decoded_bytes == 262144
@@ -319,7 +335,9 @@ def test_ans_batch_results_name_the_chunk_or_tensor_that_failed():
     from gdsload.loader.codecs.nvcomp_c import AnsChunks, _check_results
     from gdsload.loader.format.compression import CompressedEntry
 
-    a = CompressedEntry("a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16)
+    a = CompressedEntry(
+        "a", "BF16", (300_000,), 600_000, "ans", "chunks", 0, {}, 262144, (1000, 2001, 5), 0xDEADBEEF, 16
+    )
     b = CompressedEntry("b", "BF16", (10,), 20, "ans", "chunks", 0, {}, 262144, (30,), 0x12345678, 16)
     c = AnsChunks.build([(a, 1 << 20, 1 << 30, "f: a", 1, None), (b, 5 << 20, 7 << 30, "f: b", 0, None)])
     n, m = 3, 2
@@ -334,13 +352,19 @@ def test_ans_batch_results_name_the_chunk_or_tensor_that_failed():
 
     good = [262144, 600_000 - 524288, 20]
     _check_results(c, table(good, [0, 0, 0], [0xDEADBEEF, 0x12345678]), crc_at, m)
-    with pytest.raises(CodecError, match=r"f: a: chunk 2 does not decode \(status 15 \(output buffer too small\); "
-                                         r"2 bad chunk\(s\)"):
+    with pytest.raises(
+        CodecError,
+        match=r"f: a: chunk 2 does not decode \(status 15 \(output buffer too small\); "
+        r"2 bad chunk\(s\)",
+    ):
         _check_results(c, table(good, [0, 15, 12], [0xDEADBEEF, 0x12345678]), crc_at, m)
     with pytest.raises(CodecError, match=r"f: b: chunk 0 does not decode \(19 bytes decoded where 20 were expected"):
         _check_results(c, table([262144, 600_000 - 524288, 19], [0, 0, 0], [0, 0]), crc_at, m)
-    with pytest.raises(CodecError, match=r"f: b: decoded bytes have CRC-32 0x00000001 where the file records "
-                                         r"0x12345678 \(1 tensor"):
+    with pytest.raises(
+        CodecError,
+        match=r"f: b: decoded bytes have CRC-32 0x00000001 where the file records "
+        r"0x12345678 \(1 tensor",
+    ):
         _check_results(c, table(good, [0, 0, 0], [0xDEADBEEF, 1]), crc_at, m)
 
 
@@ -471,10 +495,12 @@ def test_compress_stopped_by_sigterm_leaves_nothing_and_a_killed_runs_leftover_g
 
     src = make_checkpoint(tmp_path / "m", "tiny")
     out = tmp_path / "mz"
-    code = ("import os, signal, time, gdsload.loader.prepare.compress as c\n"
-            "def stop(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
-            "c.compress_file = stop\n"
-            f"from gdsload.server.cli import main; main(['compress', {str(src)!r}, {str(out)!r}, '--codec', 'zstd'])")
+    code = (
+        "import os, signal, time, gdsload.loader.prepare.compress as c\n"
+        "def stop(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+        "c.compress_file = stop\n"
+        f"from gdsload.server.cli import main; main(['compress', {str(src)!r}, {str(out)!r}, '--codec', 'zstd'])"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 143, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["m"]  # no .mz.partial-* beside it
@@ -494,8 +520,9 @@ def test_compressed_files_keep_the_sources_permissions(tmp_path):
         f.chmod(0o600)
     out = tmp_path / "mz"
     compress_dir(src, out, codec="zstd", device="cpu")
-    assert {f.name: f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")} == \
-        {f.name: 0o600 for f in src.glob("*.safetensors")}
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")} == {
+        f.name: 0o600 for f in src.glob("*.safetensors")
+    }
 
 
 def test_only_ans_on_a_gpu_is_compressed_without_torch(monkeypatch):

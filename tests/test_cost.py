@@ -16,8 +16,17 @@ from gdsload.loader.calc.cost import GB, CostInputs, checkpoint_cost, parse_dura
 from gdsload.server.cmd_cost import cost as cost_command
 
 # Round numbers: 100 GB, ratio 2, 10 GB/s per GPU × 4 GPUs, 10 GB/s storage, $2/GPU-h, hourly, keep 3, $0.10/GB-month.
-SMALL = dict(checkpoint_bytes=100 * GB, ratio=2.0, compress_gbps=10.0, write_gbps=10.0, gpus=4, gpu_hour_usd=2.0,
-             interval_s=3600.0, retention=3, storage_usd_gb_month=0.10)
+SMALL = dict(
+    checkpoint_bytes=100 * GB,
+    ratio=2.0,
+    compress_gbps=10.0,
+    write_gbps=10.0,
+    gpus=4,
+    gpu_hour_usd=2.0,
+    interval_s=3600.0,
+    retention=3,
+    storage_usd_gb_month=0.10,
+)
 
 
 def test_doctests() -> None:
@@ -28,12 +37,12 @@ def test_small_case_by_hand() -> None:
     r = checkpoint_cost(CostInputs(**SMALL))
     assert r.compressed_bytes == 50 * GB and r.compress_gbps_aggregate == 40
     assert (r.write_raw_s, r.compress_s, r.write_compressed_s) == (10.0, 2.5, 5.0)
-    assert (r.wait_pipelined_s, r.wait_serial_s, r.bound) == (5.0, 7.5, "write")   # max(2.5, 5), 2.5 + 5
+    assert (r.wait_pipelined_s, r.wait_serial_s, r.bound) == (5.0, 7.5, "write")  # max(2.5, 5), 2.5 + 5
     assert (r.saved_s, r.saved_serial_s) == (5.0, 2.5)
-    assert r.checkpoints_per_month == 720                                           # 30 days / 1 h
-    assert r.idle_saved_gpu_s == 20 and r.idle_saved_gpu_s_month == 14_400          # 5 s × 4 GPUs × 720
-    assert r.idle_raw_usd_month == pytest.approx(10 * 720 * 4 / 3600 * 2)          # $16
-    assert r.idle_saved_usd_month == pytest.approx(8.0)                             # 4 GPU-h × $2
+    assert r.checkpoints_per_month == 720  # 30 days / 1 h
+    assert r.idle_saved_gpu_s == 20 and r.idle_saved_gpu_s_month == 14_400  # 5 s × 4 GPUs × 720
+    assert r.idle_raw_usd_month == pytest.approx(10 * 720 * 4 / 3600 * 2)  # $16
+    assert r.idle_saved_usd_month == pytest.approx(8.0)  # 4 GPU-h × $2
     assert r.idle_saved_serial_usd_month == pytest.approx(4.0)
     assert (r.stored_raw_gb, r.stored_compressed_gb, r.storage_saved_gb) == (300, 150, 150)
     assert r.storage_saved_usd_month == pytest.approx(15.0)
@@ -46,9 +55,14 @@ def test_small_case_by_hand() -> None:
 
 def test_every_formula_shows_its_inputs() -> None:
     f = "\n".join(checkpoint_cost(CostInputs(**SMALL)).formulas)
-    for text in ("100.000 GB / ratio 2 = 50.000 GB", "10 GB/s per GPU × 4 GPUs = 40.000 GB/s",
-                 "max(2.500, 5.000) = 5.000 s (write-bound)", "2.500 + 5.000 = 7.500 s",
-                 "2,592,000 s / 3,600 s = 720.00", "150.0 GB × $0.1/GB-month = $15.00"):
+    for text in (
+        "100.000 GB / ratio 2 = 50.000 GB",
+        "10 GB/s per GPU × 4 GPUs = 40.000 GB/s",
+        "max(2.500, 5.000) = 5.000 s (write-bound)",
+        "2.500 + 5.000 = 7.500 s",
+        "2,592,000 s / 3,600 s = 720.00",
+        "150.0 GB × $0.1/GB-month = $15.00",
+    ):
         assert text in f, text
 
 
@@ -57,23 +71,28 @@ def test_nvcomp_article_idle_cost() -> None:
     r = checkpoint_cost(CostInputs(782 * GB, 1.0, 50.0, 5.0, 8, 4.40, parse_duration("30m"), 1, 0.0))
     assert r.write_raw_s == pytest.approx(156.4) and r.checkpoints_per_month == 1440
     assert r.idle_raw_usd_month == pytest.approx(156.4 * 1440 * 8 / 3600 * 4.40) == pytest.approx(2202.112)
-    assert r.written_raw_gb_month == pytest.approx(1_126_080)                     # the article's "1.13 PB"
-    assert r.saved_s <= 0 and r.storage_saved_gb == 0                             # ratio 1.0 saves nothing
+    assert r.written_raw_gb_month == pytest.approx(1_126_080)  # the article's "1.13 PB"
+    assert r.saved_s <= 0 and r.storage_saved_gb == 0  # ratio 1.0 saves nothing
 
 
 def test_compress_bound_costs_time_and_break_even() -> None:
     # 5 GB/s aggregate compression in front of 10 GB/s storage: compressing makes the wait longer
     r = checkpoint_cost(CostInputs(**{**SMALL, "compress_gbps": 5.0, "compress_scope": "aggregate"}))
-    assert (r.compress_s, r.wait_pipelined_s, r.bound, r.saved_s, r.saved_serial_s) == (20.0, 20.0, "compress",
-                                                                                      -10.0, -15.0)
+    assert (r.compress_s, r.wait_pipelined_s, r.bound, r.saved_s, r.saved_serial_s) == (
+        20.0,
+        20.0,
+        "compress",
+        -10.0,
+        -15.0,
+    )
     assert r.idle_saved_usd_month < 0 < r.storage_saved_usd_month
     be = "\n".join(r.breakeven)
     assert "5.00 GB/s <= 10 GB/s" in be and "does not save time" in be
-    assert "write rate × r/(r-1) = 20.00 GB/s" in be                               # 10 × 2 / (2 - 1)
+    assert "write rate × r/(r-1) = 20.00 GB/s" in be  # 10 × 2 / (2 - 1)
     assert "storage faster than 5.00 GB/s (pipelined) or 2.50 GB/s (unpipelined)" in be
     ok = "\n".join(checkpoint_cost(CostInputs(**SMALL)).breakeven)
     assert "40.00 GB/s > 10 GB/s (per GPU: needs > 2.500 GB/s) -> saves time" in ok
-    assert "a ratio above 4.00" in ok                                               # 40 / 10
+    assert "a ratio above 4.00" in ok  # 40 / 10
 
 
 def test_note_when_checkpoint_outlasts_interval() -> None:
@@ -82,24 +101,33 @@ def test_note_when_checkpoint_outlasts_interval() -> None:
 
 
 def test_parse_duration() -> None:
-    assert [parse_duration(v) for v in ("30m", "1.5h", "2d", "90", "45s", "10 min")] == [1800, 5400, 172800, 90,
-                                                                                         45, 600]
+    assert [parse_duration(v) for v in ("30m", "1.5h", "2d", "90", "45s", "10 min")] == [
+        1800,
+        5400,
+        172800,
+        90,
+        45,
+        600,
+    ]
     with pytest.raises(ConfigError, match=r"--interval 'soon' is not a duration"):
         parse_duration("soon")
     with pytest.raises(ConfigError, match="positive"):
         parse_duration("0s")
 
 
-@pytest.mark.parametrize("override, words", [
-    ({"ratio": 0.5}, ["--ratio", "= 0.5", ">= 1.0"]),
-    ({"compress_scope": "all"}, ["--compress-scope", "'all'", "per-gpu, aggregate"]),
-    ({"gpus": 0}, ["--gpus", "= 0", "positive integer"]),
-    ({"retention": 0}, ["--retention", "= 0"]),
-    ({"write_gbps": -1.0}, ["--write-gbps", "= -1.0", "positive"]),
-    ({"compress_gbps": math.nan}, ["--compress-gbps", "nan"]),
-    ({"gpu_hour_usd": -2.0}, ["--gpu-hour-usd", "non-negative"]),
-    ({"checkpoint_bytes": 0}, ["--size", "= 0"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"ratio": 0.5}, ["--ratio", "= 0.5", ">= 1.0"]),
+        ({"compress_scope": "all"}, ["--compress-scope", "'all'", "per-gpu, aggregate"]),
+        ({"gpus": 0}, ["--gpus", "= 0", "positive integer"]),
+        ({"retention": 0}, ["--retention", "= 0"]),
+        ({"write_gbps": -1.0}, ["--write-gbps", "= -1.0", "positive"]),
+        ({"compress_gbps": math.nan}, ["--compress-gbps", "nan"]),
+        ({"gpu_hour_usd": -2.0}, ["--gpu-hour-usd", "non-negative"]),
+        ({"checkpoint_bytes": 0}, ["--size", "= 0"]),
+    ],
+)
 def test_validation_errors(override, words) -> None:
     with pytest.raises(ConfigError) as e:
         CostInputs(**{**SMALL, **override})
@@ -111,11 +139,21 @@ def test_validation_errors(override, words) -> None:
 def test_read_report(tmp_path) -> None:
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"ratio": 1.4, "compress_gbps": 30, "write_gbps": 12, "compress_scope": "aggregate"}))
-    assert read_report(path) == {"ratio": 1.4, "compress_gbps": 30.0, "write_gbps": 12.0,
-                                 "compress_scope": "aggregate"}
+    assert read_report(path) == {"ratio": 1.4, "compress_gbps": 30.0, "write_gbps": 12.0, "compress_scope": "aggregate"}
     # derived from bytes and seconds, nested under "checkpoint"; a direct figure wins over a derived one
-    path.write_text(json.dumps({"checkpoint": {"logical_bytes": 6e9, "stored_bytes": 4e9, "compress_seconds": 0.2,
-                                               "write_seconds": 2.0, "ratio": 1.6}}))
+    path.write_text(
+        json.dumps(
+            {
+                "checkpoint": {
+                    "logical_bytes": 6e9,
+                    "stored_bytes": 4e9,
+                    "compress_seconds": 0.2,
+                    "write_seconds": 2.0,
+                    "ratio": 1.6,
+                }
+            }
+        )
+    )
     assert read_report(path) == {"ratio": 1.6, "compress_gbps": 30.0, "write_gbps": 2.0}
     path.write_text(json.dumps({"ratio": "fast"}))
     with pytest.raises(ConfigError, match="ratio='fast' must be a positive number"):
@@ -129,9 +167,11 @@ def test_read_report(tmp_path) -> None:
 
 
 def test_results_out_of_range_are_errors_not_inf(tmp_path) -> None:
-    for override, words in (({"compress_gbps": 1e-320}, ["non-finite compress_s", "compress_gbps=1e-320"]),
-                            ({"gpu_hour_usd": 1e308}, ["non-finite idle_raw_usd_month"]),
-                            ({"gpus": 10**400}, ["too large to compute with"])):
+    for override, words in (
+        ({"compress_gbps": 1e-320}, ["non-finite compress_s", "compress_gbps=1e-320"]),
+        ({"gpu_hour_usd": 1e308}, ["non-finite idle_raw_usd_month"]),
+        ({"gpus": 10**400}, ["too large to compute with"]),
+    ):
         with pytest.raises(ConfigError) as e:
             checkpoint_cost(CostInputs(**{**SMALL, **override}))
         for w in words:
@@ -146,8 +186,26 @@ def test_results_out_of_range_are_errors_not_inf(tmp_path) -> None:
 
 # ----------------------------------------------------------------------------------------------- the command
 
-FLAGS = ["--size", "100GB", "--ratio", "2", "--compress-gbps", "10", "--write-gbps", "10", "--gpus", "4",
-         "--gpu-hour-usd", "2", "--interval", "1h", "--retention", "3", "--storage-usd-gb-month", "0.10"]
+FLAGS = [
+    "--size",
+    "100GB",
+    "--ratio",
+    "2",
+    "--compress-gbps",
+    "10",
+    "--write-gbps",
+    "10",
+    "--gpus",
+    "4",
+    "--gpu-hour-usd",
+    "2",
+    "--interval",
+    "1h",
+    "--retention",
+    "3",
+    "--storage-usd-gb-month",
+    "0.10",
+]
 
 
 def test_cli_json_and_table() -> None:
@@ -160,17 +218,41 @@ def test_cli_json_and_table() -> None:
     assert doc["inputs"]["interval_s"] == 3600 and len(doc["formulas"]) >= 10 and doc["breakeven"]
     r = runner.invoke(cost_command, FLAGS)
     assert r.exit_code == 0, r.output
-    for text in ("Inputs", "Per checkpoint", "Per month (720.00 checkpoints)", "5.00 s (write-bound)", "Formulas",
-                 "Break-even", "$23.00", "10 GB/s per-gpu"):
+    for text in (
+        "Inputs",
+        "Per checkpoint",
+        "Per month (720.00 checkpoints)",
+        "5.00 s (write-bound)",
+        "Formulas",
+        "Break-even",
+        "$23.00",
+        "10 GB/s per-gpu",
+    ):
         assert text in r.output, text
 
 
 def test_cli_from_report(tmp_path) -> None:
     report = tmp_path / "measured.json"
-    report.write_text(json.dumps({"logical_bytes": 4e9, "stored_bytes": 2e9, "compress_seconds": 0.4,
-                                  "write_seconds": 0.2}))
-    base = ["--size", "100GB", "--gpus", "4", "--gpu-hour-usd", "2", "--interval", "3600", "--retention", "3",
-            "--storage-usd-gb-month", "0.1", "--from-report", str(report), "--json"]
+    report.write_text(
+        json.dumps({"logical_bytes": 4e9, "stored_bytes": 2e9, "compress_seconds": 0.4, "write_seconds": 0.2})
+    )
+    base = [
+        "--size",
+        "100GB",
+        "--gpus",
+        "4",
+        "--gpu-hour-usd",
+        "2",
+        "--interval",
+        "3600",
+        "--retention",
+        "3",
+        "--storage-usd-gb-month",
+        "0.1",
+        "--from-report",
+        str(report),
+        "--json",
+    ]
     doc = json.loads(CliRunner().invoke(cost_command, base).output)
     assert (doc["inputs"]["ratio"], doc["inputs"]["compress_gbps"], doc["inputs"]["write_gbps"]) == (2.0, 10.0, 10.0)
     assert doc["inputs_from"]["ratio"] == f"report {report}" and doc["total_saved_usd_month"] == pytest.approx(23.0)

@@ -48,9 +48,16 @@ def launch(scenario: str, root: Path, world: int, timeout: float = 300) -> list[
     """Run ``scenario`` on ``world`` ranks; (exit status, output) per rank."""
     port = _port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(root), str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(root), str(r), str(world), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
     outs = []
     try:
         for p in procs:
@@ -122,8 +129,13 @@ def _trained() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_schedul
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer, sched: object, step: int) -> dict:
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-            "step": step, "extra": {"note": "x", "rng": torch.get_rng_state()}}
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "step": step,
+        "extra": {"note": "x", "rng": torch.get_rng_state()},
+    }
 
 
 def _template() -> dict:
@@ -309,8 +321,9 @@ def test_ans_entries_say_they_need_a_gpu_on_a_cpu_host(tmp_path):
     n = 2 * FRAME
     entry = CompressedEntry("w", "U8", (n,), n, "ans", "chunks", 32, {"data_type": "<f4"}, FRAME, (16, 16), None, 16)
     stored = Stored(np.zeros(32, np.uint8), n, [0], entry)
-    with TensorFileWriter(tmp_path / "f.safetensors", [Planned("w", n, "float32", (n // 4,), True)],
-                          {DCP_KEY: '{"version":1}'}) as w:
+    with TensorFileWriter(
+        tmp_path / "f.safetensors", [Planned("w", n, "float32", (n // 4,), True)], {DCP_KEY: '{"version":1}'}
+    ) as w:
         w.add("w", stored, stored.meta(dtype=torch.float32, shape=(n // 4,)))
     with TensorFile(tmp_path / "f.safetensors", DCP_KEY) as f:
         with pytest.raises(CodecError, match="'w' is compressed with 'ans', which only a GPU decodes"):
@@ -330,9 +343,13 @@ def test_cuda_state_compresses_on_the_gpu_and_reloads(tmp_path):
     future = dcp.async_save(state, storage_writer=w)
     future.result()
     assert w.last_stage.gpu_compressed > 0 and w.last_stage.host_bytes < w.last_stage.logical_bytes
-    back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-            "optim": {"state": {k: {n: torch.zeros_like(t) for n, t in s.items()} for k, s in
-                                state["optim"]["state"].items()}, "param_groups": state["optim"]["param_groups"]}}
+    back = {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "optim": {
+            "state": {k: {n: torch.zeros_like(t) for n, t in s.items()} for k, s in state["optim"]["state"].items()},
+            "param_groups": state["optim"]["param_groups"],
+        },
+    }
     dcp.load(back, storage_reader=GdsloadReader(tmp_path))
     assert _bits_equal(back["model"], state["model"]) and _bits_equal(back["optim"], state["optim"])
     cpu = {"model": {k: torch.zeros_like(v, device="cpu") for k, v in state["model"].items()}}

@@ -81,7 +81,9 @@ def test_the_next_groups_are_read_before_the_oldest_is_waited_for(slots, groups)
     ev = h.events
     ahead = slots - 1
     for i in range(groups - ahead):
-        assert ev.index(("submit", i + ahead)) < ev.index(("wait", i)), f"group {i + ahead} not in flight while {i} waited"
+        assert ev.index(("submit", i + ahead)) < ev.index(("wait", i)), (
+            f"group {i + ahead} not in flight while {i} waited"
+        )
     assert [i for what, i in ev if what == "decoded"] == list(range(groups))
     assert [i for what, i in ev if what == "wait"] == list(range(groups))
 
@@ -133,8 +135,10 @@ def test_a_decoder_that_cannot_start_fails_the_load_instead_of_hanging(tmp_path,
     src = tmp_path / "src"
     src.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({f"w{i}": (0.02 * torch.randn(256, 256, generator=g)).to(torch.bfloat16) for i in range(5)},
-              src / "model.safetensors")
+    save_file(
+        {f"w{i}": (0.02 * torch.randn(256, 256, generator=g)).to(torch.bfloat16) for i in range(5)},
+        src / "model.safetensors",
+    )
     compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
     plan = plan_rank(discover(tmp_path / "z", 0))
     assert len(plan.compressed) == 5
@@ -192,11 +196,24 @@ def _tensor(name: str, chunks: tuple[int, ...], layout: str = "chunks", offset: 
     from gdsload.loader.format.compression import CompressedEntry
     from gdsload.loader.plan import CompressedTensor
 
-    entry = CompressedEntry(name, "BF16", (len(chunks) * 131072,), len(chunks) * 262144, "ans", layout, 0, {}, 262144,
-                            chunks, None, 16)
+    entry = CompressedEntry(
+        name, "BF16", (len(chunks) * 131072,), len(chunks) * 262144, "ans", layout, 0, {}, 262144, chunks, None, 16
+    )
     starts, sizes, _, _ = entry.chunk_table()
-    entry = CompressedEntry(name, entry.dtype, entry.shape, entry.nbytes, "ans", layout, int(starts[-1] + sizes[-1]),
-                            {}, 262144, chunks, None, 16)
+    entry = CompressedEntry(
+        name,
+        entry.dtype,
+        entry.shape,
+        entry.nbytes,
+        "ans",
+        layout,
+        int(starts[-1] + sizes[-1]),
+        {},
+        262144,
+        chunks,
+        None,
+        16,
+    )
     return CompressedTensor(0, offset, 0, entry)
 
 
@@ -214,8 +231,11 @@ def test_a_tensor_larger_than_a_staging_buffer_goes_a_run_of_chunks_per_group():
         assert all(off % 4096 == 0 and off + p.nbytes <= staging for p, off in g)
     pieces = [p for g in groups for p, _ in g]
     assert [p.tensor.entry.name for p in pieces if p.tensor is not big] == ["small", "last"]
-    assert all(p.first == 0 and p.stop is None and p.nbytes == p.tensor.entry.stored_bytes
-               for p in pieces if p.tensor is not big)
+    assert all(
+        p.first == 0 and p.stop is None and p.nbytes == p.tensor.entry.stored_bytes
+        for p in pieces
+        if p.tensor is not big
+    )
     runs = [p for p in pieces if p.tensor is big]
     assert len(runs) >= 5 and runs[0].first == 0 and runs[-1].stop is None
     starts, sizes, _, _ = big.entry.chunk_table()
@@ -271,7 +291,9 @@ def _outputs(run):
             continue
         _, _, dec_at, dec_len = p.tensor.entry.chunk_table()
         stop = len(dec_at) if p.stop is None else p.stop
-        out.append((p.tensor.offset + int(dec_at[p.first]), p.tensor.offset + int(dec_at[stop - 1] + dec_len[stop - 1])))
+        out.append(
+            (p.tensor.offset + int(dec_at[p.first]), p.tensor.offset + int(dec_at[stop - 1] + dec_len[stop - 1]))
+        )
     out += [(e.offset, e.offset + e.length) for e, _ in run.copies]
     return out
 
@@ -371,8 +393,9 @@ _SHAPES = {
 @pytest.mark.parametrize("decode_as_read", [False, True])
 @pytest.mark.parametrize("shapes", _SHAPES)
 @pytest.mark.parametrize("min_run, staging", [(256 << 10, 3 << 20), (64 << 10, 1 << 20), (16 << 20, 960 << 20)])
-def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(tmp_path, monkeypatch, decode_as_read, shapes,
-                                                                      min_run, staging):
+def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(
+    tmp_path, monkeypatch, decode_as_read, shapes, min_run, staging
+):
     """On a GPU the compressed files are read into the top of the arena and decode from there into the
     tensors' places below. No group writes over stored bytes of its own or of a later group, whatever the
     groups' sizes; emulated on host memory (a group's writes spoil their bytes before it decodes), whether
@@ -401,7 +424,8 @@ def test_in_place_groups_never_decode_over_stored_bytes_still_to_come(tmp_path, 
                 chunks.update((p.tensor.entry.name, j) for j in range(p.first, stop))
         assert sorted(chunks.values()) == [1] * sum(len(t.entry.chunks) for t in plan.compressed)
         assert sorted(e.offset for r in runs for e, _ in r.copies) == sorted(
-            e.offset for f in plan.files if f.compressed for e in f.extents)
+            e.offset for f in plan.files if f.compressed for e in f.extents
+        )
         arena = _emulate_in_place(plan, layout, decode_as_read)
         for p in plan.placements:
             want = ref[p.name].contiguous().view(torch.uint8).numpy().tobytes()
@@ -437,8 +461,18 @@ def _random_plan(rng):
             if kind == "chunks":
                 cb = rng.choice([64 << 10, 256 << 10, 1 << 20])
                 sizes = tuple(max(1, int(min(cb, n - c) * ratio)) for c in range(0, n, cb))
-                e = CompressedEntry(f"t{i}.{j}", "BF16", (n // 2,), n - n % 2, "ans", "chunks", 0, chunk_bytes=cb,
-                                    chunks=sizes, chunk_align=16)
+                e = CompressedEntry(
+                    f"t{i}.{j}",
+                    "BF16",
+                    (n // 2,),
+                    n - n % 2,
+                    "ans",
+                    "chunks",
+                    0,
+                    chunk_bytes=cb,
+                    chunks=sizes,
+                    chunk_align=16,
+                )
                 starts, lens, _, _ = e.chunk_table()
                 e = e._replace(nbytes=n, shape=(n,), dtype="U8", stored_bytes=int(starts[-1] + lens[-1]))
             else:
@@ -489,7 +523,10 @@ def test_in_place_reads_only_what_is_loaded_and_leaves_the_callers_buffers_to_st
         assert read == sorted((0, h.data_offset + h[n].start, h[n].nbytes) for n in ("t00", "t01"))
         arena = _emulate_in_place(plan, layout, True)
         for p in plan.placements:
-            assert bytes(arena[p.offset : p.offset + p.nbytes]) == ref[p.name].contiguous().view(torch.uint8).numpy().tobytes()
+            assert (
+                bytes(arena[p.offset : p.offset + p.nbytes])
+                == ref[p.name].contiguous().view(torch.uint8).numpy().tobytes()
+            )
     with plan_rank(rank, targets={"t02": ("BF16", (512, 512))}) as plan:
         assert decode.in_place(plan, 960 << 20) is None
 
@@ -540,7 +577,8 @@ class _HostReader:
         def run():
             for e in extents:
                 dsts[e.buffer][e.offset : e.offset + e.length] = memoryview(
-                    os.pread(self.plan.fds[e.file_index], e.length, e.file_offset))
+                    os.pread(self.plan.fds[e.file_index], e.length, e.file_offset)
+                )
 
         return self.pool.submit(run).result
 
@@ -633,7 +671,9 @@ def test_a_failed_kvikio_read_is_raised_after_every_other_read_is_done():
     plan = SimpleNamespace(files=[SimpleNamespace(path="/m/a.safetensors")])
     extents = [Extent(0, 4096 * i, 4096, 4096 * i) for i in range(4)]
     with pytest.raises(OSError, match="disk gone"):
-        wait_preads(plan, [(e, Future(i, OSError("disk gone") if i == 1 else 4096)) for i, e in enumerate(extents)], None)
+        wait_preads(
+            plan, [(e, Future(i, OSError("disk gone") if i == 1 else 4096)) for i, e in enumerate(extents)], None
+        )
     assert waited == [0, 1, 2, 3]
     waited.clear()
     done = []

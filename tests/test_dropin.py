@@ -22,8 +22,14 @@ from torch import nn
 import gdsload
 from gdsload.loader.checkpoints import dropin, save_compressed_checkpoint
 from gdsload.loader.checkpoints.encode import SEGMENT
-from gdsload.loader.errors import (CheckpointError, CheckpointTypeError, CheckpointWriteError, CodecError, ConfigError,
-                                   IntegrityError)
+from gdsload.loader.errors import (
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointWriteError,
+    CodecError,
+    ConfigError,
+    IntegrityError,
+)
 from gdsload.loader.format.compression import parse_compression
 from gdsload.loader.format.safetensors import read_header
 from gdsload.loader.format.writer import save_file
@@ -38,8 +44,14 @@ def assert_same(a: object, b: object, where: str = "obj") -> None:
     """Same types all the way down; tensors bit for bit with their strides, offsets and flags."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad, a.device) == \
-               (b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad, b.device), where
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad, a.device) == (
+            b.dtype,
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+            b.requires_grad,
+            b.device,
+        ), where
         assert _bits(a) == _bits(b), f"{where}: values differ"
     elif isinstance(a, float):
         assert struct.pack("<d", a) == struct.pack("<d", b), where
@@ -77,16 +89,24 @@ def _state() -> dict:
         "model": model.state_dict(),
         "optim": opt.state_dict(),
         "sched": sched.state_dict(),
-        "epoch": 3, "loss": float("nan"), "note": "trained", "flags": (True, None, 2.5, -0.0),
+        "epoch": 3,
+        "loss": float("nan"),
+        "note": "trained",
+        "flags": (True, None, 2.5, -0.0),
         "rng": torch.get_rng_state(),
-        "base": base, "view": base[8:40, ::3], "t": base.t(),  # views of one storage, strided
-        "param": nn.Parameter(torch.ones(7, 3)), "frozen": nn.Parameter(torch.zeros(2), requires_grad=False),
+        "base": base,
+        "view": base[8:40, ::3],
+        "t": base.t(),  # views of one storage, strided
+        "param": nn.Parameter(torch.ones(7, 3)),
+        "frozen": nn.Parameter(torch.zeros(2), requires_grad=False),
         "grad": torch.ones(3).requires_grad_(),
         "big": torch.randn(1 << 18) * 0.01,
         # split into 2 and 8 byte planes; sizes that end in a partial frame
-        "big_bf16": torch.randn(100_001).bfloat16(), "big_f64": torch.randn(30_001, dtype=torch.float64),
+        "big_bf16": torch.randn(100_001).bfloat16(),
+        "big_f64": torch.randn(30_001, dtype=torch.float64),
         "dtypes": OrderedDict((str(dt), random_tensor((33, 17), dt, i)) for i, dt in enumerate(all_dtypes())),
-        "empty": torch.empty(0, 5), "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
         "complex": torch.randn(4, 4, dtype=torch.complex64),
         "nested": [[{"a": torch.arange(5)}], {"b": (torch.zeros(1 << 16),)}],
     }
@@ -253,7 +273,7 @@ def test_a_killed_save_leaves_the_previous_file(tmp_path):
             out = real(*a, **k)
             os.kill(os.getpid(), signal.SIGKILL)
         dropin.encode = killing
-        gdsload.save({{"w": torch.zeros(1 << 20)}}, {str(tmp_path / 'c.pt')!r})
+        gdsload.save({{"w": torch.zeros(1 << 20)}}, {str(tmp_path / "c.pt")!r})
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert p.returncode == -signal.SIGKILL
@@ -330,7 +350,12 @@ def test_cuda_tensors_compress_on_their_gpu_and_load_anywhere(tmp_path):
 
 def test_top_level_package_is_lazy():
     code = "import sys, gdsload; assert 'torch' not in sys.modules; print(sorted(gdsload.__all__))"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       cwd=Path(__file__).parent.parent.parent)
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parent.parent.parent,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "['load', 'save']"

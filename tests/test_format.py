@@ -162,8 +162,13 @@ def test_writer_writes_in_pieces_from_threads_and_hashes_on_the_way(tmp_path, mo
         for spec in w.order:
             w.write(spec.name, tensors[spec.name])
     assert w.digest == file_digest(path) == "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
-    with AlignedWriter(tmp_path / "s.safetensors", [TensorSpec.of(n, t) for n, t in tensors.items()], {"k": "v"},
-                       threads=3, digest="sha256") as w2:
+    with AlignedWriter(
+        tmp_path / "s.safetensors",
+        [TensorSpec.of(n, t) for n, t in tensors.items()],
+        {"k": "v"},
+        threads=3,
+        digest="sha256",
+    ) as w2:
         for spec in w2.order:
             w2.write(spec.name, tensors[spec.name])
     assert (tmp_path / "s.safetensors").read_bytes() == path.read_bytes()
@@ -226,8 +231,9 @@ def test_a_full_disk_leaves_nothing_and_names_the_file(tmp_path, limit):
     import sys
 
     target = tmp_path / "w.safetensors"
-    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(target), str(limit)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(target), str(limit)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("OSError") and str(target) in p.stdout, p.stdout
     assert list(tmp_path.iterdir()) == []
@@ -261,8 +267,10 @@ def test_non_contiguous_and_views_are_written_by_value(tmp_path):
 
 
 def test_writer_refuses_text_safetensors_could_not_read(tmp_path):
-    for tensors, metadata, what in (({"\ud800": torch.ones(1)}, None, "tensor name"),
-                                    ({"a": torch.ones(1)}, {"k": "\udc00"}, "metadata value of 'k'")):
+    for tensors, metadata, what in (
+        ({"\ud800": torch.ones(1)}, None, "tensor name"),
+        ({"a": torch.ones(1)}, {"k": "\udc00"}, "metadata value of 'k'"),
+    ):
         with pytest.raises(ValueError, match=f"{what}.*lone surrogate"):
             save_file(tensors, tmp_path / "t.safetensors", metadata)
         assert not list(tmp_path.iterdir())

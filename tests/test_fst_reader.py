@@ -16,14 +16,19 @@ from gdsload.loader.plan import Extent
 
 def test_neighbouring_extents_go_as_one_request():
     extents = [
-        Extent(0, 4096, 100, 0), Extent(0, 4196, 50, 100),  # contiguous in the file and the buffer: merged
+        Extent(0, 4096, 100, 0),
+        Extent(0, 4196, 50, 100),  # contiguous in the file and the buffer: merged
         Extent(0, 5000, 10, 150),  # a gap in the file
         Extent(0, 5010, 10, 4096),  # contiguous in the file, not in the buffer
         Extent(1, 5020, 10, 4106),  # another file
         Extent(1, 6000, 0, 9000),  # empty: dropped
     ]
-    assert file_runs(extents) == [Extent(0, 4096, 150, 0), Extent(0, 5000, 10, 150), Extent(0, 5010, 10, 4096),
-                                  Extent(1, 5020, 10, 4106)]
+    assert file_runs(extents) == [
+        Extent(0, 4096, 150, 0),
+        Extent(0, 5000, 10, 150),
+        Extent(0, 5010, 10, 4096),
+        Extent(1, 5020, 10, 4106),
+    ]
 
 
 def test_without_fastsafetensors_the_reason_names_the_fix():
@@ -42,8 +47,11 @@ def _cold_model(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     ref: dict[str, torch.Tensor] = {}
     for part in range(3):
-        t = {f"p{part}.w": (0.02 * torch.randn(1000 + part, 777, generator=g)).to(torch.bfloat16),
-             f"p{part}.f32": torch.randn(333, 17, generator=g), f"p{part}.i8": torch.arange(1001, dtype=torch.int8)}
+        t = {
+            f"p{part}.w": (0.02 * torch.randn(1000 + part, 777, generator=g)).to(torch.bfloat16),
+            f"p{part}.f32": torch.randn(333, 17, generator=g),
+            f"p{part}.i8": torch.arange(1001, dtype=torch.int8),
+        }
         save_file(t, d / f"model-rank-0-part-{part}.safetensors")
         ref.update(t)
     files = [str(p) for p in sorted(d.glob("*.safetensors"))]

@@ -57,7 +57,9 @@ def test_every_backend_is_bit_identical_to_safetensors(sharded_dir, backend):
     _skip_if_missing(backend)
     for rank in (0, 1):
         result = load_rank(sharded_dir, rank, device="cuda", backend=backend)
-        ref = {k: v for k, v in _reference(sorted(sharded_dir.glob("*.safetensors"))).items() if k.startswith(f"r{rank}.")}
+        ref = {
+            k: v for k, v in _reference(sorted(sharded_dir.glob("*.safetensors"))).items() if k.startswith(f"r{rank}.")
+        }
         _check(result, ref)
         assert result.report.backend == backend and len(result.report.files) == 2
         for f in result.report.files:
@@ -132,12 +134,15 @@ def _bench_like(tmp_path: Path) -> Path:
     d.mkdir()
     g = torch.Generator().manual_seed(0)
     for part in range(2):
-        save_file({
-            f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
-            f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
-            f"p{part}.fp8": torch.randn(1024, 512, generator=g).to(torch.float8_e4m3fn),
-            f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16),
-        }, d / f"model-rank-0-part-{part}.safetensors")
+        save_file(
+            {
+                f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+                f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
+                f"p{part}.fp8": torch.randn(1024, 512, generator=g).to(torch.float8_e4m3fn),
+                f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16),
+            },
+            d / f"model-rank-0-part-{part}.safetensors",
+        )
     return d
 
 
@@ -185,9 +190,11 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
     safetensors.torch.save_file(tensors, str(src / "model.safetensors"))
     assert any(t.start % 16 for t in read_header(src / "model.safetensors").tensors if t.nbytes > 1 << 16)
     out = tmp_path / "z"
-    code = ("import sys; from gdsload.loader.prepare.compress import compress_dir; "
-            f"s = compress_dir({str(src)!r}, {str(out)!r}, codec='ans', device='cuda'); "
-            "print(s.compressed, s.raw, 'torch' in sys.modules)")
+    code = (
+        "import sys; from gdsload.loader.prepare.compress import compress_dir; "
+        f"s = compress_dir({str(src)!r}, {str(out)!r}, codec='ans', device='cuda'); "
+        "print(s.compressed, s.raw, 'torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     compressed, raw, torch_imported = done.stdout.split()
@@ -211,7 +218,8 @@ def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_write
     compress_dir(src, tmp_path / "z-sha", codec="ans", device="cuda", digest="sha256")
     assert (tmp_path / "z-sha" / "model.safetensors").read_bytes() == f.read_bytes()
     assert [m.digest for m in Manifest.read(tmp_path / "z-sha").ranks[0]] == [
-        "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()]
+        "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    ]
     # A backend the torch-free load cannot run (it reads with kvikio) sends ANS through torch.
     from gdsload.loader.prepare.gpu_compress import torch_free_gpu
 
@@ -306,8 +314,13 @@ def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
 
     src = tmp_path / "s.safetensors"
     g = torch.Generator().manual_seed(3)
-    save_file({"a": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
-               "b": (0.02 * torch.randn(1024, 1024, generator=g)).to(torch.bfloat16)}, src)
+    save_file(
+        {
+            "a": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+            "b": (0.02 * torch.randn(1024, 1024, generator=g)).to(torch.bfloat16),
+        },
+        src,
+    )
     good = tmp_path / "good.safetensors"
     compress_file(src, good, codec="ans", device="cuda")
     if where == "cupy":
@@ -353,7 +366,9 @@ def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatc
     else:
         device = "cuda"
     good = tmp_path / "z" / "model.safetensors"
-    assert load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024 + 3 * 2048) * 2
+    assert (
+        load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024 + 3 * 2048) * 2
+    )
     h = read_header(good)
     for name, at in (("w00", 0.3), ("w13", 0.3), ("w23", 0.3), ("w12", 0.02), ("w12", 0.98)):
         bad = tmp_path / f"bad-{name}-{at}"
@@ -405,11 +420,18 @@ def _ans_chunks_after(fill: int) -> list[bytes]:
     del junk
     stream = cupy.cuda.Stream(non_blocking=True)
     starts = range(0, host.size, 1 << 17)
-    slots = ans_encode(np.array([data.data.ptr + a for a in starts], np.uint64),
-                       np.array([min(1 << 17, host.size - a) for a in starts], np.uint64), "<f2",
-                       _CupyStreamBytes(stream.ptr), stream.ptr, "test")
-    return [slots.array[i * slots.slot_bytes : i * slots.slot_bytes + int(n)].get().tobytes()
-            for i, n in enumerate(slots.sizes)]
+    slots = ans_encode(
+        np.array([data.data.ptr + a for a in starts], np.uint64),
+        np.array([min(1 << 17, host.size - a) for a in starts], np.uint64),
+        "<f2",
+        _CupyStreamBytes(stream.ptr),
+        stream.ptr,
+        "test",
+    )
+    return [
+        slots.array[i * slots.slot_bytes : i * slots.slot_bytes + int(n)].get().tobytes()
+        for i, n in enumerate(slots.sizes)
+    ]
 
 
 def test_ans_chunks_are_the_same_bytes_whatever_the_memory_held_before():
@@ -443,8 +465,11 @@ def test_gpu_encoder_records_zlibs_crc32_and_places_every_chunk(codec):
     starts, sizes, d_off, d_len = entry.chunk_table()
     assert len(sizes) == -(-entry.nbytes // entry.chunk_bytes) > 1 and all(at % entry.chunk_align == 0 for at in starts)
     gaps = np.ones(blob.size, bool)
-    dec = nvcomp.Codec(algorithm=codec_spec(codec).nvcomp_algorithm, bitstream_kind=nvcomp.BitstreamKind.RAW,
-                       **({"data_type": entry.params["data_type"]} if "data_type" in entry.params else {}))
+    dec = nvcomp.Codec(
+        algorithm=codec_spec(codec).nvcomp_algorithm,
+        bitstream_kind=nvcomp.BitstreamKind.RAW,
+        **({"data_type": entry.params["data_type"]} if "data_type" in entry.params else {}),
+    )
     srcs = [torch.from_numpy(blob[s : s + n].copy()).cuda() for s, n in zip(starts, sizes)]
     outs = [torch.empty(int(n), dtype=torch.uint8, device="cuda") for n in d_len]
     dec.decode(nvcomp.as_arrays(srcs), out=nvcomp.as_arrays(outs))
@@ -470,7 +495,10 @@ def test_ans_chunk_that_cannot_decode_names_the_tensor_and_status(tmp_path):
     codecs.decode(entry, src, out, path="f.safetensors")
     assert _bits(out) == _bits(t)
     short = entry._replace(nbytes=entry.nbytes - 2)
-    with pytest.raises(CodecError, match=r"'f.safetensors': tensor 'w': chunk 2 does not decode \(status 15 \(output buffer too small\)"):
+    with pytest.raises(
+        CodecError,
+        match=r"'f.safetensors': tensor 'w': chunk 2 does not decode \(status 15 \(output buffer too small\)",
+    ):
         codecs.decode(short, src, out[: short.nbytes], path="f.safetensors")
     codecs.close()
 
@@ -509,18 +537,23 @@ print(active(0), active(1))
 
 
 _NVCOMP_PY = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
+    strict=True,
+    raises=AssertionError,
     reason="nvCOMP 6.0's Python package opens a context on GPU 0 at its first decode in a process decoding on "
-           "GPU 1 (seen on two H200s, 2026-11-29); ANS chunks go through its C API instead")
+    "GPU 1 (seen on two H200s, 2026-11-29); ANS chunks go through its C API instead",
+)
 
 
 @pytest.mark.multi_gpu(2)
-@pytest.mark.parametrize("codec, path", [
-    ("ans", "torch"),
-    pytest.param("zstd", "torch", marks=_NVCOMP_PY),
-    ("ans", "bare"),
-    pytest.param("zstd", "bare", marks=_NVCOMP_PY),
-])
+@pytest.mark.parametrize(
+    "codec, path",
+    [
+        ("ans", "torch"),
+        pytest.param("zstd", "torch", marks=_NVCOMP_PY),
+        ("ans", "bare"),
+        pytest.param("zstd", "bare", marks=_NVCOMP_PY),
+    ],
+)
 def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path, codec, path):
     import subprocess
     import sys
@@ -528,8 +561,9 @@ def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path, codec, path):
     src = _bench_like(tmp_path)
     out = tmp_path / codec
     compress_dir(src, out, codec=codec, device="cuda")
-    p = subprocess.run([sys.executable, "-c", _OTHER_GPU_CHILD, str(out), path], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _OTHER_GPU_CHILD, str(out), path], capture_output=True, text=True, timeout=120
+    )
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])  # not the defect this test is about: a plain failure
     gpu0, gpu1 = (int(x) for x in p.stdout.split())
@@ -594,7 +628,6 @@ def test_reads_and_copies_at_once_are_both_timed(tmp_path):
         read_during_h2d(files[:1], "cuda", piece=1 << 30)
 
 
-
 def test_devices_keep_their_decode_and_check_streams():
     """The decode and check streams are made once per device (through the driver), non-blocking, and work."""
     import ctypes
@@ -626,14 +659,17 @@ def _hf_llama(root: Path, shape) -> Path:
     root.mkdir()
     (root / "config.json").write_text(json.dumps(shape.config_json()))
     g = torch.Generator().manual_seed(11)
-    tensors = {name: (0.02 * torch.randn(dims, generator=g)).to(torch.bfloat16)
-               for name, dims, _ in tensor_shapes(shape)}
+    tensors = {
+        name: (0.02 * torch.randn(dims, generator=g)).to(torch.bfloat16) for name, dims, _ in tensor_shapes(shape)
+    }
     names = sorted(tensors, key=lambda n: (n != "model.norm.weight", n))
     half = len(names) // 2
     extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.tensor([1.0, 0.5, 0.25])}
     for i, part in enumerate((names[:half], names[half:])):
-        safetensors.torch.save_file({**(extra if i == 0 else {}), **{n: tensors[n] for n in part}},
-                                    str(root / f"model-0000{i + 1}-of-00002.safetensors"))
+        safetensors.torch.save_file(
+            {**(extra if i == 0 else {}), **{n: tensors[n] for n in part}},
+            str(root / f"model-0000{i + 1}-of-00002.safetensors"),
+        )
     return root
 
 
@@ -653,10 +689,26 @@ def test_shard_compress_ans_builds_on_the_gpu_without_torch_what_shard_then_comp
     from gdsload.loader.prepare.shard import ShardOptions, execute_plan, plan_shard
     from gdsload.loader.prepare.synthetic import LlamaShape
 
-    src = _hf_llama(tmp_path / "src", LlamaShape(hidden=512, intermediate=1024, heads=8, kv_heads=2, vocab=1000,
-                                                 layers=2))
-    cmd = [sys.executable, "-X", "importtime", "-m", "gdsload.server.cli", "shard", str(src), "", "--tp", str(tp),
-           "--layout", layout, "--compress", "ans", "--json"]
+    src = _hf_llama(
+        tmp_path / "src", LlamaShape(hidden=512, intermediate=1024, heads=8, kv_heads=2, vocab=1000, layers=2)
+    )
+    cmd = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "gdsload.server.cli",
+        "shard",
+        str(src),
+        "",
+        "--tp",
+        str(tp),
+        "--layout",
+        layout,
+        "--compress",
+        "ans",
+        "--json",
+    ]
     runs = {}
     for name, env in (("gpu", {}), ("fallback", {"GDSLOAD_BACKEND": "pinned"})):
         cmd[7] = str(tmp_path / name)

@@ -18,8 +18,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdsload.loader import (FormatError, GdsloadError, HeaderError, TruncatedFileError, load_rank, parse_header,
-                            read_header, save_file)
+from gdsload.loader import (
+    FormatError,
+    GdsloadError,
+    HeaderError,
+    TruncatedFileError,
+    load_rank,
+    parse_header,
+    read_header,
+    save_file,
+)
 from gdsload.loader.format.checksums import parse_checksums
 from gdsload.loader.format.compression import parse_compression
 from gdsload.loader.dtypes import ITEMSIZE
@@ -192,8 +200,10 @@ def test_bad_json(junk):
         (b'{"a": {"dtype": "F32", "shape": [1]}}', r"lacks \['data_offsets'\]"),
         (b'{"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}', r"integers in \[0, 2\*\*63\)"),
         (b'{"a": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}', r"integers in \[0, 2\*\*63\)"),
-        (b'{"a": {"dtype": "F32", "shape": [0, 100000000000000000000000], "data_offsets": [0, 0]}}',
-         r"integers in \[0, 2\*\*63\)"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [0, 100000000000000000000000], "data_offsets": [0, 0]}}',
+            r"integers in \[0, 2\*\*63\)",
+        ),
         (b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "lone surrogate"),
         (b'{"a": {"dtype": "F4", "shape": [8], "data_offsets": [0, 4]}}', "fractions of a byte"),
         (b'{"__metadata__": {"k": "\\udc00"}}', "metadata value of 'k' is not valid Unicode"),
@@ -208,10 +218,13 @@ def test_specific_malformations(raw, match):
     check(encode(raw, 4), HeaderError, match)
 
 
-@pytest.mark.parametrize("raw", [
-    b' {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',  # JSON whitespace before the object
-    b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}',  # a key of some other writer
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b' {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',  # JSON whitespace before the object
+        b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}',  # a key of some other writer
+    ],
+)
 def test_what_safetensors_reads_gdsload_reads(tmp_path, raw):
     path = tmp_path / "t.safetensors"
     path.write_bytes(encode(raw, 0) + struct.pack("<f", 1.5))
@@ -260,11 +273,44 @@ HEADER_CASES = 10_000
 """Mutants per run (fixed seed): CI runs them all."""
 _NUMBER = re.compile(rb"-?\d+")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_HOSTILE_NUMBERS = [b"0", b"-0", b"-1", b"1.0", b"1e2", b"9223372036854775807", b"9223372036854775808",
-                    b"18446744073709551615", b"18446744073709551616", b"4611686018427387904", b"1e308", b"NaN",
-                    b"Infinity", b"-Infinity", b"2199023255552", b"7" * 5000, b"4096", b"3", b"true", b"null"]
-_HOSTILE_STRINGS = [b'"\\ud800"', b'"a\\udfff"', b'"\\ud800\\udc00"', b'"\\u0000"', b'"\\\\ud800"', b'""',
-                    b'"F32"', b'"U8"', b'"BF16"', b'"I4"', b'"__metadata__"', b'"\\"', b'"\x7f"', b'"\xed\xa0\x80"']
+_HOSTILE_NUMBERS = [
+    b"0",
+    b"-0",
+    b"-1",
+    b"1.0",
+    b"1e2",
+    b"9223372036854775807",
+    b"9223372036854775808",
+    b"18446744073709551615",
+    b"18446744073709551616",
+    b"4611686018427387904",
+    b"1e308",
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"2199023255552",
+    b"7" * 5000,
+    b"4096",
+    b"3",
+    b"true",
+    b"null",
+]
+_HOSTILE_STRINGS = [
+    b'"\\ud800"',
+    b'"a\\udfff"',
+    b'"\\ud800\\udc00"',
+    b'"\\u0000"',
+    b'"\\\\ud800"',
+    b'""',
+    b'"F32"',
+    b'"U8"',
+    b'"BF16"',
+    b'"I4"',
+    b'"__metadata__"',
+    b'"\\"',
+    b'"\x7f"',
+    b'"\xed\xa0\x80"',
+]
 
 
 def _nested(depth: int) -> bytes:
@@ -278,17 +324,26 @@ def _fuzz_seeds(tmp: Path) -> list[bytes]:
     src = tmp / "src"
     src.mkdir()
     g = torch.Generator().manual_seed(0)
-    tensors = {"w": (0.02 * torch.randn(256, 300, generator=g)).to(torch.bfloat16), "b": torch.arange(5),
-               "s": torch.tensor(1.5), "e": torch.empty(0, 3), "é": torch.ones(3, dtype=torch.float16)}
+    tensors = {
+        "w": (0.02 * torch.randn(256, 300, generator=g)).to(torch.bfloat16),
+        "b": torch.arange(5),
+        "s": torch.tensor(1.5),
+        "e": torch.empty(0, 3),
+        "é": torch.ones(3, dtype=torch.float16),
+    }
     save_file(tensors, src / "model.safetensors", {"format": "pt"})
     compress_dir(src, tmp / "z", codec="zstd", device="cpu")
     safetensors.torch.save_file(tensors, str(tmp / "ref.safetensors"), metadata={"format": "pt", "k": "\u00e9"})
-    return [(src / "model.safetensors").read_bytes(), (tmp / "z" / "model.safetensors").read_bytes(),
-            (tmp / "ref.safetensors").read_bytes()]
+    return [
+        (src / "model.safetensors").read_bytes(),
+        (tmp / "z" / "model.safetensors").read_bytes(),
+        (tmp / "ref.safetensors").read_bytes(),
+    ]
 
 
-def _splice(rng: random.Random, header: bytearray, pattern: re.Pattern[bytes], choices: list[bytes],
-            start: int = 0) -> None:
+def _splice(
+    rng: random.Random, header: bytearray, pattern: re.Pattern[bytes], choices: list[bytes], start: int = 0
+) -> None:
     spans = [m.span() for m in pattern.finditer(bytes(header), start)]
     if spans:
         a, b = rng.choice(spans)
@@ -324,23 +379,47 @@ def _header_mutant(rng: random.Random, buf: bytes) -> bytes:
         at = bytes(header).find(b"gdsload.")
         _splice(rng, header, _NUMBER, _HOSTILE_NUMBERS, max(at, 0))
     elif kind == 6:  # a key of another writer added to an entry, nested or hostile
-        value = rng.choice([_nested(rng.choice([1, 10, 63, 64, 65, 127, 128, 2000, 100_000])), b"NaN", b"-0",
-                            b'"\\ud800"', b'{"\\udc00": 1}', b"[1, [2, [3]]]", b'{"a": {"b": {}}}', b"7" * 5000])
+        value = rng.choice(
+            [
+                _nested(rng.choice([1, 10, 63, 64, 65, 127, 128, 2000, 100_000])),
+                b"NaN",
+                b"-0",
+                b'"\\ud800"',
+                b'{"\\udc00": 1}',
+                b"[1, [2, [3]]]",
+                b'{"a": {"b": {}}}',
+                b"7" * 5000,
+            ]
+        )
         at = bytes(header).find(b'"dtype"')
         if at > 0:
             header[at:at] = b'"x": ' + value + b", "
     elif kind == 7:  # metadata value replaced by deep JSON text (what the compression metadata parser reads)
         deep = _nested(rng.choice([100, 1000, 100_000])).decode()
         meta = json.dumps({"gdsload.compression": deep, "gdsload.checksums": deep})
-        header = bytearray(body[:-1] + b', "__metadata__": ' + meta.encode() + b"}") if b"__metadata__" not in body \
+        header = (
+            bytearray(body[:-1] + b', "__metadata__": ' + meta.encode() + b"}")
+            if b"__metadata__" not in body
             else bytearray(re.sub(rb'"__metadata__":\{[^}]*\}', b'"__metadata__":' + meta.encode(), body, count=1))
+        )
     elif kind == 8:  # the shape of an entry made huge (sizes at and past 2**63, overflow on the way)
-        big = rng.choice([b"[4294967296, 4294967296, 0]", b"[0, 4294967296, 4294967296]", b"[9223372036854775807]",
-                          b"[2305843009213693952]", b"[1, 2305843009213693951]", b"[3037000500, 3037000500]"])
+        big = rng.choice(
+            [
+                b"[4294967296, 4294967296, 0]",
+                b"[0, 4294967296, 4294967296]",
+                b"[9223372036854775807]",
+                b"[2305843009213693952]",
+                b"[1, 2305843009213693951]",
+                b"[3037000500, 3037000500]",
+            ]
+        )
         header = bytearray(re.sub(rb'"shape":\[[^\]]*\]', b'"shape":' + big, bytes(header), count=1))
     elif kind == 9:  # whitespace or junk around the JSON
-        header = bytearray(rng.choice([b" ", b"\n", b"\t", b"\x00", b"x", b"\xef\xbb\xbf"]) + body
-                           + rng.choice([b"", b" ", b"\n", b"\x00", b"}", b"junk"]))
+        header = bytearray(
+            rng.choice([b" ", b"\n", b"\t", b"\x00", b"x", b"\xef\xbb\xbf"])
+            + body
+            + rng.choice([b"", b" ", b"\n", b"\x00", b"}", b"junk"])
+        )
     elif kind == 10:  # a key repeated at some level
         m = rng.choice(list(re.finditer(rb'"(dtype|shape|data_offsets|format)":[^,}]*', body)) or [None])
         if m is not None:
@@ -400,21 +479,30 @@ def test_header_fuzz_typed_errors_only_and_nothing_the_reference_rejects(tmp_pat
     assert counts["typed"] > 2000 and counts["accepted"] > 500 and counts["loads"] > 20  # both sides reached
 
 
-@pytest.mark.parametrize("raw, match", [
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": NaN}}', "literal NaN"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": -Infinity}}', "literal -Infinity"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": "\\ud800"}}', "lone UTF-16 surrogate"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "\\udc00": 1}}', "lone UTF-16 surrogate"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [-0, 4]}}', r"data_offsets must be \[begin, end\]"),
-    (b'{"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}', "shape must be a list of integers"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"[" * 200 + b"]" * 200 + b"}}",
-     "more than 64 levels deep"),
-    (b'{"a": {"dtype": "U8", "shape": [4294967296, 4294967296, 0], "data_offsets": [0, 0]}}',
-     "2\\*\\*63 elements or more"),
-    (b'{"a": {"dtype": "F64", "shape": [2305843009213693952], "data_offsets": [0, 0]}}', "2\\*\\*61 bytes or more"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"7" * 5000 + b"}}",
-     "not valid UTF-8 JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": NaN}}', "literal NaN"),
+        (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": -Infinity}}', "literal -Infinity"),
+        (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": "\\ud800"}}', "lone UTF-16 surrogate"),
+        (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "\\udc00": 1}}', "lone UTF-16 surrogate"),
+        (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [-0, 4]}}', r"data_offsets must be \[begin, end\]"),
+        (b'{"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}', "shape must be a list of integers"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"[" * 200 + b"]" * 200 + b"}}",
+            "more than 64 levels deep",
+        ),
+        (
+            b'{"a": {"dtype": "U8", "shape": [4294967296, 4294967296, 0], "data_offsets": [0, 0]}}',
+            "2\\*\\*63 elements or more",
+        ),
+        (b'{"a": {"dtype": "F64", "shape": [2305843009213693952], "data_offsets": [0, 0]}}', "2\\*\\*61 bytes or more"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"7" * 5000 + b"}}",
+            "not valid UTF-8 JSON",
+        ),
+    ],
+)
 def test_what_the_reference_rejects_gdsload_rejects(raw, match):
     buf = encode(raw, 4)
     assert not _reference_accepts(buf)
@@ -425,7 +513,7 @@ def test_what_the_reference_rejects_gdsload_rejects(raw, match):
 
 def test_nesting_the_reference_reads_gdsload_reads():
     """Keys of other writers nested a little are read by both (and ignored)."""
-    raw = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + _nested(20) + b", \"-0\": -0}}"
+    raw = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + _nested(20) + b', "-0": -0}}'
     buf = encode(raw, 4)
     assert _reference_accepts(buf)
     assert parse_header(buf, len(buf)).tensors[0].name == "a"
@@ -435,8 +523,10 @@ def test_deep_compression_metadata_is_a_typed_error(tmp_path):
     """JSON inside __metadata__ nested past the parser's limit: a CodecError naming the file, not RecursionError."""
     from gdsload.loader import CodecError
 
-    header = {"__metadata__": {"gdsload.compression": _nested(100_000).decode()},
-              "w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}
+    header = {
+        "__metadata__": {"gdsload.compression": _nested(100_000).decode()},
+        "w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+    }
     path = tmp_path / "deep.safetensors"
     path.write_bytes(encode(header, 4))
     with pytest.raises(CodecError, match=r"deep.safetensors.*gdsload.compression.*not valid JSON"):
@@ -447,10 +537,16 @@ def test_a_decoded_size_past_2_63_is_a_typed_error(tmp_path):
     """A compressed tensor declaring 2**63 decoded bytes: refused at parse time, not a TypeError from torch."""
     from gdsload.loader import CodecError
 
-    meta = {"version": 1, "tensors": {"w": {"dtype": "U8", "shape": [2**62, 2], "nbytes": 2**63, "codec": "ans",
-                                            "layout": "native", "params": {}}}}
-    header = {"__metadata__": {"gdsload.compression": json.dumps(meta)},
-              "w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}
+    meta = {
+        "version": 1,
+        "tensors": {
+            "w": {"dtype": "U8", "shape": [2**62, 2], "nbytes": 2**63, "codec": "ans", "layout": "native", "params": {}}
+        },
+    }
+    header = {
+        "__metadata__": {"gdsload.compression": json.dumps(meta)},
+        "w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+    }
     path = tmp_path / "huge.safetensors"
     path.write_bytes(encode(header, 4))
     with pytest.raises(CodecError, match=r"huge.safetensors.*'w'.*nbytes 9223372036854775808"):

@@ -26,11 +26,13 @@ from gdsload.loader.prepare.compress import compress_dir
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(256, 128, generator=g).to(torch.bfloat16),
-            "v": torch.randn(3000, generator=g),
-            "i": torch.randint(0, 100, (40, 7), generator=g),
-            "s": torch.tensor(2.5, dtype=torch.float64),
-            "e": torch.empty(0, 9)}
+    return {
+        "w": torch.randn(256, 128, generator=g).to(torch.bfloat16),
+        "v": torch.randn(3000, generator=g),
+        "i": torch.randint(0, 100, (40, 7), generator=g),
+        "s": torch.tensor(2.5, dtype=torch.float64),
+        "e": torch.empty(0, 9),
+    }
 
 
 def _flip(path: Path, at: int, bit: int = 0) -> None:
@@ -53,8 +55,9 @@ def model(tmp_path: Path) -> Path:
     d.mkdir()
     save_file(_weights(0), d / "model-rank-0-part-0.safetensors", {"format": "pt"})
     save_file({f"b.{k}": v for k, v in _weights(1).items()}, d / "model-rank-0-part-1.safetensors")
-    write_manifest(d, {0: ["model-rank-0-part-0.safetensors", "model-rank-0-part-1.safetensors"]}, tp_size=1,
-                   layout="vllm")
+    write_manifest(
+        d, {0: ["model-rank-0-part-0.safetensors", "model-rank-0-part-1.safetensors"]}, tp_size=1, layout="vllm"
+    )
     return d
 
 
@@ -202,7 +205,10 @@ def test_digests_missing_from_the_manifest_with_verify_asked_for(tmp_path, how):
             else:
                 del f["digest"]
     (d / "gdsload.json").write_text(json.dumps(doc))
-    with pytest.raises(IntegrityError, match=r"verify was asked for, but 5 of its tensors cannot be checked: .*records no digest for it"):
+    with pytest.raises(
+        IntegrityError,
+        match=r"verify was asked for, but 5 of its tensors cannot be checked: .*records no digest for it",
+    ):
         load_rank(d, verify=True)
     assert load_rank(d).report.verified is False  # the default checks what is recorded: here, nothing
     save_file(_weights(), d / "model.safetensors")
@@ -255,8 +261,14 @@ def _gpu_model(tmp_path: Path) -> Path:
     d = tmp_path / "g"
     d.mkdir()
     g = torch.Generator().manual_seed(3)
-    save_file({"w": torch.randn(1024, 1024, generator=g).to(torch.bfloat16), "b": torch.randn(77, generator=g),
-               "e": torch.empty(0)}, d / "model.safetensors")
+    save_file(
+        {
+            "w": torch.randn(1024, 1024, generator=g).to(torch.bfloat16),
+            "b": torch.randn(77, generator=g),
+            "e": torch.empty(0),
+        },
+        d / "model.safetensors",
+    )
     return d
 
 
@@ -352,8 +364,12 @@ def test_a_mapped_file_cut_short_during_the_load_is_a_typed_error_not_sigbus(tmp
     save_file({"w": torch.randn(512, 512), "b": torch.ones(10)}, d / "model.safetensors")
     if verify == "1":
         write_manifest(d, {0: ["model.safetensors"]}, tp_size=1, layout="plain")
-    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _TRUNCATE_AFTER_MAPPING,
-                        str(d / "model.safetensors"), verify], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _TRUNCATE_AFTER_MAPPING, str(d / "model.safetensors"), verify],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, f"the load died ({p.returncode}): {p.stderr[-2000:]}"
     assert p.stdout.startswith("TruncatedFileError |") and "model.safetensors" in p.stdout, p.stdout
 
@@ -390,8 +406,9 @@ def test_a_repack_records_the_table_of_intact_data_as_it_was(tmp_path):
 
     src = tmp_path / "src"
     src.mkdir()
-    save_file({"small": torch.ones(8), **_weights(), "a.late": torch.arange(9, dtype=torch.int16)},
-              src / "model.safetensors")
+    save_file(
+        {"small": torch.ones(8), **_weights(), "a.late": torch.arange(9, dtype=torch.int16)}, src / "model.safetensors"
+    )
     compress_dir(src, tmp_path / "z", codec="zstd", device="cpu")
     before = read_header(src / "model.safetensors").metadata[METADATA_KEY]
     assert read_header(tmp_path / "z" / "model.safetensors").metadata[METADATA_KEY] == before

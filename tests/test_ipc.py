@@ -36,8 +36,9 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
 
 
 def _map_in_child(doc: dict) -> dict:
-    p = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(doc), capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD], input=json.dumps(doc), capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

@@ -30,18 +30,34 @@ def _pinned(cold: bool) -> PinnedBackend:
 
 def test_without_kvikio_variables_the_backends_set_their_own_values():
     assert settings_to_apply(_cufile(cold=False)._kvikio_settings(), {}) == {
-        "num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20, "auto_direct_io_read": False}
+        "num_threads": 16,
+        "task_size": 4 << 20,
+        "bounce_buffer_size": 4 << 20,
+        "auto_direct_io_read": False,
+    }
     assert settings_to_apply(_cufile(cold=True)._kvikio_settings(), {"PATH": "/bin"}) == {
-        "num_threads": 4, "task_size": 2 << 20, "bounce_buffer_size": 2 << 20, "auto_direct_io_read": True}
+        "num_threads": 4,
+        "task_size": 2 << 20,
+        "bounce_buffer_size": 2 << 20,
+        "auto_direct_io_read": True,
+    }
     assert settings_to_apply(_pinned(cold=False)._kvikio_wanted(), {}) == {
-        "compat_mode": "ON", "num_threads": 16, "task_size": 4 << 20, "bounce_buffer_size": 4 << 20,
-        "auto_direct_io_read": False}
+        "compat_mode": "ON",
+        "num_threads": 16,
+        "task_size": 4 << 20,
+        "bounce_buffer_size": 4 << 20,
+        "auto_direct_io_read": False,
+    }
 
 
 @pytest.mark.parametrize("make", [_cufile, _pinned])
 def test_a_users_kvikio_variables_win(make):
-    env = {"KVIKIO_NTHREADS": "32", "KVIKIO_TASK_SIZE": "1048576", "KVIKIO_COMPAT_MODE": "OFF",
-           "KVIKIO_AUTO_DIRECT_IO_READ": "0"}
+    env = {
+        "KVIKIO_NTHREADS": "32",
+        "KVIKIO_TASK_SIZE": "1048576",
+        "KVIKIO_COMPAT_MODE": "OFF",
+        "KVIKIO_AUTO_DIRECT_IO_READ": "0",
+    }
     for cold in (False, True):
         backend = make(cold)
         wanted = backend._kvikio_settings() if isinstance(backend, CuFileBackend) else backend._kvikio_wanted()
@@ -53,7 +69,8 @@ def test_a_users_kvikio_variables_win(make):
 
 def test_an_empty_variable_leaves_the_setting_to_gdsload():
     assert user_settings({"KVIKIO_NTHREADS": "", "KVIKIO_TASK_SIZE": " ", "KVIKIO_GDS_THRESHOLD": "0"}) == {
-        "gds_threshold": "KVIKIO_GDS_THRESHOLD"}
+        "gds_threshold": "KVIKIO_GDS_THRESHOLD"
+    }
     assert set(ENV_VARS.values()) >= {"KVIKIO_NTHREADS", "KVIKIO_TASK_SIZE", "KVIKIO_COMPAT_MODE"}
 
 

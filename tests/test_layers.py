@@ -8,22 +8,30 @@ import that points the wrong way fails here too.
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # layer of each package or module (lower may not import higher)
 LAYERS = {
-    "gdsload.loader.errors": 0, "gdsload.loader.version": 0, "gdsload.loader.config": 0, "gdsload.loader.dtypes": 0, "gdsload.loader.driver": 0,
+    "gdsload.loader.errors": 0,
+    "gdsload.loader.version": 0,
+    "gdsload.loader.config": 0,
+    "gdsload.loader.dtypes": 0,
+    "gdsload.loader.driver": 0,
     "gdsload.loader.devices": 1,
-    "gdsload.loader.format": 2, "gdsload.loader.model_config": 2,
+    "gdsload.loader.format": 2,
+    "gdsload.loader.model_config": 2,
     "gdsload.loader.plan": 3,
     "gdsload.loader.io": 4,
     "gdsload.loader.codecs": 5,
     "gdsload.loader.pipeline": 6,
     "gdsload.loader.handoff": 7,
     "gdsload.loader.adapters": 8,
-    "gdsload.loader.prepare": 9, "gdsload.loader.checkpoints": 9, "gdsload.loader.calc": 9,
+    "gdsload.loader.prepare": 9,
+    "gdsload.loader.checkpoints": 9,
+    "gdsload.loader.calc": 9,
     "gdsload.loader.doctor": 9,
     "gdsload.loader": 10,  # the package's lazy public names
     "gdsload": 10,  # the top-level package (loader/_toplevel): gdsload.save / gdsload.load, lazily
@@ -53,65 +61,66 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
+def _all_modules() -> dict[str, Path]:
+    return {_module_of(path): path for top in ("loader", "server", "bench") for path in (ROOT / top).rglob("*.py")}
+
+
+def _targets(node: ast.AST, pkg: str, modules: Collection[str]) -> list[str]:
+    """The modules an import statement names: ``from .. import driver`` names the module ``driver``, not its package."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        parts = pkg.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def _imports(path: Path, module: str, modules: Collection[str]) -> set[str]:
     pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            out.add(target)
+    out = {t for node in ast.walk(ast.parse(path.read_text())) for t in _targets(node, pkg, modules)}
     return {m for m in out if m.startswith("gdsload.")}
 
 
 def test_every_import_points_down_the_layers():
     wrong = []
-    for top in ("loader", "server", "bench"):
-        for path in (ROOT / top).rglob("*.py"):
-            module = _module_of(path)
-            mine = _layer(module)
-            assert mine is not None, module
-            for imported in _imports(path, module):
-                theirs = _layer(imported)
-                if theirs is None or theirs[0] == mine[0]:
-                    continue
-                if theirs[1] > mine[1] and (mine[0], theirs[0]) not in ALLOWED:
-                    wrong.append(f"{module} imports {imported} ({mine[0]} is below {theirs[0]})")
+    modules = _all_modules()
+    for module, path in modules.items():
+        mine = _layer(module)
+        assert mine is not None, module
+        for imported in _imports(path, module, modules):
+            theirs = _layer(imported)
+            if theirs is None or theirs[0] == mine[0]:
+                continue
+            if theirs[1] > mine[1] and (mine[0], theirs[0]) not in ALLOWED:
+                wrong.append(f"{module} imports {imported} ({mine[0]} is below {theirs[0]})")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_imports_inside_the_package_are_relative():
+    """``from ..format.safetensors import read_header`` in ``loader/io/``: the folder each import comes from is on
+    the page (``loader/format/``), for a reader and for a tool that does not know the packaging table. The top-level
+    package (``loader/_toplevel``, installed as ``gdsload``) is the exception: its folder is not its package's."""
+    absolute = []
+    for module, path in _all_modules().items():
+        if "_toplevel" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            absolute += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.startswith("gdsload.")]
+    assert not absolute, "\n".join(absolute)
 
 
 def _module_graph() -> dict[str, set[str]]:
     """Every module of the package -> the package's modules it imports (a ``from pkg import name`` counts as the
     submodule ``pkg.name`` where that is a module, else as ``pkg`` itself)."""
-    modules = {}
-    for top in ("loader", "server", "bench"):
-        for path in (ROOT / top).rglob("*.py"):
-            modules[_module_of(path)] = path
-    graph = {}
-    for module, path in modules.items():
-        edges = set()
-        tree = ast.parse(path.read_text())
-        pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([node.module] if node.module else []))
-                else:
-                    base = node.module or ""
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            else:
-                continue
-            edges |= {t for t in targets if t in modules and t != module}
-        graph[module] = edges
-    return graph
+    modules = _all_modules()
+    return {module: _imports(path, module, modules) & set(modules) - {module} for module, path in modules.items()}
 
 
 def test_no_module_imports_itself_back():
@@ -149,4 +158,3 @@ def test_no_module_imports_itself_back():
         if v not in index:
             visit(v)
     assert not circles, "import circles:\n" + "\n".join(" ↔ ".join(c) for c in circles)
-

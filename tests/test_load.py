@@ -156,9 +156,18 @@ def test_many_views_at_once_are_the_views_one_at_a_time():
     dev = as_device("cpu")
     arena = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     # A destination that starts inside its storage (an engine's parameter) and one whose size no dtype divides.
-    slices = [(0, 0, 64, "BF16", (4, 8)), (0, 64, 4, "F32", ()), (0, 128, 0, "F16", (0, 3)), (0, 130, 6, "F16", (3,)),
-              (1, 4, 8, "I32", (2,)), (2, 8, 16, "F32", (2, 2)), (0, 2, 4, "I16", (2,)), (3, 2, 4, "I16", (2, 1)),
-              (4, 2, 4, "F32", (1,)), (5, 2, 6, "U8", (2, 3))]
+    slices = [
+        (0, 0, 64, "BF16", (4, 8)),
+        (0, 64, 4, "F32", ()),
+        (0, 128, 0, "F16", (0, 3)),
+        (0, 130, 6, "F16", (3,)),
+        (1, 4, 8, "I32", (2,)),
+        (2, 8, 16, "F32", (2, 2)),
+        (0, 2, 4, "I16", (2,)),
+        (3, 2, 4, "I16", (2, 1)),
+        (4, 2, 4, "F32", (1,)),
+        (5, 2, 6, "U8", (2, 3)),
+    ]
     # Buffers the fast path must leave to view(): one starting 2 bytes into its storage, one strided.
     bufs = [arena, arena[4:4099], arena[16:], arena[4:4100], arena[2:4098], arena[::2]]
     many, one = dev.views(bufs, slices), [dev.view(bufs[b][o : o + n], d, s) for b, o, n, d, s in slices]
@@ -189,12 +198,17 @@ def _misaligned_file(path: Path) -> dict[str, torch.Tensor]:
     header, off = {}, 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
-                                  torch.int64: "I64"}[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        header[name] = {
+            "dtype": {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + n],
+        }
         off += n
     raw = json.dumps(header).encode() + b" "  # odd header length: data starts unaligned too
-    data = b"".join(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
-                    for t in tensors.values())
+    data = b"".join(
+        t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
+        for t in tensors.values()
+    )
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     return tensors
 
@@ -216,8 +230,11 @@ def test_vllm_trtllm_and_plain_directories_load_without_manifest(tmp_path, shard
     shutil.copytree(sharded_dir, vllm)
     (vllm / "gdsload.json").unlink()
     rf = discover(vllm, 1)
-    assert rf.source == "vllm" and rf.tp_size == 2 and [Path(p).name for p in rf.files] == [
-        "model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors"]
+    assert (
+        rf.source == "vllm"
+        and rf.tp_size == 2
+        and [Path(p).name for p in rf.files] == ["model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors"]
+    )
     assert load_rank(vllm, 1).report.source == "vllm"
 
     trt = tmp_path / "trt"
@@ -245,13 +262,19 @@ def test_load_config_parses_sizes_exactly_and_names_the_variable():
     from gdsload.loader.pipeline.config import LoadConfig
 
     assert (parse_size("2.01GB"), parse_size("2.03KB"), parse_size("16MiB"), parse_size(5)) == (
-        2_010_000_000, 2030, 16 << 20, 5)
+        2_010_000_000,
+        2030,
+        16 << 20,
+        5,
+    )
     for bad in (-5, True, 1.5, "\u0663MB"):
         with pytest.raises(ConfigError, match="is not a size"):
             parse_size(bad)
-    for env, words in (({"GDSLOAD_NUM_THREADS": "0"}, "GDSLOAD_NUM_THREADS: num_threads=0"),
-                       ({"GDSLOAD_CHUNK_BYTES": "4M"}, "GDSLOAD_CHUNK_BYTES: chunk_bytes=4000000"),
-                       ({"GDSLOAD_NUM_THREADS": "\u00b2"}, "is not an integer")):
+    for env, words in (
+        ({"GDSLOAD_NUM_THREADS": "0"}, "GDSLOAD_NUM_THREADS: num_threads=0"),
+        ({"GDSLOAD_CHUNK_BYTES": "4M"}, "GDSLOAD_CHUNK_BYTES: chunk_bytes=4000000"),
+        ({"GDSLOAD_NUM_THREADS": "\u00b2"}, "is not an integer"),
+    ):
         with pytest.raises(ConfigError, match=words):
             LoadConfig.resolve(env=env)
     assert LoadConfig.resolve(env={"GDSLOAD_NUM_THREADS": "0"}, num_threads=4).num_threads == 4  # the flag wins
@@ -268,6 +291,7 @@ def test_a_file_replaced_or_removed_after_planning_is_still_the_file_loaded(tmp_
     save_file({k: torch.zeros_like(v) for k, v in want.items()}, other)
     before = len(os.listdir("/proc/self/fd"))
     for change in ("remove", "replace"):
+
         def swap(plan, change=change):
             if change == "remove":
                 victim.rename(victim.with_suffix(".gone"))
@@ -298,14 +322,19 @@ def test_an_unreadable_file_is_typed(tmp_path, sharded_dir):
 
 
 def test_bad_arguments_are_config_errors(sharded_dir):
-    for kwargs, words in (({"rank": -1}, "rank must be a non-negative integer"), ({"rank": True}, "got True"),
-                          ({"device": "gpu"}, "device='gpu' is not a torch device")):
+    for kwargs, words in (
+        ({"rank": -1}, "rank must be a non-negative integer"),
+        ({"rank": True}, "got True"),
+        ({"device": "gpu"}, "device='gpu' is not a torch device"),
+    ):
         with pytest.raises(ConfigError, match=words):
             load_rank(sharded_dir, **{"rank": 0, **kwargs})
 
 
 def test_missing_rank_names_what_is_there(tmp_path, sharded_dir):
-    with pytest.raises(NoFilesForRankError, match=r"No files for rank 3 .* holds ranks 0-1 — was it sharded for tp=2\?"):
+    with pytest.raises(
+        NoFilesForRankError, match=r"No files for rank 3 .* holds ranks 0-1 — was it sharded for tp=2\?"
+    ):
         load_rank(sharded_dir, 3)
     vllm = tmp_path / "vllm"
     shutil.copytree(sharded_dir, vllm)
@@ -417,11 +446,20 @@ def test_backend_selection(sharded_dir):
 
 
 def test_config_precedence_and_validation():
-    env = {"GDSLOAD_NUM_THREADS": "3", "GDSLOAD_CHUNK_BYTES": "1MiB", "GDSLOAD_VERIFY": "yes",
-           "GDSLOAD_STAGING_BYTES": "2GiB"}
+    env = {
+        "GDSLOAD_NUM_THREADS": "3",
+        "GDSLOAD_CHUNK_BYTES": "1MiB",
+        "GDSLOAD_VERIFY": "yes",
+        "GDSLOAD_STAGING_BYTES": "2GiB",
+    }
     cfg = LoadConfig.resolve(env)
     assert (cfg.num_threads, cfg.chunk_bytes, cfg.verify, cfg.backend, cfg.staging_bytes) == (
-        3, 1 << 20, True, "auto", 2 << 30)
+        3,
+        1 << 20,
+        True,
+        "auto",
+        2 << 30,
+    )
     assert LoadConfig.resolve({}).staging_bytes == 960 << 20
     assert LoadConfig.resolve(env, num_threads=5, verify=None).num_threads == 5
     assert LoadConfig.resolve({}) == LoadConfig()
@@ -479,6 +517,7 @@ def test_manifest_round_trip(tmp_path):
     assert entry.bytes == (tmp_path / "model-rank-0-part-0.safetensors").stat().st_size
     assert entry.stored_bytes == entry.logical_bytes == 32 and entry.digest.startswith("blake3:")
     from gdsload.loader import Manifest
+
     assert Manifest.read(tmp_path) == m
 
 
@@ -506,8 +545,9 @@ def test_sampled_residency_tracks_the_exact_count(tmp_path):
 
 def test_on_plan_is_called_once_with_the_plan_before_any_bytes_are_read(sharded_dir):
     events: list = []
-    result = load_rank(sharded_dir, 1, device="cpu", on_plan=lambda plan: events.append(plan),
-                       progress=lambda n: events.append(n))
+    result = load_rank(
+        sharded_dir, 1, device="cpu", on_plan=lambda plan: events.append(plan), progress=lambda n: events.append(n)
+    )
     plan = events[0]
     assert [type(e) for e in events].count(type(plan)) == 1 and len(events) > 1
     assert all(isinstance(e, int) for e in events[1:]) and sum(events[1:]) == sum(f.stored_bytes for f in plan.files)
@@ -659,10 +699,12 @@ def test_mmap_backend_reads_a_cold_rank_and_maps_a_cached_one(tmp_path):
 def test_a_fresh_process_reports_torchs_import_apart_from_the_load(sharded_dir):
     """The first load in a process imports torch for its device: the report's ``import`` phase holds it, the phases
     still add up to the call, and GB/s are of the load's own time."""
-    code = ("import json, sys; from gdsload.loader import load_rank; assert 'torch' not in sys.modules; "
-            f"r = load_rank({str(sharded_dir)!r}, 0).report; "
-            "print(json.dumps({'phases': r.phases, 'seconds': r.seconds, 'load': r.load_seconds, 'gbps': r.gbps, "
-            "'bytes': r.logical_bytes, 'summary': r.summary()}))")
+    code = (
+        "import json, sys; from gdsload.loader import load_rank; assert 'torch' not in sys.modules; "
+        f"r = load_rank({str(sharded_dir)!r}, 0).report; "
+        "print(json.dumps({'phases': r.phases, 'seconds': r.seconds, 'load': r.load_seconds, 'gbps': r.gbps, "
+        "'bytes': r.logical_bytes, 'summary': r.summary()}))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)

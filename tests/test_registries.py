@@ -86,8 +86,9 @@ def test_a_backend_and_a_codec_from_another_package(tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
     def child(*args: object) -> dict:
-        p = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True,
-                           timeout=300, env=env)
+        p = subprocess.run(
+            [sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True, timeout=300, env=env
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         got = json.loads(p.stdout.strip().splitlines()[-1])
         got["ours"] = sorted(g for g in got["scanned"] if g.startswith("gdsload."))

@@ -42,15 +42,32 @@ def _seed_files(tmp: Path) -> list[bytes]:
     src = tmp / "src"
     src.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({"w": (0.02 * torch.randn(256, 300, generator=g)).to(torch.bfloat16), "b": torch.arange(5),
-               "s": torch.tensor(1.5), "e": torch.empty(0, 3)}, src / "model.safetensors")
+    save_file(
+        {
+            "w": (0.02 * torch.randn(256, 300, generator=g)).to(torch.bfloat16),
+            "b": torch.arange(5),
+            "s": torch.tensor(1.5),
+            "e": torch.empty(0, 3),
+        },
+        src / "model.safetensors",
+    )
     compress_dir(src, tmp / "z", codec="zstd", device="cpu")
     return [(src / "model.safetensors").read_bytes(), (tmp / "z" / "model.safetensors").read_bytes()]
 
 
 _NUMBER = re.compile(rb"\d+")
-_HOSTILE = [b"0", b"-1", b"9223372036854775807", b"9223372036854775808", b"18446744073709551616",
-            b"1e308", b"NaN", b"2199023255552", b"4096", b"3"]
+_HOSTILE = [
+    b"0",
+    b"-1",
+    b"9223372036854775807",
+    b"9223372036854775808",
+    b"18446744073709551616",
+    b"1e308",
+    b"NaN",
+    b"2199023255552",
+    b"4096",
+    b"3",
+]
 
 
 def _mutate(rng: random.Random, buf: bytes) -> bytes:
@@ -121,15 +138,28 @@ def test_header_and_metadata_fuzz_raises_only_typed_errors(tmp_path):
 def test_a_rank_file_swapped_for_a_link_out_of_the_root_is_refused_at_the_open(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
-    model = make_checkpoint(root / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
-                                                   layers=1), tp=2)
+    model = make_checkpoint(
+        root / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1), tp=2
+    )
     outside = tmp_path / "outside.safetensors"
     victim = model / "model-rank-1-part-0.safetensors"
     shutil.copy(victim, outside)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--allow-root", str(root), "--token-file", str(token_file), "--device-map", "cpu",
-                  "--restart-backoff", "0.2"], tmp_path / "serve.log")
+    srv = Server(
+        [
+            str(model),
+            "--allow-root",
+            str(root),
+            "--token-file",
+            str(token_file),
+            "--device-map",
+            "cpu",
+            "--restart-backoff",
+            "0.2",
+        ],
+        tmp_path / "serve.log",
+    )
     try:
         srv.poll_ready(timeout=120)
         victim.unlink()
@@ -170,12 +200,25 @@ def test_open_beneath_without_openat2_walks_without_following_links(tmp_path, mo
 
 @pytest.fixture
 def served(tmp_path):
-    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
-                                                       layers=1), tp=1)
+    model = make_checkpoint(
+        tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1), tp=1
+    )
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--request-timeout", "1",
-                  "--lease-grace", "60"], tmp_path / "serve.log")
+    srv = Server(
+        [
+            str(model),
+            "--token-file",
+            str(token_file),
+            "--device-map",
+            "cpu",
+            "--request-timeout",
+            "1",
+            "--lease-grace",
+            "60",
+        ],
+        tmp_path / "serve.log",
+    )
     srv.poll_ready(timeout=120)
     yield srv
     srv.close()
@@ -202,8 +245,10 @@ def _closed_by_server(s: socket.socket, within: float) -> bool:
 def test_token_is_checked_before_the_body_and_slow_or_idle_clients_are_cut_off(served):
     # An unauthenticated POST that declares a body and sends none: answered at once, from its headers.
     s = _connect(served.url)
-    s.sendall(b"POST /v1/reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 60000\r\n\r\n{")
+    s.sendall(
+        b"POST /v1/reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 60000\r\n\r\n{"
+    )
     s.settimeout(5)
     t = time.monotonic()
     answer = s.recv(4096)
@@ -216,8 +261,11 @@ def test_token_is_checked_before_the_body_and_slow_or_idle_clients_are_cut_off(s
         c.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.0")
     slow = [_connect(served.url) for _ in range(50)]
     for c in slow:
-        c.sendall(b"POST /v1/unload HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + TOKEN.encode()
-                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        c.sendall(
+            b"POST /v1/unload HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
     latencies, codes = [], set()
     with httpx.Client(base_url=served.url, timeout=5) as client:
         t0 = time.monotonic()
@@ -231,10 +279,12 @@ def test_token_is_checked_before_the_body_and_slow_or_idle_clients_are_cut_off(s
     cut_s = time.monotonic() - cut
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
-    print(f"http floods: 401 after {first_answer_s * 1000:.1f} ms; {closed} of {len(idle) + len(slow)} stalled "
-          f"connections cut off (timeout 1 s, all within {cut_s + 2.0:.1f} s of opening); /readyz "
-          f"{len(latencies)} answers, p50 {statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
-          f"codes {sorted(codes)}")
+    print(
+        f"http floods: 401 after {first_answer_s * 1000:.1f} ms; {closed} of {len(idle) + len(slow)} stalled "
+        f"connections cut off (timeout 1 s, all within {cut_s + 2.0:.1f} s of opening); /readyz "
+        f"{len(latencies)} answers, p50 {statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+        f"codes {sorted(codes)}"
+    )
     assert first_answer_s < 2.0
     assert closed == len(idle) + len(slow)
     assert codes == {200}
@@ -262,7 +312,9 @@ def test_waiting_reloads_do_not_hold_up_the_release_they_wait_for(served):
         assert r.status_code == 200, r.text
         for th in threads:
             th.join(60)
-    print(f"starvation: release answered in {release_s * 1000:.0f} ms with 45 unloads waiting; codes {sorted(set(results))}")
+    print(
+        f"starvation: release answered in {release_s * 1000:.0f} ms with 45 unloads waiting; codes {sorted(set(results))}"
+    )
     assert release_s < 5.0 and len(results) == 45 and set(results) == {200}
 
 
@@ -315,11 +367,25 @@ def test_a_header_claiming_more_memory_than_there_is_is_a_typed_error(tmp_path):
 
     chunk, count = 1 << 30, 2048  # 2 TiB in chunks of 1 GiB
     sizes = np.ones(count, dtype="<u4")
-    meta = {"version": 1, "tensors": {"w": {
-        "dtype": "U8", "shape": [chunk * count], "nbytes": chunk * count, "codec": "zstd", "layout": "chunks",
-        "params": {}, "chunk_bytes": chunk, "chunks": base64.b64encode(sizes.tobytes()).decode()}}}
-    header = {"__metadata__": {"gdsload.compression": json.dumps(meta)},
-              "w": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]}}
+    meta = {
+        "version": 1,
+        "tensors": {
+            "w": {
+                "dtype": "U8",
+                "shape": [chunk * count],
+                "nbytes": chunk * count,
+                "codec": "zstd",
+                "layout": "chunks",
+                "params": {},
+                "chunk_bytes": chunk,
+                "chunks": base64.b64encode(sizes.tobytes()).decode(),
+            }
+        },
+    }
+    header = {
+        "__metadata__": {"gdsload.compression": json.dumps(meta)},
+        "w": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]},
+    }
     raw = json.dumps(header).encode()
     path = tmp_path / "big.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(count))
@@ -346,8 +412,9 @@ time.sleep(120)
 
 
 def _lease_server(tmp_path: Path, *extra: str) -> Server:
-    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
-                                                       layers=1), tp=1)
+    model = make_checkpoint(
+        tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1), tp=1
+    )
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", *extra], tmp_path / "serve.log")
@@ -366,8 +433,9 @@ def test_a_child_forked_by_the_engine_does_not_keep_its_lease(tmp_path):
     import sys
 
     srv = _lease_server(tmp_path)
-    engine = subprocess.Popen([sys.executable, "-c", _FORKING_ENGINE, srv.url, TOKEN], stdout=subprocess.PIPE,
-                              text=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_ENGINE, srv.url, TOKEN], stdout=subprocess.PIPE, text=True
+    )
     child = None
     try:
         pids = json.loads(engine.stdout.readline())
@@ -427,12 +495,15 @@ def test_the_control_plane_answers_while_every_worker_is_stopped(tmp_path):
 
     from gdsload.server.supervisor import EXPORT_TIMEOUT_S
 
-    model = make_checkpoint(tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256,
-                                                       layers=1), tp=2)
+    model = make_checkpoint(
+        tmp_path / "m", LlamaShape(hidden=64, intermediate=128, heads=4, kv_heads=4, vocab=256, layers=1), tp=2
+    )
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--token-file", str(token_file), "--device-map", "cpu", "--stop-timeout", "1"],
-                 tmp_path / "serve.log")
+    srv = Server(
+        [str(model), "--token-file", str(token_file), "--device-map", "cpu", "--stop-timeout", "1"],
+        tmp_path / "serve.log",
+    )
     auth = {"Authorization": f"Bearer {TOKEN}"}
     pids: list[int] = []
     try:
@@ -452,18 +523,23 @@ def test_the_control_plane_answers_while_every_worker_is_stopped(tmp_path):
             time.sleep(1.0)  # every export is waiting on a stopped worker now
             took: dict[str, float] = {}
             with httpx.Client(base_url=srv.url, timeout=10) as c:
-                for name, method, path, body in (("healthz", "GET", "/healthz", None),
-                                                 ("readyz", "GET", "/readyz", None),
-                                                 ("status", "GET", "/v1/status", None),
-                                                 ("release", "POST", "/v1/ipc/1/release", {}),
-                                                 ("unload", "POST", "/v1/unload", {"force": True})):
+                for name, method, path, body in (
+                    ("healthz", "GET", "/healthz", None),
+                    ("readyz", "GET", "/readyz", None),
+                    ("status", "GET", "/v1/status", None),
+                    ("release", "POST", "/v1/ipc/1/release", {}),
+                    ("unload", "POST", "/v1/unload", {"force": True}),
+                ):
                     t = time.monotonic()
                     r = c.request(method, path, json=body, headers=auth)
                     took[name] = time.monotonic() - t
                     assert r.status_code == 200, (name, r.text)
             exports = [f.result() for f in waiting]
-        print("control plane with every worker stopped: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items())
-              + f"; 45 exports ended {sorted({c for c, _ in exports})} within {max(s for _, s in exports):.1f} s")
+        print(
+            "control plane with every worker stopped: "
+            + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items())
+            + f"; 45 exports ended {sorted({c for c, _ in exports})} within {max(s for _, s in exports):.1f} s"
+        )
         assert max(took.values()) < 1.0, took
         assert {code for code, _ in exports} == {503} and max(s for _, s in exports) < EXPORT_TIMEOUT_S + 5
         deadline = time.monotonic() + 15  # the stopped workers are killed past the stop timeout
@@ -493,8 +569,20 @@ def test_reloads_leave_no_file_descriptors_open(tmp_path):
     b = make_checkpoint(root / "b", shape, tp=2, max_file_bytes=64 << 10)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(a), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
-                  "--lease-grace", "600"], tmp_path / "serve.log")
+    srv = Server(
+        [
+            str(a),
+            "--token-file",
+            str(token_file),
+            "--device-map",
+            "cpu",
+            "--allow-root",
+            str(root),
+            "--lease-grace",
+            "600",
+        ],
+        tmp_path / "serve.log",
+    )
     auth = {"Authorization": f"Bearer {TOKEN}"}
 
     def fds() -> int:
@@ -517,8 +605,10 @@ def test_reloads_leave_no_file_descriptors_open(tmp_path):
         while srv.status()["stopping_workers"] and time.monotonic() < deadline:
             time.sleep(0.05)
         switched = fds()
-        print(f"descriptors: {before} before, {refused} after 5 refused reloads of {files} files, "
-              f"{switched} after 3 reloads")
+        print(
+            f"descriptors: {before} before, {refused} after 5 refused reloads of {files} files, "
+            f"{switched} after 3 reloads"
+        )
         assert refused == before and switched <= before
     finally:
         srv.close()
@@ -559,8 +649,20 @@ def test_reload_checks_its_target_through_confined_opens_and_echoes_nothing(tmp_
     (root / "to-exe").symlink_to("/proc/self/exe")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(served), "--token-file", str(token_file), "--device-map", "cpu", "--allow-root", str(root),
-                  "--lease-grace", "600"], tmp_path / "serve.log")
+    srv = Server(
+        [
+            str(served),
+            "--token-file",
+            str(token_file),
+            "--device-map",
+            "cpu",
+            "--allow-root",
+            str(root),
+            "--lease-grace",
+            "600",
+        ],
+        tmp_path / "serve.log",
+    )
     auth = {"Authorization": f"Bearer {TOKEN}"}
     stop = threading.Event()
 
@@ -597,8 +699,9 @@ def test_reload_checks_its_target_through_confined_opens_and_echoes_nothing(tmp_
             texts.append(r.text)
         assert "model-rank-0-part-0.safetensors" in texts[-1] and "HeaderError" in texts[-1], texts[-1]
         print(f"reload confinement: 300 reloads while the target flips: {answers}")
-        server_cwd = subprocess.run([sys.executable, "-c", "import os; print(os.getcwd())"], capture_output=True,
-                                    text=True).stdout.strip()  # the server runs in the tests' working directory
+        server_cwd = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getcwd())"], capture_output=True, text=True
+        ).stdout.strip()  # the server runs in the tests' working directory
         assert os.stat(outside / "model-rank-0-part-0.safetensors").st_atime == 0, "an outside header was read"
         for text in texts:
             assert "SECRET" not in text and str(outside) not in text, text
@@ -671,20 +774,40 @@ def test_an_unreasonable_rank_count_on_one_host_is_refused_before_anything_start
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     for extra in ([], ["--ranks", "0-31"]):
         t = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", str(model), "--port", "0",
-                            "--device-map", "cpu", *extra], capture_output=True, text=True, timeout=120, env=env)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gdsload.server.cmd_serve",
+                str(model),
+                "--port",
+                "0",
+                "--device-map",
+                "cpu",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         out = p.stdout + p.stderr
         print(f"worker count: serve {' '.join(extra) or '(all ranks)'} refused in {time.monotonic() - t:.2f} s")
         assert p.returncode == 2 and f"at most {MAX_LOCAL_RANKS}" in out and "--ranks" in out, out
         assert "listening on" not in out and "started worker" not in out, out
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    srv = Server([str(model), "--ranks", "0", "--device-map", "cpu", "--token-file", str(token_file),
-                  "--allow-root", str(root)], tmp_path / "serve.log")
+    srv = Server(
+        [str(model), "--ranks", "0", "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(root)],
+        tmp_path / "serve.log",
+    )
     try:
         srv.poll_ready(timeout=120)
-        r = srv.http.post("/v1/reload", json={"model_dir": str(model), "ranks": list(range(MAX_LOCAL_RANKS + 1))},
-                          headers={"Authorization": f"Bearer {TOKEN}"})
+        r = srv.http.post(
+            "/v1/reload",
+            json={"model_dir": str(model), "ranks": list(range(MAX_LOCAL_RANKS + 1))},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "TooManyRanksError", r.text
         assert srv.status()["ranks"].keys() == {"0"} and srv.http.get("/readyz").status_code == 200
     finally:
@@ -706,8 +829,10 @@ def test_a_stalled_head_after_a_response_is_cut_off_and_a_long_answer_is_not(ser
     s.close()
     lease = httpx.get(served.url + "/v1/ipc/0", headers=auth).json()["lease"]
     h = _connect(served.url)
-    h.sendall(f"GET /v1/ipc/0/hold?lease={lease} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-              f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+    h.sendall(
+        f"GET /v1/ipc/0/hold?lease={lease} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+    )
     h.settimeout(5)
     head = b""
     while b"held" not in head:  # the head, then the first chunk

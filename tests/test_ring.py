@@ -128,8 +128,11 @@ def test_aligned_split_cuts_at_multiples_of_the_chunk():
     e = Extent(file_index=0, file_offset=100, length=3 * PAGE, offset=7)
     pieces = split_extents([e], PAGE, interleave=False, aligned=True)
     assert [(p.file_offset, p.length, p.offset) for p in pieces] == [
-        (100, PAGE - 100, 7), (PAGE, PAGE, 7 + PAGE - 100), (2 * PAGE, PAGE, 7 + 2 * PAGE - 100),
-        (3 * PAGE, 100, 7 + 3 * PAGE - 100)]
+        (100, PAGE - 100, 7),
+        (PAGE, PAGE, 7 + PAGE - 100),
+        (2 * PAGE, PAGE, 7 + 2 * PAGE - 100),
+        (3 * PAGE, 100, 7 + 3 * PAGE - 100),
+    ]
     # Aligned already: the same cuts as without ``aligned``; empty extents give no reads.
     f = Extent(file_index=1, file_offset=2 * PAGE, length=2 * PAGE + 5, offset=0)
     assert split_extents([f], PAGE, interleave=False, aligned=True) == split_extents([f], PAGE, interleave=False)
@@ -176,8 +179,15 @@ def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_
     assert b.direct_io() == [True]
     if switch:  # kvikio's reader, O_DIRECT, the cold shape
         assert b.kvikio_direct and b.readers() == ["kvikio"]
-        assert seen["settings"] == [{"compat_mode": "ON", "num_threads": 4, "task_size": 2 << 20,
-                                     "bounce_buffer_size": 2 << 20, "auto_direct_io_read": True}]
+        assert seen["settings"] == [
+            {
+                "compat_mode": "ON",
+                "num_threads": 4,
+                "task_size": 2 << 20,
+                "bounce_buffer_size": 2 << 20,
+                "auto_direct_io_read": True,
+            }
+        ]
     else:  # a kvikio without the switch: our O_DIRECT ring
         assert not b.kvikio_direct and b.readers() == ["ring"] and seen["settings"] == []
 
@@ -188,4 +198,5 @@ def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_
     b.close()
     assert not b.kvikio_direct and b.readers() == ["kvikio"] and b.direct_io() == [False]
     assert seen["settings"][0]["num_threads"] == 16 and seen["settings"][0].get("auto_direct_io_read") in (
-        (False,) if switch else (None,))
+        (False,) if switch else (None,)
+    )

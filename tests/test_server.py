@@ -92,8 +92,14 @@ print(json.dumps({"device": str(next(iter(tensors.values())).device), "tensors":
 
 
 def map_in_engine(doc: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-c", ENGINE], input=json.dumps(doc), capture_output=True, text=True,
-                       timeout=120, env=None if env is None else {**os.environ, **env})
+    p = subprocess.run(
+        [sys.executable, "-c", ENGINE],
+        input=json.dumps(doc),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -123,8 +129,9 @@ class Models:
 def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     root = tmp_path_factory.mktemp("models")
     a = make_checkpoint(root / "model-a", "tiny", tp=2)
-    b = make_checkpoint(root / "model-b", LlamaShape(hidden=128, intermediate=344, heads=4, kv_heads=2, vocab=1024,
-                                                     layers=3), tp=2)
+    b = make_checkpoint(
+        root / "model-b", LlamaShape(hidden=128, intermediate=344, heads=4, kv_heads=2, vocab=1024, layers=3), tp=2
+    )
     (root / "empty").mkdir()
     outside = tmp_path_factory.mktemp("outside") / "model"
     shutil.copytree(a, outside)
@@ -155,9 +162,17 @@ def server(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    srv = Server([str(models.a), "--allow-root", str(models.root), "--token-file", str(token_file)], tmp / "serve.log",
-                 env={"GDSLOAD_RESTART_BACKOFF": "0.2", "GDSLOAD_LOG_FORMAT": "json", "GDSLOAD_STOP_TIMEOUT": "5",
-                      "GDSLOAD_VERIFY": "1", "GDSLOAD_LEASE_GRACE": "60"})
+    srv = Server(
+        [str(models.a), "--allow-root", str(models.root), "--token-file", str(token_file)],
+        tmp / "serve.log",
+        env={
+            "GDSLOAD_RESTART_BACKOFF": "0.2",
+            "GDSLOAD_LOG_FORMAT": "json",
+            "GDSLOAD_STOP_TIMEOUT": "5",
+            "GDSLOAD_VERIFY": "1",
+            "GDSLOAD_LEASE_GRACE": "60",
+        },
+    )
     # What an operator sees in the first moments: the process answers while the ranks still load.
     srv.first_health = srv.http.get("/healthz")
     srv.first_health_after = time.monotonic() - srv.started
@@ -226,11 +241,15 @@ def test_metrics(server: Server, models: Models):
         assert m[("gdsload_rank_state", (("rank", rank), ("state", "ready")))] == 1.0
         assert m[("gdsload_rank_state", (("rank", rank), ("state", "failed")))] == 0.0
         for phase in PHASES:
-            assert m[("gdsload_load_phase_seconds", (("phase", phase), ("rank", rank)))] == pytest.approx(rs["phases"][phase])
+            assert m[("gdsload_load_phase_seconds", (("phase", phase), ("rank", rank)))] == pytest.approx(
+                rs["phases"][phase]
+            )
         assert m[("gdsload_load_bytes", (("kind", "logical"), ("rank", rank)))] == rs["logical_bytes"]
         assert m[("gdsload_load_bytes", (("kind", "stored"), ("rank", rank)))] == rs["stored_bytes"]
         assert m[("gdsload_load_throughput_bytes_per_second", (("rank", rank),))] == pytest.approx(rs["gbps"] * 1e9)
-    assert m[("gdsload_time_to_ready_seconds", (("scope", "process"),))] == pytest.approx(status["process"]["time_to_ready_s"])
+    assert m[("gdsload_time_to_ready_seconds", (("scope", "process"),))] == pytest.approx(
+        status["process"]["time_to_ready_s"]
+    )
     for rank in ("0", "1"):  # nothing failed or restarted yet, and both counters are there at 0 for alerts' rate()
         assert m[("gdsload_worker_restarts_total", (("rank", rank),))] == 0.0
         assert m[("gdsload_load_failures_total", (("rank", rank),))] == 0.0
@@ -250,8 +269,16 @@ def test_metrics(server: Server, models: Models):
 def test_openapi_documents_the_api(server: Server):
     spec = server.http.get("/openapi.json").json()
     paths = spec["paths"]
-    assert {"/healthz", "/readyz", "/v1/status", "/metrics", "/v1/reload", "/v1/unload", "/v1/ipc/{rank}",
-            "/v1/ipc/{rank}/release"} <= set(paths)
+    assert {
+        "/healthz",
+        "/readyz",
+        "/v1/status",
+        "/metrics",
+        "/v1/reload",
+        "/v1/unload",
+        "/v1/ipc/{rank}",
+        "/v1/ipc/{rank}/release",
+    } <= set(paths)
     page = server.http.get("/docs")
     assert page.status_code == 200
     # What the document says each answer is, each answer is.
@@ -305,20 +332,23 @@ def test_model_paths_confined_to_allowed_roots(server: Server, models: Models):
     assert s["ready"] and s["generation"] == 1 and s["model"]["path"] == str(models.a)
 
 
-@pytest.mark.parametrize("body", [
-    {},
-    {"model_dir": "relative/model"},
-    {"model_dir": "/models/a\u0000b"},
-    {"model_dir": "/m", "surprise": 1},
-    {"model_dir": "/m", "ranks": ["0"]},
-    {"model_dir": "/m", "ranks": [-1]},
-    {"model_dir": "/m", "ranks": []},
-    {"model_dir": "/m", "wait_s": -1},
-    {"model_dir": "/m", "wait_s": 601},
-    {"model_dir": "/m", "force": "yes"},
-    {"model_dir": 7},
-    ["/m"],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"model_dir": "relative/model"},
+        {"model_dir": "/models/a\u0000b"},
+        {"model_dir": "/m", "surprise": 1},
+        {"model_dir": "/m", "ranks": ["0"]},
+        {"model_dir": "/m", "ranks": [-1]},
+        {"model_dir": "/m", "ranks": []},
+        {"model_dir": "/m", "wait_s": -1},
+        {"model_dir": "/m", "wait_s": 601},
+        {"model_dir": "/m", "force": "yes"},
+        {"model_dir": 7},
+        ["/m"],
+    ],
+)
 def test_invalid_bodies_are_422(server: Server, body: Any):
     r = server.http.post("/v1/reload", json=body, headers=auth())
     assert r.status_code == 422, r.text
@@ -328,11 +358,15 @@ def test_invalid_bodies_are_422(server: Server, body: Any):
 def test_other_malformed_requests(server: Server):
     r = server.http.post("/v1/reload", content=b"{not json", headers={**auth(), "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "MalformedJson"
-    r = server.http.post("/v1/reload", content=b"x" * (65 << 10), headers={**auth(), "Content-Type": "application/json"})
+    r = server.http.post(
+        "/v1/reload", content=b"x" * (65 << 10), headers={**auth(), "Content-Type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLarge"
-    for r in (server.http.post("/v1/unload", json={"wait_s": "soon"}, headers=auth()),
-              server.http.post("/v1/ipc/0/release", json={"lease": "not-a-lease"}, headers=auth()),
-              server.http.get("/v1/ipc/zero", headers=auth())):
+    for r in (
+        server.http.post("/v1/unload", json={"wait_s": "soon"}, headers=auth()),
+        server.http.post("/v1/ipc/0/release", json={"lease": "not-a-lease"}, headers=auth()),
+        server.http.get("/v1/ipc/zero", headers=auth()),
+    ):
         assert r.status_code == 422 and r.json()["error"]["type"] == "InvalidRequest", r.text
     r = server.http.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound"
@@ -351,7 +385,11 @@ def test_bad_reload_target_keeps_the_current_model(server: Server, models: Model
     # The served files' headers are read before anything stops: a file cut short is refused up front.
     r = server.http.post("/v1/reload", json={"model_dir": str(models.corrupt)}, headers=auth())
     # (the manifest records every file's size: a file cut short is named from it)
-    assert r.status_code == 400 and r.json()["error"]["type"] in ("ManifestError", "TruncatedFileError", "HeaderError"), r.text
+    assert r.status_code == 400 and r.json()["error"]["type"] in (
+        "ManifestError",
+        "TruncatedFileError",
+        "HeaderError",
+    ), r.text
     assert "model-rank-1-part-0.safetensors" in r.json()["error"]["message"]
     s = server.status()
     assert s["ready"] and s["generation"] == 1 and s["model"]["path"] == str(models.a)
@@ -416,9 +454,14 @@ def test_killed_worker_is_restarted_and_other_ranks_keep_their_tensors(server: S
     assert after["1"]["pid"] != victim and not psutil.pid_exists(victim)
     assert after["1"]["restarts"] == 1 and after["1"]["failures"] == 1 and after["1"]["error"] is None
     crash = after["1"]["last_error"]
-    assert crash["type"] == "WorkerCrashedError" and "SIGKILL" in crash["message"] and "restarting in" in crash["message"]
-    assert (after["0"]["pid"], after["0"]["ready_at"], after["0"]["restarts"]) == \
-           (before["0"]["pid"], before["0"]["ready_at"], 0)  # rank 0 was never touched
+    assert (
+        crash["type"] == "WorkerCrashedError" and "SIGKILL" in crash["message"] and "restarting in" in crash["message"]
+    )
+    assert (after["0"]["pid"], after["0"]["ready_at"], after["0"]["restarts"]) == (
+        before["0"]["pid"],
+        before["0"]["ready_at"],
+        0,
+    )  # rank 0 was never touched
     m = metric_values(server.http.get("/metrics").text)
     assert m[("gdsload_worker_restarts_total", (("rank", "1"),))] == 1.0
     assert m[("gdsload_load_failures_total", (("rank", "1"),))] == 1.0
@@ -433,8 +476,9 @@ def test_unload_frees_the_workers(server: Server, models: Models):
     assert r.status_code == 200 and r.json()["unloaded"] == str(models.a)
     # unload answers once the workers are asked to stop; they free their memory and exit right after
     deadline = time.monotonic() + 15
-    while (any(psutil.pid_exists(p) for p in pids) or server.status()["stopping_workers"]) and \
-            time.monotonic() < deadline:
+    while (
+        any(psutil.pid_exists(p) for p in pids) or server.status()["stopping_workers"]
+    ) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(psutil.pid_exists(p) for p in pids) and server.status()["stopping_workers"] == 0
     r = server.http.get("/readyz")
@@ -457,10 +501,14 @@ def test_corrupt_rank_fails_typed_and_is_not_restarted(server: Server, models: M
     assert r1["state"] == "failed" and s["state"] == "failed"
     assert r1["error"]["type"] == "IntegrityError", r1["error"]
     # The server's log says it at ERROR, in one line with the rank, the type and the error's own fix.
-    errors = [json.loads(line) for line in server.log().splitlines()
-              if line.startswith("{") and '"level": "error"' in line and "rank 1 failed to load" in line]
-    assert len(errors) == 1 and errors[0]["message"].startswith(f"rank 1 failed to load: IntegrityError: "
-                                                                f"{r1['error']['message']}"), errors
+    errors = [
+        json.loads(line)
+        for line in server.log().splitlines()
+        if line.startswith("{") and '"level": "error"' in line and "rank 1 failed to load" in line
+    ]
+    assert len(errors) == 1 and errors[0]["message"].startswith(
+        f"rank 1 failed to load: IntegrityError: {r1['error']['message']}"
+    ), errors
     assert "model-rank-1-part-0.safetensors" in r1["error"]["message"]
     assert r1["restarts"] == 1 and r1["failures"] == 2 and r1["pid"] is None  # counts from the earlier kill
     r = server.http.get("/readyz")
@@ -497,7 +545,9 @@ def test_sigterm_stops_workers_and_exits_cleanly(server: Server):
     assert not any(psutil.pid_exists(p) for p in pids)
     helper.wait(10)  # the worker fork server leaves with the server
     lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-    assert lines and all({"ts", "level", "logger", "message", "pid"} <= set(x) for x in lines)  # GDSLOAD_LOG_FORMAT=json
+    assert lines and all(
+        {"ts", "level", "logger", "message", "pid"} <= set(x) for x in lines
+    )  # GDSLOAD_LOG_FORMAT=json
     messages = [x["message"] for x in lines]
     assert "all workers stopped" in messages and messages[-1] == "stopped"
     assert any(x.get("rank") == 1 and "unloaded; freed" in x["message"] for x in lines)  # workers log, tagged
@@ -510,8 +560,13 @@ def _serve_once(args: list[str], log_path: Path, timeout: float = 60) -> tuple[i
     """``gdsload serve ARGS`` to its end: exit status and everything it wrote."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     with open(log_path, "wb") as log:
-        p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--port", "0"], stdout=log,
-                           stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-m", "gdsload.server.cmd_serve", *args, "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**clean, "PYTHONUNBUFFERED": "1"},
+            timeout=timeout,
+        )
     return p.returncode, log_path.read_text()
 
 
@@ -526,18 +581,22 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("case, words", [
-    ("missing", ["ModelNotFoundError", "does not exist", "give the directory"]),
-    ("empty", ["NoFilesForRankError", "no .safetensors files", "gdsload shard"]),
-    ("a file", ["ModelNotFoundError", "is not a directory or a .safetensors file"]),
-    ("--tp 4", ["TensorParallelMismatchError", "--tp 4", "holds ranks 0-1", "tp=2", "serve it with --tp 2"]),
-    ("--tp 1", ["TensorParallelMismatchError", "serve it with --tp 2", "use --ranks"]),
-    ("--ranks 5", ["NoFilesForRankError", "--ranks 5", "No files for rank 5", "holds ranks 0-1"]),
-    ("hf --tp 2", ["TensorParallelMismatchError", "one unsharded checkpoint", "gdsload shard", "--tp 2"]),
-    ("--device-map 0:3,1:3", ["ConfigError", "puts rank 0 on GPU 3", "fix the map"]),
-])
-def test_serve_refuses_a_bad_target_before_it_starts(models: Models, hf_model: Path, tmp_path: Path, case: str,
-                                                      words: list[str]):
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing", ["ModelNotFoundError", "does not exist", "give the directory"]),
+        ("empty", ["NoFilesForRankError", "no .safetensors files", "gdsload shard"]),
+        ("a file", ["ModelNotFoundError", "is not a directory or a .safetensors file"]),
+        ("--tp 4", ["TensorParallelMismatchError", "--tp 4", "holds ranks 0-1", "tp=2", "serve it with --tp 2"]),
+        ("--tp 1", ["TensorParallelMismatchError", "serve it with --tp 2", "use --ranks"]),
+        ("--ranks 5", ["NoFilesForRankError", "--ranks 5", "No files for rank 5", "holds ranks 0-1"]),
+        ("hf --tp 2", ["TensorParallelMismatchError", "one unsharded checkpoint", "gdsload shard", "--tp 2"]),
+        ("--device-map 0:3,1:3", ["ConfigError", "puts rank 0 on GPU 3", "fix the map"]),
+    ],
+)
+def test_serve_refuses_a_bad_target_before_it_starts(
+    models: Models, hf_model: Path, tmp_path: Path, case: str, words: list[str]
+):
     """A target that cannot be served ends ``serve`` at once: status 2, one ERROR line naming the fix, no port
     bound, no worker started."""
     args = {
@@ -587,8 +646,9 @@ def test_started_without_a_model_says_how_to_configure_a_token(tmp_path: Path):
 def test_a_sigterm_to_the_process_group_is_a_clean_stop(models: Models, tmp_path: Path, when: str, worker_start: str):
     """What Kubernetes and systemd send: SIGTERM to every process of the group at once (server, fork server,
     workers). The server stops its workers in order: exit status 0, no ERROR, no restart, nothing left running."""
-    srv = Server([str(models.a), "--device-map", "cpu", "--worker-start", worker_start], tmp_path / "serve.log",
-                 new_group=True)
+    srv = Server(
+        [str(models.a), "--device-map", "cpu", "--worker-start", worker_start], tmp_path / "serve.log", new_group=True
+    )
     try:
         if when == "ready":
             srv.poll_ready()
@@ -612,8 +672,9 @@ def test_a_sigterm_to_the_process_group_is_a_clean_stop(models: Models, tmp_path
 def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
     """The tp=8 path end to end on the CPU (the 8-GPU machine is not lent): eight workers, one per
     rank, each with its own rank's bytes, /readyz 200 only when all eight are ready."""
-    model = make_checkpoint(tmp_path / "tp8", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096,
-                                                         layers=2), tp=8)
+    model = make_checkpoint(
+        tmp_path / "tp8", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096, layers=2), tp=8
+    )
     srv = Server([str(model), "--tp", "8", "--device-map", "cpu"], tmp_path / "serve.log", token=TOKEN)
     try:
         polls = srv.poll_ready(timeout=180)
@@ -629,8 +690,9 @@ def test_eight_ranks_load_in_eight_processes(tmp_path: Path):
             worker_parent(r["pid"], srv.proc.pid)
             pids.add(r["pid"])
         assert len(pids) == 8
-        assert srv.terminate() == 0 and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                                for p in pids)
+        assert srv.terminate() == 0 and not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+        )
     finally:
         srv.close()
 
@@ -647,10 +709,12 @@ def test_the_bound_port_is_named_at_any_log_level(models: Models, tmp_path: Path
 def test_stuck_workers_are_killed_together_at_the_stop_timeout(tmp_path: Path):
     """Four frozen workers (SIGSTOP: they cannot act on 'unload', SIGTERM waits) are escalated at once:
     shutdown takes the stop timeout plus one grace period, not one grace period per worker."""
-    model = make_checkpoint(tmp_path / "tp4", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096,
-                                                         layers=2), tp=4)
-    srv = Server([str(model), "--tp", "4", "--device-map", "cpu", "--stop-timeout", "1"], tmp_path / "serve.log",
-                 token=TOKEN)
+    model = make_checkpoint(
+        tmp_path / "tp4", LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=8, vocab=4096, layers=2), tp=4
+    )
+    srv = Server(
+        [str(model), "--tp", "4", "--device-map", "cpu", "--stop-timeout", "1"], tmp_path / "serve.log", token=TOKEN
+    )
     try:
         srv.poll_ready(timeout=120)
         pids = [r["pid"] for r in srv.status()["ranks"].values()]
@@ -669,8 +733,12 @@ def test_stuck_workers_are_killed_together_at_the_stop_timeout(tmp_path: Path):
 def test_workers_outlive_their_fork_server(models: Models, tmp_path: Path):
     """The fork server reports its children's exits; if it dies, the workers it forked keep their ranks
     (their liveness is watched through pidfds), and the next worker start launches a new fork server."""
-    srv = Server([str(models.a), "--tp", "2", "--device-map", "cpu"], tmp_path / "serve.log", token=TOKEN,
-                 env={"GDSLOAD_RESTART_BACKOFF": "0.1"})
+    srv = Server(
+        [str(models.a), "--tp", "2", "--device-map", "cpu"],
+        tmp_path / "serve.log",
+        token=TOKEN,
+        env={"GDSLOAD_RESTART_BACKOFF": "0.1"},
+    )
     try:
         srv.poll_ready(timeout=120)
         before = srv.status()["ranks"]
@@ -708,8 +776,11 @@ def test_workers_outlive_their_fork_server(models: Models, tmp_path: Path):
 
 def test_spawned_workers_load_the_same(models: Models, tmp_path: Path):
     """``--worker-start spawn``: a fresh interpreter per worker, started by the server itself."""
-    srv = Server([str(models.a), "--tp", "2", "--device-map", "cpu", "--worker-start", "spawn"], tmp_path / "serve.log",
-                 token=TOKEN)
+    srv = Server(
+        [str(models.a), "--tp", "2", "--device-map", "cpu", "--worker-start", "spawn"],
+        tmp_path / "serve.log",
+        token=TOKEN,
+    )
     try:
         srv.poll_ready(timeout=120)
         s = srv.status()
@@ -753,8 +824,9 @@ def test_gpu_worker_sees_one_gpu_and_exports_cuda_ipc(models: Models, tmp_path: 
         assert not psutil.pid_exists(pid)
         smi = shutil.which("nvidia-smi")
         if smi:  # the worker's CUDA context is gone with it
-            out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=30).stdout
+            out = subprocess.run(
+                [smi, "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            ).stdout
             assert str(pid) not in out.split()
     finally:
         srv.close()
@@ -773,8 +845,11 @@ def test_tp2_one_gpu_per_worker_and_ipc_per_rank(models: Models, tmp_path: Path,
     visible = visible_gpus()
     # auto spawns torch-free GPU workers (their imports hide the CUDA context) and forks torch ones.
     resolved = worker_start if worker_start != "auto" else "spawn" if torch_free_unavailable() is None else "forkserver"
-    srv = Server([str(models.a), "--tp", "2", "--worker-start", worker_start], tmp_path / "serve.log",
-                 env={"GDSLOAD_TOKEN": TOKEN})
+    srv = Server(
+        [str(models.a), "--tp", "2", "--worker-start", worker_start],
+        tmp_path / "serve.log",
+        env={"GDSLOAD_TOKEN": TOKEN},
+    )
     try:
         srv.poll_ready(timeout=180)
         ranks = srv.status()["ranks"]

@@ -20,15 +20,17 @@ def test_started_without_a_model(tmp_path: Path):
         assert client.get("/healthz").status_code == 200
         r = client.get("/readyz")
         assert r.status_code == 503
-        assert r.json() == {"ready": False, "generation": 0, "ranks": {},
-                            "reason": "no model loaded; POST /v1/reload"}
+        assert r.json() == {"ready": False, "generation": 0, "ranks": {}, "reason": "no model loaded; POST /v1/reload"}
         s = client.get("/v1/status", headers={"Authorization": "Bearer tok-1234567890abcdef"}).json()
         assert s["state"] == "unloaded" and s["model"] is None and s["process"]["time_to_ready_s"] is None
-        samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
-                   for s in f.samples}
+        samples = {
+            s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples
+        }
         assert samples["gdsload_ready"] == 0.0 and "gdsload_time_to_ready_seconds" not in samples
         # A token but no --allow-root: reload accepts no path, and says how to allow one.
-        r = client.post("/v1/reload", json={"model_dir": str(tmp_path)}, headers={"Authorization": "Bearer tok-1234567890abcdef"})
+        r = client.post(
+            "/v1/reload", json={"model_dir": str(tmp_path)}, headers={"Authorization": "Bearer tok-1234567890abcdef"}
+        )
         assert r.status_code == 403 and "--allow-root" in r.json()["error"]["message"]
         r = client.post("/v1/unload", headers={"Authorization": "Bearer tok-1234567890abcdef"})
         assert r.status_code == 200 and r.json() == {"unloaded": None, "generation": 1}
@@ -39,12 +41,16 @@ def test_started_without_a_model(tmp_path: Path):
 def test_chunked_body_over_the_limit_is_413():
     config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-1234567890abcdef"})
     with TestClient(create_app(Supervisor(config)), base_url="http://127.0.0.1") as client:
+
         def chunks():
             for _ in range(80):
                 yield b"x" * 1024
 
-        r = client.post("/v1/reload", content=chunks(), headers={"Authorization": "Bearer tok-1234567890abcdef",
-                                                                 "Content-Type": "application/json"})
+        r = client.post(
+            "/v1/reload",
+            content=chunks(),
+            headers={"Authorization": "Bearer tok-1234567890abcdef", "Content-Type": "application/json"},
+        )
         assert r.status_code == 413
 
 
@@ -54,6 +60,7 @@ AUTH = {"Authorization": "Bearer tok-1234567890abcdef"}
 def test_every_error_has_the_error_shape():
     config = ServeConfig.resolve(env={"GDSLOAD_TOKEN": "tok-1234567890abcdef"})
     with TestClient(create_app(Supervisor(config)), base_url="http://127.0.0.1") as client:
+
         def error(r, code: int, kind: str) -> str:
             assert r.status_code == code, r.text
             assert set(r.json()) == {"error"} and r.json()["error"]["type"] == kind, r.text
@@ -64,9 +71,12 @@ def test_every_error_has_the_error_shape():
         error(client.post("/v1/reload", **bad_json), 401, "UnauthorizedError")
         assert "not valid JSON" in error(
             client.post("/v1/reload", content=bad_json["content"], headers={**bad_json["headers"], **AUTH}),
-            400, "MalformedJson")
-        assert "body.model_dir: Field required" in error(client.post("/v1/reload", json={}, headers=AUTH),
-                                                          422, "InvalidRequest")
+            400,
+            "MalformedJson",
+        )
+        assert "body.model_dir: Field required" in error(
+            client.post("/v1/reload", json={}, headers=AUTH), 422, "InvalidRequest"
+        )
         assert "path.rank" in error(client.get("/v1/ipc/zero", headers=AUTH), 422, "InvalidRequest")
         assert "GET /v2/nothing" in error(client.get("/v2/nothing"), 404, "NotFound")
         error(client.delete("/healthz"), 405, "MethodNotAllowed")
@@ -87,6 +97,7 @@ def test_a_fault_of_the_server_answers_500_in_the_error_shape(monkeypatch):
 
 def test_a_dead_supervisor_loop_fails_liveness(tmp_path: Path, monkeypatch):
     """Should the loop that starts and restarts workers die, the process must not look alive forever."""
+
     def broken(self, path: str) -> None:
         raise RuntimeError("a bug")
 

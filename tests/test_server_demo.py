@@ -13,8 +13,23 @@ def _env() -> dict[str, str]:
 
 
 def test_demo_serves_polls_reports_and_stops(tmp_path: Path):
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cmd_demo", "--workdir", str(tmp_path / "demo"),
-                        "--size", "8MiB", "--timeout", "90"], capture_output=True, text=True, timeout=150, env=_env())
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.server.cmd_demo",
+            "--workdir",
+            str(tmp_path / "demo"),
+            "--size",
+            "8MiB",
+            "--timeout",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=_env(),
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "/readyz 200  0=ready 1=ready" in out

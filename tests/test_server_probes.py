@@ -50,9 +50,23 @@ def test_probes_answer_from_the_start_and_never_wait_for_a_worker(tmp_path: Path
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")}
     with open(tmp_path / "serve.log", "wb") as log:
         t0 = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "gdsload.server.cmd_serve", str(model), "--port", str(port),
-                                 "--device-map", "cpu", "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT,
-                                env=clean)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gdsload.server.cmd_serve",
+                str(model),
+                "--port",
+                str(port),
+                "--device-map",
+                "cpu",
+                "--log-format",
+                "json",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=clean,
+        )
     first_wall: float | None = None
     answers: list[tuple[float, str, int, float, dict]] = []  # (since spawn, path, status, seconds, body)
     refused = 0
@@ -67,8 +81,10 @@ def test_probes_answer_from_the_start_and_never_wait_for_a_worker(tmp_path: Path
                     time.sleep(0.002)
                     continue
                 except (TimeoutError, socket.timeout):
-                    raise AssertionError(f"{path} did not answer within {2 * SLOWEST_PROBE_S} s, "
-                                         f"{t - t0:.2f} s after the start; answers so far: {answers[-4:]}") from None
+                    raise AssertionError(
+                        f"{path} did not answer within {2 * SLOWEST_PROBE_S} s, "
+                        f"{t - t0:.2f} s after the start; answers so far: {answers[-4:]}"
+                    ) from None
                 answers.append((t - t0, path, code, time.monotonic() - t, body))
                 first_wall = first_wall or time.time()
             if answers and answers[-1][1] == "/readyz" and answers[-1][2] == 200:
@@ -78,15 +94,22 @@ def test_probes_answer_from_the_start_and_never_wait_for_a_worker(tmp_path: Path
         first_at = answers[0][0] + answers[0][3]
         latencies = sorted(a[3] for a in answers)
         p99 = latencies[int(0.99 * (len(latencies) - 1))]
-        print(f"probes: first answer {first_at * 1000:.0f} ms after spawn ({refused} refused before the bind); "
-              f"{len(answers)} answers until ready at {answers[-1][0]:.2f} s; p50 "
-              f"{latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
+        print(
+            f"probes: first answer {first_at * 1000:.0f} ms after spawn ({refused} refused before the bind); "
+            f"{len(answers)} answers until ready at {answers[-1][0]:.2f} s; p50 "
+            f"{latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms"
+        )
         assert first_at < FIRST_ANSWER_S, answers[:2]
         # Answered before any worker started (workers start behind the probes, not ahead of them).
-        started = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines()
-                   if line.startswith("{") and "started worker" in line]
-        first_start = min(datetime.strptime(x["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
-                          for x in started)
+        started = [
+            json.loads(line)
+            for line in (tmp_path / "serve.log").read_text().splitlines()
+            if line.startswith("{") and "started worker" in line
+        ]
+        first_start = min(
+            datetime.strptime(x["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+            for x in started
+        )
         assert first_wall is not None and first_wall < first_start, (first_wall, first_start)
         # The first answers come while the workers start: alive, and not ready with every rank listed.
         first = {path: (code, body) for _, path, code, _, body in reversed(answers[:2])}

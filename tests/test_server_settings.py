@@ -44,12 +44,23 @@ def test_every_env_var_is_read(tmp_path: Path):
     for r in roots:
         r.mkdir()
     env = {
-        "GDSLOAD_MODEL_DIR": str(roots[0] / "m"), "GDSLOAD_RANKS": "0-3,6", "GDSLOAD_DEVICE_MAP": "CPU",
-        "GDSLOAD_BACKEND": "cpu", "GDSLOAD_HOST": "::1", "GDSLOAD_PORT": "9000", "GDSLOAD_TOKEN_FILE": str(token_file),
-        "GDSLOAD_ALLOW_ROOT": os.pathsep.join(map(str, roots)), "GDSLOAD_LOG_FORMAT": "json",
-        "GDSLOAD_LOG_LEVEL": "DEBUG", "GDSLOAD_RESTART_BACKOFF": "0.5", "GDSLOAD_RESTART_BACKOFF_MAX": "8",
-        "GDSLOAD_MAX_RESTARTS": "2", "GDSLOAD_STOP_TIMEOUT": "3", "GDSLOAD_WORKER_START": "Spawn",
-        "GDSLOAD_ALLOWED_HOSTS": "Sidecar.local, 10.0.0.7", "GDSLOAD_REQUEST_TIMEOUT": "2.5",
+        "GDSLOAD_MODEL_DIR": str(roots[0] / "m"),
+        "GDSLOAD_RANKS": "0-3,6",
+        "GDSLOAD_DEVICE_MAP": "CPU",
+        "GDSLOAD_BACKEND": "cpu",
+        "GDSLOAD_HOST": "::1",
+        "GDSLOAD_PORT": "9000",
+        "GDSLOAD_TOKEN_FILE": str(token_file),
+        "GDSLOAD_ALLOW_ROOT": os.pathsep.join(map(str, roots)),
+        "GDSLOAD_LOG_FORMAT": "json",
+        "GDSLOAD_LOG_LEVEL": "DEBUG",
+        "GDSLOAD_RESTART_BACKOFF": "0.5",
+        "GDSLOAD_RESTART_BACKOFF_MAX": "8",
+        "GDSLOAD_MAX_RESTARTS": "2",
+        "GDSLOAD_STOP_TIMEOUT": "3",
+        "GDSLOAD_WORKER_START": "Spawn",
+        "GDSLOAD_ALLOWED_HOSTS": "Sidecar.local, 10.0.0.7",
+        "GDSLOAD_REQUEST_TIMEOUT": "2.5",
         "GDSLOAD_LEASE_GRACE": "7.5",
     }
     assert set(env) | {"GDSLOAD_TP"} == set(ENV_VARS.values())
@@ -58,8 +69,14 @@ def test_every_env_var_is_read(tmp_path: Path):
     assert (c.backend, c.host, c.port, c.is_loopback) == ("cpu", "::1", 9000, True)
     assert c.token == "s3cret-token-0123456789" and c.token_source == f"file:{token_file}"
     assert c.allow_roots == tuple(os.path.realpath(r) for r in roots)
-    assert (c.log_format, c.log_level, c.restart_backoff, c.restart_backoff_max, c.max_restarts, c.stop_timeout) == \
-           ("json", "debug", 0.5, 8.0, 2, 3.0)
+    assert (c.log_format, c.log_level, c.restart_backoff, c.restart_backoff_max, c.max_restarts, c.stop_timeout) == (
+        "json",
+        "debug",
+        0.5,
+        8.0,
+        2,
+        3.0,
+    )
     assert c.worker_start == "spawn" and ServeConfig.resolve(env={}).worker_start == "auto"
     assert c.allowed_hosts == ("sidecar.local", "10.0.0.7") and c.request_timeout == 2.5
     assert c.lease_grace == 7.5 and ServeConfig.resolve(env={}).lease_grace == 3.0
@@ -72,7 +89,12 @@ def test_every_env_var_is_read(tmp_path: Path):
 def test_flags_win_over_env(tmp_path: Path):
     token_file = tmp_path / "token"
     token_file.write_text("from-file-0123456789")
-    env = {"GDSLOAD_PORT": "9000", "GDSLOAD_TP": "8", "GDSLOAD_TOKEN": "from-env-0123456789", "GDSLOAD_LOG_LEVEL": "error"}
+    env = {
+        "GDSLOAD_PORT": "9000",
+        "GDSLOAD_TP": "8",
+        "GDSLOAD_TOKEN": "from-env-0123456789",
+        "GDSLOAD_LOG_LEVEL": "error",
+    }
     c = ServeConfig.resolve(env=env, port=9100, ranks="2-3", token_file=str(token_file))
     assert (c.port, c.ranks, c.token, c.log_level) == (9100, (2, 3), "from-file-0123456789", "error")
     c = ServeConfig.resolve(env={"GDSLOAD_RANKS": "0-7"}, tp=2)  # --tp hides GDSLOAD_RANKS: one setting
@@ -82,38 +104,44 @@ def test_flags_win_over_env(tmp_path: Path):
         ServeConfig.resolve(env={}, prot=1)
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"GDSLOAD_PORT": "http"}, "GDSLOAD_PORT='http' is not a valid port"),
-    ({"GDSLOAD_PORT": "70000"}, "port=70000 must be an integer in 0..65535"),
-    ({"GDSLOAD_RANKS": "3-1"}, "GDSLOAD_RANKS='3-1': range '3-1' must go upwards"),
-    ({"GDSLOAD_RANKS": "0,x"}, "'x' is not a rank or range"),
-    ({"GDSLOAD_RANKS": "0,0-1"}, "names a rank twice"),
-    ({"GDSLOAD_TP": "0"}, "GDSLOAD_TP=0 must be an integer in 1..4096"),
-    ({"GDSLOAD_TP": "2", "GDSLOAD_RANKS": "0"}, "either --ranks or --tp"),
-    ({"GDSLOAD_DEVICE_MAP": "0=1"}, "'0=1' is not RANK:GPU"),
-    ({"GDSLOAD_DEVICE_MAP": "0:0,0:1"}, "maps rank 0 twice"),
-    ({"GDSLOAD_DEVICE_MAP": "0:0", "GDSLOAD_RANKS": "0-1"}, "does not place ranks [1]"),
-    ({"GDSLOAD_BACKEND": "warp"}, "backend='warp' is not known"),
-    ({"GDSLOAD_HOST": "bad host"}, "host='bad host' is not an IP address or host name"),
-    ({"GDSLOAD_LOG_FORMAT": "xml"}, "log_format='xml' must be one of ('text', 'json')"),
-    ({"GDSLOAD_LOG_LEVEL": "loud"}, "log_level='loud'"),
-    ({"GDSLOAD_RESTART_BACKOFF": "0"}, "restart_backoff=0.0 must be"),
-    ({"GDSLOAD_RESTART_BACKOFF": "nan"}, "restart_backoff=nan"),
-    ({"GDSLOAD_RESTART_BACKOFF": "5", "GDSLOAD_RESTART_BACKOFF_MAX": "2"}, "restart_backoff_max=2.0 must be seconds between"),
-    ({"GDSLOAD_MAX_RESTARTS": "-1"}, "max_restarts=-1 must be an integer in 0..1000"),
-    ({"GDSLOAD_STOP_TIMEOUT": "soon"}, "GDSLOAD_STOP_TIMEOUT='soon' is not a valid stop timeout"),
-    ({"GDSLOAD_WORKER_START": "fork"}, "worker_start='fork' must be one of ('auto', 'forkserver', 'spawn')"),
-    ({"GDSLOAD_ALLOW_ROOT": "/no/such/root"}, "allow_root '/no/such/root' is not an existing directory"),
-    ({"GDSLOAD_TOKEN": "two words"}, "from GDSLOAD_TOKEN is empty or holds spaces"),
-    ({"GDSLOAD_TOKEN": " "}, "is empty or holds spaces"),
-    ({"GDSLOAD_TOKEN": "x"}, "from GDSLOAD_TOKEN has 1 characters; use at least 16"),
-    ({"GDSLOAD_ALLOWED_HOSTS": "ok.example,bad host"}, "allowed host 'bad host' is not a host name"),
-    ({"GDSLOAD_TOKEN_FILE": "/no/such/token"}, "token file '/no/such/token' does not exist"),
-    ({"GDSLOAD_MODEL_DIR": "/srv/elsewhere", "GDSLOAD_ALLOW_ROOT": "/"}, None),
-    ({"GDSLOAD_MODEL_DIR": ""}, "GDSLOAD_MODEL_DIR is empty"),  # as templates render an unset value
-    ({"GDSLOAD_PORT": "99999"}, "GDSLOAD_PORT: port=99999"),  # range errors name the variable too
-    ({"GDSLOAD_STOP_TIMEOUT": "0"}, "GDSLOAD_STOP_TIMEOUT: stop_timeout=0.0"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"GDSLOAD_PORT": "http"}, "GDSLOAD_PORT='http' is not a valid port"),
+        ({"GDSLOAD_PORT": "70000"}, "port=70000 must be an integer in 0..65535"),
+        ({"GDSLOAD_RANKS": "3-1"}, "GDSLOAD_RANKS='3-1': range '3-1' must go upwards"),
+        ({"GDSLOAD_RANKS": "0,x"}, "'x' is not a rank or range"),
+        ({"GDSLOAD_RANKS": "0,0-1"}, "names a rank twice"),
+        ({"GDSLOAD_TP": "0"}, "GDSLOAD_TP=0 must be an integer in 1..4096"),
+        ({"GDSLOAD_TP": "2", "GDSLOAD_RANKS": "0"}, "either --ranks or --tp"),
+        ({"GDSLOAD_DEVICE_MAP": "0=1"}, "'0=1' is not RANK:GPU"),
+        ({"GDSLOAD_DEVICE_MAP": "0:0,0:1"}, "maps rank 0 twice"),
+        ({"GDSLOAD_DEVICE_MAP": "0:0", "GDSLOAD_RANKS": "0-1"}, "does not place ranks [1]"),
+        ({"GDSLOAD_BACKEND": "warp"}, "backend='warp' is not known"),
+        ({"GDSLOAD_HOST": "bad host"}, "host='bad host' is not an IP address or host name"),
+        ({"GDSLOAD_LOG_FORMAT": "xml"}, "log_format='xml' must be one of ('text', 'json')"),
+        ({"GDSLOAD_LOG_LEVEL": "loud"}, "log_level='loud'"),
+        ({"GDSLOAD_RESTART_BACKOFF": "0"}, "restart_backoff=0.0 must be"),
+        ({"GDSLOAD_RESTART_BACKOFF": "nan"}, "restart_backoff=nan"),
+        (
+            {"GDSLOAD_RESTART_BACKOFF": "5", "GDSLOAD_RESTART_BACKOFF_MAX": "2"},
+            "restart_backoff_max=2.0 must be seconds between",
+        ),
+        ({"GDSLOAD_MAX_RESTARTS": "-1"}, "max_restarts=-1 must be an integer in 0..1000"),
+        ({"GDSLOAD_STOP_TIMEOUT": "soon"}, "GDSLOAD_STOP_TIMEOUT='soon' is not a valid stop timeout"),
+        ({"GDSLOAD_WORKER_START": "fork"}, "worker_start='fork' must be one of ('auto', 'forkserver', 'spawn')"),
+        ({"GDSLOAD_ALLOW_ROOT": "/no/such/root"}, "allow_root '/no/such/root' is not an existing directory"),
+        ({"GDSLOAD_TOKEN": "two words"}, "from GDSLOAD_TOKEN is empty or holds spaces"),
+        ({"GDSLOAD_TOKEN": " "}, "is empty or holds spaces"),
+        ({"GDSLOAD_TOKEN": "x"}, "from GDSLOAD_TOKEN has 1 characters; use at least 16"),
+        ({"GDSLOAD_ALLOWED_HOSTS": "ok.example,bad host"}, "allowed host 'bad host' is not a host name"),
+        ({"GDSLOAD_TOKEN_FILE": "/no/such/token"}, "token file '/no/such/token' does not exist"),
+        ({"GDSLOAD_MODEL_DIR": "/srv/elsewhere", "GDSLOAD_ALLOW_ROOT": "/"}, None),
+        ({"GDSLOAD_MODEL_DIR": ""}, "GDSLOAD_MODEL_DIR is empty"),  # as templates render an unset value
+        ({"GDSLOAD_PORT": "99999"}, "GDSLOAD_PORT: port=99999"),  # range errors name the variable too
+        ({"GDSLOAD_STOP_TIMEOUT": "0"}, "GDSLOAD_STOP_TIMEOUT: stop_timeout=0.0"),
+    ],
+)
 def test_bad_values_are_typed_errors_naming_the_value(env: dict[str, str], words: str | None):
     if words is None:  # a model under the allowed root (here "/") is fine
         assert ServeConfig.resolve(env=env).model_dir == "/srv/elsewhere"
@@ -191,7 +219,9 @@ def test_confine_path(tmp_path: Path):
         assert isinstance(e.value, PermissionError)
     with pytest.raises(PathNotAllowedError, match="not absolute"):
         confine_path("models/v1", roots)
-    with pytest.raises(PathNotAllowedError, match="no allowed roots are configured; start the server with --allow-root"):
+    with pytest.raises(
+        PathNotAllowedError, match="no allowed roots are configured; start the server with --allow-root"
+    ):
         confine_path(str(root / "v1"), [])
 
 

@@ -50,18 +50,57 @@ transformers = pytest.importorskip("transformers")
 # heads than tp (replication), MQA, KV heads split evenly, tied and untied embeddings, vocabularies
 # that are not multiples of 64 (padding), explicit head_dim != hidden/heads, all bias kinds.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-gqa-tied": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                                           num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
-                                           tie_word_embeddings=True)),
-    "llama-bias-untied": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                                              num_key_value_heads=4, num_hidden_layers=2, vocab_size=1000,
-                                              tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
-    "mistral-mqa": ("MistralConfig", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
-                                          num_key_value_heads=1, head_dim=16, num_hidden_layers=2,
-                                          vocab_size=700, tie_word_embeddings=False)),
-    "qwen2-tied": ("Qwen2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
-                                       tie_word_embeddings=True)),
+    "llama-gqa-tied": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=1000,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-bias-untied": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_hidden_layers=2,
+            vocab_size=1000,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+    ),
+    "mistral-mqa": (
+        "MistralConfig",
+        dict(
+            hidden_size=48,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_hidden_layers=2,
+            vocab_size=700,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2-tied": (
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=1000,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 TOKENS = torch.tensor([[1, 5, 99, 650, 42, 3, 299, 17]])  # < every vocab_size
 
@@ -139,8 +178,14 @@ def reassemble(out: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch
     """
     manifest = Manifest.read(out)
     rec = manifest.extra["shard"]
-    options = ShardOptions(tp=rec["tp"], pp=rec.get("pp", 1), ep=rec.get("ep", 1), layout=rec["layout"],
-                           quantize=rec["quantize"], max_file_bytes=rec["max_file_bytes"])
+    options = ShardOptions(
+        tp=rec["tp"],
+        pp=rec.get("pp", 1),
+        ep=rec.get("ep", 1),
+        layout=rec["layout"],
+        quantize=rec["quantize"],
+        max_file_bytes=rec["max_file_bytes"],
+    )
     plan = plan_shard(rec["source"], options)
     results = [load_rank(out, r) for r in range(manifest.world_size)]  # kept: the tensors are views of their arenas
     loaded = [r.tensors for r in results]
@@ -168,7 +213,9 @@ def reassemble(out: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch
                 region = torch.as_strided(full[src], part.src.shape, part.src.strides, part.src.offset)
                 mask = torch.as_strided(seen[src], part.src.shape, part.src.strides, part.src.offset)
                 prev = mask.clone()
-                assert torch.equal(region[prev].float(), piece[prev].float()), f"replicas of {src} differ (rank {f.rank})"
+                assert torch.equal(region[prev].float(), piece[prev].float()), (
+                    f"replicas of {src} differ (rank {f.rank})"
+                )
                 region.copy_(piece)
                 mask.fill_(True)
     for src, mask in seen.items():
@@ -199,7 +246,12 @@ def test_hf_layout_reassembles_to_identical_logits(checkpoints, tmp_path, kind, 
 def vllm_expected(kind: str, tp: int, quant: bool = False) -> dict[str, tuple[int, ...]]:
     """vLLM's per-rank parameter names and shapes for these models, written out independently."""
     cfg = MODELS[kind][1]
-    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    h, heads, kv, inter = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    )
     d = cfg.get("head_dim", h // heads)
     vp = -(-cfg["vocab_size"] // 64) * 64
     qkv_rows = (heads // tp + 2 * max(1, kv // tp)) * d
@@ -209,9 +261,14 @@ def vllm_expected(kind: str, tp: int, quant: bool = False) -> dict[str, tuple[in
         out["model.embed_tokens.weight"] = (vp // tp, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.qkv_proj.weight": (qkv_rows, h), p + "self_attn.o_proj.weight": (h, heads // tp * d),
-                p + "mlp.gate_up_proj.weight": (2 * inter // tp, h), p + "mlp.down_proj.weight": (h, inter // tp)}
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.qkv_proj.weight": (qkv_rows, h),
+            p + "self_attn.o_proj.weight": (h, heads // tp * d),
+            p + "mlp.gate_up_proj.weight": (2 * inter // tp, h),
+            p + "mlp.down_proj.weight": (h, inter // tp),
+        }
         if qkv_bias:
             out[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
         if cfg.get("attention_bias", False):
@@ -234,7 +291,12 @@ def vllm_expected(kind: str, tp: int, quant: bool = False) -> dict[str, tuple[in
 def unfuse_vllm(kind: str, tp: int, ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """HF tensors from vLLM-layout ranks, by vLLM's rules (not by our manifest)."""
     cfg = MODELS[kind][1]
-    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    h, heads, kv, inter = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+    )
     d = cfg.get("head_dim", h // heads)
     q_rows, kv_rows = heads // tp * d, max(1, kv // tp) * d
     replicas = max(1, tp // kv)
@@ -370,22 +432,37 @@ def _fails(fn: Any, exc: type[BaseException], *fragments: str) -> BaseException:
 
 def test_tp_not_dividing_heads_names_the_numbers(checkpoints, tmp_path):
     src, _ = checkpoints["llama-gqa-tied"]
-    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=3), ShardConfigError,
-           "tp=3", "num_attention_heads=8 is not divisible by tp=3",
-           "tp=3 is not a multiple of num_key_value_heads=2",
-           "TP sizes that work for this model: 1, 2, 4, 8", "config.json")
+    _fails(
+        lambda: shard_checkpoint(src, tmp_path / "out", tp=3),
+        ShardConfigError,
+        "tp=3",
+        "num_attention_heads=8 is not divisible by tp=3",
+        "tp=3 is not a multiple of num_key_value_heads=2",
+        "TP sizes that work for this model: 1, 2, 4, 8",
+        "config.json",
+    )
     src, _ = checkpoints["llama-bias-untied"]  # 8 heads, 4 KV heads: tp=8 would need 8/4=2 replicas: fine
-    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=16), ShardConfigError,
-           "num_attention_heads=8 is not divisible by tp=16")
+    _fails(
+        lambda: shard_checkpoint(src, tmp_path / "out", tp=16),
+        ShardConfigError,
+        "num_attention_heads=8 is not divisible by tp=16",
+    )
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("layout", ["vllm", "hf"])
 def test_a_rank_past_the_vocabulary_holds_padding_only(tmp_path, layout):
     # vocab 130 at tp=4 pads to 192 rows, 48 per rank: rank 3 starts at row 144, past the last real row
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                                      num_key_value_heads=4, num_hidden_layers=1, vocab_size=130,
-                                      tie_word_embeddings=False, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+        vocab_size=130,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "src")
@@ -410,10 +487,18 @@ def test_unknown_architecture(checkpoints, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (bad / "config.json").write_text(json.dumps(cfg))
-    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), UnsupportedModelError,
-           "'GPT2LMHeadModel'", "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", str(bad / "config.json"))
-    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama",
-               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    _fails(
+        lambda: shard_checkpoint(bad, tmp_path / "out", tp=2),
+        UnsupportedModelError,
+        "'GPT2LMHeadModel'",
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        str(bad / "config.json"),
+    )
+    cfg.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
+    )
     (bad / "config.json").write_text(json.dumps(cfg))
     _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), UnsupportedModelError, "already quantized")
     assert not (tmp_path / "out").exists()
@@ -432,12 +517,22 @@ def _drop_tensor(ckpt: Path, name: str) -> str:
 def test_missing_tensor_and_missing_shard_file(checkpoints, tmp_path):
     bad = _copy(checkpoints["llama-bias-untied"][0], tmp_path / "missing")
     _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight")
-    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceCheckpointError,
-           "'model.layers.1.mlp.up_proj.weight'", "lacks 1 tensor", "incomplete")
+    _fails(
+        lambda: shard_checkpoint(bad, tmp_path / "out", tp=2),
+        SourceCheckpointError,
+        "'model.layers.1.mlp.up_proj.weight'",
+        "lacks 1 tensor",
+        "incomplete",
+    )
     gone = sorted(bad.glob("model-*.safetensors"))[-1]
     gone.unlink()
-    err = _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceNotFoundError,
-                 repr(gone.name), "model.safetensors.index.json", "download is incomplete")
+    err = _fails(
+        lambda: shard_checkpoint(bad, tmp_path / "out", tp=2),
+        SourceNotFoundError,
+        repr(gone.name),
+        "model.safetensors.index.json",
+        "download is incomplete",
+    )
     assert isinstance(err, FileNotFoundError)
     assert not (tmp_path / "out").exists()
 
@@ -451,8 +546,12 @@ def test_index_names_the_weight_files_and_a_bad_index_is_typed(checkpoints, tmp_
     doc = json.loads(index.read_text())
     for weight_map in ([list(doc["weight_map"])], {"model.norm.weight": 3}, {"model.norm.weight": "../x.safetensors"}):
         index.write_text(json.dumps({**doc, "weight_map": weight_map}))
-        _fails(lambda: shard_checkpoint(src, tmp_path / "out2", tp=2), SourceCheckpointError,
-               "'weight_map' must map tensor names to file names", str(index))
+        _fails(
+            lambda: shard_checkpoint(src, tmp_path / "out2", tp=2),
+            SourceCheckpointError,
+            "'weight_map' must map tensor names to file names",
+            str(index),
+        )
     assert not (tmp_path / "out2").exists()
 
 
@@ -465,8 +564,13 @@ def test_inf_weight_refuses_fp8_naming_the_tensor(checkpoints, tmp_path):
             tensors[name][0, 0] = float("inf")
             safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
             break
-    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=2, quantize="fp8"), SourceCheckpointError,
-           repr(name), "inf or NaN", "without --quantize")
+    _fails(
+        lambda: shard_checkpoint(src, tmp_path / "out", tp=2, quantize="fp8"),
+        SourceCheckpointError,
+        repr(name),
+        "inf or NaN",
+        "without --quantize",
+    )
     assert not (tmp_path / "out").exists()
     assert shard_checkpoint(src, tmp_path / "plain", tp=2).files  # unquantized, the values are copied as they are
 
@@ -478,8 +582,12 @@ def test_zero_head_counts_in_config_are_refused(checkpoints, tmp_path):
         (src / "config.json").write_text(json.dumps({**cfg, key: 0}))
         _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=1), UnsupportedModelError, words)
     (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10**9}))  # refused at once, not counted
-    _fails(lambda: shard_checkpoint(src, tmp_path / "out", tp=1, layout="hf"), UnsupportedModelError,
-           "num_hidden_layers=1000000000", "the config is damaged")
+    _fails(
+        lambda: shard_checkpoint(src, tmp_path / "out", tp=1, layout="hf"),
+        UnsupportedModelError,
+        "num_hidden_layers=1000000000",
+        "the config is damaged",
+    )
     (src / "config.json").write_text(json.dumps({**cfg, "head_dim": None}))  # as some configs write it: the default
     assert shard_checkpoint(src, tmp_path / "out", tp=1).files
     with pytest.raises(ConfigError, match="must be a string"):
@@ -491,8 +599,13 @@ def test_shape_mismatch_names_tensor_and_config(checkpoints, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (bad / "config.json").write_text(json.dumps(cfg))
-    _fails(lambda: shard_checkpoint(bad, tmp_path / "out", tp=2), SourceCheckpointError,
-           "'model.layers.0.mlp.gate_proj.weight' has shape [64, 48]", "implies [128, 48]", "intermediate_size=128")
+    _fails(
+        lambda: shard_checkpoint(bad, tmp_path / "out", tp=2),
+        SourceCheckpointError,
+        "'model.layers.0.mlp.gate_proj.weight' has shape [64, 48]",
+        "implies [128, 48]",
+        "intermediate_size=128",
+    )
 
 
 def test_non_safetensors_sources(tmp_path, checkpoints):
@@ -500,8 +613,13 @@ def test_non_safetensors_sources(tmp_path, checkpoints):
     pickled.mkdir()
     shutil.copy(checkpoints["llama-gqa-tied"][0] / "config.json", pickled)
     torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
-    err = _fails(lambda: shard_checkpoint(pickled, tmp_path / "out", tp=1), UnsupportedSourceError,
-                 "'pytorch_model.bin'", "reads only safetensors", "save_pretrained")
+    err = _fails(
+        lambda: shard_checkpoint(pickled, tmp_path / "out", tp=1),
+        UnsupportedSourceError,
+        "'pytorch_model.bin'",
+        "reads only safetensors",
+        "save_pretrained",
+    )
     assert isinstance(err, ValueError)
     _fails(lambda: shard_checkpoint(tmp_path / "nope", tmp_path / "out", tp=1), SourceNotFoundError, "does not exist")
     (pickled / "config.json").unlink()
@@ -514,8 +632,11 @@ def test_source_vanishing_after_planning_is_a_typed_error(checkpoints, tmp_path)
     plan = plan_shard(src, ShardOptions(tp=2))
     victim = sorted(src.glob("model-*.safetensors"))[1]
     victim.unlink()
-    err = _fails(lambda: execute_plan(plan, tmp_path / "out"), SourceReadError,
-                 "the source changed or became unreadable since planning")
+    err = _fails(
+        lambda: execute_plan(plan, tmp_path / "out"),
+        SourceReadError,
+        "the source changed or became unreadable since planning",
+    )
     assert isinstance(err, OSError) and not (tmp_path / "out").exists()
 
 
@@ -552,8 +673,7 @@ def _bytes_written(src: Path, out: Path, **kw: Any) -> int:
 
 @pytest.mark.parametrize("fraction, stage", [(0.0, "state.json"), (0.3, "(tensor '"), (0.999, "gdsload.json")])
 @pytest.mark.parametrize("out_exists", [False, True])
-def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, stage,
-                                                       out_exists):
+def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, fraction, stage, out_exists):
     src, _ = checkpoints["llama-gqa-tied"]
     kw = dict(tp=2, layout="vllm", quantize="fp8", max_file_bytes=20_000)
     total = _bytes_written(src, tmp_path / "reference", **kw)
@@ -574,8 +694,9 @@ def test_full_disk_is_a_typed_error_and_leaves_nothing(checkpoints, tmp_path, mo
     out = tmp_path / "out"
     if out_exists:
         out.mkdir()
-    err = _fails(lambda: shard_checkpoint(src, out, **kw), ShardWriteError, "No space left on device", "free space",
-                 stage)
+    err = _fails(
+        lambda: shard_checkpoint(src, out, **kw), ShardWriteError, "No space left on device", "free space", stage
+    )
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and str(out) in str(err)
     if out_exists:
         assert list(out.iterdir()) == []
@@ -627,17 +748,32 @@ def test_interrupted_run_resumes_and_matches_a_clean_run(checkpoints, tmp_path):
     kept = [p for p in (out / PARTIAL_DIR).glob("model-rank-*.safetensors")]
     assert kept
     # a different command may not take the partial run over
-    _fails(lambda: shard_checkpoint(src, out, **{**kw, "tp": 2}), OutputExistsError,
-           "unfinished `gdsload shard` run of a different command", "tp=4 (now 2)")
+    _fails(
+        lambda: shard_checkpoint(src, out, **{**kw, "tp": 2}),
+        OutputExistsError,
+        "unfinished `gdsload shard` run of a different command",
+        "tp=4 (now 2)",
+    )
     resumed = shard_checkpoint(src, out, **kw)
     assert resumed.resumed_files == len(kept) and resumed.written_bytes < clean.total_bytes
-    assert resumed.written_bytes + sum(f.nbytes for f in plan_shard(src, ShardOptions(**kw)).files
-                                       if (out / f.relpath).name in {k.name for k in kept}) == clean.total_bytes
+    assert (
+        resumed.written_bytes
+        + sum(
+            f.nbytes
+            for f in plan_shard(src, ShardOptions(**kw)).files
+            if (out / f.relpath).name in {k.name for k in kept}
+        )
+        == clean.total_bytes
+    )
     _same_files(out, tmp_path / "clean")
     again = shard_checkpoint(src, out, **kw)
     assert again.already_complete and again.written_bytes == 0 and "nothing to do" in again.summary()
-    _fails(lambda: shard_checkpoint(src, out, **{**kw, "layout": "hf"}), OutputExistsError,
-           "already holds a sharded checkpoint", "layout='vllm' (now 'hf')")
+    _fails(
+        lambda: shard_checkpoint(src, out, **{**kw, "layout": "hf"}),
+        OutputExistsError,
+        "already holds a sharded checkpoint",
+        "layout='vllm' (now 'hf')",
+    )
 
 
 _KILL_SCRIPT = textwrap.dedent("""
@@ -676,8 +812,12 @@ def test_sigkill_mid_file_then_rerun_resumes(checkpoints, tmp_path):
     src, _ = checkpoints["llama-bias-untied"]
     clean = shard_checkpoint(src, tmp_path / "clean", tp=2, layout="hf", max_file_bytes=50_000)
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(src), str(out), str(int(clean.total_bytes * 0.6))],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _KILL_SCRIPT, str(src), str(out), str(int(clean.total_bytes * 0.6))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr
     partial = out / PARTIAL_DIR
     assert [x.name for x in out.iterdir()] == [PARTIAL_DIR]
@@ -694,8 +834,23 @@ def test_cli_shard_prints_summary_and_one_line_errors(checkpoints, tmp_path, mon
     monkeypatch.setitem(cli._LAZY_COMMANDS, "shard", "gdsload.server.cmd_shard:shard")
     src, _ = checkpoints["mistral-mqa"]
     out = tmp_path / "out"
-    cli.main(["shard", str(src), str(out), "--tp", "2", "--layout", "hf", "--quantize", "fp8:per-channel",
-              "--max-file-size", "20KiB", "--no-progress", "--json"])
+    cli.main(
+        [
+            "shard",
+            str(src),
+            str(out),
+            "--tp",
+            "2",
+            "--layout",
+            "hf",
+            "--quantize",
+            "fp8:per-channel",
+            "--max-file-size",
+            "20KiB",
+            "--no-progress",
+            "--json",
+        ]
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["tp"] == 2 and doc["quantize"] == "fp8:per-channel" and len(doc["files"]["0"]) > 1
     with pytest.raises(SystemExit) as exit_info:
@@ -725,8 +880,23 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
     (src / "gdsload.json").unlink()
     plain, packed = tmp_path / "plain", tmp_path / "packed"
     for out, extra in ((plain, []), (packed, ["--codec", "zstd"])):
-        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(out), "--tp", "2",
-                            "--no-progress", *extra], capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gdsload.server.cli",
+                "shard",
+                str(src),
+                str(out),
+                "--tp",
+                "2",
+                "--no-progress",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr
     assert "compressed with zstd" in p.stdout and f"sharded -> {str(packed)!r}" in p.stdout
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]  # no partial dirs left
@@ -738,13 +908,45 @@ def test_shard_with_compress_writes_compressed_shards_that_load_bit_exact(tmp_pa
     # The same command again: its output is there, nothing to do; a run stopped after its compressed output
     # appeared left the uncompressed shards beside it, and they go.
     shutil.copytree(plain, tmp_path / ".packed.uncompressed")
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(packed), "--tp", "2",
-                        "--no-progress", "--compress", "zstd"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.server.cli",
+            "shard",
+            str(src),
+            str(packed),
+            "--tp",
+            "2",
+            "--no-progress",
+            "--compress",
+            "zstd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0 and "nothing to do" in p.stdout, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]
     # Another command into the same OUT is refused before any sharding work, leaving nothing behind.
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", "shard", str(src), str(packed), "--tp", "1",
-                        "--no-progress", "--compress", "zstd"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gdsload.server.cli",
+            "shard",
+            str(src),
+            str(packed),
+            "--tp",
+            "1",
+            "--no-progress",
+            "--compress",
+            "zstd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0 and "already exists" in p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf", "packed", "plain"]
     for rank in (0, 1):
@@ -792,8 +994,9 @@ def test_a_kill_at_any_rename_leaves_nothing_that_loads_and_a_rerun_recovers(che
     killed = 0
     for k in range(1, 60):
         out = tmp_path / f"out{k}"
-        p = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, str(k), *argv(out)], capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", _KILL_AT_RENAME, str(k), *argv(out)], capture_output=True, text=True, timeout=120
+        )
         if p.returncode == 0:
             break  # past the last rename: the run finished
         assert p.returncode == -signal.SIGKILL, p.stderr
@@ -804,8 +1007,9 @@ def test_a_kill_at_any_rename_leaves_nothing_that_loads_and_a_rerun_recovers(che
             except (UnfinishedOutputError, NoFilesForRankError, FileNotFoundError):
                 continue
             assert got.keys() == want[r].keys() and all(torch.equal(got[n], want[r][n]) for n in got), (k, r)
-        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *argv(out)], capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "gdsload.server.cli", *argv(out)], capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == 0, (k, p.stderr)
         for r in range(2):
             got = load_rank(out, r).tensors
@@ -835,8 +1039,9 @@ def test_compression_is_part_of_the_command(checkpoints, tmp_path):
     # An interrupted uncompressed run in OUT is not taken for a compressed one.
     out = tmp_path / "out"
     (out / PARTIAL_DIR).mkdir(parents=True)
-    (out / PARTIAL_DIR / "state.json").write_text(json.dumps(
-        {"fingerprint": plain.fingerprint, "source": str(plain.source), **plain.options.describe()}))
+    (out / PARTIAL_DIR / "state.json").write_text(
+        json.dumps({"fingerprint": plain.fingerprint, "source": str(plain.source), **plain.options.describe()})
+    )
     with pytest.raises(OutputExistsError, match=r"compress=None \(now 'ans'\)"):
         execute_plan(packed, out)
 
@@ -875,8 +1080,10 @@ def test_planning_a_sharding_imports_no_torch(checkpoints):
     import sys
 
     src, _ = checkpoints["llama-gqa-tied"]
-    code = ("import sys; import gdsload.server.cmd_shard; from gdsload.loader.prepare.shard import plan_shard, "
-            f"ShardOptions; plan_shard({str(src)!r}, ShardOptions(tp=2, compress='ans')); print('torch' in sys.modules)")
+    code = (
+        "import sys; import gdsload.server.cmd_shard; from gdsload.loader.prepare.shard import plan_shard, "
+        f"ShardOptions; plan_shard({str(src)!r}, ShardOptions(tp=2, compress='ans')); print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr
 
@@ -910,8 +1117,9 @@ def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, chec
     from gdsload.loader.errors import IntegrityError
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True,
-                           timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True, timeout=300
+        )
         assert p.returncode == 0 or not ok, p.stderr
         return p
 
@@ -920,15 +1128,25 @@ def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, chec
     src, _ = checkpoints["llama-gqa-tied"]
     run("compress", str(model), str(tmp_path / "z-b3"), "--codec", "zstd", "--device", "cpu")
     run("shard", str(src), str(tmp_path / "s-b3"), "--tp", "2", "--no-progress")
-    run("compress", str(model), str(tmp_path / "z-sha"), "--codec", "zstd", "--device", "cpu",
-        "--digest-algorithm", "sha256")
+    run(
+        "compress",
+        str(model),
+        str(tmp_path / "z-sha"),
+        "--codec",
+        "zstd",
+        "--device",
+        "cpu",
+        "--digest-algorithm",
+        "sha256",
+    )
     run("shard", str(src), str(tmp_path / "s-sha"), "--tp", "2", "--no-progress", "--digest-algorithm", "sha256")
     oracle = {"blake3": lambda b: blake3.blake3(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
     for algorithm, suffix in (("blake3", "b3"), ("sha256", "sha")):
         for out in (tmp_path / f"z-{suffix}", tmp_path / f"s-{suffix}"):
             files = [f for fs in Manifest.read(out).ranks.values() for f in fs]
-            assert files and all(f.digest == f"{algorithm}:" + oracle[algorithm]((out / f.path).read_bytes())
-                                 for f in files), out
+            assert files and all(
+                f.digest == f"{algorithm}:" + oracle[algorithm]((out / f.path).read_bytes()) for f in files
+            ), out
         assert load_rank(tmp_path / f"s-{suffix}", 1, verify=True).report.verified
         victim = tmp_path / f"s-{suffix}" / Manifest.read(tmp_path / f"s-{suffix}").ranks[1][0].path
         raw = bytearray(victim.read_bytes())
@@ -945,8 +1163,7 @@ def test_compress_and_shard_record_the_digest_algorithm_asked_for(tmp_path, chec
     assert not (tmp_path / "s-md5").exists()
 
 
-def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_can_change_it(checkpoints,
-                                                                                                tmp_path):
+def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_can_change_it(checkpoints, tmp_path):
     """A writer that computes another digest (or none) than the one asked for: the manifest still records the
     one asked for, hashed from the file. A finished output rerun with another digest option keeps its files
     and records the digests asked for."""
@@ -964,12 +1181,16 @@ def test_the_digest_asked_for_is_recorded_whatever_writes_the_files_and_a_rerun_
     data = {f.path: (out / f.path).read_bytes() for f in listed}
     assert listed and all(f.digest == "sha256:" + hashlib.sha256(data[f.path]).hexdigest() for f in listed)
     extra = Manifest.read(out).extra
-    for digest, want in ((True, lambda b: "blake3:" + blake3.blake3(b).hexdigest()), (False, lambda b: None),
-                         ("sha256", lambda b: "sha256:" + hashlib.sha256(b).hexdigest())):
+    for digest, want in (
+        (True, lambda b: "blake3:" + blake3.blake3(b).hexdigest()),
+        (False, lambda b: None),
+        ("sha256", lambda b: "sha256:" + hashlib.sha256(b).hexdigest()),
+    ):
         assert shard_checkpoint(src, out, tp=2, digest=digest).already_complete
         again = Manifest.read(out)
         assert [(f.path, f.digest) for fs in again.ranks.values() for f in fs] == [
-            (f.path, want(data[f.path])) for f in listed]
+            (f.path, want(data[f.path])) for f in listed
+        ]
         assert again.extra == extra and all((out / p).read_bytes() == b for p, b in data.items())
 
 
@@ -979,8 +1200,12 @@ def test_shard_follows_no_link_out_of_the_source_and_keeps_private_files_private
     secret.write_text("token")
     (src / "tokenizer.json").unlink()
     (src / "tokenizer.json").symlink_to(secret)
-    _fails(lambda: plan_shard(src, ShardOptions(tp=2)), SourceCheckpointError, "outside the source directory",
-           "does not follow links out of SRC")
+    _fails(
+        lambda: plan_shard(src, ShardOptions(tp=2)),
+        SourceCheckpointError,
+        "outside the source directory",
+        "does not follow links out of SRC",
+    )
     assert not (tmp_path / "out").exists()
     (src / "tokenizer.json").unlink()
     (src / "tokenizer.json").write_text("{}")

@@ -17,8 +17,10 @@ def test_engine_maps_a_rank_from_the_real_sidecar_and_releases_its_lease(tmp_pat
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
-    server = Server([str(model), "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(tmp_path)],
-                    tmp_path / "serve.log")
+    server = Server(
+        [str(model), "--device-map", "cpu", "--token-file", str(token_file), "--allow-root", str(tmp_path)],
+        tmp_path / "serve.log",
+    )
     try:
         server.poll_ready()
         client = SidecarClient(server.url, token=TOKEN)

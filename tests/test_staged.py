@@ -235,5 +235,7 @@ def test_a_gpu_pool_without_a_driver_says_which_call_failed():
     assert ctx.handle and ctx.new_stream() != ctx.new_stream()
     ctx.release()
     assert ctx.handle is None
-    with pytest.raises(staged.StagedReaderError, match=r"cuDeviceGet failed for CUDA device 4096: CUDA_ERROR_INVALID_DEVICE"):
+    with pytest.raises(
+        staged.StagedReaderError, match=r"cuDeviceGet failed for CUDA device 4096: CUDA_ERROR_INVALID_DEVICE"
+    ):
         StagedPool(4096, threads=1, chunk=1 << 16)

@@ -32,22 +32,32 @@ def _child(tmp_path, body: str, timeout: float = 60) -> str:
     env = {**os.environ, "MALLOC_PERTURB_": "165"}
     code = _PRELUDE + textwrap.dedent(body)
     try:
-        p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(tmp_path / "blob.bin")],
-                           capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", code, str(tmp_path / "blob.bin")],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the child hung (no answer in {timeout} s)")
     assert p.returncode == 0, f"the child died with {p.returncode}: {p.stderr[-3000:]}"
     return p.stdout
 
 
-@pytest.mark.parametrize("offset, length, error", [
-    (0, 2**63 - 1, "TruncatedFileError"),  # past the end of the file: refused before the pool sees it
-    (1, 2**63 - 1, "StagedRangeError"),    # past 2**63 - 1
-    (-1, 10, "StagedRangeError"),
-    (0, -5, "StagedRangeError"),
-])
+@pytest.mark.parametrize(
+    "offset, length, error",
+    [
+        (0, 2**63 - 1, "TruncatedFileError"),  # past the end of the file: refused before the pool sees it
+        (1, 2**63 - 1, "StagedRangeError"),  # past 2**63 - 1
+        (-1, 10, "StagedRangeError"),
+        (0, -5, "StagedRangeError"),
+    ],
+)
 def test_a_range_no_file_holds_is_a_typed_error_at_once(tmp_path, offset, length, error):
-    out = _child(tmp_path, f"""
+    out = _child(
+        tmp_path,
+        f"""
         with StagedPool(None, threads=2, chunk=4096, buffers=1) as eng:
             try:
                 eng.submit([(fd, {offset}, {length}, out.ctypes.data)], [path])()
@@ -56,28 +66,34 @@ def test_a_range_no_file_holds_is_a_typed_error_at_once(tmp_path, offset, length
             eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])()  # the pool goes on
         assert (out == data).all()
         print("ok")
-    """)
+    """,
+    )
     assert out.startswith(error) and "blob.bin" in out and out.rstrip().endswith("ok"), out
 
 
 def test_a_huge_length_on_a_descriptor_without_a_size_is_refused_by_the_pool(tmp_path):
     """A pipe has no size to check against: the pool itself refuses a range of 2**63 - 1 bytes (it would need
     2**42 chunks), where it used to loop forever growing its queue."""
-    out = _child(tmp_path, """
+    out = _child(
+        tmp_path,
+        """
         r, w = os.pipe()
         with StagedPool(None, threads=1, chunk=2 << 20, buffers=1) as eng:
             try:
                 eng.submit([(r, 0, 2**63 - 1, out.ctypes.data)], ["/models/pipe"])()
             except GdsloadError as e:
                 print(type(e).__name__, "|", e)
-    """)
+    """,
+    )
     assert out.startswith("StagedRangeError") and "2**26 chunks" in out, out
 
 
 def test_a_waiter_called_after_close_answers(tmp_path):
     """The reads were finished by close(); their waiter then returns (or raises their error), without touching
     the pool that is gone."""
-    out = _child(tmp_path, """
+    out = _child(
+        tmp_path,
+        """
         eng = StagedPool(None, threads=2, chunk=65536, buffers=2)
         wait = eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])
         eng.close()
@@ -89,12 +105,15 @@ def test_a_waiter_called_after_close_answers(tmp_path):
         except GdsloadError as e:
             print(type(e).__name__, "|", e)
         print("ok")
-    """)
+    """,
+    )
     assert out.startswith("StagedReaderError | the staged reader is closed") and out.rstrip().endswith("ok"), out
 
 
 def test_waiting_twice_or_from_two_threads_gives_one_outcome(tmp_path):
-    out = _child(tmp_path, """
+    out = _child(
+        tmp_path,
+        """
         short = os.open(path, os.O_RDONLY)
         with StagedPool(None, threads=3, chunk=65536, buffers=2) as eng:
             wait = eng.submit([(fd, 0, data.size, out.ctypes.data)], [path])
@@ -109,12 +128,15 @@ def test_waiting_twice_or_from_two_threads_gives_one_outcome(tmp_path):
             print(errors)
             assert (again == data).all()
         print("ok")
-    """)
+    """,
+    )
     assert "['none', 'none', 'none', 'none']" in out and out.rstrip().endswith("ok"), out
 
 
 def test_a_read_error_is_given_to_every_waiter_and_after_close(tmp_path):
-    out = _child(tmp_path, """
+    out = _child(
+        tmp_path,
+        """
         eng = StagedPool(None, threads=2, chunk=4096, buffers=1)
         r, w = os.pipe()
         wait = eng.submit([(r, 0, 100, out.ctypes.data)], ["/models/a.safetensors"])
@@ -124,14 +146,17 @@ def test_a_read_error_is_given_to_every_waiter_and_after_close(tmp_path):
                 wait()
             except GdsloadError as e:
                 print(type(e).__name__, "|", e)
-    """)
+    """,
+    )
     lines = out.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("FileUnreadableError") and "ESPIPE" in line for line in lines), out
 
 
 def test_a_progress_callback_that_closes_the_pool(tmp_path):
     """A waiter's progress callback that closes the pool: the wait ends with the reads' outcome, no deadlock."""
-    out = _child(tmp_path, """
+    out = _child(
+        tmp_path,
+        """
         eng = StagedPool(None, threads=1, chunk=4096, buffers=1)
         seen = []
         def progress(n):
@@ -140,5 +165,6 @@ def test_a_progress_callback_that_closes_the_pool(tmp_path):
         eng.submit([(fd, 0, data.size, out.ctypes.data)], [path], progress)()
         assert (out == data).all() and sum(seen) == data.size, (sum(seen), data.size)
         print("ok")
-    """)
+    """,
+    )
     assert out.strip() == "ok", out

@@ -65,8 +65,12 @@ def _oracle(files: list[Path]) -> dict[str, list]:
 
 
 def _run(path: Path, rank: int = 0, *, verify: bool = False) -> tuple[dict, dict]:
-    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", CHILD, str(path), str(rank), "1" if verify else "0", "0"],
-                       capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CHILD, str(path), str(rank), "1" if verify else "0", "0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr
     first, last = (json.loads(line) for line in p.stdout.strip().splitlines()[-2:])
     return first, last
@@ -134,8 +138,13 @@ def test_device_buffers_slice_like_byte_arrays_and_show_their_address():
     assert (part.ptr, part.nbytes, len(part)) == ((1 << 40) + 100, 200, 200)
     assert part[50:].ptr == (1 << 40) + 150 and part[50:].nbytes == 150
     assert buf[990:2000].nbytes == 10 and buf[500:400].nbytes == 0 and buf[-10:].ptr == (1 << 40) + 990
-    assert part.__cuda_array_interface__ == {"shape": (200,), "typestr": "|u1", "data": ((1 << 40) + 100, False),
-                                            "strides": None, "version": 3}
+    assert part.__cuda_array_interface__ == {
+        "shape": (200,),
+        "typestr": "|u1",
+        "data": ((1 << 40) + 100, False),
+        "strides": None,
+        "version": 3,
+    }
     assert part._mem is owner  # a slice keeps the allocation alive
     with pytest.raises(ValueError, match="step 1"):
         buf[::2]
@@ -161,15 +170,31 @@ def test_no_cuda_driver_is_a_typed_error_that_says_what_to_do(monkeypatch):
 
 
 def test_cuda_ipc_document_with_a_damaged_handle_is_a_typed_error():
-    doc = {"version": 1, "kind": "cuda-ipc", "rank": 0, "nbytes": 16, "tensors": [],
-           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": "AAAA", "size": 16}}
+    doc = {
+        "version": 1,
+        "kind": "cuda-ipc",
+        "rank": 0,
+        "nbytes": 16,
+        "tensors": [],
+        "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": "AAAA", "size": 16},
+    }
     with pytest.raises(IpcError, match="3 bytes, not 64"):
         import_rank(doc)
 
 
 def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
-    doc = {"version": 1, "kind": "cuda-ipc", "rank": 0, "nbytes": 16, "tensors": [],
-           "cuda_ipc": {"device_uuid": "00000000-0000-0000-0000-000000000000", "handle": base64.b64encode(bytes(64)).decode(), "size": 16}}
+    doc = {
+        "version": 1,
+        "kind": "cuda-ipc",
+        "rank": 0,
+        "nbytes": 16,
+        "tensors": [],
+        "cuda_ipc": {
+            "device_uuid": "00000000-0000-0000-0000-000000000000",
+            "handle": base64.b64encode(bytes(64)).decode(),
+            "size": 16,
+        },
+    }
     with pytest.raises(IpcError, match="not visible"):
         import_rank(doc)
 
@@ -266,7 +291,9 @@ def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(shard
     assert reader.hooks == ["use", "use", "sync"]  # open, submit, after the reads
     assert reader.io_modes() == ["posix", "posix"] and reader.direct_io() == [False, False]
     reader.close()
-    assert seen["restored"] == 1 and sorted(seen["closed"]) == sorted(seen["opened"]) == sorted(f.path for f in plan.files)
+    assert seen["restored"] == 1 and sorted(seen["closed"]) == sorted(seen["opened"]) == sorted(
+        f.path for f in plan.files
+    )
     ref = {}
     for f in plan.files:
         ref.update(safetensors.torch.load_file(f.path))
@@ -316,8 +343,9 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     reader.open(plan)
     reader.read(plan.extents, [arena])
     assert reader.cold_direct and reader.direct_io() == [True, True] and reader.io_modes() == ["posix", "posix"]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192,
-                                 "auto_direct_io_read": True}]
+    assert seen["settings"] == [
+        {"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192, "auto_direct_io_read": True}
+    ]
     # One kvikio task per read, cut at aligned offsets, queued as three sequential streams.
     queued = stream_order(split_extents([e for e in plan.extents if e.length], 8192, interleave=False, aligned=True), 3)
     assert len(queued) > 3
@@ -332,8 +360,9 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     reader.read(plan.extents, [reader.allocate(plan.arena_bytes)])
     reader.close()
     assert not reader.cold_direct and reader.direct_io() == [False, False]
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192,
-                                 "auto_direct_io_read": False}]
+    assert seen["settings"] == [
+        {"num_threads": 3, "task_size": 8192, "bounce_buffer_size": 8192, "auto_direct_io_read": False}
+    ]
 
 
 def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touched(sharded_dir, monkeypatch):
@@ -402,10 +431,12 @@ def test_cold_pieces_are_read_in_order_by_one_thread_each(sharded_dir, monkeypat
 
     monkeypatch.setattr(CuFileBackend, "COLD_PIECE", 3 * 8192 + 100)  # rounded down to whole reads
     seen, plan, paths, arena = _read_cold_rank(sharded_dir, monkeypatch)
-    assert seen["settings"] == [{"num_threads": 3, "task_size": 3 * 8192, "bounce_buffer_size": 8192,
-                                 "auto_direct_io_read": True}]
-    pieces = stream_order(split_extents([e for e in plan.extents if e.length], 3 * 8192, interleave=False,
-                                        aligned=True), 3)
+    assert seen["settings"] == [
+        {"num_threads": 3, "task_size": 3 * 8192, "bounce_buffer_size": 8192, "auto_direct_io_read": True}
+    ]
+    pieces = stream_order(
+        split_extents([e for e in plan.extents if e.length], 3 * 8192, interleave=False, aligned=True), 3
+    )
     assert seen["preads"] == [(paths[e.file_index], e.file_offset, e.length) for e in pieces]
     _assert_oracle_bytes(plan, arena)
 
@@ -465,11 +496,19 @@ def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharde
 def test_kvikio_bounce_buffers_are_sized_to_its_task():
     reader = _host_reader(chunk=8 << 20)
     reader.options = type(reader.options)(chunk_bytes=8 << 20)
-    assert reader._kvikio_settings() == {"num_threads": 16, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
-                                         "auto_direct_io_read": False}
+    assert reader._kvikio_settings() == {
+        "num_threads": 16,
+        "task_size": 8 << 20,
+        "bounce_buffer_size": 8 << 20,
+        "auto_direct_io_read": False,
+    }
     reader.cold_direct = True  # as open() decides for a cold rank
-    assert reader._kvikio_settings() == {"num_threads": 4, "task_size": 8 << 20, "bounce_buffer_size": 8 << 20,
-                                         "auto_direct_io_read": True}
+    assert reader._kvikio_settings() == {
+        "num_threads": 4,
+        "task_size": 8 << 20,
+        "bounce_buffer_size": 8 << 20,
+        "auto_direct_io_read": True,
+    }
 
 
 @pytest.mark.gpu
@@ -518,9 +557,11 @@ def test_bare_load_of_cold_files_reads_them_with_o_direct(tmp_path, which):
 
         path, files = tmp_path / "foreign.safetensors", [tmp_path / "foreign.safetensors"]
         big = np.random.default_rng(1).integers(0, 255, 24 << 20, dtype=np.uint8)
-        header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-                  "b": {"dtype": "U8", "shape": [big.size], "data_offsets": [3, 3 + big.size]},
-                  "c": {"dtype": "U8", "shape": [5], "data_offsets": [3 + big.size, 8 + big.size]}}
+        header = {
+            "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+            "b": {"dtype": "U8", "shape": [big.size], "data_offsets": [3, 3 + big.size]},
+            "c": {"dtype": "U8", "shape": [5], "data_offsets": [3 + big.size, 8 + big.size]},
+        }
         raw = json.dumps(header).encode() + b" "
         path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"abc" + big.tobytes() + b"defgh")
     if not o_direct_supported(str(files[0])):
@@ -543,10 +584,14 @@ def test_bare_load_decodes_compressed_files(tmp_path, codec):
     src.mkdir()
     g = torch.Generator().manual_seed(1)
     for part in range(2):
-        save_file({f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
-                   f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
-                   f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16)},
-                  src / f"model-rank-0-part-{part}.safetensors")
+        save_file(
+            {
+                f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+                f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
+                f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16),
+            },
+            src / f"model-rank-0-part-{part}.safetensors",
+        )
     out_dir = tmp_path / codec
     compress_dir(src, out_dir, codec=codec, device="cuda")
     out, _ = _run(out_dir, verify=True)
@@ -571,8 +616,13 @@ def test_a_cold_rank_is_read_by_fastsafetensors_without_importing_kvikio(tmp_pat
     src.mkdir()
     g = torch.Generator().manual_seed(4)
     for part in range(2):
-        save_file({f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
-                   f"p{part}.odd": torch.randn(333, 17, generator=g)}, src / f"model-rank-0-part-{part}.safetensors")
+        save_file(
+            {
+                f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
+                f"p{part}.odd": torch.randn(333, 17, generator=g),
+            },
+            src / f"model-rank-0-part-{part}.safetensors",
+        )
     d = src
     if codec:
         d = tmp_path / codec
@@ -593,8 +643,10 @@ def test_bare_close_gives_the_memory_back(tmp_path):
     _needs_bare()
     g = torch.Generator().manual_seed(2)
     for part in range(2):
-        save_file({f"w{part}": torch.randn(32 << 20, generator=g).to(torch.bfloat16)},
-                  tmp_path / f"model-rank-0-part-{part}.safetensors")  # 2 x 64 MiB
+        save_file(
+            {f"w{part}": torch.randn(32 << 20, generator=g).to(torch.bfloat16)},
+            tmp_path / f"model-rank-0-part-{part}.safetensors",
+        )  # 2 x 64 MiB
     out, mem = _run(tmp_path)
     assert out["arena_bytes"] >= 128 << 20
     assert mem["free0"] - mem["loaded"] >= out["arena_bytes"]  # the arena was really on the GPU
@@ -605,8 +657,13 @@ def test_bare_close_gives_the_memory_back(tmp_path):
 @pytest.mark.gpu
 def test_bare_export_maps_as_torch_tensors_in_another_process(sharded_dir):
     _needs_bare()
-    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CHILD, str(sharded_dir), "1", "0", "1"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-c", CHILD, str(sharded_dir), "1", "0", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out = json.loads(p.stdout.readline())
         doc = json.loads(json.dumps(out["doc"]))  # survives JSON, as over HTTP

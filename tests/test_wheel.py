@@ -20,8 +20,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # Built from a copy of the tree git knows (ignored files left out): an old build/ directory in
     # the checkout would add modules.
-    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout
+    tracked = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout
     src = tmp_path_factory.mktemp("src")
     for rel in tracked.decode().split("\0"):
         if rel and (ROOT / rel).is_file():
@@ -29,7 +32,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             shutil.copy2(ROOT / rel, src / rel)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
-        check=True, timeout=300,
+        check=True,
+        timeout=300,
     )
     (whl,) = out.glob("gdsload-*.whl")
     return whl
@@ -41,8 +45,11 @@ def test_wheel_contents_are_namespaced(wheel):
     assert tops == {"gdsload", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     # Every module of the source tree ships, under gdsload/, and nothing else does (a package missing
     # from pyproject's list, or a module left over from an old build, fails here).
-    source = {f"gdsload/{p.relative_to(ROOT).as_posix()}".replace("gdsload/loader/_toplevel/", "gdsload/")
-              for top in ("loader", "server", "bench") for p in (ROOT / top).rglob("*.py")}
+    source = {
+        f"gdsload/{p.relative_to(ROOT).as_posix()}".replace("gdsload/loader/_toplevel/", "gdsload/")
+        for top in ("loader", "server", "bench")
+        for p in (ROOT / top).rglob("*.py")
+    }
     shipped = {n for n in names if n.endswith(".py")}
     assert "gdsload/loader/io/cpu.py" in source and "gdsload/server/cli.py" in source
     assert "gdsload/__init__.py" in shipped  # the top-level package: gdsload.save / gdsload.load
@@ -66,14 +73,19 @@ def test_wheel_metadata_keeps_gpu_packages_in_extras(wheel):
     assert not any(gpu in r for r in core for gpu in ("kvikio", "nvcomp", "cupy"))
     for extra in ("cu12", "cu13"):
         assert any("kvikio" in r and f'extra == "{extra}"' in r for r in requires)
-    assert "gdsload = gdsload.server.cli:main" in zipfile.ZipFile(wheel).read(
-        meta_name.replace("METADATA", "entry_points.txt")).decode()
+    assert (
+        "gdsload = gdsload.server.cli:main"
+        in zipfile.ZipFile(wheel).read(meta_name.replace("METADATA", "entry_points.txt")).decode()
+    )
 
 
 def test_installed_wheel_imports_from_its_own_location(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        timeout=300,
+    )
     code = (
         "import gdsload.loader, gdsload.server.cli, gdsload.bench, importlib.util, sys;"
         "print(gdsload.loader.__file__);"
@@ -89,8 +101,11 @@ def test_installed_wheel_imports_from_its_own_location(wheel, tmp_path):
 
 def test_installed_wheel_saves_and_loads_through_the_top_level_names(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        timeout=300,
+    )
     code = (
         "import gdsload, torch;"
         "assert gdsload.__file__.startswith(%r), gdsload.__file__;"

@@ -23,7 +23,7 @@ inject torch into LlamaForCausalLM: 291 tensors, 16.06 GB in 0.004 s zero-copy=2
 
 from __future__ import annotations
 
-from gdsload.loader.adapters.base import (
+from .base import (
     AdapterOptions,
     CheckpointLayout,
     EngineNotInstalledError,
@@ -42,7 +42,7 @@ from gdsload.loader.adapters.base import (
     hold_for_adoption,
     open_rank,
 )
-from gdsload.loader.adapters.torch_module import ModuleInjector, inject_from_sidecar, inject_module, meta_init
+from .torch_module import ModuleInjector, inject_from_sidecar, inject_module, meta_init
 
 __all__ = [
     "AdapterOptions",

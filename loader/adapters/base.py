@@ -35,11 +35,11 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-from gdsload.loader.config import format_bytes
-from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.format.discovery import scan_layout
-from gdsload.loader.errors import BackendUnavailableError, ConfigError, GdsloadError
-from gdsload.loader.pipeline.result import LoadReport, LoadResult
+from ..config import format_bytes
+from ..pipeline.config import LoadConfig
+from ..format.discovery import scan_layout
+from ..errors import BackendUnavailableError, ConfigError, GdsloadError
+from ..pipeline.result import LoadReport, LoadResult
 
 __all__ = [
     "Weights",
@@ -166,7 +166,9 @@ class InjectReport:
             line += f" adopted={self.adopted} copied={self.copied}"
         if self.narrowed:
             line += f" narrowed={len(self.narrowed)}"
-        return line + f" missing={len(self.missing)} unexpected={len(self.unexpected)} mismatched={len(self.mismatched)}"
+        return (
+            line + f" missing={len(self.missing)} unexpected={len(self.unexpected)} mismatched={len(self.mismatched)}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,11 +188,14 @@ def _error_message(report: InjectReport, fix: str) -> str:
     if report.missing:
         parts.append(f"{len(report.missing)} missing (in the model, not in the checkpoint): {_quote(report.missing)}")
     if report.unexpected:
-        parts.append(f"{len(report.unexpected)} unexpected (in the checkpoint, not in the model): "
-                     f"{_quote(report.unexpected)}")
+        parts.append(
+            f"{len(report.unexpected)} unexpected (in the checkpoint, not in the model): {_quote(report.unexpected)}"
+        )
     if report.mismatched:
-        parts.append(f"{len(report.mismatched)} shape mismatch{'es' if len(report.mismatched) > 1 else ''}: "
-                     f"{_quote(report.mismatched)}")
+        parts.append(
+            f"{len(report.mismatched)} shape mismatch{'es' if len(report.mismatched) > 1 else ''}: "
+            f"{_quote(report.mismatched)}"
+        )
     return f"strict inject ({report.engine}) into {report.model} failed: " + "; ".join(parts) + f" — {fix}"
 
 
@@ -297,8 +302,9 @@ class StateDictInjector(Injector):
     def inject(self, weights: Weights, *, strict: bool = True) -> InjectReport:
         start = time.perf_counter()
         tensors = collect_weights(weights)
-        report = compare(tensors, self.targets(), engine=self.engine, model=self.model_name,
-                         allow_narrow=self.allow_narrow)
+        report = compare(
+            tensors, self.targets(), engine=self.engine, model=self.model_name, allow_narrow=self.allow_narrow
+        )
         if not report.ok:
             if strict:
                 report.seconds = time.perf_counter() - start
@@ -347,8 +353,9 @@ class AdapterOptions:
         if self.sidecar_url is not None and not (
             isinstance(self.sidecar_url, str) and self.sidecar_url.startswith(("http://", "https://"))
         ):
-            raise ConfigError(f"sidecar_url={self.sidecar_url!r} must be an http:// or https:// URL, "
-                              "e.g. 'http://127.0.0.1:8471'")
+            raise ConfigError(
+                f"sidecar_url={self.sidecar_url!r} must be an http:// or https:// URL, e.g. 'http://127.0.0.1:8471'"
+            )
         if self.token is not None and self.token_file is not None:
             raise ConfigError("give either token or token_file, not both")
         for name in ("token", "token_file"):
@@ -364,7 +371,9 @@ class AdapterOptions:
             raise ConfigError(f"timeout={self.timeout!r} must be a positive number of seconds")
 
     @classmethod
-    def from_mapping(cls, config: Mapping[str, Any] | None, *, where: str = "model_loader_extra_config") -> AdapterOptions:
+    def from_mapping(
+        cls, config: Mapping[str, Any] | None, *, where: str = "model_loader_extra_config"
+    ) -> AdapterOptions:
         """Build from an engine's extra-config dict; unknown keys are an error that lists the known ones."""
         if config is None:
             return cls()
@@ -373,8 +382,9 @@ class AdapterOptions:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(config) - set(known))
         if unknown:
-            raise ConfigError(f"{where} has unknown key{'s' if len(unknown) > 1 else ''} {unknown}; "
-                              f"gdsload accepts {known}")
+            raise ConfigError(
+                f"{where} has unknown key{'s' if len(unknown) > 1 else ''} {unknown}; gdsload accepts {known}"
+            )
         return cls(**dict(config))
 
     def sidecar_token(self) -> str | None:
@@ -384,8 +394,10 @@ class AdapterOptions:
         try:
             token = Path(self.token_file).read_text(encoding="utf-8").strip()
         except OSError as e:
-            raise ConfigError(f"token_file={self.token_file!r} cannot be read ({e.strerror or e}); "
-                              "point it at the file `gdsload serve` wrote its token to") from None
+            raise ConfigError(
+                f"token_file={self.token_file!r} cannot be read ({e.strerror or e}); "
+                "point it at the file `gdsload serve` wrote its token to"
+            ) from None
         if not token:
             raise ConfigError(f"token_file={self.token_file!r} is empty")
         return token
@@ -421,12 +433,22 @@ def describe_checkpoint(path: str | os.PathLike[str]) -> CheckpointLayout:
     if scanned.manifest is not None:
         manifest = scanned.manifest
         layout = "hf" if manifest.layout == "plain" else manifest.layout
-        return CheckpointLayout(layout=layout, tp_size=manifest.tp_size, source=scanned.source,
-                                pp_size=manifest.pp_size, ep_size=manifest.ep_size)
+        return CheckpointLayout(
+            layout=layout,
+            tp_size=manifest.tp_size,
+            source=scanned.source,
+            pp_size=manifest.pp_size,
+            ep_size=manifest.ep_size,
+        )
     layout = {"vllm": "vllm", "trtllm": "trtllm", "plain": "hf"}[scanned.source]
     tp = scanned.world_size if scanned.source == "trtllm" else scanned.tp_size
-    return CheckpointLayout(layout=layout, tp_size=tp, source=scanned.source, pp_size=scanned.pp_size,
-                            ep_size=None if scanned.source == "vllm" else 1)
+    return CheckpointLayout(
+        layout=layout,
+        tp_size=tp,
+        source=scanned.source,
+        pp_size=scanned.pp_size,
+        ep_size=None if scanned.source == "vllm" else 1,
+    )
 
 
 @dataclass
@@ -450,8 +472,10 @@ class RankWeights:
         if self.report is not None:
             return self.report.summary()
         nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
-        return (f"rank {self.rank}: {format_bytes(nbytes)} mapped from the sidecar in {self.seconds:.3f} s "
-                f"backend=sidecar io=ipc tensors={len(self.tensors)}")
+        return (
+            f"rank {self.rank}: {format_bytes(nbytes)} mapped from the sidecar in {self.seconds:.3f} s "
+            f"backend=sidecar io=ipc tensors={len(self.tensors)}"
+        )
 
     def close(self) -> None:
         """Drop the tensors and release them (a sidecar mapping that :meth:`hold` kept stays)."""
@@ -494,16 +518,22 @@ def open_rank(
     """
     options = options or AdapterOptions()
     if options.sidecar_url is not None:
-        from gdsload.loader.handoff.sidecar_client import SidecarClient
+        from ..handoff.sidecar_client import SidecarClient
 
         start = time.perf_counter()
         client = SidecarClient(options.sidecar_url, token=options.sidecar_token(), timeout=options.timeout)
         mapped = client.map_rank(rank, device=device if expect_device else None, private=private)
-        return RankWeights(rank=rank, tensors=mapped.tensors, origin="sidecar", seconds=time.perf_counter() - start,
-                           _release=mapped.release, mapped=mapped)
+        return RankWeights(
+            rank=rank,
+            tensors=mapped.tensors,
+            origin="sidecar",
+            seconds=time.perf_counter() - start,
+            _release=mapped.release,
+            mapped=mapped,
+        )
     if path is None:
         raise ConfigError("no model path and no sidecar_url: nothing to load the weights from")
-    from gdsload.loader.pipeline.load import load_rank
+    from ..pipeline.load import load_rank
 
     dev = torch.device(device)
     try:
@@ -515,12 +545,14 @@ def open_rank(
             raise
         log.info("rank %d: no backend reads to %s here (%s); reading to host memory and copying", rank, dev, e)
         result = load_rank(path, rank, device="cpu", backend=options.backend)
-    return RankWeights(rank=rank, tensors=dict(result.tensors), origin="storage", report=result.report,
-                       _release=result.close)
+    return RankWeights(
+        rank=rank, tensors=dict(result.tensors), origin="storage", report=result.report, _release=result.close
+    )
 
 
-def hold_for_adoption(weights: RankWeights, *, engine: str = "engine",
-                      on_lost: Callable[[Any, str], None] | None = None) -> bool:
+def hold_for_adoption(
+    weights: RankWeights, *, engine: str = "engine", on_lost: Callable[[Any, str], None] | None = None
+) -> bool:
     """Hold the sidecar lease of ``weights`` before anything is adopted; False (copy instead) where it cannot be held.
 
     A sidecar that cannot hold leases (an older gdsload) is logged, and the caller copies. If the
@@ -529,7 +561,7 @@ def hold_for_adoption(weights: RankWeights, *, engine: str = "engine",
     may free, logs why and sends this process SIGTERM rather than let it compute with memory that
     may be reused (an orchestrator restarts the engine, which adopts again).
     """
-    from gdsload.loader.handoff.sidecar_client import SidecarError
+    from ..handoff.sidecar_client import SidecarError
 
     mapped = weights.mapped
     if on_lost is None:
@@ -560,11 +592,21 @@ def inject_held(injector: Injector, weights: RankWeights, *, held: bool, strict:
 
 
 def _lost_cpu(mapped: Any, why: str, *, engine: str) -> None:
-    log.warning("rank %d: the sidecar dropped this %s's lease (%s); the adopted weights stay valid here "
-                "(a private copy-on-write mapping)", mapped.rank, engine, why)
+    log.warning(
+        "rank %d: the sidecar dropped this %s's lease (%s); the adopted weights stay valid here "
+        "(a private copy-on-write mapping)",
+        mapped.rank,
+        engine,
+        why,
+    )
 
 
 def _lost_cuda(mapped: Any, why: str, *, engine: str) -> None:
-    log.critical("rank %d: the sidecar dropped this %s's lease (%s); its adopted parameters are the "
-                 "sidecar's GPU memory, which it may free: stopping this process (SIGTERM)", mapped.rank, engine, why)
+    log.critical(
+        "rank %d: the sidecar dropped this %s's lease (%s); its adopted parameters are the "
+        "sidecar's GPU memory, which it may free: stopping this process (SIGTERM)",
+        mapped.rank,
+        engine,
+        why,
+    )
     os.kill(os.getpid(), signal.SIGTERM)

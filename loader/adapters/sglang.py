@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gdsload.loader.errors import ConfigError, GdsloadError
-from gdsload.loader.adapters.base import (
+from ..errors import ConfigError, GdsloadError
+from .base import (
     AdapterOptions,
     EngineNotInstalledError,
     InjectError,
@@ -56,7 +56,7 @@ from gdsload.loader.adapters.base import (
     compare,
     import_engine,
 )
-from gdsload.loader.adapters.vllm import load_into_model, choose_route
+from .vllm import load_into_model, choose_route
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -187,8 +187,12 @@ def _result(result: Any) -> tuple[bool, str]:
     return bool(result), ""
 
 
-def _check(tensors: Mapping[str, torch.Tensor], expected: nn.Module | Mapping[str, Sequence[int]] | None,
-           engine: Any, strict: bool) -> InjectReport:
+def _check(
+    tensors: Mapping[str, torch.Tensor],
+    expected: nn.Module | Mapping[str, Sequence[int]] | None,
+    engine: Any,
+    strict: bool,
+) -> InjectReport:
     if expected is None:
         report = InjectReport(engine="sglang", model=type(engine).__name__, loaded=list(tensors))
         report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -196,10 +200,12 @@ def _check(tensors: Mapping[str, torch.Tensor], expected: nn.Module | Mapping[st
     report = compare(tensors, _expected_targets(expected), engine="sglang", model=type(engine).__name__)
     report.missing = []  # a live update may refresh any subset of the parameters
     if not report.ok:
-        msg = (f"update for {type(engine).__name__}: {len(report.unexpected)} unknown names "
-               f"({', '.join(map(repr, report.unexpected[:8]))}) and {len(report.mismatched)} shape mismatches "
-               f"({', '.join(map(str, report.mismatched[:4]))}); direct updates need the engine's parameter names "
-               "and per-rank shapes (a vllm-layout rank)")
+        msg = (
+            f"update for {type(engine).__name__}: {len(report.unexpected)} unknown names "
+            f"({', '.join(map(repr, report.unexpected[:8]))}) and {len(report.mismatched)} shape mismatches "
+            f"({', '.join(map(str, report.mismatched[:4]))}); direct updates need the engine's parameter names "
+            "and per-rank shapes (a vllm-layout rank)"
+        )
         if strict:
             raise InjectError(msg, report)
         log.warning("%s; sending only the matching tensors", msg)
@@ -260,14 +266,21 @@ def update_weights_per_rank(
     for r, tensors in enumerate(per_rank[1:], start=1):
         if set(tensors) != set(names):
             diff = sorted(set(tensors) ^ set(names))
-            raise LayoutError(f"rank {r} and rank 0 hold different tensor names (e.g. {diff[:6]}); "
-                              "per-rank updates need the same names on every rank")
+            raise LayoutError(
+                f"rank {r} and rank 0 hold different tensor names (e.g. {diff[:6]}); "
+                "per-rank updates need the same names on every rank"
+            )
     local, serializer = _sglang_serialization()
     named = [(n, local(values=[serializer.serialize(t[n]) for t in per_rank])) for n in names]
     sizes = {n: per_rank[0][n].numel() * per_rank[0][n].element_size() for n in names}
     buckets = _push(engine, named, sizes, load_format=load_format, bucket_bytes=bucket_bytes, flush_cache=flush_cache)
-    report = InjectReport(engine="sglang", model=type(engine).__name__, loaded=names,
-                          bytes=sum(sizes.values()) * len(per_rank), seconds=time.perf_counter() - start)
+    report = InjectReport(
+        engine="sglang",
+        model=type(engine).__name__,
+        loaded=names,
+        bytes=sum(sizes.values()) * len(per_rank),
+        seconds=time.perf_counter() - start,
+    )
     log.info("%s ranks=%d buckets=%d", report.summary(), len(per_rank), buckets)
     return report
 
@@ -275,19 +288,24 @@ def update_weights_per_rank(
 def _sglang_serialization() -> tuple[Any, Any]:
     import_engine("sglang", "sglang", "per-rank SGLang weight updates")
     local = serializer = None
-    for module in ("sglang.srt.model_executor.model_runner", "sglang.srt.weight_sync.utils",
-                   "sglang.srt.model_executor.model_runner_components.weight_updater"):
+    for module in (
+        "sglang.srt.model_executor.model_runner",
+        "sglang.srt.weight_sync.utils",
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+    ):
         try:
-            local = getattr(import_engine(module, "sglang", "per-rank SGLang weight updates"),
-                            "LocalSerializedTensor", None)
+            local = getattr(
+                import_engine(module, "sglang", "per-rank SGLang weight updates"), "LocalSerializedTensor", None
+            )
         except ImportError:
             continue
         if local is not None:
             break
     for module in ("sglang.srt.utils", "sglang.srt.utils.common"):
         try:
-            serializer = getattr(import_engine(module, "sglang", "per-rank SGLang weight updates"),
-                                 "MultiprocessingSerializer", None)
+            serializer = getattr(
+                import_engine(module, "sglang", "per-rank SGLang weight updates"), "MultiprocessingSerializer", None
+            )
         except ImportError:
             continue
         if serializer is not None:
@@ -329,8 +347,10 @@ def loader_class() -> type:
         def download_model(self, model_config: Any) -> None:
             path = model_config.model_path
             if self.options.sidecar_url is None and not os.path.exists(path):
-                raise LayoutError(f"the gdsload SGLang loader reads local directories only and {path!r} is not one; "
-                                  "download the model first, or give sidecar_url to map it from a sidecar")
+                raise LayoutError(
+                    f"the gdsload SGLang loader reads local directories only and {path!r} is not one; "
+                    "download the model first, or give sidecar_url to map it from a sidecar"
+                )
 
         def load_model(self, *, model_config: Any, device_config: Any, **kwargs: Any) -> nn.Module:
             from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -346,8 +366,11 @@ def loader_class() -> type:
                 with target:
                     model = loader._initialize_model(model_config, self.load_config, *extra)
                 load_model_weights(
-                    model, model_config.model_path, rank=get_tensor_model_parallel_rank(),
-                    tp_size=get_tensor_model_parallel_world_size(), options=self.options,
+                    model,
+                    model_config.model_path,
+                    rank=get_tensor_model_parallel_rank(),
+                    tp_size=get_tensor_model_parallel_world_size(),
+                    options=self.options,
                     process_weights=functools.partial(_process_quantized, loader, target=target),
                     post_load=getattr(loader, "_post_load_weights", None),
                 )

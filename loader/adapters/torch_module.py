@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gdsload.loader.adapters.base import (
+from .base import (
     AdapterOptions,
     InjectError,
     InjectReport,
@@ -94,8 +94,10 @@ class ModuleInjector(StateDictInjector):
     mapped memory (``report.adopted``) and copies buffers, which a model may update in place, unless the mapping is
     a private CPU one; False copies every tensor (``report.copied``); None (tensors of a load) binds or copies by
     ``assign``."""
-    fix = ("check that the checkpoint was written for this model class and config (for a sharded checkpoint, "
-           "load the TP=1 directory), or pass strict=False to load only what matches")
+    fix = (
+        "check that the checkpoint was written for this model class and config (for a sharded checkpoint, "
+        "load the TP=1 directory), or pass strict=False to load only what matches"
+    )
 
     def __init__(self, module: nn.Module, *, assign: bool = True):
         self.module = module
@@ -155,8 +157,13 @@ class ModuleInjector(StateDictInjector):
                 continue
             want = self._state[name].dtype
             if t.dtype != want:
-                log.info("%s: %r is %s in the checkpoint, %s in the model; converting (a copy)",
-                         self.model_name, name, t.dtype, want)
+                log.info(
+                    "%s: %r is %s in the checkpoint, %s in the model; converting (a copy)",
+                    self.model_name,
+                    name,
+                    t.dtype,
+                    want,
+                )
                 t = t.to(want)
             bound[name] = t
         result = self.module.load_state_dict(bound, strict=False, assign=True)
@@ -168,8 +175,11 @@ class ModuleInjector(StateDictInjector):
         for alias, head in tie.items():
             _set_tensor(self.module, alias, _get_tensor(self.module, head))
         self._follow_device(bound)
-        kept = sum(1 for name, t in tensors.items()
-                   if name in bound and bound[name] is t and _get_tensor(self.module, name).data_ptr() == t.data_ptr())
+        kept = sum(
+            1
+            for name, t in tensors.items()
+            if name in bound and bound[name] is t and _get_tensor(self.module, name).data_ptr() == t.data_ptr()
+        )
         if self.adopt is None:
             return kept
         # Every name counts once, a tied one as its group's head: adopted if that is the mapped tensor itself.
@@ -194,8 +204,12 @@ class ModuleInjector(StateDictInjector):
                 out[name] = t  # a tied name: bound to (or copied with) its group's head in apply()
                 continue
             target = self._state[name]
-            adoptable = (self.adopt and t.dtype == target.dtype and t.is_contiguous()
-                         and (isinstance(target, nn.Parameter) or t.device.type == "cpu"))
+            adoptable = (
+                self.adopt
+                and t.dtype == target.dtype
+                and t.is_contiguous()
+                and (isinstance(target, nn.Parameter) or t.device.type == "cpu")
+            )
             if adoptable or not self.assign:  # copying into real parameters reads the mapped tensor once
                 out[name] = t
             else:
@@ -286,13 +300,15 @@ def inject_from_sidecar(
     >>> report.adopted == len(report.loaded)  # doctest: +SKIP
     True
     """
-    options = AdapterOptions(sidecar_url=sidecar_url, token=token, token_file=token_file, adopt=adopt,
-                             strict=strict, timeout=timeout)
+    options = AdapterOptions(
+        sidecar_url=sidecar_url, token=token, token_file=token_file, adopt=adopt, strict=strict, timeout=timeout
+    )
     # Where the parameters are (meta_init leaves buffers real on the CPU: they say nothing of the device).
     device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
     on_meta = any(t.device.type == "meta" for t in module.state_dict().values())
-    with open_rank(None, rank, options=options, device=device or "cpu", expect_device=device is not None,
-                   private=adopt) as weights:
+    with open_rank(
+        None, rank, options=options, device=device or "cpu", expect_device=device is not None, private=adopt
+    ) as weights:
         held = adopt and hold_for_adoption(weights, engine="process", on_lost=on_lost)
         injector = ModuleInjector(module, assign=held or on_meta)
         injector.adopt = held

@@ -40,10 +40,17 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.format.discovery import list_ranks
-from gdsload.loader.errors import ConfigError
-from gdsload.loader.format.manifest import Manifest
-from gdsload.loader.adapters.base import AdapterOptions, LayoutError, RankWeights, describe_checkpoint, import_engine, open_rank
+from ..format.discovery import list_ranks
+from ..errors import ConfigError
+from ..format.manifest import Manifest
+from .base import (
+    AdapterOptions,
+    LayoutError,
+    RankWeights,
+    describe_checkpoint,
+    import_engine,
+    open_rank,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -81,8 +88,10 @@ class LegacyMapping:
     def file_rank(self, rank: int) -> int:
         """The file rank ``rank`` reads: ``rank % tp + rank // (tp * cp) * tp``."""
         if not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank} is outside the checkpoint's world_size {self.world_size} "
-                              f"(tp={self.tp_size} pp={self.pp_size} cp={self.cp_size})")
+            raise LayoutError(
+                f"rank {rank} is outside the checkpoint's world_size {self.world_size} "
+                f"(tp={self.tp_size} pp={self.pp_size} cp={self.cp_size})"
+            )
         return rank % self.tp_size + rank // (self.tp_size * self.cp_size) * self.tp_size
 
 
@@ -114,8 +123,10 @@ def read_legacy_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict[str
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise LayoutError(f"{str(path)!r} is missing; a TensorRT-LLM checkpoint directory holds config.json next "
-                          "to rank{N}.safetensors (written by convert_checkpoint.py)") from None
+        raise LayoutError(
+            f"{str(path)!r} is missing; a TensorRT-LLM checkpoint directory holds config.json next "
+            "to rank{N}.safetensors (written by convert_checkpoint.py)"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LayoutError(f"{str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
@@ -132,15 +143,19 @@ def read_legacy_config(checkpoint_dir: str | os.PathLike[str]) -> tuple[dict[str
     expected_world = values["tp_size"] * values["pp_size"] * values["cp_size"]
     world = raw.get("world_size", expected_world)
     if world != expected_world:
-        raise LayoutError(f"{str(path)!r}: mapping.world_size={world!r} but tp_size*pp_size*cp_size="
-                          f"{expected_world}; fix the config or re-run convert_checkpoint.py")
+        raise LayoutError(
+            f"{str(path)!r}: mapping.world_size={world!r} but tp_size*pp_size*cp_size="
+            f"{expected_world}; fix the config or re-run convert_checkpoint.py"
+        )
     mapping = LegacyMapping(world_size=world, **values)
     source, _, ranks = list_ranks(checkpoint_dir)
     if source == "manifest" and Manifest.read(checkpoint_dir).layout == "trtllm":
         source = "trtllm"  # e.g. `gdsload compress` of a legacy checkpoint: the same rank files, with a manifest
     if source != "trtllm":
-        raise LayoutError(f"{str(checkpoint_dir)!r} has no rank{{N}}.safetensors files (found a {source!r} "
-                          "layout); this is not a legacy TensorRT-LLM checkpoint")
+        raise LayoutError(
+            f"{str(checkpoint_dir)!r} has no rank{{N}}.safetensors files (found a {source!r} "
+            "layout); this is not a legacy TensorRT-LLM checkpoint"
+        )
     if sorted(ranks) != list(range(mapping.files)):
         raise LayoutError(
             f"{str(path)!r} says tp_size={mapping.tp_size} pp_size={mapping.pp_size} "
@@ -166,8 +181,13 @@ def load_legacy_checkpoint(
     config, mapping = read_legacy_config(checkpoint_dir)
     file_rank = mapping.file_rank(rank)
     weights = open_rank(checkpoint_dir, file_rank, options=options, device=device)
-    log.info("TensorRT-LLM legacy checkpoint %s: rank %d reads rank%d.safetensors (%d tensors)",
-             checkpoint_dir, rank, file_rank, len(weights.tensors))
+    log.info(
+        "TensorRT-LLM legacy checkpoint %s: rank %d reads rank%d.safetensors (%d tensors)",
+        checkpoint_dir,
+        rank,
+        file_rank,
+        len(weights.tensors),
+    )
     return LegacyCheckpoint(config=config, mapping=mapping, rank=rank, file_rank=file_rank, weights=weights)
 
 
@@ -229,8 +249,10 @@ def load_trtllm_weights(
             "TP=1 checkpoint"
         )
     if options.sidecar_url is not None and tp_size > 1:
-        raise LayoutError(f"with a sidecar, TensorRT-LLM serves tp=1 only here (every rank would map rank 0's "
-                          f"arena from one GPU); load {where} from storage for tp={tp_size}")
+        raise LayoutError(
+            f"with a sidecar, TensorRT-LLM serves tp=1 only here (every rank would map rank 0's "
+            f"arena from one GPU); load {where} from storage for tp={tp_size}"
+        )
     if not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
     return open_rank(checkpoint_dir, 0, options=options, device=device)
@@ -243,8 +265,11 @@ def load_trtllm_weights(
 @functools.cache
 def weight_loader_class() -> type:
     """``GdsloadWeightLoader``: a TensorRT-LLM ``BaseWeightLoader`` returning the rank's weights (imports TRT-LLM)."""
-    base = import_engine("tensorrt_llm._torch.models.checkpoints.base_weight_loader", "tensorrt_llm",
-                         "the gdsload TensorRT-LLM weight loader")
+    base = import_engine(
+        "tensorrt_llm._torch.models.checkpoints.base_weight_loader",
+        "tensorrt_llm",
+        "the gdsload TensorRT-LLM weight loader",
+    )
 
     class GdsloadWeightLoader(base.BaseWeightLoader):  # type: ignore[name-defined,misc]
         """Loads the weights dict with gdsload; ``options`` as for the other adapters."""
@@ -270,8 +295,11 @@ def weight_loader_class() -> type:
 @functools.cache
 def checkpoint_loader_class() -> type:
     """``GdsloadCheckpointLoader``: TensorRT-LLM's HF checkpoint loader with gdsload's weight loader."""
-    hf = import_engine("tensorrt_llm._torch.models.checkpoints.hf.checkpoint_loader", "tensorrt_llm",
-                       "the gdsload TensorRT-LLM checkpoint loader")
+    hf = import_engine(
+        "tensorrt_llm._torch.models.checkpoints.hf.checkpoint_loader",
+        "tensorrt_llm",
+        "the gdsload TensorRT-LLM checkpoint loader",
+    )
     weight_loader = weight_loader_class()
 
     class GdsloadCheckpointLoader(hf.HfCheckpointLoader):  # type: ignore[name-defined,misc]
@@ -301,8 +329,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    modeling = import_engine("tensorrt_llm._torch.models.modeling_utils", "tensorrt_llm",
-                             "the gdsload TensorRT-LLM checkpoint loader")
+    modeling = import_engine(
+        "tensorrt_llm._torch.models.modeling_utils", "tensorrt_llm", "the gdsload TensorRT-LLM checkpoint loader"
+    )
     modeling.register_checkpoint_loader(CHECKPOINT_FORMAT)(checkpoint_loader_class())
     _registered = True
     log.info("registered TensorRT-LLM checkpoint format %r", CHECKPOINT_FORMAT)

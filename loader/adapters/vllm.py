@@ -62,9 +62,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.errors import BackendUnavailableError, ConfigError
-from gdsload.loader.adapters.base import (
+from ..pipeline.config import LoadConfig
+from ..errors import BackendUnavailableError, ConfigError
+from .base import (
     AdapterOptions,
     CheckpointLayout,
     EngineNotInstalledError,
@@ -143,8 +143,10 @@ class ShardedStateInjector(StateDictInjector):
 
     engine = "vllm"
     allow_narrow = True
-    fix = ("the directory must hold this model's per-rank state dict for this tensor-parallel size "
-           "(vLLM's save_sharded_state, or `gdsload shard --layout vllm`), or pass strict=False")
+    fix = (
+        "the directory must hold this model's per-rank state dict for this tensor-parallel size "
+        "(vLLM's save_sharded_state, or `gdsload shard --layout vllm`), or pass strict=False"
+    )
 
     adopt: bool | None = None
     """For tensors mapped from a sidecar (set by :func:`load_into_model`): True lets each parameter whose
@@ -183,11 +185,14 @@ class ShardedStateInjector(StateDictInjector):
                 if self.adopt is not None:
                     report.copied += 1
                 if name in narrowed:
-                    log.debug("%r: checkpoint %s into parameter %s (leading part only)",
-                              name, list(t.shape), list(self._state[name].shape))
+                    log.debug(
+                        "%r: checkpoint %s into parameter %s (leading part only)",
+                        name,
+                        list(t.shape),
+                        list(self._state[name].shape),
+                    )
                 if dst.dtype != t.dtype:
-                    log.warning("%r: checkpoint dtype %s into parameter dtype %s (converted)", name, t.dtype,
-                                dst.dtype)
+                    log.warning("%r: checkpoint dtype %s into parameter dtype %s (converted)", name, t.dtype, dst.dtype)
                 dst.copy_(t)
         return 0
 
@@ -202,8 +207,9 @@ class ShardedStateInjector(StateDictInjector):
         return out
 
     @staticmethod
-    def _adopt(t: torch.Tensor, dst: torch.Tensor,
-               owners: Mapping[int, list[tuple[nn.Module, str, torch.Tensor, bool]]]) -> bool:
+    def _adopt(
+        t: torch.Tensor, dst: torch.Tensor, owners: Mapping[int, list[tuple[nn.Module, str, torch.Tensor, bool]]]
+    ) -> bool:
         """Make the parameter (or buffer) behind ``dst`` use ``t``'s memory; False where only a copy is right.
 
         Adopted only when ``t`` is exactly what the parameter is (shape, dtype, device, strides) and
@@ -213,8 +219,13 @@ class ShardedStateInjector(StateDictInjector):
         Parameter object under several names (tied weights) is adopted once, for all of them. The
         Parameter objects stay (``param.data`` is swapped), with the attributes vLLM set on them.
         """
-        if (t.dtype != dst.dtype or t.shape != dst.shape or t.device != dst.device or not t.is_contiguous()
-                or dst.stride() != t.stride()):
+        if (
+            t.dtype != dst.dtype
+            or t.shape != dst.shape
+            or t.device != dst.device
+            or not t.is_contiguous()
+            or dst.stride() != t.stride()
+        ):
             return False
         storage = dst.untyped_storage()
         if dst.data_ptr() != storage.data_ptr() or storage.nbytes() != dst.numel() * dst.element_size():
@@ -232,8 +243,9 @@ class ShardedStateInjector(StateDictInjector):
             return False
         return True
 
-    def load(self, path: str | os.PathLike[str], rank: int, *, options: AdapterOptions,
-             device: torch.device) -> tuple[InjectReport, str]:
+    def load(
+        self, path: str | os.PathLike[str], rank: int, *, options: AdapterOptions, device: torch.device
+    ) -> tuple[InjectReport, str]:
         """Read rank ``rank`` of ``path`` straight into the parameters; returns the report and the load's summary.
 
         Names and shapes are checked from the headers first, so a strict mismatch raises before any
@@ -242,10 +254,10 @@ class ShardedStateInjector(StateDictInjector):
         second copy. The rest (a dtype vLLM converts, a LoRA-padded parameter filled in its
         leading part where that part is not contiguous) loads into a small arena and is copied.
         """
-        from gdsload.loader.format.discovery import discover
-        from gdsload.loader.dtypes import from_torch
-        from gdsload.loader.plan import rank_index
-        from gdsload.loader.pipeline.load import load_rank
+        from ..format.discovery import discover
+        from ..dtypes import from_torch
+        from ..plan import rank_index
+        from ..pipeline.load import load_rank
 
         start = time.perf_counter()
         index = rank_index(discover(path, rank))
@@ -314,11 +326,14 @@ class LoadWeightsInjector(Injector):
             report.missing = sorted(params - set(filled))
         report.seconds = time.perf_counter() - start
         if report.missing:
-            msg = (f"{name}.load_weights left {len(report.missing)} parameters unfilled: "
-                   f"{', '.join(map(repr, report.missing[:12]))}")
+            msg = (
+                f"{name}.load_weights left {len(report.missing)} parameters unfilled: "
+                f"{', '.join(map(repr, report.missing[:12]))}"
+            )
             if strict:
-                raise InjectError(msg + "; the checkpoint lacks them — use the full checkpoint, or strict=False",
-                                  report)
+                raise InjectError(
+                    msg + "; the checkpoint lacks them — use the full checkpoint, or strict=False", report
+                )
             log.warning("%s", msg)
         log.info("%s", report.summary())
         return report
@@ -353,12 +368,17 @@ def choose_route(
     """
     if options.layout is not None:
         vllm_layout = options.layout == "vllm"
-        layout = CheckpointLayout(options.layout, tp_size if vllm_layout else 1, "option",
-                                  pp_size=pp_size if vllm_layout else 1, ep_size=ep_size)
+        layout = CheckpointLayout(
+            options.layout,
+            tp_size if vllm_layout else 1,
+            "option",
+            pp_size=pp_size if vllm_layout else 1,
+            ep_size=ep_size,
+        )
     elif path is None or not os.path.exists(path):
         raise LayoutError(
             f"{engine}: model path {str(path)!r} is not readable here, so its layout is unknown; give "
-            "\"layout\": \"vllm\" or \"hf\" in the loader's extra config (needed when loading from a sidecar only)"
+            '"layout": "vllm" or "hf" in the loader\'s extra config (needed when loading from a sidecar only)'
         )
     else:
         layout = describe_checkpoint(path)
@@ -428,8 +448,9 @@ def load_into_model(
     >>> load_into_model(model, "/models/llama-tp2", rank=0, tp_size=2)  # doctest: +SKIP
     """
     options = options or AdapterOptions()
-    route = route or choose_route(path, rank=rank, tp_size=tp_size, options=options, engine=engine, pp_size=pp_size,
-                                  ep_size=ep_size)
+    route = route or choose_route(
+        path, rank=rank, tp_size=tp_size, options=options, engine=engine, pp_size=pp_size, ep_size=ep_size
+    )
     device = _model_device(model)
     if route.kind == "sharded_state" and options.sidecar_url is None and path is not None:
         sharded = ShardedStateInjector(model, engine=engine)
@@ -438,22 +459,38 @@ def load_into_model(
         except BackendUnavailableError as e:
             if device.type == "cpu" or LoadConfig.resolve(backend=options.backend).backend != "auto":
                 raise
-            log.info("rank %d: no backend reads to %s here (%s); reading to host memory and copying", rank,
-                     device, e)
+            log.info("rank %d: no backend reads to %s here (%s); reading to host memory and copying", rank, device, e)
         else:
             log.info("rank %d: %s (%s, %s layout)", rank, report.summary(), route.kind, route.layout.layout)
             return report
-    injector: Injector = (ShardedStateInjector(model, engine=engine) if route.kind == "sharded_state"
-                          else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled))
-    if (route.kind == "load_weights" and device.type == "cpu" and options.sidecar_url is None
-            and LoadConfig.resolve(backend=options.backend).backend == "auto"):
+    injector: Injector = (
+        ShardedStateInjector(model, engine=engine)
+        if route.kind == "sharded_state"
+        else LoadWeightsInjector(model, engine=engine, check_unfilled=check_unfilled)
+    )
+    if (
+        route.kind == "load_weights"
+        and device.type == "cpu"
+        and options.sidecar_url is None
+        and LoadConfig.resolve(backend=options.backend).backend == "auto"
+    ):
         # The model's weight loaders copy every tensor into its parameters: hand them views of the files'
         # own pages (nothing read into an arena first, one copy in all).
         options = dataclasses.replace(options, backend="mmap")
-    adopting = (options.sidecar_url is not None and route.kind == "sharded_state" and options.adopt
-                and (device.type == "cpu" or adopt_cuda))
-    with open_rank(path, route.file_rank, options=options, device=device, expect_device=True,
-                   private=adopting and device.type == "cpu") as weights:
+    adopting = (
+        options.sidecar_url is not None
+        and route.kind == "sharded_state"
+        and options.adopt
+        and (device.type == "cpu" or adopt_cuda)
+    )
+    with open_rank(
+        path,
+        route.file_rank,
+        options=options,
+        device=device,
+        expect_device=True,
+        private=adopting and device.type == "cpu",
+    ) as weights:
         held = adopting and hold_for_adoption(weights, engine=f"{engine} engine")
         if isinstance(injector, ShardedStateInjector) and options.sidecar_url is not None:
             injector.adopt = held
@@ -501,8 +538,11 @@ def loader_class() -> type:
                 )
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
-            from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, \
-                get_tensor_model_parallel_world_size
+            from vllm.distributed import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
             start = time.perf_counter()
             self.download_model(model_config)
@@ -513,13 +553,29 @@ def loader_class() -> type:
             # quantized model's weights may be rewritten in place after loading: on a GPU, those are
             # copied from a sidecar rather than adopted (its memory is shared).
             unquantized = getattr(model_config, "quantization", None) is None
-            report = load_into_model(model, _weights_path(model_config), rank=rank, tp_size=tp, options=self.options,
-                                     engine="vllm", check_unfilled=unquantized, adopt_cuda=unquantized, pp_size=pp,
-                                     ep_size=_expert_parallel_size(tp))
+            report = load_into_model(
+                model,
+                _weights_path(model_config),
+                rank=rank,
+                tp_size=tp,
+                options=self.options,
+                engine="vllm",
+                check_unfilled=unquantized,
+                adopt_cuda=unquantized,
+                pp_size=pp,
+                ep_size=_expert_parallel_size(tp),
+            )
             # One line per worker in vLLM's own log, as vLLM's loaders write it, with what gdsload did.
             stage = f", pp stage {pp_rank} of {pp}" if pp > 1 else ""
-            vllm_log.info("Loading weights took %.2f seconds (gdsload, tp rank %d of %d%s): %s; %s",
-                          time.perf_counter() - start, tp_rank, tp, stage, report.source, report.summary())
+            vllm_log.info(
+                "Loading weights took %.2f seconds (gdsload, tp rank %d of %d%s): %s; %s",
+                time.perf_counter() - start,
+                tp_rank,
+                tp,
+                stage,
+                report.source,
+                report.summary(),
+            )
 
     GdsloadModelLoader.__module__ = __name__
     GdsloadModelLoader.__qualname__ = "GdsloadModelLoader"  # picklable by name (module __getattr__)
@@ -595,8 +651,10 @@ def _weights_path(model_config: Any) -> str:
 def _as_dict(extra: Any) -> Mapping[str, Any] | None:
     if extra is None or isinstance(extra, Mapping):
         return extra
-    raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r} must be a JSON object of "
-                      f"gdsload options, got {type(extra).__name__}")
+    raise ConfigError(
+        f"--model-loader-extra-config for load format {LOAD_FORMAT!r} must be a JSON object of "
+        f"gdsload options, got {type(extra).__name__}"
+    )
 
 
 def __getattr__(name: str) -> Any:

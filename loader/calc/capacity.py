@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.errors import ConfigError
-from gdsload.loader.model_config import ModelConfig, ModelConfigError
+from ..errors import ConfigError
+from ..model_config import ModelConfig, ModelConfigError
 
 __all__ = [
     "MIB",
@@ -61,8 +61,9 @@ def _flag(name: str, flag: str | None = None) -> str:
     return f"{name} ({flag or '--' + name.replace('_', '-')})"
 
 
-GATED_MLP_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "cohere",
-                                "internlm2", "olmo2", "phi3"})
+GATED_MLP_DECODERS = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "cohere", "internlm2", "olmo2", "phi3"}
+)
 """``model_type``s whose weights the planner counts right: dense decoders with a gated MLP (gate, up, down) and
 grouped-query attention. A config without ``model_type`` is counted the same way."""
 
@@ -111,8 +112,10 @@ class ModelSpec:
             if type(v) is not int or v < 1:
                 raise ConfigError(f"model {self.name!r}: {f}={v!r} must be a positive integer")
         if self.heads % self.kv_heads:
-            raise ConfigError(f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
-                              "grouped-query attention needs whole groups")
+            raise ConfigError(
+                f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
+                "grouped-query attention needs whole groups"
+            )
         if self.max_position is not None and (type(self.max_position) is not int or self.max_position < 1):
             raise ConfigError(f"model {self.name!r}: max_position={self.max_position!r} must be a positive integer")
 
@@ -129,24 +132,39 @@ class ModelSpec:
         except ModelConfigError as e:
             raise ConfigError(str(e)) from None
         doc = cfg.raw
-        moe = sorted(k for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-                     if doc.get(k))
+        moe = sorted(
+            k for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size") if doc.get(k)
+        )
         if moe:
-            raise ConfigError(f"{name}: mixture-of-experts configs ({', '.join(moe)}) are not supported; "
-                              "the planner counts dense models only")
-        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                               "vocab_size") if k not in doc]
+            raise ConfigError(
+                f"{name}: mixture-of-experts configs ({', '.join(moe)}) are not supported; "
+                "the planner counts dense models only"
+            )
+        missing = [
+            k
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+            if k not in doc
+        ]
         if missing:
-            raise ConfigError(f"{name}: missing {missing}; expected a Hugging Face config.json of a dense decoder "
-                              "(Llama, Mistral, Qwen2)")
+            raise ConfigError(
+                f"{name}: missing {missing}; expected a Hugging Face config.json of a dense decoder "
+                "(Llama, Mistral, Qwen2)"
+            )
         model_type = cfg.model_type or ""
         if model_type and model_type not in GATED_MLP_DECODERS:
-            raise ConfigError(f"{name}: model_type {model_type!r} is not one the planner counts: it assumes a dense "
-                              "decoder with a gated MLP (gate, up and down projections) and grouped-query "
-                              f"attention, as in {', '.join(sorted(GATED_MLP_DECODERS))}")
-        tied_note = "" if not cfg.tie_is_default else (
-            f"; tie_word_embeddings absent, taken as {str(cfg.tie_word_embeddings).lower()} "
-            f"(transformers' default for {model_type or 'a config without model_type'})")
+            raise ConfigError(
+                f"{name}: model_type {model_type!r} is not one the planner counts: it assumes a dense "
+                "decoder with a gated MLP (gate, up and down projections) and grouped-query "
+                f"attention, as in {', '.join(sorted(GATED_MLP_DECODERS))}"
+            )
+        tied_note = (
+            ""
+            if not cfg.tie_is_default
+            else (
+                f"; tie_word_embeddings absent, taken as {str(cfg.tie_word_embeddings).lower()} "
+                f"(transformers' default for {model_type or 'a config without model_type'})"
+            )
+        )
         attention_bias = bool(doc.get("attention_bias", False))
         return cls(
             name=name,
@@ -164,8 +182,12 @@ class ModelSpec:
             mlp_bias=bool(doc.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             source=f"{name} (model_type={model_type or '?'}{tied_note}"
-                   + (f"; the language model of a {cfg.wrapper} config: its vision or audio encoder is not counted"
-                      if cfg.wrapper else "") + ")",
+            + (
+                f"; the language model of a {cfg.wrapper} config: its vision or audio encoder is not counted"
+                if cfg.wrapper
+                else ""
+            )
+            + ")",
         )
 
 
@@ -175,13 +197,42 @@ class ModelSpec:
 # context 131,072 (RoPE scaled), untied embeddings. Totals: 8,030,261,248 / 70,553,706,496 / 405,853,388,800.
 _LLAMA_31 = "meta-llama/Llama-3.1-{} config.json on the Hugging Face Hub; Llama 3 paper (arXiv:2407.21783) Table 3"
 PRESETS: dict[str, ModelSpec] = {
-    "llama-3.1-8b": ModelSpec("llama-3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                              intermediate=14336, vocab=128256, max_position=131072, source=_LLAMA_31.format("8B")),
-    "llama-3.1-70b": ModelSpec("llama-3.1-70b", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
-                               intermediate=28672, vocab=128256, max_position=131072, source=_LLAMA_31.format("70B")),
-    "llama-3.1-405b": ModelSpec("llama-3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8, head_dim=128,
-                                intermediate=53248, vocab=128256, max_position=131072,
-                                source=_LLAMA_31.format("405B")),
+    "llama-3.1-8b": ModelSpec(
+        "llama-3.1-8b",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=14336,
+        vocab=128256,
+        max_position=131072,
+        source=_LLAMA_31.format("8B"),
+    ),
+    "llama-3.1-70b": ModelSpec(
+        "llama-3.1-70b",
+        layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=28672,
+        vocab=128256,
+        max_position=131072,
+        source=_LLAMA_31.format("70B"),
+    ),
+    "llama-3.1-405b": ModelSpec(
+        "llama-3.1-405b",
+        layers=126,
+        hidden=16384,
+        heads=128,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=53248,
+        vocab=128256,
+        max_position=131072,
+        source=_LLAMA_31.format("405B"),
+    ),
 }
 
 
@@ -198,8 +249,10 @@ def resolve_model(model: str | Path) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a path to a "
-                          "Hugging Face config.json (or a directory holding one)")
+        raise ConfigError(
+            f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a path to a "
+            "Hugging Face config.json (or a directory holding one)"
+        )
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -225,10 +278,22 @@ class WeightFormat:
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "bf16": WeightFormat("bf16", 16, None, 0, "bf16: 2 bytes per parameter, no scales"),
-    "fp8": WeightFormat("fp8", 8, None, 4, "fp8 e4m3: 1 byte per linear-layer weight + one fp32 scale per matrix "
-                                           "(per-tensor, as `gdsload shard --quantize fp8` writes)"),
-    "int4": WeightFormat("int4", 4, 128, 2, "int4: 0.5 byte per linear-layer weight + one fp16 scale per 128 "
-                                            "inputs (symmetric GPTQ/AWQ-style, group 128, no zero points)"),
+    "fp8": WeightFormat(
+        "fp8",
+        8,
+        None,
+        4,
+        "fp8 e4m3: 1 byte per linear-layer weight + one fp32 scale per matrix "
+        "(per-tensor, as `gdsload shard --quantize fp8` writes)",
+    ),
+    "int4": WeightFormat(
+        "int4",
+        4,
+        128,
+        2,
+        "int4: 0.5 byte per linear-layer weight + one fp16 scale per 128 "
+        "inputs (symmetric GPTQ/AWQ-style, group 128, no zero points)",
+    ),
 }
 
 
@@ -284,13 +349,17 @@ def weight_parts(spec: ModelSpec, tp: int = 1, *, vocab_padding: int = _VOCAB_PA
         WeightPart("down_proj", h, ff, L, True, False),
     ]
     if spec.qkv_bias:
-        parts += [WeightPart("q_proj.bias", q_out, 1, L, False, False),
-                  WeightPart("kv_proj.bias", 2 * kv_out, 1, L, False, kv_rep)]
+        parts += [
+            WeightPart("q_proj.bias", q_out, 1, L, False, False),
+            WeightPart("kv_proj.bias", 2 * kv_out, 1, L, False, kv_rep),
+        ]
     if spec.o_bias:
         parts.append(WeightPart("o_proj.bias", h, 1, L, False, True))
     if spec.mlp_bias:
-        parts += [WeightPart("gate_up_proj.bias", 2 * ff, 1, L, False, False),
-                  WeightPart("down_proj.bias", h, 1, L, False, True)]
+        parts += [
+            WeightPart("gate_up_proj.bias", 2 * ff, 1, L, False, False),
+            WeightPart("down_proj.bias", h, 1, L, False, True),
+        ]
     parts.append(WeightPart("layer norms", 2 * h, 1, L, False, True))
     if spec.qk_norm:
         parts.append(WeightPart("q_norm/k_norm", 2 * hd, 1, L, False, True))
@@ -327,12 +396,16 @@ def _check_tp(spec: ModelSpec, tp: int) -> None:
     if type(tp) is not int or tp < 1:
         raise ConfigError(f"{_flag('tp')} = {tp!r} must be a positive integer")
     if spec.heads % tp or spec.intermediate % tp or not kv_heads_split(spec.kv_heads, tp):
-        ok = [n for n in range(1, spec.heads + 1) if not spec.heads % n and not spec.intermediate % n
-              and kv_heads_split(spec.kv_heads, n)]
+        ok = [
+            n
+            for n in range(1, spec.heads + 1)
+            if not spec.heads % n and not spec.intermediate % n and kv_heads_split(spec.kv_heads, n)
+        ]
         raise ConfigError(
             f"{_flag('tp')} = {tp!r} does not split {spec.name!r} (heads={spec.heads}, kv_heads={spec.kv_heads}, "
             f"intermediate={spec.intermediate}): it must divide heads and intermediate, and divide or be a "
-            f"multiple of kv_heads; allowed values: {ok}")
+            f"multiple of kv_heads; allowed values: {ok}"
+        )
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: int, kv_bits: int, group: int = 128, scale_bits: int = 0) -> int:
@@ -396,11 +469,14 @@ class BudgetInputs:
         if type(self.gpu_memory) is not int or self.gpu_memory < 1:
             raise ConfigError(f"{_flag('gpu_memory')} = {self.gpu_memory!r} must be a positive size in bytes")
         if self.weights not in WEIGHT_FORMATS:
-            raise ConfigError(f"{_flag('weights')} = {self.weights!r} is not known; "
-                              f"allowed values: {', '.join(WEIGHT_FORMATS)}")
+            raise ConfigError(
+                f"{_flag('weights')} = {self.weights!r} is not known; allowed values: {', '.join(WEIGHT_FORMATS)}"
+            )
         if self.kv_bits not in KV_BITS or type(self.kv_bits) is not int:
-            raise ConfigError(f"{_flag('kv_bits')} = {self.kv_bits!r} is not supported; "
-                              f"allowed values: {', '.join(map(str, KV_BITS))}")
+            raise ConfigError(
+                f"{_flag('kv_bits')} = {self.kv_bits!r} is not supported; "
+                f"allowed values: {', '.join(map(str, KV_BITS))}"
+            )
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ConfigError(f"{_flag('gpu_memory_utilization')} = {u!r} must be a fraction in (0, 1]")
@@ -412,22 +488,27 @@ class BudgetInputs:
             raise ConfigError(f"{_flag('context')} = {self.context!r} must be a positive number of tokens")
         if type(self.kv_group_size) is not int or self.kv_group_size < 1:
             raise ConfigError(f"{_flag('kv_group_size')} = {self.kv_group_size!r} must be a positive integer")
-        if self.kv_scale_bits is not None and (type(self.kv_scale_bits) is not int
-                                               or not 0 <= self.kv_scale_bits <= 64):
+        if self.kv_scale_bits is not None and (
+            type(self.kv_scale_bits) is not int or not 0 <= self.kv_scale_bits <= 64
+        ):
             raise ConfigError(f"{_flag('kv_scale_bits')} = {self.kv_scale_bits!r} must be an integer in 0..64")
         if type(self.block_size) is not int or self.block_size < 1:
             raise ConfigError(f"{_flag('block_size')} = {self.block_size!r} must be a positive number of tokens")
         if self.kv_cache_heads is not None:
             h = self.model.heads
             if type(self.kv_cache_heads) is not int or self.kv_cache_heads < 1 or h % self.kv_cache_heads:
-                raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} must divide "
-                                  f"the model's {h} attention heads; allowed values: "
-                                  f"{[n for n in range(1, h + 1) if not h % n]}")
+                raise ConfigError(
+                    f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} must divide "
+                    f"the model's {h} attention heads; allowed values: "
+                    f"{[n for n in range(1, h + 1) if not h % n]}"
+                )
             ok = [n for n in range(1, h + 1) if not h % n and kv_heads_split(n, self.tp)]
             if self.kv_cache_heads not in ok:
-                raise ConfigError(f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} does not split "
-                                  f"over tp {self.tp} (it must divide or be a multiple of tp, and divide the "
-                                  f"model's {h} attention heads); allowed values with this tp: {ok}")
+                raise ConfigError(
+                    f"{_flag('kv_cache_heads', '--kv-heads')} = {self.kv_cache_heads!r} does not split "
+                    f"over tp {self.tp} (it must divide or be a multiple of tp, and divide the "
+                    f"model's {h} attention heads); allowed values with this tp: {ok}"
+                )
 
     @property
     def kv_spec(self) -> ModelSpec:
@@ -532,11 +613,15 @@ def plan(inputs: BudgetInputs) -> HbmBudget:
     concurrent = max_tokens // _pad(context, inputs.block_size)
     effective_bits = per_token * 8 / (2 * spec.layers * kv_per_gpu * spec.head_dim)
 
-    kv_desc = {16: "16-bit (bf16/fp16), no scales", 8: "fp8 e4m3 with one per-tensor scale per layer (vLLM "
-               "kv_cache_dtype=fp8), no per-token overhead"}.get(inputs.kv_bits, f"{inputs.kv_bits}-bit quantized")
+    kv_desc = {
+        16: "16-bit (bf16/fp16), no scales",
+        8: "fp8 e4m3 with one per-tensor scale per layer (vLLM kv_cache_dtype=fp8), no per-token overhead",
+    }.get(inputs.kv_bits, f"{inputs.kv_bits}-bit quantized")
     if scale_bits:
-        kv_desc += (f" + {scale_bits} bits of scale per {inputs.kv_group_size} elements "
-                    f"(+{scale_bits / inputs.kv_group_size:.3f} bit/element; --kv-scale-bits/--kv-group-size)")
+        kv_desc += (
+            f" + {scale_bits} bits of scale per {inputs.kv_group_size} elements "
+            f"(+{scale_bits / inputs.kv_group_size:.3f} bit/element; --kv-scale-bits/--kv-group-size)"
+        )
     elif inputs.kv_bits < 16 and inputs.kv_bits != 8:
         kv_desc += ", scale overhead ignored (--kv-scale-bits 0)"
     head_note = "" if kv_spec is spec else f" (--kv-heads what-if; the model has {spec.kv_heads})"
@@ -550,12 +635,18 @@ def plan(inputs: BudgetInputs) -> HbmBudget:
         "run + non-PyTorch memory such as NCCL buffers; take it from your vLLM start-up log)",
         f"CUDA-graph reserve {_gib(inputs.cuda_graph_reserve)} per GPU (0 with --enforce-eager)",
         f"weights: {fmt.describe}; "
-        + ("embeddings and lm_head quantized too" if inputs.quantize_embeddings and fmt.name != "bf16"
-           else "embeddings, lm_head, norms and biases at 16 bits"),
+        + (
+            "embeddings and lm_head quantized too"
+            if inputs.quantize_embeddings and fmt.name != "bf16"
+            else "embeddings, lm_head, norms and biases at 16 bits"
+        ),
         f"tensor parallel {tp}: column/row-parallel linears, vocab-parallel embeddings (vocab padded to a multiple "
         f"of {_VOCAB_PADDING}); replicated on every GPU: layer norms"
-        + (f", K/V weights and cache (kv_heads {kv_spec.kv_heads} < tp {tp}: each KV head on {replication} GPUs)"
-           if replication > 1 else ""),
+        + (
+            f", K/V weights and cache (kv_heads {kv_spec.kv_heads} < tp {tp}: each KV head on {replication} GPUs)"
+            if replication > 1
+            else ""
+        ),
         f"KV cache: {kv_spec.kv_heads} KV heads{head_note} × head_dim {spec.head_dim} × {spec.layers} layers, "
         f"{kv_per_gpu} KV head(s) per GPU; {kv_desc}",
         f"KV cache paged in blocks of {inputs.block_size} tokens; capacity rounded down to whole blocks",
@@ -576,8 +667,11 @@ def plan(inputs: BudgetInputs) -> HbmBudget:
         f"{_gib(inputs.activation_reserve)} - {_gib(inputs.cuda_graph_reserve)} = {_gib(budget)}",
         f"KV bytes/token/GPU = 2 × {kv_spec.layers} layers × {kv_per_gpu} KV head(s) × "
         f"(ceil({kv_spec.head_dim} × {inputs.kv_bits} / 8) = {vec_data} B"
-        + (f" + ceil(ceil({kv_spec.head_dim} / {inputs.kv_group_size}) × {scale_bits} / 8) = {vec_scale} B"
-           if scale_bits else "")
+        + (
+            f" + ceil(ceil({kv_spec.head_dim} / {inputs.kv_group_size}) × {scale_bits} / 8) = {vec_scale} B"
+            if scale_bits
+            else ""
+        )
         + f") = {per_token:,} B ({effective_bits:.3f} bits/element)",
         f"max tokens = floor({max(0, budget):,} / ({inputs.block_size} × {per_token:,})) × {inputs.block_size} "
         f"= {max_tokens:,}",
@@ -587,24 +681,47 @@ def plan(inputs: BudgetInputs) -> HbmBudget:
     )
     notes = []
     if budget <= 0:
-        notes.append(f"does not fit: weights {_gib(weights)} + reserves "
-                     f"{_gib(inputs.activation_reserve + inputs.cuda_graph_reserve)} exceed the usable "
-                     f"{_gib(usable)} per GPU; raise --tp, quantize weights, or raise --gpu-memory-utilization")
+        notes.append(
+            f"does not fit: weights {_gib(weights)} + reserves "
+            f"{_gib(inputs.activation_reserve + inputs.cuda_graph_reserve)} exceed the usable "
+            f"{_gib(usable)} per GPU; raise --tp, quantize weights, or raise --gpu-memory-utilization"
+        )
     elif budget < block_bytes:
-        notes.append(f"does not fit: the KV budget {_gib(budget)} is less than one cache block ({inputs.block_size} "
-                     f"tokens × {per_token:,} B = {_gib(block_bytes)}); free memory as above or lower --block-size")
+        notes.append(
+            f"does not fit: the KV budget {_gib(budget)} is less than one cache block ({inputs.block_size} "
+            f"tokens × {per_token:,} B = {_gib(block_bytes)}); free memory as above or lower --block-size"
+        )
     elif spec.max_position and max_tokens > spec.max_position:
-        notes.append(f"the cache holds {max_tokens:,} tokens but one request is capped at max_position_embeddings "
-                     f"{spec.max_position:,}; the rest serves other requests")
+        notes.append(
+            f"the cache holds {max_tokens:,} tokens but one request is capped at max_position_embeddings "
+            f"{spec.max_position:,}; the rest serves other requests"
+        )
     if spec.max_position and context > spec.max_position:
         notes.append(f"--context {context:,} exceeds the model's max_position_embeddings {spec.max_position:,}")
     if 0 < max_tokens < context:
-        notes.append(f"a {context:,}-token request does not fit in the cache ({max_tokens:,} tokens): vLLM would "
-                     f"refuse to start with max_model_len {context:,}; lower --context")
+        notes.append(
+            f"a {context:,}-token request does not fit in the cache ({max_tokens:,} tokens): vLLM would "
+            f"refuse to start with max_model_len {context:,}; lower --context"
+        )
     return HbmBudget(
-        inputs=inputs, params=params, weights_bytes=weights, weights_naive_bytes=naive, replicated_bytes=replicated,
-        usable_bytes=usable, kv_budget_bytes=budget, kv_heads_per_gpu=kv_per_gpu, kv_replication=replication,
-        kv_scale_bits=scale_bits, kv_bytes_per_token_per_gpu=per_token, kv_bytes_per_token_model=per_token_model,
-        kv_effective_bits=effective_bits, max_tokens=max_tokens, context=context, max_context_per_request=max_ctx,
-        concurrent_sequences=concurrent, assumptions=tuple(assumptions), notes=tuple(notes), formulas=formulas,
+        inputs=inputs,
+        params=params,
+        weights_bytes=weights,
+        weights_naive_bytes=naive,
+        replicated_bytes=replicated,
+        usable_bytes=usable,
+        kv_budget_bytes=budget,
+        kv_heads_per_gpu=kv_per_gpu,
+        kv_replication=replication,
+        kv_scale_bits=scale_bits,
+        kv_bytes_per_token_per_gpu=per_token,
+        kv_bytes_per_token_model=per_token_model,
+        kv_effective_bits=effective_bits,
+        max_tokens=max_tokens,
+        context=context,
+        max_context_per_request=max_ctx,
+        concurrent_sequences=concurrent,
+        assumptions=tuple(assumptions),
+        notes=tuple(notes),
+        formulas=formulas,
     )

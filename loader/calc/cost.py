@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = [
     "GB",
@@ -71,8 +71,9 @@ def parse_duration(value: str | float, *, what: str = "--interval") -> float:
     else:
         m = _DURATION_RE.match(str(value))
         if not m:
-            raise ConfigError(f"{what} {value!r} is not a duration; write seconds or a number with a unit: "
-                              "90s, 30m, 1.5h, 1d")
+            raise ConfigError(
+                f"{what} {value!r} is not a duration; write seconds or a number with a unit: 90s, 30m, 1.5h, 1d"
+            )
         seconds = float(m[1]) * _DURATION_UNITS[m[2].lower() if m[2] else None]
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{what} {value!r} must be a positive duration")
@@ -167,20 +168,27 @@ class CostInputs:
         def positive(name: str, flag: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             try:
-                ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                      and (v >= 0 if allow_zero else v > 0))
+                ok = (
+                    not isinstance(v, bool)
+                    and isinstance(v, (int, float))
+                    and math.isfinite(v)
+                    and (v >= 0 if allow_zero else v > 0)
+                )
             except OverflowError:  # an integer too large for a float
                 ok = False
             if not ok:
-                raise ConfigError(f"{name} ({flag}) = {v!r} must be a {'non-negative' if allow_zero else 'positive'} "
-                                  "number")
+                raise ConfigError(
+                    f"{name} ({flag}) = {v!r} must be a {'non-negative' if allow_zero else 'positive'} number"
+                )
 
         if type(self.checkpoint_bytes) is not int or self.checkpoint_bytes < 1:
             raise ConfigError(f"checkpoint_bytes (--size) = {self.checkpoint_bytes!r} must be a positive size")
         positive("ratio", "--ratio")
         if self.ratio < 1:
-            raise ConfigError(f"ratio (--ratio) = {self.ratio!r} must be >= 1.0 (uncompressed / compressed; "
-                              "data that does not shrink is stored raw)")
+            raise ConfigError(
+                f"ratio (--ratio) = {self.ratio!r} must be >= 1.0 (uncompressed / compressed; "
+                "data that does not shrink is stored raw)"
+            )
         positive("compress_gbps", "--compress-gbps")
         positive("write_gbps", "--write-gbps")
         if type(self.gpus) is not int or self.gpus < 1:
@@ -188,12 +196,15 @@ class CostInputs:
         positive("gpu_hour_usd", "--gpu-hour-usd", allow_zero=True)
         positive("interval_s", "--interval")
         if type(self.retention) is not int or self.retention < 1:
-            raise ConfigError(f"retention (--retention) = {self.retention!r} must be a positive integer "
-                              "(checkpoints kept)")
+            raise ConfigError(
+                f"retention (--retention) = {self.retention!r} must be a positive integer (checkpoints kept)"
+            )
         positive("storage_usd_gb_month", "--storage-usd-gb-month", allow_zero=True)
         if self.compress_scope not in COMPRESS_SCOPES:
-            raise ConfigError(f"compress_scope (--compress-scope) = {self.compress_scope!r} is not known; "
-                              f"allowed values: {', '.join(COMPRESS_SCOPES)}")
+            raise ConfigError(
+                f"compress_scope (--compress-scope) = {self.compress_scope!r} is not known; "
+                f"allowed values: {', '.join(COMPRESS_SCOPES)}"
+            )
         positive("month_s", "month_s")
 
     @property
@@ -267,11 +278,16 @@ def checkpoint_cost(inputs: CostInputs) -> CostResult:
         result = _checkpoint_cost(inputs)
     except OverflowError as e:
         raise ConfigError(f"the inputs are too large to compute with ({e}): {_inputs_line(inputs)}") from None
-    bad = [f.name for f in fields(result) if isinstance(getattr(result, f.name), float)
-           and not math.isfinite(getattr(result, f.name))]
+    bad = [
+        f.name
+        for f in fields(result)
+        if isinstance(getattr(result, f.name), float) and not math.isfinite(getattr(result, f.name))
+    ]
     if bad:
-        raise ConfigError(f"the inputs give a non-finite {', '.join(bad)}: {_inputs_line(inputs)}; "
-                          "use values within a few orders of magnitude of real ones")
+        raise ConfigError(
+            f"the inputs give a non-finite {', '.join(bad)}: {_inputs_line(inputs)}; "
+            "use values within a few orders of magnitude of real ones"
+        )
     return result
 
 
@@ -298,8 +314,11 @@ def _checkpoint_cost(inputs: CostInputs) -> CostResult:
     stored_raw, stored_comp = i.retention * size_gb, i.retention * comp_gb
     storage_saved_usd = (stored_raw - stored_comp) * i.storage_usd_gb_month
     idle_saved_usd = idle_raw_usd - idle_comp_usd
-    scope = (f"{i.compress_gbps:g} GB/s per GPU × {i.gpus} GPUs" if i.compress_scope == "per-gpu"
-             else f"{i.compress_gbps:g} GB/s aggregate")
+    scope = (
+        f"{i.compress_gbps:g} GB/s per GPU × {i.gpus} GPUs"
+        if i.compress_scope == "per-gpu"
+        else f"{i.compress_gbps:g} GB/s aggregate"
+    )
     formulas = (
         f"compressed size = {size_gb:,.3f} GB / ratio {i.ratio:g} = {comp_gb:,.3f} GB",
         f"aggregate compress rate = {scope} = {c_agg:,.3f} GB/s",
@@ -328,9 +347,12 @@ def _checkpoint_cost(inputs: CostInputs) -> CostResult:
         f"write rate: {c_agg:,.2f} GB/s {'>' if c_agg > i.write_gbps else '<='} {i.write_gbps:g} GB/s"
         + (f" (per GPU: needs > {be_pipe_per_gpu:,.3f} GB/s)" if i.compress_scope == "per-gpu" else "")
         + f" -> {'saves' if saved > 0 else 'does not save'} time",
-        (f"unpipelined, it needs compress rate > write rate × r/(r-1) = {serial_need:,.2f} GB/s; "
-         f"have {c_agg:,.2f} -> {'saves' if saved_serial > 0 else 'does not save'} time")
-        if i.ratio > 1 else "unpipelined, ratio 1.0 never saves time",
+        (
+            f"unpipelined, it needs compress rate > write rate × r/(r-1) = {serial_need:,.2f} GB/s; "
+            f"have {c_agg:,.2f} -> {'saves' if saved_serial > 0 else 'does not save'} time"
+        )
+        if i.ratio > 1
+        else "unpipelined, ratio 1.0 never saves time",
         f"storage faster than {c_agg:,.2f} GB/s (pipelined) or {c_agg * (1 - 1 / i.ratio):,.2f} GB/s "
         "(unpipelined) would make compression cost time",
         f"pipelined wait is {bound}-bound; a ratio above "
@@ -340,22 +362,41 @@ def _checkpoint_cost(inputs: CostInputs) -> CostResult:
     ]
     notes = []
     if max(write_raw, wait) >= i.interval_s:
-        notes.append(f"a checkpoint takes {max(write_raw, wait):,.0f} s, not less than the {i.interval_s:,.0f} s "
-                     "interval: the job would do nothing but checkpoint")
+        notes.append(
+            f"a checkpoint takes {max(write_raw, wait):,.0f} s, not less than the {i.interval_s:,.0f} s "
+            "interval: the job would do nothing but checkpoint"
+        )
     if i.gpu_hour_usd == 0:
         notes.append("--gpu-hour-usd is 0: GPU idle dollars are 0")
     if i.storage_usd_gb_month == 0:
         notes.append("--storage-usd-gb-month is 0: storage dollars are 0")
     return CostResult(
-        inputs=i, compressed_bytes=i.checkpoint_bytes / i.ratio, compress_gbps_aggregate=c_agg,
-        write_raw_s=write_raw, compress_s=compress, write_compressed_s=write_comp, wait_pipelined_s=wait,
-        wait_serial_s=serial, bound=bound, saved_s=saved,
-        saved_serial_s=saved_serial, checkpoints_per_month=n, idle_saved_gpu_s=saved * i.gpus,
-        idle_saved_gpu_s_month=saved * i.gpus * n, idle_raw_usd_month=idle_raw_usd,
-        idle_compressed_usd_month=idle_comp_usd, idle_saved_usd_month=idle_saved_usd,
-        idle_saved_serial_usd_month=saved_serial * n * per_gpu_s_usd, stored_raw_gb=stored_raw,
-        stored_compressed_gb=stored_comp, storage_saved_gb=stored_raw - stored_comp,
-        storage_saved_usd_month=storage_saved_usd, written_raw_gb_month=size_gb * n,
-        written_compressed_gb_month=comp_gb * n, total_saved_usd_month=idle_saved_usd + storage_saved_usd,
-        formulas=formulas, breakeven=tuple(breakeven), notes=tuple(notes),
+        inputs=i,
+        compressed_bytes=i.checkpoint_bytes / i.ratio,
+        compress_gbps_aggregate=c_agg,
+        write_raw_s=write_raw,
+        compress_s=compress,
+        write_compressed_s=write_comp,
+        wait_pipelined_s=wait,
+        wait_serial_s=serial,
+        bound=bound,
+        saved_s=saved,
+        saved_serial_s=saved_serial,
+        checkpoints_per_month=n,
+        idle_saved_gpu_s=saved * i.gpus,
+        idle_saved_gpu_s_month=saved * i.gpus * n,
+        idle_raw_usd_month=idle_raw_usd,
+        idle_compressed_usd_month=idle_comp_usd,
+        idle_saved_usd_month=idle_saved_usd,
+        idle_saved_serial_usd_month=saved_serial * n * per_gpu_s_usd,
+        stored_raw_gb=stored_raw,
+        stored_compressed_gb=stored_comp,
+        storage_saved_gb=stored_raw - stored_comp,
+        storage_saved_usd_month=storage_saved_usd,
+        written_raw_gb_month=size_gb * n,
+        written_compressed_gb_month=comp_gb * n,
+        total_saved_usd_month=idle_saved_usd + storage_saved_usd,
+        formulas=formulas,
+        breakeven=tuple(breakeven),
+        notes=tuple(notes),
     )

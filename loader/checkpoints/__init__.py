@@ -15,19 +15,39 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["save", "load", "SaveReport", "GdsloadWriter", "GdsloadReader", "StageReport",
-           "save_compressed_checkpoint", "load_compressed_checkpoint", "CheckpointReport"]
+__all__ = [
+    "save",
+    "load",
+    "SaveReport",
+    "GdsloadWriter",
+    "GdsloadReader",
+    "StageReport",
+    "save_compressed_checkpoint",
+    "load_compressed_checkpoint",
+    "CheckpointReport",
+]
 
-_LAZY = {"save": "dropin", "load": "dropin", "SaveReport": "dropin", "GdsloadWriter": "dcp_write",
-         "StageReport": "dcp_write", "GdsloadReader": "dcp_read", "save_compressed_checkpoint": "container",
-         "load_compressed_checkpoint": "container", "CheckpointReport": "container"}
+_LAZY = {
+    "save": "dropin",
+    "load": "dropin",
+    "SaveReport": "dropin",
+    "GdsloadWriter": "dcp_write",
+    "StageReport": "dcp_write",
+    "GdsloadReader": "dcp_read",
+    "save_compressed_checkpoint": "container",
+    "load_compressed_checkpoint": "container",
+    "CheckpointReport": "container",
+}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gdsload.loader.checkpoints.container import (CheckpointReport, load_compressed_checkpoint,
-                                                      save_compressed_checkpoint)
-    from gdsload.loader.checkpoints.dcp_read import GdsloadReader
-    from gdsload.loader.checkpoints.dcp_write import GdsloadWriter, StageReport
-    from gdsload.loader.checkpoints.dropin import SaveReport, load, save
+    from .container import (
+        CheckpointReport,
+        load_compressed_checkpoint,
+        save_compressed_checkpoint,
+    )
+    from .dcp_read import GdsloadReader
+    from .dcp_write import GdsloadWriter, StageReport
+    from .dropin import SaveReport, load, save
 
 
 def __getattr__(name: str) -> Any:

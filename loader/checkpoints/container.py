@@ -70,13 +70,13 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
-from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
-from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
-from gdsload.loader.format.compression import CompressedEntry, parse_compression
-from gdsload.loader.config import format_bytes
-from gdsload.loader.dtypes import ITEMSIZE, to_torch
-from gdsload.loader.errors import (
+from ..codecs import default_params, encode_tensor, nvcomp_available
+from ..codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
+from ..prepare.compress import MIN_TENSOR_BYTES
+from ..format.compression import CompressedEntry, parse_compression
+from ..config import format_bytes
+from ..dtypes import ITEMSIZE, to_torch
+from ..errors import (
     BackendUnavailableError,
     CheckpointError,
     CheckpointTypeError,
@@ -85,19 +85,19 @@ from gdsload.loader.errors import (
     ConfigError,
     GdsloadError,
 )
-from gdsload.loader.checkpoints.writer import Appender as _Appender
-from gdsload.loader.checkpoints.writer import PosixSink as _PosixSink  # noqa: F401 (patched by tests)
-from gdsload.loader.checkpoints.writer import WritePipe as _Pipe
-from gdsload.loader.checkpoints.writer import header_json as _header_json
-from gdsload.loader.checkpoints.writer import host_bytes as _host_bytes
-from gdsload.loader.checkpoints.writer import kvikio_missing as _kvikio_missing
-from gdsload.loader.checkpoints.writer import open_sink as _open_sink
-from gdsload.loader.checkpoints.writer import with_compression as _with_compression
-from gdsload.loader.checkpoints.writer import write_failed as _write_failed
-from gdsload.loader.checkpoints.tree import Flattener, Leaf, Rebuilder, state_of
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, read_header
-from gdsload.loader.format.writer import pwrite_all
+from .writer import Appender as _Appender
+from .writer import PosixSink as _PosixSink  # noqa: F401 (patched by tests)
+from .writer import WritePipe as _Pipe
+from .writer import header_json as _header_json
+from .writer import host_bytes as _host_bytes
+from .writer import kvikio_missing as _kvikio_missing
+from .writer import open_sink as _open_sink
+from .writer import with_compression as _with_compression
+from .writer import write_failed as _write_failed
+from .tree import Flattener, Leaf, Rebuilder, state_of
+from ..format.atomic import atomic_output
+from ..format.safetensors import DATA_ALIGNMENT, MAX_HEADER_BYTES, SafetensorsHeader, read_header
+from ..format.writer import pwrite_all
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -123,7 +123,6 @@ WRITERS = ("auto", "kvikio", "posix")
 """``auto``: kvikio when it imports and opens the file, else posix ``pwrite``."""
 
 _ZSTD_THREADS = max(1, min(8, os.cpu_count() or 1))
-
 
 
 # --------------------------------------------------------------------------- report
@@ -182,15 +181,25 @@ class CheckpointReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "gbps": self.gbps, "compress_gbps": self.compress_gbps,
-                "write_gbps": self.write_gbps}
+        return {
+            **asdict(self),
+            "ratio": self.ratio,
+            "gbps": self.gbps,
+            "compress_gbps": self.compress_gbps,
+            "write_gbps": self.write_gbps,
+        }
 
 
 # --------------------------------------------------------------------------- the file layout
 
 
-def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf], codec: str | None,
-             checksum: bool, metadata: Mapping[str, str]) -> int:
+def _reserve(
+    raw: list[tuple[str, str, list[int], int, int]],
+    stream: list[Leaf],
+    codec: str | None,
+    checksum: bool,
+    metadata: Mapping[str, str],
+) -> int:
     """Where the data section starts: an upper bound of the header, rounded up to 4096.
 
     The bound describes every stream tensor as compressed (a superset of the real entries), with
@@ -208,8 +217,17 @@ def _reserve(raw: list[tuple[str, str, list[int], int, int]], stream: list[Leaf]
         # Each chunk's size is a uint32; its base64 length depends only on the count of chunks.
         chunks = (min(leaf.nbytes, 0xFFFFFFFF),) * -(-leaf.nbytes // chunk) if chunk else ()
         worst[leaf.name] = CompressedEntry(
-            leaf.name, leaf.dtype, tuple(leaf.tensor.shape), leaf.nbytes, codec, layout, leaf.nbytes,
-            default_params(codec, leaf.dtype), chunk, chunks, 0xFFFFFFFF if checksum else None,
+            leaf.name,
+            leaf.dtype,
+            tuple(leaf.tensor.shape),
+            leaf.nbytes,
+            codec,
+            layout,
+            leaf.nbytes,
+            default_params(codec, leaf.dtype),
+            chunk,
+            chunks,
+            0xFFFFFFFF if checksum else None,
             spec.chunk_align if chunk else 1,
         ).to_json()
     entries = [*raw, *((leaf.name, "U8", [leaf.nbytes], data_max, data_max) for leaf in stream)]
@@ -242,8 +260,10 @@ def _codec_of(algorithm: str) -> str | None:
     if name != "auto":
         return name
     reason = nvcomp_available()
-    log.info("algorithm auto: %s", f"{GPU_DEFAULT} (nvCOMP on the GPU)" if reason is None
-             else f"{CPU_DEFAULT} on the CPU ({reason})")
+    log.info(
+        "algorithm auto: %s",
+        f"{GPU_DEFAULT} (nvCOMP on the GPU)" if reason is None else f"{CPU_DEFAULT} on the CPU ({reason})",
+    )
     return GPU_DEFAULT if reason is None else CPU_DEFAULT
 
 
@@ -263,8 +283,13 @@ def _staging_device(codec: str | None, algorithm: str, stream: list[Leaf]) -> to
     if not on_cpu:
         return None
     dev = torch.device("cuda", torch.cuda.current_device())
-    log.info("%d CPU tensors (%s) are copied to %s to be compressed with %s", len(on_cpu),
-             format_bytes(sum(leaf.nbytes for leaf in on_cpu)), dev, codec)
+    log.info(
+        "%d CPU tensors (%s) are copied to %s to be compressed with %s",
+        len(on_cpu),
+        format_bytes(sum(leaf.nbytes for leaf in on_cpu)),
+        dev,
+        codec,
+    )
     return dev
 
 
@@ -307,8 +332,9 @@ def save_compressed_checkpoint(
             f"files by that suffix); e.g. {str(dst.with_suffix('.safetensors'))!r}"
         )
     if dst.is_dir():
-        raise ConfigError(f"path {str(path)!r} is a directory; name a file in it, e.g. "
-                          f"{str(dst / 'checkpoint.safetensors')!r}")
+        raise ConfigError(
+            f"path {str(path)!r} is a directory; name a file in it, e.g. {str(dst / 'checkpoint.safetensors')!r}"
+        )
     if codec is not None and str(algorithm).lower() not in ("auto", str(codec).lower()):
         raise ConfigError(f"codec={codec!r} and algorithm={algorithm!r} name two codecs; pass codec= alone")
     algorithm = codec if codec is not None else algorithm
@@ -350,8 +376,10 @@ def save_compressed_checkpoint(
         "version": CHECKPOINT_VERSION,
         "torch": torch.__version__,
         "tree": tree,
-        "tensors": {leaf.name: {"dtype": leaf.dtype, "shape": list(leaf.tensor.shape),
-                                "device": str(leaf.tensor.device)} for leaf in leaves},
+        "tensors": {
+            leaf.name: {"dtype": leaf.dtype, "shape": list(leaf.tensor.shape), "device": str(leaf.tensor.device)}
+            for leaf in leaves
+        },
     }
     metadata = {"format": "pt", CHECKPOINT_KEY: json.dumps(skeleton, separators=(",", ":"))}
     reserved = _reserve(raw_entries, stream, codec, checksum, metadata)
@@ -390,8 +418,9 @@ def save_compressed_checkpoint(
             t = time.perf_counter()
             header = _header_json(_with_compression(metadata, comp), [*raw_entries, *stream_entries])
             if 8 + len(header) > reserved:  # cannot happen: _reserve bounds every field
-                raise CheckpointError(f"header of {len(header)} bytes outgrew its reserved {reserved - 8}; "
-                                      "a gdsload bug")
+                raise CheckpointError(
+                    f"header of {len(header)} bytes outgrew its reserved {reserved - 8}; a gdsload bug"
+                )
             pwrite_all(fd, struct.pack("<Q", reserved - 8) + header + b" " * (reserved - 8 - len(header)), 0)
             os.fsync(fd)
             write_s += time.perf_counter() - t
@@ -403,16 +432,31 @@ def save_compressed_checkpoint(
     logical = sum(leaf.nbytes for leaf in leaves)
     stored = app.offset - reserved
     report = CheckpointReport(
-        path=str(dst), algorithm=codec or "none", writer=sink.name, tensors=len(leaves), compressed=len(comp),
-        logical_bytes=logical, stored_bytes=stored, file_bytes=app.offset, compress_seconds=compress_s,
-        write_seconds=write_s, total_seconds=time.perf_counter() - t_start,
+        path=str(dst),
+        algorithm=codec or "none",
+        writer=sink.name,
+        tensors=len(leaves),
+        compressed=len(comp),
+        logical_bytes=logical,
+        stored_bytes=stored,
+        file_bytes=app.offset,
+        compress_seconds=compress_s,
+        write_seconds=write_s,
+        total_seconds=time.perf_counter() - t_start,
     )
     log.info("%s", report.summary())
     return report
 
 
-def _compress(leaf: Leaf, codec: str | None, staging: torch.device | None, zstd_on_gpu: bool, checksum: bool,
-              min_gain: float, comp: dict[str, dict[str, Any]]) -> np.ndarray:
+def _compress(
+    leaf: Leaf,
+    codec: str | None,
+    staging: torch.device | None,
+    zstd_on_gpu: bool,
+    checksum: bool,
+    min_gain: float,
+    comp: dict[str, dict[str, Any]],
+) -> np.ndarray:
     """A stream tensor's stored bytes: compressed when that gains ``min_gain`` (entry into ``comp``), else raw."""
     assert codec is not None
     t = leaf.tensor
@@ -420,8 +464,15 @@ def _compress(leaf: Leaf, codec: str | None, staging: torch.device | None, zstd_
         t = t.cpu()
     elif not codec_spec(codec).cpu_encode and not t.is_cuda:
         t = t.to(staging)
-    entry, blob = encode_tensor(leaf.name, t, leaf.dtype, codec, params=default_params(codec, leaf.dtype),
-                                checksum=checksum, threads=_ZSTD_THREADS)
+    entry, blob = encode_tensor(
+        leaf.name,
+        t,
+        leaf.dtype,
+        codec,
+        params=default_params(codec, leaf.dtype),
+        checksum=checksum,
+        threads=_ZSTD_THREADS,
+    )
     if blob.size <= (1 - min_gain) * leaf.nbytes:
         comp[leaf.name] = entry.to_json()
         return blob
@@ -455,9 +506,14 @@ def _skeleton(header: SafetensorsHeader) -> dict[str, Any]:
     if not isinstance(tree, dict) or not isinstance(table, dict):
         raise CheckpointError(f"{path!r}: the checkpoint skeleton has no 'tree' or 'tensors'; the file is corrupt")
     for name, spec in table.items():
-        ok = (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in ITEMSIZE
-              and isinstance(spec.get("shape"), list)
-              and all(type(d) is int and d >= 0 for d in spec["shape"]) and isinstance(spec.get("device"), str))
+        ok = (
+            isinstance(spec, dict)
+            and isinstance(spec.get("dtype"), str)
+            and spec["dtype"] in ITEMSIZE
+            and isinstance(spec.get("shape"), list)
+            and all(type(d) is int and d >= 0 for d in spec["shape"])
+            and isinstance(spec.get("device"), str)
+        )
         if not ok:
             raise CheckpointError(f"{path!r}: skeleton entry for tensor {name!r} is malformed: {spec!r:.200}")
     return doc
@@ -481,11 +537,14 @@ def _saved_device(saved: str, path: str, name: str) -> torch.device:
     try:
         dev = torch.device(saved)
     except RuntimeError:
-        raise CheckpointError(f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton; the file is "
-                              "corrupt") from None
+        raise CheckpointError(
+            f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton; the file is corrupt"
+        ) from None
     if dev.type not in ("cpu", "cuda"):  # saving takes only these: anything else (meta: no data) is damage
-        raise CheckpointError(f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton, which a save "
-                              "never writes; the file is corrupt")
+        raise CheckpointError(
+            f"{path!r}: tensor {name!r} has the device {saved!r} in the skeleton, which a save "
+            "never writes; the file is corrupt"
+        )
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = dev.index or 0
@@ -524,9 +583,10 @@ def load_compressed_checkpoint(
         return _load_open(f, os.fspath(path), device, verify, t_start)
 
 
-def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify: bool, t_start: float
-               ) -> dict[str, Any]:
-    from gdsload.loader.pipeline.load import load_rank
+def _load_open(
+    f: BinaryIO, path: str, device: str | torch.device | None, verify: bool, t_start: float
+) -> dict[str, Any]:
+    from ..pipeline.load import load_rank
 
     header = read_header(path, file=f)
     where = header.path
@@ -535,8 +595,9 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
     stored = {t.name: t for t in header.tensors}
     for name in table:
         if name not in stored:
-            raise CheckpointError(f"{where!r}: the skeleton names tensor {name!r}, which the file lacks; "
-                                  "the file is corrupt")
+            raise CheckpointError(
+                f"{where!r}: the skeleton names tensor {name!r}, which the file lacks; the file is corrupt"
+            )
     dev = None if device is None else _device_arg(device)
     targets = {name: dev or _saved_device(spec["device"], where, name) for name, spec in table.items()}
     comp = parse_compression(header)
@@ -590,6 +651,12 @@ def _load_open(f: BinaryIO, path: str, device: str | torch.device | None, verify
     }
     seconds = time.perf_counter() - t_start
     logical = sum(math.prod(s["shape"]) * ITEMSIZE[s["dtype"]] for s in table.values())
-    log.info("checkpoint %r: %s loaded in %.3f s (%.2f GB/s), %d tensors", where, format_bytes(logical), seconds,
-             logical / seconds / 1e9 if seconds > 0 else 0.0, len(tensors))
+    log.info(
+        "checkpoint %r: %s loaded in %.3f s (%.2f GB/s), %d tensors",
+        where,
+        format_bytes(logical),
+        seconds,
+        logical / seconds / 1e9 if seconds > 0 else 0.0,
+        len(tensors),
+    )
     return out

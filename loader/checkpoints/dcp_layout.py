@@ -24,11 +24,19 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.errors import CheckpointError
-from gdsload.loader.format.atomic import remove_dead_leftovers
+from ..errors import CheckpointError
+from ..format.atomic import remove_dead_leftovers
 
-__all__ = ["METADATA_NAME", "DCP_KEY", "StoredAt", "data_file", "load_metadata", "dump_metadata", "previous_save",
-           "remove_unused"]
+__all__ = [
+    "METADATA_NAME",
+    "DCP_KEY",
+    "StoredAt",
+    "data_file",
+    "load_metadata",
+    "dump_metadata",
+    "previous_save",
+    "remove_unused",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +46,16 @@ DCP_KEY = "gdsload.dcp"
 _DATA = re.compile(r"^r(\d+)\.([0-9a-f]{12})\.safetensors$")
 _TEMP = re.compile(r"^(\.r\d+\.[0-9a-f]{12}\.safetensors\.tmp-)[0-9a-f]+$")
 
-_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}
+_METADATA_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
 
 
 @dataclass(frozen=True)
@@ -97,8 +113,9 @@ def load_metadata(directory: Path, allowed: Iterable[type] = ()) -> Any:
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"{str(path)!r} is not a gdsload checkpoint's metadata ({type(e).__name__}: {e}); "
-                              "the file is damaged") from None
+        raise CheckpointError(
+            f"{str(path)!r} is not a gdsload checkpoint's metadata ({type(e).__name__}: {e}); the file is damaged"
+        ) from None
     if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
         raise CheckpointError(f"{str(path)!r} holds a {type(md).__name__}, not DCP's Metadata; the file is damaged")
     return md

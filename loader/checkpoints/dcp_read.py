@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from gdsload.loader.checkpoints.dcp_layout import DCP_KEY, METADATA_NAME, StoredAt, load_metadata
-from gdsload.loader.checkpoints.reader import Slot, TensorFile
-from gdsload.loader.errors import CheckpointError, ConfigError
+from .dcp_layout import DCP_KEY, METADATA_NAME, StoredAt, load_metadata
+from .reader import Slot, TensorFile
+from ..errors import CheckpointError, ConfigError
 
 __all__ = ["GdsloadReader"]
 
@@ -45,8 +45,13 @@ class GdsloadReader(StorageReader):
     >>> dcp.load(state, storage_reader=GdsloadReader("ckpt/step-1000"))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, metadata_classes: Iterable[type] = (),
-                 scratch_bytes: int = SCRATCH_BYTES):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        metadata_classes: Iterable[type] = (),
+        scratch_bytes: int = SCRATCH_BYTES,
+    ):
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.metadata_classes = tuple(metadata_classes)
@@ -62,8 +67,9 @@ class GdsloadReader(StorageReader):
 
     def _dir(self) -> Path:
         if self.path is None:
-            raise ConfigError("GdsloadReader has no directory: pass GdsloadReader(path) or dcp.load(..., "
-                              "checkpoint_id=path)")
+            raise ConfigError(
+                "GdsloadReader has no directory: pass GdsloadReader(path) or dcp.load(..., checkpoint_id=path)"
+            )
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -92,8 +98,10 @@ class GdsloadReader(StorageReader):
     def _where(self, item: ReadItem) -> StoredAt:
         at = self.storage_data.get(item.storage_index)
         if not isinstance(at, StoredAt):
-            raise CheckpointError(f"{str(self._dir())!r}: the metadata has no place for {item.storage_index.fqn!r} "
-                                  f"(chunk at {list(item.storage_index.offset or [])}); the checkpoint is damaged")
+            raise CheckpointError(
+                f"{str(self._dir())!r}: the metadata has no place for {item.storage_index.fqn!r} "
+                f"(chunk at {list(item.storage_index.offset or [])}); the checkpoint is damaged"
+            )
         return at
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -103,8 +111,10 @@ class GdsloadReader(StorageReader):
         for name, items in by_file.items():
             path = self._dir() / name
             if not path.is_file():
-                raise CheckpointError(f"{str(path)!r}, which the checkpoint's metadata names, is missing; the "
-                                      "checkpoint is damaged (was the directory copied only in part?)")
+                raise CheckpointError(
+                    f"{str(path)!r}, which the checkpoint's metadata names, is missing; the "
+                    "checkpoint is damaged (was the directory copied only in part?)"
+                )
             with TensorFile(path, DCP_KEY, what="gdsload DCP data file") as tf:
                 self._read_file(tf, items, planner)
         fut: Future[None] = Future()
@@ -154,8 +164,13 @@ class GdsloadReader(StorageReader):
         return target
 
     @staticmethod
-    def _run(tf: TensorFile, jobs: list[tuple[Slot, torch.Tensor]], copies: list[tuple[torch.Tensor, list[ReadItem]]],
-             direct: list[tuple[ReadItem, torch.Tensor]], planner: LoadPlanner) -> None:
+    def _run(
+        tf: TensorFile,
+        jobs: list[tuple[Slot, torch.Tensor]],
+        copies: list[tuple[torch.Tensor, list[ReadItem]]],
+        direct: list[tuple[ReadItem, torch.Tensor]],
+        planner: LoadPlanner,
+    ) -> None:
         if not jobs:
             return
         tf.read(jobs)
@@ -166,7 +181,9 @@ class GdsloadReader(StorageReader):
                 src = narrow_tensor_by_index(scratch, req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
                 if target.shape != src.shape:
-                    raise CheckpointError(f"{tf.path!r}: {req.storage_index.fqn!r} needs {list(target.shape)} and "
-                                          f"the checkpoint gives {list(src.shape)}; the checkpoint is damaged")
+                    raise CheckpointError(
+                        f"{tf.path!r}: {req.storage_index.fqn!r} needs {list(target.shape)} and "
+                        f"the checkpoint gives {list(src.shape)}; the checkpoint is damaged"
+                    )
                 target.copy_(src)
                 planner.commit_tensor(req, target)

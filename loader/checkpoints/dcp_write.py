@@ -35,13 +35,20 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from gdsload.loader.checkpoints.dcp_layout import (DCP_KEY, METADATA_NAME, StoredAt, data_file, dump_metadata,
-                                                   previous_save, remove_unused)
-from gdsload.loader.checkpoints.encode import Stored, dtype_name, encode, gpu_codec_for, resolve_codec
-from gdsload.loader.checkpoints.tensorfile import Planned, TensorFileWriter
-from gdsload.loader.config import format_bytes
-from gdsload.loader.errors import CheckpointError, ConfigError
-from gdsload.loader.format.atomic import atomic_output
+from .dcp_layout import (
+    DCP_KEY,
+    METADATA_NAME,
+    StoredAt,
+    data_file,
+    dump_metadata,
+    previous_save,
+    remove_unused,
+)
+from .encode import Stored, dtype_name, encode, gpu_codec_for, resolve_codec
+from .tensorfile import Planned, TensorFileWriter
+from ..config import format_bytes
+from ..errors import CheckpointError, ConfigError
+from ..format.atomic import atomic_output
 
 __all__ = ["GdsloadWriter", "StageReport", "SaveStats"]
 
@@ -65,9 +72,11 @@ class StageReport:
     """Logical bytes compressed on the CPU during the stall (past ``staging_limit``)."""
 
     def summary(self) -> str:
-        return (f"stage: {self.seconds:.3f} s stall; {format_bytes(self.logical_bytes)} of state held as "
-                f"{format_bytes(self.host_bytes)} of host memory (compressed on GPUs {format_bytes(self.gpu_compressed)}, "
-                f"copied {format_bytes(self.copied)}, compressed on the CPU {format_bytes(self.cpu_compressed)})")
+        return (
+            f"stage: {self.seconds:.3f} s stall; {format_bytes(self.logical_bytes)} of state held as "
+            f"{format_bytes(self.host_bytes)} of host memory (compressed on GPUs {format_bytes(self.gpu_compressed)}, "
+            f"copied {format_bytes(self.copied)}, compressed on the CPU {format_bytes(self.cpu_compressed)})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +132,16 @@ class GdsloadWriter(StorageWriter, AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: str = "auto", planes: bool = True,
-                 min_gain: float = 0.02, writer: str = "auto", staging_limit: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        codec: str = "auto",
+        planes: bool = True,
+        min_gain: float = 0.02,
+        writer: str = "auto",
+        staging_limit: int | None = None,
+    ):
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.codec = resolve_codec(codec)
@@ -150,16 +167,19 @@ class GdsloadWriter(StorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
-            raise ConfigError("GdsloadWriter needs use_collectives=True (the coordinator writes the one metadata "
-                              "file that makes a save complete)")
+            raise ConfigError(
+                "GdsloadWriter needs use_collectives=True (the coordinator writes the one metadata "
+                "file that makes a save complete)"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.save_id = uuid.uuid4().hex[:12]  # every save writes files of new names (DCP resets only given an id)
 
     def _dir(self) -> Path:
         if self.path is None:
-            raise ConfigError("GdsloadWriter has no directory: pass GdsloadWriter(path) or dcp.save(..., "
-                              "checkpoint_id=path)")
+            raise ConfigError(
+                "GdsloadWriter has no directory: pass GdsloadWriter(path) or dcp.save(..., checkpoint_id=path)"
+            )
         return self.path
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -174,8 +194,10 @@ class GdsloadWriter(StorageWriter, AsyncStager):
         t0 = time.perf_counter()
         name = plan.storage_data
         if not isinstance(name, str):
-            raise CheckpointError(f"the save plan carries {name!r} where GdsloadWriter's file name should be; was "
-                                  "prepare_global_plan skipped?")
+            raise CheckpointError(
+                f"the save plan carries {name!r} where GdsloadWriter's file name should be; was "
+                "prepare_global_plan skipped?"
+            )
         batch = self._take_batch(plan, planner)
         byte_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         blobs: dict[MetadataIndex, bytes] = {}
@@ -186,12 +208,21 @@ class GdsloadWriter(StorageWriter, AsyncStager):
                 got = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
             assert isinstance(got, bytes)
             blobs[item.index] = got
-        tensor_items = sorted((i for i in plan.items if i.type != WriteItemType.BYTE_IO), key=_item_bytes,
-                              reverse=True)
-        planned = [Planned(_entry_name(i.index), len(blobs[i.index]), "uint8", (len(blobs[i.index]),), False)
-                   for i in byte_items]
-        planned += [Planned(_entry_name(i.index), _item_bytes(i), dtype_name(i.tensor_data.properties.dtype),
-                            tuple(i.tensor_data.chunk.sizes), self.codec != "none") for i in tensor_items]
+        tensor_items = sorted((i for i in plan.items if i.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True)
+        planned = [
+            Planned(_entry_name(i.index), len(blobs[i.index]), "uint8", (len(blobs[i.index]),), False)
+            for i in byte_items
+        ]
+        planned += [
+            Planned(
+                _entry_name(i.index),
+                _item_bytes(i),
+                dtype_name(i.tensor_data.properties.dtype),
+                tuple(i.tensor_data.chunk.sizes),
+                self.codec != "none",
+            )
+            for i in tensor_items
+        ]
         kind = {DCP_KEY: json.dumps({"version": 1, "rank": self.rank, "save_id": name.split(".")[1]})}
         results: list[WriteResult] = []
         logical = 0
@@ -199,17 +230,22 @@ class GdsloadWriter(StorageWriter, AsyncStager):
         with TensorFileWriter(self._dir() / name, planned, kind, writer=self.writer) as w:
             for item in byte_items:
                 data = blobs[item.index]
-                s = encode(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
-                           "none", name=_entry_name(item.index))
+                s = encode(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
+                    "none",
+                    name=_entry_name(item.index),
+                )
                 w.add(_entry_name(item.index), s, s.meta())
                 results.append(WriteResult(item.index, s.data.nbytes, StoredAt(name, _entry_name(item.index))))
             for item in tensor_items:
                 entry = _entry_name(item.index)
                 staged = batch.items.pop(item.index, None) if batch is not None else None
                 if batch is not None and staged is None:
-                    raise CheckpointError(f"write item {entry!r} is not in the async_save snapshot; GdsloadWriter "
-                                          "snapshots what DCP's DefaultSavePlanner plans: save with that planner, "
-                                          "or pass async_stager=DefaultStager(...) to dcp.async_save")
+                    raise CheckpointError(
+                        f"write item {entry!r} is not in the async_save snapshot; GdsloadWriter "
+                        "snapshots what DCP's DefaultSavePlanner plans: save with that planner, "
+                        "or pass async_stager=DefaultStager(...) to dcp.async_save"
+                    )
                 assert item.tensor_data is not None
                 dtype, shape = item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)
                 if isinstance(staged, Stored):
@@ -217,20 +253,37 @@ class GdsloadWriter(StorageWriter, AsyncStager):
                 else:
                     t = staged if isinstance(staged, torch.Tensor) else planner.resolve_data(item)
                     if not isinstance(t, torch.Tensor) or (t.dtype, tuple(t.shape)) != (dtype, shape):
-                        raise CheckpointError(f"write item {entry!r} resolved to {type(t).__name__} "
-                                              f"{getattr(t, 'dtype', '')}{list(getattr(t, 'shape', []))}, the plan "
-                                              f"says {dtype}{list(shape)}")
+                        raise CheckpointError(
+                            f"write item {entry!r} resolved to {type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}{list(getattr(t, 'shape', []))}, the plan "
+                            f"says {dtype}{list(shape)}"
+                        )
                     s = encode(t, self.codec, name=entry, planes=self.planes, min_gain=self.min_gain)
                 encode_s += s.seconds
                 logical += s.nbytes
                 w.add(entry, s, s.meta(dtype=dtype, shape=shape))
                 results.append(WriteResult(item.index, s.data.nbytes, StoredAt(name, entry)))
         assert w.stats is not None
-        self.last_write = SaveStats(name, len(results), logical, w.stats.stored_bytes, encode_s,
-                                    w.stats.write_seconds, time.perf_counter() - t0, batch is not None)
-        log.info("rank %d wrote %s: %d items, %s -> %s in %.3f s%s", self.rank, name, len(results),
-                 format_bytes(logical), format_bytes(w.stats.stored_bytes), self.last_write.seconds,
-                 " (from the async snapshot)" if batch is not None else "")
+        self.last_write = SaveStats(
+            name,
+            len(results),
+            logical,
+            w.stats.stored_bytes,
+            encode_s,
+            w.stats.write_seconds,
+            time.perf_counter() - t0,
+            batch is not None,
+        )
+        log.info(
+            "rank %d wrote %s: %d items, %s -> %s in %.3f s%s",
+            self.rank,
+            name,
+            len(results),
+            format_bytes(logical),
+            format_bytes(w.stats.stored_bytes),
+            self.last_write.seconds,
+            " (from the async snapshot)" if batch is not None else "",
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -247,8 +300,12 @@ class GdsloadWriter(StorageWriter, AsyncStager):
             f.write(dump_metadata(metadata))
         keep = {s.file for s in metadata.storage_data.values()}
         gone = remove_unused(directory, keep, previous - keep, before)
-        log.info("checkpoint %s complete: %d files%s", directory, len(keep),
-                 f"; deleted {len(gone)} files of earlier saves" if gone else "")
+        log.info(
+            "checkpoint %s complete: %d files%s",
+            directory,
+            len(keep),
+            f"; deleted {len(gone)} files of earlier saves" if gone else "",
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path) if self.path is not None else None, save_id=self.save_id)
@@ -318,8 +375,11 @@ class GdsloadWriter(StorageWriter, AsyncStager):
             batch.keep.append(alias)
             return alias
         if isinstance(obj, dict):
-            return type(obj)((k, self._alias(v, batch)) for k, v in obj.items()) if type(obj) is not dict \
+            return (
+                type(obj)((k, self._alias(v, batch)) for k, v in obj.items())
+                if type(obj) is not dict
                 else {k: self._alias(v, batch) for k, v in obj.items()}
+            )
         if isinstance(obj, list):
             return [self._alias(v, batch) for v in obj]
         if isinstance(obj, tuple) and type(obj) is tuple:

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.checkpoints.encode import dtype_name, encode, resolve_codec
-from gdsload.loader.checkpoints.reader import Slot, TensorFile
-from gdsload.loader.checkpoints.tensorfile import Planned, TensorFileWriter
-from gdsload.loader.config import format_bytes
-from gdsload.loader.errors import CheckpointError, CheckpointTypeError, ConfigError
+from .encode import dtype_name, encode, resolve_codec
+from .reader import Slot, TensorFile
+from .tensorfile import Planned, TensorFileWriter
+from ..config import format_bytes
+from ..errors import CheckpointError, CheckpointTypeError, ConfigError
 
 __all__ = ["OBJECT_KEY", "SaveReport", "save", "load"]
 
@@ -68,9 +68,11 @@ class SaveReport:
         return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
     def summary(self) -> str:
-        return (f"saved {self.path!r}: {format_bytes(self.logical_bytes)} in {self.storages} storages -> "
-                f"{format_bytes(self.stored_bytes)} (ratio {self.ratio:.3f}) in {self.seconds:.3f} s; encode "
-                f"{self.encode_seconds:.3f} s, write {self.write_seconds:.3f} s ({self.writer})")
+        return (
+            f"saved {self.path!r}: {format_bytes(self.logical_bytes)} in {self.storages} storages -> "
+            f"{format_bytes(self.stored_bytes)} (ratio {self.ratio:.3f}) in {self.seconds:.3f} s; encode "
+            f"{self.encode_seconds:.3f} s, write {self.write_seconds:.3f} s ({self.writer})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ratio": self.ratio}
@@ -79,8 +81,10 @@ class SaveReport:
 def _path(f: Any, what: str) -> Path:
     if isinstance(f, (str, os.PathLike)):
         return Path(os.fspath(f))
-    raise ConfigError(f"{what}: f={f!r} must be a path (str or os.PathLike); gdsload writes files in place with "
-                      "a rename, which a file object does not allow (use torch.save for buffers)")
+    raise ConfigError(
+        f"{what}: f={f!r} must be a path (str or os.PathLike); gdsload writes files in place with "
+        "a rename, which a file object does not allow (use torch.save for buffers)"
+    )
 
 
 # --------------------------------------------------------------------------- save
@@ -106,9 +110,11 @@ def _pickle(obj: Any) -> tuple[bytes, dict[str, tuple[torch.UntypedStorage, torc
         if storage.device.type != "meta" and storage.data_ptr() != 0:
             seen = dtypes.setdefault(storage.data_ptr(), dtype)
             if seen != dtype:
-                raise CheckpointTypeError(f"the object holds tensors or storages that view the same memory as "
-                                          f"{seen} and {dtype}, which torch.save cannot store either; save a copy "
-                                          "of one (t.clone())")
+                raise CheckpointTypeError(
+                    f"the object holds tensors or storages that view the same memory as "
+                    f"{seen} and {dtype}, which torch.save cannot store either; save a copy "
+                    "of one (t.clone())"
+                )
         key = keys.setdefault(storage._cdata, str(len(keys)))
         location = location_tag(storage)
         storages[key] = (storage, dtype, location, numel)
@@ -122,8 +128,9 @@ def _pickle(obj: Any) -> tuple[bytes, dict[str, tuple[torch.UntypedStorage, torc
     try:
         Pickler(buf, protocol=_PROTOCOL).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise CheckpointTypeError(f"the object cannot be pickled ({type(e).__name__}: {e}); gdsload.save stores what "
-                                  "torch.save stores") from e
+        raise CheckpointTypeError(
+            f"the object cannot be pickled ({type(e).__name__}: {e}); gdsload.save stores what torch.save stores"
+        ) from e
     return buf.getvalue(), storages
 
 
@@ -134,8 +141,15 @@ def _storage_tensor(storage: torch.UntypedStorage, dtype: torch.dtype, numel: in
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, (numel,), (1,))
 
 
-def save(obj: Any, f: str | os.PathLike[str], *, codec: str = "auto", planes: bool = True, min_gain: float = 0.02,
-         writer: str = "auto") -> SaveReport:
+def save(
+    obj: Any,
+    f: str | os.PathLike[str],
+    *,
+    codec: str = "auto",
+    planes: bool = True,
+    min_gain: float = 0.02,
+    writer: str = "auto",
+) -> SaveReport:
     """Save ``obj`` (anything ``torch.save`` takes) to the file ``f``, compressed, atomically.
 
     ``codec``: ``"auto"`` (ANS on GPUs where nvCOMP runs, Zstd on the CPU), ``"zstd"`` (Zstd everywhere: the file
@@ -156,26 +170,39 @@ def save(obj: Any, f: str | os.PathLike[str], *, codec: str = "auto", planes: bo
     if path.is_dir():
         raise ConfigError(f"gdsload.save: {str(path)!r} is a directory; name a file in it")
     if path.suffix == ".safetensors":
-        raise ConfigError(f"gdsload.save: {str(path)!r} ends in '.safetensors', and torch.load hands such names to "
-                          "the safetensors library, which would return the compressed bytes as tensors; name it as "
-                          f"a torch.save file, e.g. {str(path.with_suffix('.pt'))!r}")
+        raise ConfigError(
+            f"gdsload.save: {str(path)!r} ends in '.safetensors', and torch.load hands such names to "
+            "the safetensors library, which would return the compressed bytes as tensors; name it as "
+            f"a torch.save file, e.g. {str(path.with_suffix('.pt'))!r}"
+        )
     data, storages = _pickle(obj)
     table: dict[str, dict[str, Any]] = {}
     tensors: dict[str, torch.Tensor] = {}
     for key, (storage, dtype, location, numel) in storages.items():
         entry = f"storages/{key}"
-        table[key] = {"entry": entry, "dtype": dtype_name(dtype), "numel": numel, "nbytes": storage.nbytes(),
-                      "location": location}
+        table[key] = {
+            "entry": entry,
+            "dtype": dtype_name(dtype),
+            "numel": numel,
+            "nbytes": storage.nbytes(),
+            "location": location,
+        }
         if storage.device.type == "meta":
             table[key]["entry"] = None
             continue
         tensors[entry] = _storage_tensor(storage, dtype, numel)
     pickled = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     tensors[_PICKLE] = pickled
-    planned = [Planned(name, t.numel() * t.element_size(), dtype_name(t.dtype), tuple(t.shape), codec != "none")
-               for name, t in tensors.items()]
-    kind = {OBJECT_KEY: json.dumps({"version": 1, "torch": torch.__version__, "protocol": _PROTOCOL,
-                                    "pickle": _PICKLE, "storages": table}, separators=(",", ":"))}
+    planned = [
+        Planned(name, t.numel() * t.element_size(), dtype_name(t.dtype), tuple(t.shape), codec != "none")
+        for name, t in tensors.items()
+    ]
+    kind = {
+        OBJECT_KEY: json.dumps(
+            {"version": 1, "torch": torch.__version__, "protocol": _PROTOCOL, "pickle": _PICKLE, "storages": table},
+            separators=(",", ":"),
+        )
+    }
     encode_s = 0.0
     stored = 0
     with TensorFileWriter(path, planned, kind, writer=writer, guard=True) as w:
@@ -185,9 +212,17 @@ def save(obj: Any, f: str | os.PathLike[str], *, codec: str = "auto", planes: bo
             stored += s.data.nbytes
             w.add(name, s, s.meta(t))
     assert w.stats is not None
-    report = SaveReport(str(path), len(storages), sum(t.numel() * t.element_size() for t in tensors.values()),
-                        w.stats.stored_bytes, w.stats.file_bytes, encode_s, w.stats.write_seconds,
-                        time.perf_counter() - t0, w.stats.writer)
+    report = SaveReport(
+        str(path),
+        len(storages),
+        sum(t.numel() * t.element_size() for t in tensors.values()),
+        w.stats.stored_bytes,
+        w.stats.file_bytes,
+        encode_s,
+        w.stats.write_seconds,
+        time.perf_counter() - t0,
+        w.stats.writer,
+    )
     log.info("%s", report.summary())
     return report
 
@@ -205,14 +240,18 @@ def _restore(location: str, map_location: MapLocation, path: str) -> torch.devic
     try:
         dev = torch.device(target)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"gdsload.load({path!r}): map_location gives {target!r} for storages saved on "
-                          f"{location!r}, which is not a device") from None
+        raise ConfigError(
+            f"gdsload.load({path!r}): map_location gives {target!r} for storages saved on "
+            f"{location!r}, which is not a device"
+        ) from None
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (dev.index or 0) >= count:
-            raise CheckpointError(f"gdsload.load({path!r}): storages saved on {location!r} would go to {str(dev)!r}, "
-                                  f"and this host has {count} CUDA device(s); pass map_location='cpu' (or a device "
-                                  "it has)")
+            raise CheckpointError(
+                f"gdsload.load({path!r}): storages saved on {location!r} would go to {str(dev)!r}, "
+                f"and this host has {count} CUDA device(s); pass map_location='cpu' (or a device "
+                "it has)"
+            )
     elif dev.type not in ("cpu", "meta"):
         raise ConfigError(f"gdsload.load({path!r}): device {str(dev)!r} is not 'cpu', 'cuda[:N]' or 'meta'")
     return dev
@@ -250,7 +289,9 @@ def _unpickle(data: bytes, persistent_load: Callable[[Any], Any], weights_only: 
     return result
 
 
-def _pairs(saved: Any, into: Any, keys: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]]:
+def _pairs(
+    saved: Any, into: Any, keys: tuple[Any, ...] = ()
+) -> list[tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]]:
     """(keys, saved tensor, existing tensor) wherever the two objects hold a tensor at the same place."""
     out = []
     if isinstance(saved, torch.Tensor):
@@ -283,7 +324,7 @@ def _substitute(obj: Any, into: Any) -> Any:
         obj[: len(into)] = [_substitute(a, b) for a, b in zip(obj, into)]
         return obj
     if isinstance(obj, tuple) and isinstance(into, (list, tuple)) and type(obj) is tuple:
-        return tuple(_substitute(a, b) for a, b in zip(obj, into)) + obj[len(into):]
+        return tuple(_substitute(a, b) for a, b in zip(obj, into)) + obj[len(into) :]
     return obj
 
 
@@ -296,8 +337,9 @@ def _storage_info(pid: Any) -> tuple[str, torch.dtype]:
     return key, (torch.uint8 if kind is torch.UntypedStorage else kind.dtype)
 
 
-def load(f: str | os.PathLike[str], map_location: MapLocation = None, *, weights_only: bool = True,
-         into: Any = None) -> Any:
+def load(
+    f: str | os.PathLike[str], map_location: MapLocation = None, *, weights_only: bool = True, into: Any = None
+) -> Any:
     """Load what :func:`save` saved, bit for bit (``torch.load``'s arguments mean the same here).
 
     ``into``: an object of the same structure whose tensors are filled in place (see the module's doc). Also opens
@@ -311,30 +353,33 @@ def load(f: str | os.PathLike[str], map_location: MapLocation = None, *, weights
     path = _path(f, "gdsload.load")
     where = str(path)
     if not path.is_file():
-        raise CheckpointError(f"gdsload.load: {where!r} does not exist" if not path.exists()
-                              else f"gdsload.load: {where!r} is not a file")
+        raise CheckpointError(
+            f"gdsload.load: {where!r} does not exist" if not path.exists() else f"gdsload.load: {where!r} is not a file"
+        )
     with open(path, "rb") as fh:
         head = fh.read(4)
     if head == b"PK\x03\x04":  # a torch.save archive
         if into is not None:
-            raise ConfigError(f"gdsload.load({where!r}): into= works on files gdsload.save wrote; this one is a "
-                              "torch.save archive")
+            raise ConfigError(
+                f"gdsload.load({where!r}): into= works on files gdsload.save wrote; this one is a torch.save archive"
+            )
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     if head[:1] != b"X":  # not the length gdsload.save gives its headers: save_compressed_checkpoint's file?
-        from gdsload.loader.checkpoints.container import CHECKPOINT_KEY, load_compressed_checkpoint
-        from gdsload.loader.format.safetensors import read_header
+        from .container import CHECKPOINT_KEY, load_compressed_checkpoint
+        from ..format.safetensors import read_header
 
         if CHECKPOINT_KEY in read_header(path).metadata:
             if into is not None or not isinstance(map_location, (str, torch.device, type(None))):
-                raise ConfigError(f"gdsload.load({where!r}): a save_compressed_checkpoint file takes map_location as "
-                                  "a device only, and no into=")
+                raise ConfigError(
+                    f"gdsload.load({where!r}): a save_compressed_checkpoint file takes map_location as "
+                    "a device only, and no into="
+                )
             return load_compressed_checkpoint(path, map_location)
     with TensorFile(path, OBJECT_KEY, what="gdsload.save file") as tf:
         return _load_open(tf, where, map_location, weights_only, into, t0)
 
 
-def _load_open(tf: TensorFile, where: str, map_location: MapLocation, weights_only: bool, into: Any,
-               t0: float) -> Any:
+def _load_open(tf: TensorFile, where: str, map_location: MapLocation, weights_only: bool, into: Any, t0: float) -> Any:
     table = tf.kind.get("storages")
     if not isinstance(table, dict) or not isinstance(tf.kind.get("pickle"), str):
         raise CheckpointError(f"{where!r}: __metadata__[{OBJECT_KEY!r}] lacks its storage table; the file is corrupt")
@@ -362,13 +407,21 @@ def _load_open(tf: TensorFile, where: str, map_location: MapLocation, weights_on
         skeleton = _unpickle(data, meta_load, weights_only, where)
         for keys, saved, have in _pairs(skeleton, into):
             if (saved.dtype, saved.shape) != (have.dtype, have.shape):
-                raise CheckpointError(f"gdsload.load({where!r}, into=...): {_at(keys)} is {saved.dtype}{list(saved.shape)} "
-                                      f"in the file but {have.dtype}{list(have.shape)} in into")
+                raise CheckpointError(
+                    f"gdsload.load({where!r}, into=...): {_at(keys)} is {saved.dtype}{list(saved.shape)} "
+                    f"in the file but {have.dtype}{list(have.shape)} in into"
+                )
             key = metas[saved.untyped_storage()._cdata]
-            whole = (saved.storage_offset() == 0 and saved.is_contiguous()
-                     and saved.numel() * saved.element_size() == saved.untyped_storage().nbytes())
-            owns = (have.is_contiguous() and have.storage_offset() == 0
-                    and have.untyped_storage().nbytes() == have.numel() * have.element_size())
+            whole = (
+                saved.storage_offset() == 0
+                and saved.is_contiguous()
+                and saved.numel() * saved.element_size() == saved.untyped_storage().nbytes()
+            )
+            owns = (
+                have.is_contiguous()
+                and have.storage_offset() == 0
+                and have.untyped_storage().nbytes() == have.numel() * have.element_size()
+            )
             if whole and owns and key not in direct:
                 direct[key] = have
             else:
@@ -417,8 +470,14 @@ def _load_open(tf: TensorFile, where: str, map_location: MapLocation, weights_on
         result = _substitute(result, into)
     seconds = time.perf_counter() - t0
     logical = sum(int(s["nbytes"]) for s in table.values())
-    log.info("loaded %r: %s in %d storages in %.3f s (%d filled in place)", where, format_bytes(logical), len(table),
-             seconds, len(direct))
+    log.info(
+        "loaded %r: %s in %d storages in %.3f s (%d filled in place)",
+        where,
+        format_bytes(logical),
+        len(table),
+        seconds,
+        len(direct),
+    )
     return result
 
 

@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdsload.loader.checkpoints.writer import Frames
-from gdsload.loader.codecs import encode_tensor, nvcomp_available
-from gdsload.loader.config import usable_cores
-from gdsload.loader.dtypes import from_torch
-from gdsload.loader.errors import CheckpointError, CodecError, ConfigError, IntegrityError
-from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.format.writer import tensor_bytes
-from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
+from .writer import Frames
+from ..codecs import encode_tensor, nvcomp_available
+from ..config import usable_cores
+from ..dtypes import from_torch
+from ..errors import CheckpointError, CodecError, ConfigError, IntegrityError
+from ..format.compression import CompressedEntry
+from ..format.writer import tensor_bytes
+from ..prepare.compress import MIN_TENSOR_BYTES
 
 __all__ = [
     "CODECS",
@@ -96,8 +96,10 @@ def torch_dtype(name: Any, where: str) -> torch.dtype:
     """The torch dtype a file names, or :class:`CheckpointError` naming ``where``."""
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"{where}: dtype {name!r} is not a dtype of torch {torch.__version__}; the file is "
-                              "corrupt, or was written by a newer torch")
+        raise CheckpointError(
+            f"{where}: dtype {name!r} is not a dtype of torch {torch.__version__}; the file is "
+            "corrupt, or was written by a newer torch"
+        )
     return value
 
 
@@ -131,13 +133,21 @@ class Stored:
     seconds: float = 0.0
     """Time the calling thread spent making it."""
 
-    def meta(self, tensor: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
-             shape: Sequence[int] | None = None) -> dict[str, Any]:
+    def meta(
+        self,
+        tensor: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        shape: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
         """The JSON a file keeps for it: dtype, shape, checksums, planes."""
         dt = tensor.dtype if tensor is not None else dtype
         sh = list(tensor.shape) if tensor is not None else list(shape) if shape is not None else [self.nbytes]
-        doc: dict[str, Any] = {"dtype": dtype_name(dt) if dt is not None else "uint8", "shape": sh,
-                               "crc32": encode_crcs(self.crc32)}
+        doc: dict[str, Any] = {
+            "dtype": dtype_name(dt) if dt is not None else "uint8",
+            "shape": sh,
+            "crc32": encode_crcs(self.crc32),
+        }
         if self.planes > 1:
             doc["planes"] = self.planes
         return doc
@@ -156,8 +166,9 @@ def decode_crcs(text: Any, nbytes: int, where: str) -> list[int]:
         raise CheckpointError(f"{where}: 'crc32' is not base64; the file is corrupt") from None
     want = -(-nbytes // SEGMENT)
     if len(raw) != 4 * want:
-        raise CheckpointError(f"{where}: {len(raw) // 4} checksums recorded for {nbytes} bytes, expected {want}; "
-                              "the file is corrupt")
+        raise CheckpointError(
+            f"{where}: {len(raw) // 4} checksums recorded for {nbytes} bytes, expected {want}; the file is corrupt"
+        )
     return np.frombuffer(raw, dtype="<u4").tolist()
 
 
@@ -175,9 +186,11 @@ def check_segments(got: Sequence[int], want: Sequence[int], first: int, where: s
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             at = (first + i) * SEGMENT
-            raise IntegrityError(f"{where}: bytes {at}..{at + SEGMENT - 1} have CRC-32 {g:#010x} where the file "
-                                 f"records {w:#010x}; the file is corrupt (restore it from a copy, or load an older "
-                                 "checkpoint)")
+            raise IntegrityError(
+                f"{where}: bytes {at}..{at + SEGMENT - 1} have CRC-32 {g:#010x} where the file "
+                f"records {w:#010x}; the file is corrupt (restore it from a copy, or load an older "
+                "checkpoint)"
+            )
 
 
 _CRC_CODECS: dict[int, Any] = {}
@@ -185,8 +198,8 @@ _CRC_CODECS: dict[int, Any] = {}
 
 def gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
     """CRC-32 of each segment of a CUDA uint8 tensor, computed on its GPU (on the default stream)."""
-    from gdsload.loader.codecs import GpuCodecs
-    from gdsload.loader.devices import as_device
+    from ..codecs import GpuCodecs
+    from ..devices import as_device
 
     index = raw.device.index if raw.device.index is not None else torch.cuda.current_device()
     with _POOL_LOCK:
@@ -256,13 +269,16 @@ def gpu_codec_for(codec: str) -> str | None:
     if why is None:
         return "zstd" if codec == "zstd" else "ans"
     if codec == "ans":
-        raise CodecError(f"codec='ans' compresses CUDA tensors on their GPU with nvCOMP, and here {why}; "
-                         "use codec='zstd' (the CPU compresses after the copy), or install gdsload[cu12] / [cu13]")
+        raise CodecError(
+            f"codec='ans' compresses CUDA tensors on their GPU with nvCOMP, and here {why}; "
+            "use codec='zstd' (the CPU compresses after the copy), or install gdsload[cu12] / [cu13]"
+        )
     return None
 
 
-def encode(t: torch.Tensor, codec: str, *, name: str, planes: bool = True, min_gain: float = 0.02,
-           level: int = ZSTD_LEVEL) -> Stored:
+def encode(
+    t: torch.Tensor, codec: str, *, name: str, planes: bool = True, min_gain: float = 0.02, level: int = ZSTD_LEVEL
+) -> Stored:
     """``t``'s bytes as a file stores them, compressed with ``codec`` (see :data:`CODECS`) where that gains
     ``min_gain`` and the tensor is at least 64 KiB.
 
@@ -299,7 +315,8 @@ def unsplit(src: torch.Tensor, dst: torch.Tensor, planes: int) -> None:
     full = n // FRAME
     if full:
         dst[: full * FRAME].view(full, FRAME // planes, planes).copy_(
-            src[: full * FRAME].view(full, planes, FRAME // planes).transpose(1, 2))
+            src[: full * FRAME].view(full, planes, FRAME // planes).transpose(1, 2)
+        )
     rest = n - full * FRAME
     if rest:
         dst[full * FRAME :].view(rest // planes, planes).copy_(src[full * FRAME :].view(planes, rest // planes).t())

@@ -20,14 +20,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdsload.loader.checkpoints.encode import (FRAME, SEGMENT, check_segments, decode_crcs, gpu_crcs, pool,
-                                               torch_dtype, unsplit, unsplit_frame)
-from gdsload.loader.checkpoints.tensorfile import FORMAT_VERSION, TENSORS_KEY
-from gdsload.loader.codecs import nvcomp_available
-from gdsload.loader.codecs.registry import codec as codec_spec
-from gdsload.loader.errors import CheckpointError, CodecError
-from gdsload.loader.format.compression import CompressedEntry, parse_compression
-from gdsload.loader.format.safetensors import SafetensorsHeader, read_header
+from .encode import (
+    FRAME,
+    SEGMENT,
+    check_segments,
+    decode_crcs,
+    gpu_crcs,
+    pool,
+    torch_dtype,
+    unsplit,
+    unsplit_frame,
+)
+from .tensorfile import FORMAT_VERSION, TENSORS_KEY
+from ..codecs import nvcomp_available
+from ..codecs.registry import codec as codec_spec
+from ..errors import CheckpointError, CodecError
+from ..format.compression import CompressedEntry, parse_compression
+from ..format.safetensors import SafetensorsHeader, read_header
 
 __all__ = ["Slot", "TensorFile"]
 
@@ -114,11 +123,14 @@ class TensorFile:
         try:
             doc = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"{header.path!r}: __metadata__[{key!r}] is not JSON ({e}); the file is corrupt") from None
+            raise CheckpointError(
+                f"{header.path!r}: __metadata__[{key!r}] is not JSON ({e}); the file is corrupt"
+            ) from None
         if not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION:
             version = doc.get("version") if isinstance(doc, dict) else doc
-            raise CheckpointError(f"{header.path!r}: {what} format version {version!r} is not {FORMAT_VERSION}; "
-                                  "upgrade gdsload")
+            raise CheckpointError(
+                f"{header.path!r}: {what} format version {version!r} is not {FORMAT_VERSION}; upgrade gdsload"
+            )
         return doc
 
     def _slots(self, header: SafetensorsHeader) -> dict[str, Slot]:
@@ -126,13 +138,19 @@ class TensorFile:
         try:
             doc = json.loads(header.metadata.get(TENSORS_KEY, ""))
             table = doc["tensors"]
-            ok = (doc.get("version") == FORMAT_VERSION and doc.get("segment") == SEGMENT and isinstance(table, dict)
-                  and doc.get("frame") == FRAME)
+            ok = (
+                doc.get("version") == FORMAT_VERSION
+                and doc.get("segment") == SEGMENT
+                and isinstance(table, dict)
+                and doc.get("frame") == FRAME
+            )
         except (json.JSONDecodeError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise CheckpointError(f"{path!r}: __metadata__[{TENSORS_KEY!r}] is missing or malformed; the file is "
-                                  "corrupt, or was written by another gdsload version")
+            raise CheckpointError(
+                f"{path!r}: __metadata__[{TENSORS_KEY!r}] is missing or malformed; the file is "
+                "corrupt, or was written by another gdsload version"
+            )
         comp = parse_compression(header)
         stored = {t.name: t for t in header.tensors}
         slots = {}
@@ -152,16 +170,23 @@ class TensorFile:
             entry = comp.get(name)
             size = entry.nbytes if entry is not None else t.nbytes
             if size != nbytes:
-                raise CheckpointError(f"{where}: {size} bytes are stored for a {list(shape)} {dtype} tensor of "
-                                      f"{nbytes} bytes; the file is corrupt")
+                raise CheckpointError(
+                    f"{where}: {size} bytes are stored for a {list(shape)} {dtype} tensor of "
+                    f"{nbytes} bytes; the file is corrupt"
+                )
             if entry is not None and entry.layout == "chunks" and SEGMENT % entry.chunk_bytes:
-                raise CheckpointError(f"{where}: chunks of {entry.chunk_bytes} bytes do not divide the "
-                                      f"{SEGMENT}-byte checksum segments; the file is corrupt")
+                raise CheckpointError(
+                    f"{where}: chunks of {entry.chunk_bytes} bytes do not divide the "
+                    f"{SEGMENT}-byte checksum segments; the file is corrupt"
+                )
             if planes > 1 and (entry is None or entry.chunk_bytes != FRAME):
-                raise CheckpointError(f"{where}: a byte-plane split needs {FRAME}-byte Zstd frames; the file is corrupt")
+                raise CheckpointError(
+                    f"{where}: a byte-plane split needs {FRAME}-byte Zstd frames; the file is corrupt"
+                )
             crcs = tuple(decode_crcs(meta.get("crc32"), nbytes, where))
-            slots[name] = Slot(name, header.data_offset + t.start, t.nbytes, nbytes, dtype, tuple(shape), crcs,
-                               planes, entry)
+            slots[name] = Slot(
+                name, header.data_offset + t.start, t.nbytes, nbytes, dtype, tuple(shape), crcs, planes, entry
+            )
         return slots
 
     def __getitem__(self, name: str) -> Slot:
@@ -184,9 +209,11 @@ class TensorFile:
         cpu, gpu = [], []
         for slot, dst in jobs:
             if not dst.is_contiguous() or dst.numel() * dst.element_size() != slot.nbytes:
-                raise CheckpointError(f"{self.path!r}: tensor {slot.name!r} ({slot.nbytes} bytes) cannot be read "
-                                      f"into a {'non-contiguous ' if not dst.is_contiguous() else ''}tensor of "
-                                      f"{dst.numel() * dst.element_size()} bytes; a gdsload bug")
+                raise CheckpointError(
+                    f"{self.path!r}: tensor {slot.name!r} ({slot.nbytes} bytes) cannot be read "
+                    f"into a {'non-contiguous ' if not dst.is_contiguous() else ''}tensor of "
+                    f"{dst.numel() * dst.element_size()} bytes; a gdsload bug"
+                )
             raw = dst.reshape(-1).view(torch.uint8) if slot.nbytes else dst
             (gpu if dst.is_cuda else cpu).append((slot, raw))
         tasks = []
@@ -224,16 +251,18 @@ class TensorFile:
                 except Exception as err:  # zstandard.ZstdError: a corrupt frame
                     raise CodecError(f"{where}: Zstd frame {k} is corrupt ({err}); the file is damaged") from None
                 if len(frame) != d_hi - d_lo:
-                    raise CodecError(f"{where}: Zstd frame {k} decoded to {len(frame)} bytes, expected "
-                                     f"{d_hi - d_lo}; the file is damaged")
+                    raise CodecError(
+                        f"{where}: Zstd frame {k} decoded to {len(frame)} bytes, expected "
+                        f"{d_hi - d_lo}; the file is damaged"
+                    )
                 unsplit_frame(frame, dst[d_lo:d_hi], slot.planes)
         check_segments([zlib.crc32(dst[lo:hi])], [slot.crc32[i]], i, where)
 
     # ------------------------------------------------------------------ GPUs
 
     def _codecs(self, device: torch.device) -> Any:
-        from gdsload.loader.codecs import GpuCodecs
-        from gdsload.loader.devices import as_device
+        from ..codecs import GpuCodecs
+        from ..devices import as_device
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._gpu:
@@ -248,7 +277,7 @@ class TensorFile:
 
     def _decode_gpu(self, slot: Slot, dst: torch.Tensor) -> None:
         """Decode a compressed slot on ``dst``'s GPU into ``dst`` (its bytes, planes undone)."""
-        from gdsload.loader.codecs import DecodeJob
+        from ..codecs import DecodeJob
 
         assert slot.entry is not None
         src = self._stored_on(slot, dst.device)
@@ -276,8 +305,10 @@ class TensorFile:
             raw.copy_(host)
             return
         else:
-            raise CodecError(f"{self.path!r}: tensor {slot.name!r} is compressed with {e.codec!r}, which only nvCOMP "
-                             f"decodes, and here {nvcomp_available()}; install gdsload[cu12] or gdsload[cu13]")
+            raise CodecError(
+                f"{self.path!r}: tensor {slot.name!r} is compressed with {e.codec!r}, which only nvCOMP "
+                f"decodes, and here {nvcomp_available()}; install gdsload[cu12] or gdsload[cu13]"
+            )
         self._check_gpu(slot, raw)
 
     def _read_gpu_codec_to_cpu(self, slot: Slot, raw: torch.Tensor) -> None:
@@ -286,7 +317,8 @@ class TensorFile:
             assert slot.entry is not None
             raise CodecError(
                 f"{self.path!r}: tensor {slot.name!r} is compressed with {slot.entry.codec!r}, which only a GPU "
-                f"decodes (nvCOMP), and here {why}; load it on a CUDA host, or save with codec='zstd' for CPU hosts")
+                f"decodes (nvCOMP), and here {why}; load it on a CUDA host, or save with codec='zstd' for CPU hosts"
+            )
         dev = torch.device("cuda", torch.cuda.current_device())
         tmp = torch.empty(slot.nbytes, dtype=torch.uint8, device=dev)
         self._decode_gpu(slot, tmp)

@@ -26,15 +26,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gdsload.loader.checkpoints.encode import FRAME, SEGMENT, Stored, encode_crcs
-from gdsload.loader.checkpoints.writer import (Appender, WritePipe, header_json, open_sink, reserved_start,
-                                               with_compression, write_failed)
-from gdsload.loader.codecs.registry import codec as codec_spec
-from gdsload.loader.errors import CheckpointError, ConfigError, GdsloadError
-from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.safetensors import MAX_HEADER_BYTES
-from gdsload.loader.format.writer import pwrite_all
+from .encode import FRAME, SEGMENT, Stored, encode_crcs
+from .writer import (
+    Appender,
+    WritePipe,
+    header_json,
+    open_sink,
+    reserved_start,
+    with_compression,
+    write_failed,
+)
+from ..codecs.registry import codec as codec_spec
+from ..errors import CheckpointError, ConfigError, GdsloadError
+from ..format.compression import CompressedEntry
+from ..format.atomic import atomic_output
+from ..format.safetensors import MAX_HEADER_BYTES
+from ..format.writer import pwrite_all
 
 __all__ = ["TENSORS_KEY", "FORMAT_VERSION", "GUARD_KEY", "Planned", "TensorFileWriter", "WriteStats"]
 
@@ -74,15 +81,31 @@ def _worst_entries(planned: Sequence[Planned], data_max: int) -> tuple[dict[str,
     entries = []
     for p in planned:
         entries.append((p.name, "U8", [p.nbytes], data_max, data_max))
-        meta[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "crc32": encode_crcs([0] * -(-p.nbytes // SEGMENT)),
-                        "planes": 8}
+        meta[p.name] = {
+            "dtype": p.dtype,
+            "shape": list(p.shape),
+            "crc32": encode_crcs([0] * -(-p.nbytes // SEGMENT)),
+            "planes": 8,
+        }
         if p.compressible:
             worst = ""
             for name, params in (("ans", {"data_type": "<f4"}), ("zstd", {"level": 22})):
                 spec = codec_spec(name)
                 chunks = (min(p.nbytes, 0xFFFFFFFF),) * -(-p.nbytes // spec.chunk_bytes)
-                doc = CompressedEntry(p.name, "U8", (p.nbytes,), p.nbytes, name, "chunks", p.nbytes, params,
-                                      spec.chunk_bytes, chunks, None, spec.chunk_align).to_json()
+                doc = CompressedEntry(
+                    p.name,
+                    "U8",
+                    (p.nbytes,),
+                    p.nbytes,
+                    name,
+                    "chunks",
+                    p.nbytes,
+                    params,
+                    spec.chunk_bytes,
+                    chunks,
+                    None,
+                    spec.chunk_align,
+                ).to_json()
                 if len(json.dumps(doc)) > len(json.dumps(worst)):
                     worst = doc
             comp[p.name] = worst
@@ -92,8 +115,9 @@ def _worst_entries(planned: Sequence[Planned], data_max: int) -> tuple[dict[str,
 def _metadata(kind: Mapping[str, str], meta: Mapping[str, Any], guard: str | None) -> dict[str, str]:
     out = {GUARD_KEY: guard} if guard is not None else {}
     out.update(kind)
-    out[TENSORS_KEY] = json.dumps({"version": FORMAT_VERSION, "segment": SEGMENT, "frame": FRAME, "tensors": meta},
-                                  separators=(",", ":"))
+    out[TENSORS_KEY] = json.dumps(
+        {"version": FORMAT_VERSION, "segment": SEGMENT, "frame": FRAME, "tensors": meta}, separators=(",", ":")
+    )
     return out
 
 
@@ -104,8 +128,15 @@ class TensorFileWriter:
     ...     w.add("a", encode(t, "zstd", name="a"), dtype=t.dtype, shape=t.shape)
     """
 
-    def __init__(self, path: str | Path, planned: Sequence[Planned], kind: Mapping[str, str], *,
-                 writer: str = "auto", guard: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        planned: Sequence[Planned],
+        kind: Mapping[str, str],
+        *,
+        writer: str = "auto",
+        guard: bool = False,
+    ):
         self.path = Path(path)
         self._planned = {p.name: p for p in planned}
         if len(self._planned) != len(planned):
@@ -122,8 +153,10 @@ class TensorFileWriter:
         else:
             self.reserved = reserved_start(bound)
         if self.reserved - 8 > MAX_HEADER_BYTES:
-            raise ConfigError(f"{str(path)!r}: the header would need {self.reserved - 8} bytes, over safetensors' "
-                              f"{MAX_HEADER_BYTES}-byte limit; save fewer, larger tensors per file")
+            raise ConfigError(
+                f"{str(path)!r}: the header would need {self.reserved - 8} bytes, over safetensors' "
+                f"{MAX_HEADER_BYTES}-byte limit; save fewer, larger tensors per file"
+            )
         self._comp: dict[str, dict[str, Any]] = {}
         self._meta: dict[str, dict[str, Any]] = {}
         self._entries: list[tuple[str, str, list[int], int, int]] = []
@@ -150,7 +183,9 @@ class TensorFileWriter:
     def add(self, name: str, stored: Stored, meta: dict[str, Any]) -> None:
         """Append entry ``name`` (planned) with its stored bytes and the metadata :meth:`Stored.meta` made."""
         if name not in self._planned or name in self._meta:
-            raise CheckpointError(f"{str(self.path)!r}: entry {name!r} is not planned or was added twice; a gdsload bug")
+            raise CheckpointError(
+                f"{str(self.path)!r}: entry {name!r} is not planned or was added twice; a gdsload bug"
+            )
         start = self._app.add(stored.data) - self.reserved
         size = int(stored.data.nbytes)
         self._entries.append((name, "U8", [size], start, start + size))
@@ -164,8 +199,9 @@ class TensorFileWriter:
             if exc_type is None:
                 missing = sorted(set(self._planned) - set(self._meta))
                 if missing:
-                    raise CheckpointError(f"{str(self.path)!r}: entries {missing[:5]} were planned but never added; "
-                                          "a gdsload bug")
+                    raise CheckpointError(
+                        f"{str(self.path)!r}: entries {missing[:5]} were planned but never added; a gdsload bug"
+                    )
                 self._app.flush()
                 self._pipe.finish()
                 t = time.perf_counter()
@@ -191,10 +227,12 @@ class TensorFileWriter:
             self.stats = WriteStats(self._app.offset - self.reserved, self._app.offset, busy, self._sink.name)
 
     def _write_header(self) -> None:
-        header = header_json(with_compression(_metadata(self._kind, self._meta, self._guard), self._comp),
-                             self._entries)
+        header = header_json(
+            with_compression(_metadata(self._kind, self._meta, self._guard), self._comp), self._entries
+        )
         room = self.reserved - 8
         if len(header) > room:  # cannot happen: the bound describes every field at its largest
-            raise CheckpointError(f"{str(self.path)!r}: header of {len(header)} bytes outgrew its reserved {room}; "
-                                  "a gdsload bug")
+            raise CheckpointError(
+                f"{str(self.path)!r}: header of {len(header)} bytes outgrew its reserved {room}; a gdsload bug"
+            )
         pwrite_all(self._fd, struct.pack("<Q", room) + header + b" " * (room - len(header)), 0)

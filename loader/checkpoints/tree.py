@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdsload.loader.dtypes import from_torch
-from gdsload.loader.errors import CheckpointError, CheckpointTypeError
+from ..dtypes import from_torch
+from ..errors import CheckpointError, CheckpointTypeError
 
 __all__ = ["Leaf", "Flattener", "Rebuilder", "state_of"]
 
@@ -64,8 +64,9 @@ class Flattener:
                 if kind is list or kind is tuple:
                     items = [self.node(v, [*parts, str(i)], f"{where}[{i}]") for i, v in enumerate(value)]
                     return {kind.__name__: items}
-                pairs = [[self._key(k, where), self.node(v, [*parts, str(k)], f"{where}[{k!r}]")]
-                         for k, v in value.items()]
+                pairs = [
+                    [self._key(k, where), self.node(v, [*parts, str(k)], f"{where}[{k!r}]")] for k, v in value.items()
+                ]
                 out: dict[str, Any] = {"odict" if kind is OrderedDict else "dict": pairs}
                 meta = getattr(value, "_metadata", None)  # what Module.state_dict() attaches
                 if meta is not None:
@@ -121,8 +122,16 @@ class Flattener:
             ) from None
         key = None
         if t.numel():
-            key = (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                   t.dtype, t.is_conj(), t.is_neg())
+            key = (
+                str(t.device),
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+                t.is_conj(),
+                t.is_neg(),
+            )
         name = self._views.get(key) if key is not None else None
         if name is None:
             data = t.detach()

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdsload.loader.config import format_bytes
-from gdsload.loader.errors import BackendUnavailableError, CheckpointWriteError
-from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT
-from gdsload.loader.format.writer import pwrite_all, tensor_bytes
+from ..config import format_bytes
+from ..errors import BackendUnavailableError, CheckpointWriteError
+from ..format.compression import FORMAT_VERSION, METADATA_KEY
+from ..format.safetensors import DATA_ALIGNMENT
+from ..format.writer import pwrite_all, tensor_bytes
 
 __all__ = [
     "QUEUE_DEPTH",
@@ -67,7 +67,6 @@ def with_compression(metadata: Mapping[str, str], entries: Mapping[str, dict[str
     if entries:
         out[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": dict(entries)}, separators=(",", ":"))
     return out
-
 
 
 _IOV = 512
@@ -167,11 +166,17 @@ def write_failed(path: Path, e: BaseException, done: int | None = None) -> Check
         e = e.__cause__  # the system's own words, not a wrapper's sentence (atomic_output rephrases)
     code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
     text = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-    fix = {errno.ENOSPC: "free space or save elsewhere", errno.EDQUOT: "free space or save elsewhere",
-           errno.EACCES: "save where you may write"}.get(code, "check the path, its file system and permissions")
+    fix = {
+        errno.ENOSPC: "free space or save elsewhere",
+        errno.EDQUOT: "free space or save elsewhere",
+        errno.EACCES: "save where you may write",
+    }.get(code, "check the path, its file system and permissions")
     if code == errno.ENOENT:
-        fix = ("create its directory first" if not path.parent.is_dir() else
-               "its temporary file vanished while saving: did another process remove it?")
+        fix = (
+            "create its directory first"
+            if not path.parent.is_dir()
+            else "its temporary file vanished while saving: did another process remove it?"
+        )
     after = "" if done is None else f" after {format_bytes(done)} of data"
     return CheckpointWriteError(
         code,
@@ -264,9 +269,7 @@ def host_bytes(t: torch.Tensor) -> np.ndarray:
     return np.frombuffer(tensor_bytes(t), dtype=np.uint8)
 
 
-
 def reserved_start(bound: int) -> int:
     """Where the data section starts for a header of at most ``bound`` bytes: after the 8-byte length, rounded up
     to a multiple of 4096 (so raw tensors can be read with O_DIRECT)."""
     return -(-(8 + bound) // DATA_ALIGNMENT) * DATA_ALIGNMENT
-

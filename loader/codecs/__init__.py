@@ -16,11 +16,11 @@ import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.codecs.registry import codec, codec_names
-from gdsload.loader.format.compression import CompressedEntry
-from gdsload.loader.devices import CupyDevice, Device, as_device
-from gdsload.loader.errors import CodecError
-from gdsload.loader.config import usable_cores
+from .registry import codec, codec_names
+from ..format.compression import CompressedEntry
+from ..devices import CupyDevice, Device, as_device
+from ..errors import CodecError
+from ..config import usable_cores
 
 if TYPE_CHECKING:  # numpy is imported by the encoders: decoding imports none
     import numpy as np
@@ -37,6 +37,7 @@ __all__ = [
     "cuda_device_count",
 ]
 
+
 def default_params(codec_name: str, dtype: str) -> dict[str, Any]:
     """The encoder parameters ``codec_name`` uses for a tensor of safetensors ``dtype``."""
     return codec(codec_name).params(dtype)
@@ -45,7 +46,7 @@ def default_params(codec_name: str, dtype: str) -> dict[str, Any]:
 def cuda_device_count() -> int:
     """CUDA devices this process sees, asked of the CUDA driver unless torch is already loaded (torch costs seconds)."""
     if "torch" not in sys.modules:
-        import gdsload.loader.driver as driver
+        from .. import driver
 
         n = driver.device_count()
         if n:
@@ -64,7 +65,7 @@ def nvcomp_available(*, library_only: bool = False) -> str | None:
     if not cuda_device_count():
         return "no CUDA device"
     if library_only:
-        from gdsload.loader.codecs.nvcomp_c import library_unavailable
+        from .nvcomp_c import library_unavailable
 
         return library_unavailable()
     try:
@@ -77,8 +78,9 @@ def nvcomp_available(*, library_only: bool = False) -> str | None:
 # --------------------------------------------------------------------------- encoding
 
 
-def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, checksum: bool
-                     ) -> tuple[np.ndarray, tuple[int, ...], int | None]:
+def _zstd_cpu_chunks(
+    data: np.ndarray, level: int, threads: int, chunk: int, *, checksum: bool
+) -> tuple[np.ndarray, tuple[int, ...], int | None]:
     """Zstd frames of ``data``, ``chunk`` bytes each, compressed by ``threads`` threads at once and put one
     after the other into one array (also by the threads, a run of frames each); returns it, the frames'
     sizes and, with ``checksum``, zlib's CRC-32 of ``data`` computed beside them (all let go of the GIL)."""
@@ -109,8 +111,15 @@ def _zstd_cpu_chunks(data: np.ndarray, level: int, threads: int, chunk: int, *, 
 
 
 def encode_tensor(
-    name: str, tensor: torch.Tensor, dtype: str, codec_name: str, *, params: dict[str, Any] | None = None,
-    checksum: bool = True, threads: int | None = None, keep_on_device: bool = False,
+    name: str,
+    tensor: torch.Tensor,
+    dtype: str,
+    codec_name: str,
+    *,
+    params: dict[str, Any] | None = None,
+    checksum: bool = True,
+    threads: int | None = None,
+    keep_on_device: bool = False,
 ) -> tuple[CompressedEntry, np.ndarray | torch.Tensor]:
     """Compress one tensor; returns its metadata entry and the stored bytes (host uint8 array; with
     ``keep_on_device``, a CUDA tensor's stay on its GPU as a uint8 tensor, for the caller to copy out).
@@ -135,17 +144,30 @@ def encode_tensor(
         )
     crc = None
     if not on_gpu:
-        blob, sizes, crc = _zstd_cpu_chunks(raw.numpy(), params.get("level", 3), threads or usable_cores(),
-                                            spec.chunk_bytes, checksum=checksum)
-        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, blob.size, params,
-                                spec.chunk_bytes, sizes, crc)
+        blob, sizes, crc = _zstd_cpu_chunks(
+            raw.numpy(), params.get("level", 3), threads or usable_cores(), spec.chunk_bytes, checksum=checksum
+        )
+        entry = CompressedEntry(
+            name,
+            dtype,
+            tuple(tensor.shape),
+            nbytes,
+            codec_name,
+            layout,
+            blob.size,
+            params,
+            spec.chunk_bytes,
+            sizes,
+            crc,
+        )
         return entry, blob
     codecs = GpuCodecs(as_device(raw.device), encode=True)
     if checksum:
         # On the GPU when the tensor's device is the current one and torch works on its default stream, which
         # nvCOMP's kernel then runs on (and is ordered after the tensor's making); else of a host copy.
-        on_default = (raw.device.index == torch.cuda.current_device()
-                      and torch.cuda.current_stream(raw.device).cuda_stream == 0)
+        on_default = (
+            raw.device.index == torch.cuda.current_device() and torch.cuda.current_stream(raw.device).cuda_stream == 0
+        )
         crc = codecs.crc32(raw, f"tensor {name!r}") if on_default else zlib.crc32(raw.cpu().numpy())
     if layout == "native":
         enc = codecs.native(codec_name, params).encode(codecs.nv.as_array(raw))
@@ -154,16 +176,16 @@ def encode_tensor(
         size = enc.buffer_size
         blob = torch.from_dlpack(enc).view(torch.uint8).reshape(-1)[:size]
         blob = blob.clone() if keep_on_device else blob.cpu().numpy()
-        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, size, params,
-                                crc32=crc)
+        entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, size, params, crc32=crc)
         return entry, blob
     chunk, align = spec.chunk_bytes, spec.chunk_align
     if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
         raw = raw.clone()
     enc = codecs.chunked(codec_name, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
     sizes = tuple(int(a.buffer_size) for a in enc)  # waits for the encoder
-    entry = CompressedEntry(name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, sizes, crc,
-                            align)
+    entry = CompressedEntry(
+        name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, sizes, crc, align
+    )
     starts, *_ = entry.chunk_table()
     blob = _gather(enc, starts.tolist(), sizes, raw.device)
     return entry._replace(stored_bytes=blob.numel()), blob if keep_on_device else blob.cpu().numpy()
@@ -176,8 +198,13 @@ class _Bytes:
 
     def __init__(self, array: Any, nbytes: int):
         self.array = array
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3, "strides": None,
-                                         "data": (array.__cuda_array_interface__["data"][0], False)}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+            "strides": None,
+            "data": (array.__cuda_array_interface__["data"][0], False),
+        }
 
 
 def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -196,8 +223,9 @@ def _gather(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], device
 # --------------------------------------------------------------------------- decoding
 
 
-def cpu_decode(entry: CompressedEntry, src: memoryview, dst: memoryview, *, verify: bool, path: str,
-               threads: int = 4) -> None:
+def cpu_decode(
+    entry: CompressedEntry, src: memoryview, dst: memoryview, *, verify: bool, path: str, threads: int = 4
+) -> None:
     """Decode ``entry`` from its stored bytes ``src`` into ``dst`` (both host memory)."""
     where = f"{path!r}: tensor {entry.name!r}"
     if not codec(entry.codec).cpu_decode:
@@ -231,8 +259,10 @@ def check_crc32(entry: CompressedEntry, decoded: Any, where: str) -> None:
     if entry.crc32 is not None:
         got = zlib.crc32(decoded)
         if got != entry.crc32:
-            raise CodecError(f"{where}: decoded bytes have CRC-32 {got:#010x} where the file records "
-                             f"{entry.crc32:#010x}; the file is corrupt")
+            raise CodecError(
+                f"{where}: decoded bytes have CRC-32 {got:#010x} where the file records "
+                f"{entry.crc32:#010x}; the file is corrupt"
+            )
 
 
 class DecodeJob(NamedTuple):
@@ -263,8 +293,7 @@ class GpuCodecs:
     default stream.
     """
 
-    def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False,
-                 verify: bool = False):
+    def __init__(self, device: Device, stream: int | None = None, *, encode: bool = False, verify: bool = False):
         self.device = device
         self.device_index = device.index or 0
         self.stream = stream
@@ -305,8 +334,13 @@ class GpuCodecs:
         if key not in self._cache:
             spec = codec(codec_name)
             opts = {k: v for k, v in params.items() if k in ("data_type", "algorithm_type")}
-            self._cache[key] = self.nv.Codec(algorithm=spec.nvcomp_algorithm, uncomp_chunk_size=spec.chunk_bytes,
-                                             checksum_policy=self.policy, **opts, **self._kwargs())
+            self._cache[key] = self.nv.Codec(
+                algorithm=spec.nvcomp_algorithm,
+                uncomp_chunk_size=spec.chunk_bytes,
+                checksum_policy=self.policy,
+                **opts,
+                **self._kwargs(),
+            )
         return self._cache[key]
 
     def chunked(self, codec_name: str, params: dict[str, Any] | None = None) -> Any:
@@ -315,8 +349,12 @@ class GpuCodecs:
         key = ("chunks", codec_name, tuple(opts.items()))
         if key not in self._cache:
             nv = self.nv
-            self._cache[key] = nv.Codec(algorithm=codec(codec_name).nvcomp_algorithm,
-                                        bitstream_kind=nv.BitstreamKind.RAW, **opts, **self._kwargs())
+            self._cache[key] = nv.Codec(
+                algorithm=codec(codec_name).nvcomp_algorithm,
+                bitstream_kind=nv.BitstreamKind.RAW,
+                **opts,
+                **self._kwargs(),
+            )
         return self._cache[key]
 
     def _stream_bytes(self) -> _TorchStreamBytes | _CupyStreamBytes | _DriverStreamBytes:
@@ -332,11 +370,12 @@ class GpuCodecs:
     def crc32(self, array: Any, where: str) -> int:
         """zlib's CRC-32 of a 1-D uint8 array on the current device, computed on this stream (the default
         stream when None): on the GPU where nvCOMP's library has the call, else of a host copy."""
-        from gdsload.loader.codecs.nvcomp_c import device_crc32
+        from .nvcomp_c import device_crc32
 
         try:
-            got = device_crc32([(self.device.address(array), self.device.nbytes(array))], self._stream_bytes(),
-                               self.stream or 0, where)
+            got = device_crc32(
+                [(self.device.address(array), self.device.nbytes(array))], self._stream_bytes(), self.stream or 0, where
+            )
         except CodecError:  # the C library cannot be loaded here: nvCOMP's Python package may still encode
             got = None
         return int(got[0]) if got is not None else zlib.crc32(self.device.to_host(array))
@@ -344,7 +383,7 @@ class GpuCodecs:
     def crcs(self, spans: list[tuple[int, int]], where: str) -> list[int] | None:
         """zlib's CRC-32 of each device byte range ``(address, nbytes)``, all in one batch on this stream; None
         where nvCOMP's library or its CRC-32 call is missing."""
-        from gdsload.loader.codecs.nvcomp_c import device_crc32, library_unavailable
+        from .nvcomp_c import device_crc32, library_unavailable
 
         if library_unavailable() is not None:
             return None
@@ -369,14 +408,26 @@ class GpuCodecs:
         """
         ans = [j for j in jobs if j.entry.layout == "chunks" and codec(j.entry.codec).batch_decoder]
         if ans:
-            from gdsload.loader.codecs.nvcomp_c import AnsChunks, AnsDecoder
+            from .nvcomp_c import AnsChunks, AnsDecoder
 
             if self._ans is None:
                 self._ans = AnsDecoder(self.stream or 0, self._stream_bytes())
             address = self.device.address
-            self._ans.launch(AnsChunks.build([(j.entry, address(j.src), address(j.dst),
-                                               f"{j.path!r}: tensor {j.entry.name!r}", j.first, j.stop)
-                                              for j in ans]))
+            self._ans.launch(
+                AnsChunks.build(
+                    [
+                        (
+                            j.entry,
+                            address(j.src),
+                            address(j.dst),
+                            f"{j.path!r}: tensor {j.entry.name!r}",
+                            j.first,
+                            j.stop,
+                        )
+                        for j in ans
+                    ]
+                )
+            )
         for j in jobs:
             if not (j.entry.layout == "chunks" and codec(j.entry.codec).batch_decoder):
                 self._decode_one(j)
@@ -388,8 +439,13 @@ class GpuCodecs:
     def checked_on_device(self, entry: CompressedEntry) -> bool:
         """Whether :meth:`finish` has checked ``entry``'s decoded bytes against its ``crc32`` (ANS
         chunks, on the device, whatever ``verify`` says); others need ``verify`` for that."""
-        return (entry.crc32 is not None and entry.layout == "chunks" and codec(entry.codec).batch_decoder
-                and self._ans is not None and self._ans.checks_crc32)
+        return (
+            entry.crc32 is not None
+            and entry.layout == "chunks"
+            and codec(entry.codec).batch_decoder
+            and self._ans is not None
+            and self._ans.checks_crc32
+        )
 
     def finish(self, *, but_last: bool = False) -> None:
         """Wait for the stream, and raise :class:`CodecError` if a batch of ANS chunks failed to
@@ -506,8 +562,9 @@ class _CupyStreamBytes:
     def put(self, array: Any, host: Any) -> None:
         # From pageable memory: the runtime has taken the bytes when the call returns.
         buf = _host_bytes(host)
-        self.cupy.cuda.runtime.memcpyAsync(array.data.ptr, ctypes.addressof(buf), len(buf),
-                                           self.cupy.cuda.runtime.memcpyHostToDevice, self.stream)
+        self.cupy.cuda.runtime.memcpyAsync(
+            array.data.ptr, ctypes.addressof(buf), len(buf), self.cupy.cuda.runtime.memcpyHostToDevice, self.stream
+        )
 
     def get(self, array: Any, nbytes: int) -> Any:
         return array[:nbytes].get()
@@ -544,7 +601,7 @@ class _DriverStreamBytes:
     (a raw handle): loads onto a :class:`~gdsload.loader.devices.DriverDevice`, which import no cupy."""
 
     def __init__(self, device: Device, stream: int):
-        import gdsload.loader.driver as driver
+        from .. import driver
 
         self.driver, self.cuda = driver, driver.lib()
         self._owner = device
@@ -562,20 +619,26 @@ class _DriverStreamBytes:
     def put(self, array: Any, host: Any) -> None:
         # From pageable memory: the driver has taken the bytes when the call returns.
         buf = _host_bytes(host)
-        self._call("cuMemcpyHtoDAsync", self.cuda.cuMemcpyHtoDAsync_v2, array.ptr, ctypes.addressof(buf), len(buf),
-                   self.stream)
+        self._call(
+            "cuMemcpyHtoDAsync", self.cuda.cuMemcpyHtoDAsync_v2, array.ptr, ctypes.addressof(buf), len(buf), self.stream
+        )
 
     def get(self, array: Any, nbytes: int) -> bytearray:
         out = bytearray(nbytes)
         if nbytes:
-            self._call("cuMemcpyDtoH", self.cuda.cuMemcpyDtoH_v2, ctypes.addressof(_host_bytes(out)), array.ptr,
-                       nbytes)
+            self._call("cuMemcpyDtoH", self.cuda.cuMemcpyDtoH_v2, ctypes.addressof(_host_bytes(out)), array.ptr, nbytes)
         return out
 
     def copy(self, dst: Any, src: Any) -> None:
         n = self._owner.nbytes(src)
-        self._call("cuMemcpyDtoDAsync", self.cuda.cuMemcpyDtoDAsync_v2, self._owner.address(dst),
-                   self._owner.address(src), n, self.stream)
+        self._call(
+            "cuMemcpyDtoDAsync",
+            self.cuda.cuMemcpyDtoDAsync_v2,
+            self._owner.address(dst),
+            self._owner.address(src),
+            n,
+            self.stream,
+        )
 
     def zero(self, array: Any) -> None:
         self._call("cuMemsetD8Async", self.cuda.cuMemsetD8Async, array.ptr, 0, array.nbytes, self.stream)

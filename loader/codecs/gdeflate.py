@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdsload.loader.codecs.registry import CodecSpec, register_codec
+from .registry import CodecSpec, register_codec
 
 CHUNK = 64 << 10
 """GDeflate's largest chunk (nvCOMP aborts the process on a larger one)."""
@@ -14,5 +14,13 @@ def _params(dtype: str) -> dict[str, Any]:
     return {"algorithm_type": 1}
 
 
-register_codec(CodecSpec("gdeflate", layouts=("native",), nvcomp_algorithm="GDeflate", params=_params,
-                         chunk_bytes=CHUNK, self_checked=True))
+register_codec(
+    CodecSpec(
+        "gdeflate",
+        layouts=("native",),
+        nvcomp_algorithm="GDeflate",
+        params=_params,
+        chunk_bytes=CHUNK,
+        self_checked=True,
+    )
+)

@@ -33,34 +33,53 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.errors import CodecError
+from ..errors import CodecError
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "library_unavailable",
-           "nvcomp_version"]
+__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "library_unavailable", "nvcomp_version"]
 
 _MIN_VERSION = 6000
 """nvCOMP 6.0: the options struct bound below is its layout."""
-_STATUS = {0: "success", 10: "invalid value", 11: "not supported", 12: "cannot decompress",
-           15: "output buffer too small", 17: "alignment", 18: "chunk size too large",
-           20: "wrong input length", 21: "batch size too large", 1000: "CUDA error", 10000: "internal error"}
+_STATUS = {
+    0: "success",
+    10: "invalid value",
+    11: "not supported",
+    12: "cannot decompress",
+    15: "output buffer too small",
+    17: "alignment",
+    18: "chunk size too large",
+    20: "wrong input length",
+    21: "batch size too large",
+    1000: "CUDA error",
+    10000: "internal error",
+}
 
 
 class _DecompressOpts(ctypes.Structure):
     # nvcompBatchedANSDecompressOpts_t (nvcomp/ans.h, 6.0). Zeroes but data_type are the defaults;
     # data_type NVCOMP_TYPE_BITS reads each chunk's type from its bitstream.
-    _fields_ = [("backend", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
-                ("states_per_lane", ctypes.c_uint8), ("skip_validate", ctypes.c_uint8),
-                ("reserved", ctypes.c_char * 53)]
+    _fields_ = [
+        ("backend", ctypes.c_int),
+        ("data_type", ctypes.c_int),
+        ("max_sub_chunk_count", ctypes.c_uint8),
+        ("states_per_lane", ctypes.c_uint8),
+        ("skip_validate", ctypes.c_uint8),
+        ("reserved", ctypes.c_char * 53),
+    ]
 
 
 class _CompressOpts(ctypes.Structure):
     # nvcompBatchedANSCompressOpts_t (nvcomp/ans.h, 6.0); type 0 is nvcomp_rANS, zeroes are the defaults.
-    _fields_ = [("type", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
-                ("states_per_lane", ctypes.c_uint8), ("histogram_reduction_log2", ctypes.c_uint8),
-                ("reserved", ctypes.c_char * 53)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("data_type", ctypes.c_int),
+        ("max_sub_chunk_count", ctypes.c_uint8),
+        ("states_per_lane", ctypes.c_uint8),
+        ("histogram_reduction_log2", ctypes.c_uint8),
+        ("reserved", ctypes.c_char * 53),
+    ]
 
 
 _ANS_TYPES = {"|u1": 1, "<f2": 10, "<f4": 11}
@@ -69,14 +88,24 @@ _ANS_TYPES = {"|u1": 1, "<f2": 10, "<f4": 11}
 
 class _CRC32Spec(ctypes.Structure):
     # nvcompCRC32Spec_t (nvcomp/crc32.h, 6.0)
-    _fields_ = [("poly", ctypes.c_uint32), ("init", ctypes.c_uint32), ("ref_in", ctypes.c_bool),
-                ("ref_out", ctypes.c_bool), ("xorout", ctypes.c_uint32), ("reserved", ctypes.c_char * 16)]
+    _fields_ = [
+        ("poly", ctypes.c_uint32),
+        ("init", ctypes.c_uint32),
+        ("ref_in", ctypes.c_bool),
+        ("ref_out", ctypes.c_bool),
+        ("xorout", ctypes.c_uint32),
+        ("reserved", ctypes.c_char * 16),
+    ]
 
 
 class _CRC32KernelConf(ctypes.Structure):
     # nvcompCRC32KernelConf_t
-    _fields_ = [("kernel_kind", ctypes.c_int), ("bytes_per_read", ctypes.c_int32),
-                ("blocks_per_msg", ctypes.c_int32), ("reserved", ctypes.c_char * 20)]
+    _fields_ = [
+        ("kernel_kind", ctypes.c_int),
+        ("bytes_per_read", ctypes.c_int32),
+        ("blocks_per_msg", ctypes.c_int32),
+        ("reserved", ctypes.c_char * 20),
+    ]
 
 
 class _CRC32Opts(ctypes.Structure):
@@ -104,8 +133,12 @@ def _find_library() -> str:
         root = os.path.dirname(libnvcomp.__file__)
     except ImportError:
         return "libnvcomp.so"
-    found = sorted(p for d in ("lib64", "lib") for p in glob.glob(os.path.join(root, d, "libnvcomp.so*"))
-                   if "_cpu" not in os.path.basename(p))
+    found = sorted(
+        p
+        for d in ("lib64", "lib")
+        for p in glob.glob(os.path.join(root, d, "libnvcomp.so*"))
+        if "_cpu" not in os.path.basename(p)
+    )
     return found[-1] if found else "libnvcomp.so"
 
 
@@ -117,8 +150,9 @@ def _lib() -> tuple[ctypes.CDLL, int]:
             try:
                 lib = ctypes.CDLL(path, ctypes.RTLD_LOCAL)
             except OSError as e:
-                raise CodecError(f"cannot load nvCOMP's library {path!r} ({e}); install gdsload[cu12] or "
-                                 "gdsload[cu13]") from None
+                raise CodecError(
+                    f"cannot load nvCOMP's library {path!r} ({e}); install gdsload[cu12] or gdsload[cu13]"
+                ) from None
             props = (ctypes.c_uint32 * 2)()
             try:
                 lib.nvcompGetProperties(props)
@@ -126,23 +160,63 @@ def _lib() -> tuple[ctypes.CDLL, int]:
                 props[0] = 0
             if props[0] < _MIN_VERSION:
                 found = _semver(props[0]) if props[0] else "from before 3.0"
-                raise CodecError(f"nvCOMP {found} at {path!r} is older than 6.0, whose C API decodes "
-                                 "`layout: chunks` ANS tensors; pip install 'nvidia-nvcomp-cu13>=6' (or -cu12)")
+                raise CodecError(
+                    f"nvCOMP {found} at {path!r} is older than 6.0, whose C API decodes "
+                    "`layout: chunks` ANS tensors; pip install 'nvidia-nvcomp-cu13>=6' (or -cu12)"
+                )
             size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
-            lib.nvcompBatchedANSDecompressGetTempSize.argtypes = [size_t, size_t, _DecompressOpts,
-                                                                  ctypes.POINTER(size_t), size_t, ptr]
-            lib.nvcompBatchedANSDecompressAsync.argtypes = [ptr, ptr, ptr, ptr, size_t, ptr, size_t, ptr,
-                                                            _DecompressOpts, ptr, ptr]
-            lib.nvcompBatchedANSCompressGetTempSize.argtypes = [size_t, size_t, _CompressOpts,
-                                                                ctypes.POINTER(size_t), size_t, ptr]
-            lib.nvcompBatchedANSCompressGetMaxOutputChunkSize.argtypes = [size_t, _CompressOpts,
-                                                                          ctypes.POINTER(size_t)]
-            lib.nvcompBatchedANSCompressAsync.argtypes = [ptr, ptr, size_t, size_t, ptr, size_t, ptr, ptr,
-                                                          _CompressOpts, ptr, ptr]
+            lib.nvcompBatchedANSDecompressGetTempSize.argtypes = [
+                size_t,
+                size_t,
+                _DecompressOpts,
+                ctypes.POINTER(size_t),
+                size_t,
+                ptr,
+            ]
+            lib.nvcompBatchedANSDecompressAsync.argtypes = [
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                size_t,
+                ptr,
+                size_t,
+                ptr,
+                _DecompressOpts,
+                ptr,
+                ptr,
+            ]
+            lib.nvcompBatchedANSCompressGetTempSize.argtypes = [
+                size_t,
+                size_t,
+                _CompressOpts,
+                ctypes.POINTER(size_t),
+                size_t,
+                ptr,
+            ]
+            lib.nvcompBatchedANSCompressGetMaxOutputChunkSize.argtypes = [size_t, _CompressOpts, ctypes.POINTER(size_t)]
+            lib.nvcompBatchedANSCompressAsync.argtypes = [
+                ptr,
+                ptr,
+                size_t,
+                size_t,
+                ptr,
+                size_t,
+                ptr,
+                ptr,
+                _CompressOpts,
+                ptr,
+                ptr,
+            ]
             if hasattr(lib, "nvcompBatchedCRC32Async"):
                 lib.nvcompBatchedCRC32Async.argtypes = [ptr, ptr, size_t, ptr, _CRC32Opts, ctypes.c_int, ptr, ptr]
-                lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [ptr, size_t, ctypes.POINTER(_CRC32KernelConf),
-                                                                   size_t, ptr]
+                lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [
+                    ptr,
+                    size_t,
+                    ctypes.POINTER(_CRC32KernelConf),
+                    size_t,
+                    ptr,
+                ]
             _LIB = lib, props[0]
         return _LIB
 
@@ -215,12 +289,25 @@ class AnsChunks(NamedTuple):
             dst.extend(range(d + first * step, d + stop * step, step))
             dst_bytes.extend(entry.decoded_lengths()[first:stop])
             decoded += min(stop * step, entry.nbytes) - first * step
-        checked = [(i, dst, entry.nbytes, entry.crc32) for i, (entry, _, dst, _, _, stop) in enumerate(jobs)
-                   if entry.crc32 is not None and entry.nbytes and (stop is None or stop >= len(entry.chunks))]
-        return cls(src, src_bytes, dst, dst_bytes, counts, [j[3] for j in jobs], [j[4] for j in jobs],
-                   crc_dst=_u64(c[1] for c in checked), crc_bytes=_u64(c[2] for c in checked),
-                   crc_expected=array("I", (c[3] for c in checked)), crc_owner=[c[0] for c in checked],
-                   decoded_bytes=decoded)
+        checked = [
+            (i, dst, entry.nbytes, entry.crc32)
+            for i, (entry, _, dst, _, _, stop) in enumerate(jobs)
+            if entry.crc32 is not None and entry.nbytes and (stop is None or stop >= len(entry.chunks))
+        ]
+        return cls(
+            src,
+            src_bytes,
+            dst,
+            dst_bytes,
+            counts,
+            [j[3] for j in jobs],
+            [j[4] for j in jobs],
+            crc_dst=_u64(c[1] for c in checked),
+            crc_bytes=_u64(c[2] for c in checked),
+            crc_expected=array("I", (c[3] for c in checked)),
+            crc_owner=[c[0] for c in checked],
+            decoded_bytes=decoded,
+        )
 
     def owner(self, i: int) -> tuple[int, int]:
         """The index into ``names`` of chunk ``i``'s tensor, and the chunk's index within that tensor."""
@@ -309,14 +396,25 @@ class AnsDecoder:
         size_t = ctypes.c_size_t
         temp_bytes = size_t(0)
         status = self._lib.nvcompBatchedANSDecompressGetTempSize(
-            n, max(chunks.dst_bytes), self._opts, ctypes.byref(temp_bytes), chunks.decoded_bytes, self.stream)
+            n, max(chunks.dst_bytes), self._opts, ctypes.byref(temp_bytes), chunks.decoded_bytes, self.stream
+        )
         if status:
             self._spare.append(tables)
         _raise_on(status, "sizing the decoder's scratch", chunks.names[0])
         self._temp = self._buffer(self._temp, temp_bytes.value)
         status = self._lib.nvcompBatchedANSDecompressAsync(
-            base, base + 8 * n, base + 16 * n, base + 32 * n, n, self._temp[1], self._temp[2], base + 24 * n,
-            self._opts, base + 40 * n, self.stream)
+            base,
+            base + 8 * n,
+            base + 16 * n,
+            base + 32 * n,
+            n,
+            self._temp[1],
+            self._temp[2],
+            base + 24 * n,
+            self._opts,
+            base + 40 * n,
+            self.stream,
+        )
         if status:
             self._spare.append(tables)
         _raise_on(status, f"launching the decode of {n} chunks", chunks.names[0])
@@ -327,13 +425,14 @@ class AnsDecoder:
             self._device.wait(check, self._device.record(self.stream))
             conf = _CRC32KernelConf()
             # Given the largest message, the heuristic needs no device data and does not synchronize.
-            status = self._lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf),
-                                                                   max(chunks.crc_bytes), check)
+            status = self._lib.nvcompBatchedCRC32GetHeuristicConf(
+                None, m, ctypes.byref(conf), max(chunks.crc_bytes), check
+            )
             _raise_on(status, "choosing the CRC-32 kernel", chunks.names[0])
             opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
-            status = self._lib.nvcompBatchedCRC32Async(base + crc_at, base + crc_at + 8 * m, m,
-                                                       base + crc_at + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
-                                                       check)
+            status = self._lib.nvcompBatchedCRC32Async(
+                base + crc_at, base + crc_at + 8 * m, m, base + crc_at + 16 * m, opts, _CRC32_ONLY_SEGMENT, None, check
+            )
             _raise_on(status, f"launching the CRC-32 of {m} decoded tensors", chunks.names[0])
             batch.crcs, batch.checked = m, self._device.record(check)
 
@@ -380,18 +479,25 @@ def _check_results(chunks: AnsChunks, table: Any, crc_at: int, m: int) -> None:
         i = bad[0]
         owner, index = chunks.owner(i)
         code = codes[i]
-        why = (f"status {code} ({_STATUS.get(code, 'unknown')})" if code else
-               f"{sizes[i]} bytes decoded where {chunks.dst_bytes[i]} were expected")
-        raise CodecError(f"{chunks.names[owner]}: chunk {index} does not decode ({why}; "
-                         f"{len(bad)} bad chunk(s) in this batch); the file is corrupt")
+        why = (
+            f"status {code} ({_STATUS.get(code, 'unknown')})"
+            if code
+            else f"{sizes[i]} bytes decoded where {chunks.dst_bytes[i]} were expected"
+        )
+        raise CodecError(
+            f"{chunks.names[owner]}: chunk {index} does not decode ({why}; "
+            f"{len(bad)} bad chunk(s) in this batch); the file is corrupt"
+        )
     if m:
         got = back[crc_at + 16 * m : crc_at + 20 * m].cast("I")
         wrong = [i for i in range(m) if got[i] != chunks.crc_expected[i]]
         if wrong:
             i = wrong[0]
-            raise CodecError(f"{chunks.names[chunks.crc_owner[i]]}: decoded bytes have CRC-32 {got[i]:#010x} "
-                             f"where the file records {chunks.crc_expected[i]:#010x} ({len(wrong)} tensor(s) "
-                             "of this batch); the file is corrupt")
+            raise CodecError(
+                f"{chunks.names[chunks.crc_owner[i]]}: decoded bytes have CRC-32 {got[i]:#010x} "
+                f"where the file records {chunks.crc_expected[i]:#010x} ({len(wrong)} tensor(s) "
+                "of this batch); the file is corrupt"
+            )
 
 
 class AnsSlots(NamedTuple):
@@ -404,8 +510,9 @@ class AnsSlots(NamedTuple):
     sizes: np.ndarray
 
 
-def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: Any, stream: int, where: str
-               ) -> AnsSlots:
+def ans_encode(
+    src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: Any, stream: int, where: str
+) -> AnsSlots:
     """Compress the device chunks at addresses ``src``, ``src_bytes`` bytes each (uint64 arrays), with ANS
     in one call, into fixed-size slots of a new device array (``device`` as for :class:`AnsDecoder`), on
     ``stream``; waits for it.
@@ -427,12 +534,18 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
     src, src_bytes = np.asarray(src, np.uint64), np.asarray(src_bytes, np.uint64)
     largest, total = int(src_bytes.max()), int(src_bytes.sum())
     slot = size_t(0)
-    _raise_on(lib.nvcompBatchedANSCompressGetMaxOutputChunkSize(largest, opts, ctypes.byref(slot)),
-              "sizing the compressed chunks", where)
+    _raise_on(
+        lib.nvcompBatchedANSCompressGetMaxOutputChunkSize(largest, opts, ctypes.byref(slot)),
+        "sizing the compressed chunks",
+        where,
+    )
     slot_bytes = -(-slot.value // 256) * 256  # every slot as aligned as the array (cudaMalloc: 256 bytes)
     temp = size_t(0)
-    _raise_on(lib.nvcompBatchedANSCompressGetTempSize(n, largest, opts, ctypes.byref(temp), total, stream),
-              "sizing the encoder's scratch", where)
+    _raise_on(
+        lib.nvcompBatchedANSCompressGetTempSize(n, largest, opts, ctypes.byref(temp), total, stream),
+        "sizing the encoder's scratch",
+        where,
+    )
     slots, base = device.empty(n * slot_bytes)
     # nvCOMP leaves some bytes of a chunk's bitstream unwritten: zeroed first, the same data always compresses
     # to the same bytes, whatever the memory held before.
@@ -442,9 +555,13 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
     table, at = device.empty(36 * n)
     dst = base + np.arange(n, dtype=np.uint64) * np.uint64(slot_bytes)
     device.put(table, np.concatenate([src, src_bytes, dst]).view(np.uint8))
-    _raise_on(lib.nvcompBatchedANSCompressAsync(at, at + 8 * n, largest, n, scratch_at, temp.value, at + 16 * n,
-                                                at + 24 * n, opts, at + 32 * n, stream),
-              f"launching the compression of {n} chunks", where)
+    _raise_on(
+        lib.nvcompBatchedANSCompressAsync(
+            at, at + 8 * n, largest, n, scratch_at, temp.value, at + 16 * n, at + 24 * n, opts, at + 32 * n, stream
+        ),
+        f"launching the compression of {n} chunks",
+        where,
+    )
     device.sync()
     back = np.frombuffer(device.get(table, 36 * n), np.uint8)
     sizes = back[24 * n : 32 * n].view(np.uint64).copy()
@@ -452,8 +569,10 @@ def ans_encode(src: np.ndarray, src_bytes: np.ndarray, data_type: str, device: A
     bad = np.flatnonzero(statuses)
     if len(bad):
         code = int(statuses[bad[0]])
-        raise CodecError(f"{where}: nvCOMP could not compress chunk {int(bad[0])} of the batch: status {code} "
-                         f"({_STATUS.get(code, 'unknown')}; {len(bad)} chunk(s) failed)")
+        raise CodecError(
+            f"{where}: nvCOMP could not compress chunk {int(bad[0])} of the batch: status {code} "
+            f"({_STATUS.get(code, 'unknown')}; {len(bad)} chunk(s) failed)"
+        )
     del scratch
     return AnsSlots(slots, base, slot_bytes, sizes)
 
@@ -475,11 +594,17 @@ def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, whe
     table, base = device.empty(20 * m)
     device.put(table, host)
     conf = _CRC32KernelConf()
-    _raise_on(lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), max(sizes), stream),
-              "choosing the CRC-32 kernel", where)
+    _raise_on(
+        lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), max(sizes), stream),
+        "choosing the CRC-32 kernel",
+        where,
+    )
     opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
-    _raise_on(lib.nvcompBatchedCRC32Async(base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None,
-                                          stream), f"computing the CRC-32 of {m} range(s)", where)
+    _raise_on(
+        lib.nvcompBatchedCRC32Async(base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None, stream),
+        f"computing the CRC-32 of {m} range(s)",
+        where,
+    )
     device.sync()
     return memoryview(device.get(table, 20 * m)).cast("B")[16 * m :].cast("I").tolist()
 

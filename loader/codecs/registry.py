@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from gdsload.loader.errors import CodecError
-from gdsload.loader.format.compression import add_codec_lookup, register_stream_format
+from ..errors import CodecError
+from ..format.compression import add_codec_lookup, register_stream_format
 
 __all__ = ["CodecSpec", "register_codec", "codec", "codec_names", "GPU_DEFAULT", "CPU_DEFAULT", "BUILTIN"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdsload.loader.codecs.registry import CodecSpec, register_codec
+from .registry import CodecSpec, register_codec
 
 CHUNK = 256 << 10
 """Decoded bytes per frame."""
@@ -14,5 +14,14 @@ def _params(dtype: str) -> dict[str, Any]:
     return {"level": 3}
 
 
-register_codec(CodecSpec("zstd", layouts=("chunks",), nvcomp_algorithm="Zstd", params=_params, chunk_bytes=CHUNK,
-                         cpu_encode=True, cpu_decode=True))
+register_codec(
+    CodecSpec(
+        "zstd",
+        layouts=("chunks",),
+        nvcomp_algorithm="Zstd",
+        params=_params,
+        chunk_bytes=CHUNK,
+        cpu_encode=True,
+        cpu_decode=True,
+    )
+)

@@ -53,8 +53,9 @@ class atomic_output:
                 os.replace(self.tmp, self.path)
         except OSError as e:  # e.g. the disk filled at the last flush: nothing stays behind
             self.tmp.unlink(missing_ok=True)
-            raise OSError(e.errno, f"{self.path}: could not finish writing it ({e.strerror}); nothing was written "
-                          "under that name") from e
+            raise OSError(
+                e.errno, f"{self.path}: could not finish writing it ({e.strerror}); nothing was written under that name"
+            ) from e
         except BaseException:
             self.tmp.unlink(missing_ok=True)
             raise

@@ -25,11 +25,19 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from gdsload.loader.errors import IntegrityError
-from gdsload.loader.format import strict_json
+from ..errors import IntegrityError
+from . import strict_json
 
-__all__ = ["METADATA_KEY", "ALGORITHM", "crc32", "render", "placeholder", "parse_checksums",
-           "parse_checksums_text", "require"]
+__all__ = [
+    "METADATA_KEY",
+    "ALGORITHM",
+    "crc32",
+    "render",
+    "placeholder",
+    "parse_checksums",
+    "parse_checksums_text",
+    "require",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +60,10 @@ def _impl() -> Callable[..., int]:
         except ImportError:  # same values, a few times slower
             import zlib
 
-            log.info("the isal package is not installed: checksums are computed with zlib.crc32 (slower); "
-                     "`pip install isal` (a gdsload dependency) makes them faster")
+            log.info(
+                "the isal package is not installed: checksums are computed with zlib.crc32 (slower); "
+                "`pip install isal` (a gdsload dependency) makes them faster"
+            )
             _IMPL = zlib.crc32
     return _IMPL
 
@@ -74,9 +84,14 @@ def crc32(data: Any, value: int = 0) -> int:
 
 def render(checksums: Mapping[str, int]) -> str:
     """The metadata value recording ``checksums`` (tensor name -> CRC-32)."""
-    return json.dumps({"version": FORMAT_VERSION, "algorithm": ALGORITHM,
-                       "tensors": {name: f"{value:08x}" for name, value in checksums.items()}},
-                      separators=(",", ":"))
+    return json.dumps(
+        {
+            "version": FORMAT_VERSION,
+            "algorithm": ALGORITHM,
+            "tensors": {name: f"{value:08x}" for name, value in checksums.items()},
+        },
+        separators=(",", ":"),
+    )
 
 
 def placeholder(names: Collection[str]) -> str:
@@ -100,17 +115,27 @@ def parse_checksums_text(raw: str, names: Collection[str], where: str) -> dict[s
     """The table in the metadata value ``raw`` of the file ``where`` holding tensors ``names``."""
     field = f"{where}: __metadata__[{METADATA_KEY!r}]"
     doc = strict_json.loads(raw, IntegrityError, field)
-    if (not isinstance(doc, dict) or doc.get("version") != FORMAT_VERSION or doc.get("algorithm") != ALGORITHM
-            or not isinstance(doc.get("tensors"), dict)):
-        raise IntegrityError(f"{field} is not a version {FORMAT_VERSION} {ALGORITHM} table (got "
-                             f"{strict_json.brief(doc)}); rewrite the file with gdsload, or load it with verify=False")
+    if (
+        not isinstance(doc, dict)
+        or doc.get("version") != FORMAT_VERSION
+        or doc.get("algorithm") != ALGORITHM
+        or not isinstance(doc.get("tensors"), dict)
+    ):
+        raise IntegrityError(
+            f"{field} is not a version {FORMAT_VERSION} {ALGORITHM} table (got "
+            f"{strict_json.brief(doc)}); rewrite the file with gdsload, or load it with verify=False"
+        )
     out: dict[str, int] = {}
     for name, value in doc["tensors"].items():
         if name not in names:
-            raise IntegrityError(f"{field} records a checksum for tensor {strict_json.brief(name)}, which the file "
-                                 "does not hold; the header was edited: rewrite the file with gdsload")
+            raise IntegrityError(
+                f"{field} records a checksum for tensor {strict_json.brief(name)}, which the file "
+                "does not hold; the header was edited: rewrite the file with gdsload"
+            )
         if not isinstance(value, str) or len(value) != 8 or not _HEX.issuperset(value):
-            raise IntegrityError(f"{field}: the checksum of tensor {name!r} is {strict_json.brief(value)}, not 8 "
-                                 "lowercase hex digits; rewrite the file with gdsload")
+            raise IntegrityError(
+                f"{field}: the checksum of tensor {name!r} is {strict_json.brief(value)}, not 8 "
+                "lowercase hex digits; rewrite the file with gdsload"
+            )
         out[name] = int(value, 16)
     return out

@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from gdsload.loader.dtypes import ITEMSIZE
-from gdsload.loader.errors import CodecError
-from gdsload.loader.format import strict_json
-from gdsload.loader.format.safetensors import SafetensorsHeader
+from ..dtypes import ITEMSIZE
+from ..errors import CodecError
+from . import strict_json
+from .safetensors import SafetensorsHeader
 
 __all__ = [
     "METADATA_KEY",
@@ -129,8 +129,14 @@ class CompressedEntry(NamedTuple):
         return list(zip(*self.chunk_table()))
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
-                               "codec": self.codec, "layout": self.layout, "params": dict(self.params)}
+        doc: dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "codec": self.codec,
+            "layout": self.layout,
+            "params": dict(self.params),
+        }
         if self.layout == "chunks":
             doc["chunk_bytes"] = self.chunk_bytes
             if self.chunk_align != 1:
@@ -232,28 +238,41 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         except (KeyError, TypeError) as err:
             raise CodecError(f"{where}: metadata entry is missing {err}") from None
         if type(nbytes) is not int or not 0 <= nbytes < MAX_TENSOR_BYTES or not isinstance(params, dict):
-            raise CodecError(f"{where}: nbytes {strict_json.brief(nbytes)} must be an integer in [0, 2**62) and "
-                             f"params {strict_json.brief(params)} an object")
+            raise CodecError(
+                f"{where}: nbytes {strict_json.brief(nbytes)} must be an integer in [0, 2**62) and "
+                f"params {strict_json.brief(params)} an object"
+            )
         params = dict(params)
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise CodecError(f"{where}: unknown dtype {strict_json.brief(dtype)}")
         if not all(type(d) is int and 0 <= d < 2**63 for d in shape) or math.prod(shape) * ITEMSIZE[dtype] != nbytes:
-            raise CodecError(f"{where}: shape {strict_json.brief(list(shape))} x {dtype} is not the recorded {nbytes} "
-                             "bytes")
-        if not isinstance(codec, str) or not isinstance(layout, str) or codec not in CODECS \
-                or layout not in CODECS[codec]:
-            raise CodecError(f"{where}: codec {strict_json.brief(codec)} with layout {strict_json.brief(layout)} is "
-                             f"not one of {CODECS}")
+            raise CodecError(
+                f"{where}: shape {strict_json.brief(list(shape))} x {dtype} is not the recorded {nbytes} bytes"
+            )
+        if (
+            not isinstance(codec, str)
+            or not isinstance(layout, str)
+            or codec not in CODECS
+            or layout not in CODECS[codec]
+        ):
+            raise CodecError(
+                f"{where}: codec {strict_json.brief(codec)} with layout {strict_json.brief(layout)} is "
+                f"not one of {CODECS}"
+            )
         chunk_bytes, align, chunks = 0, 1, ()
         if layout == "chunks":
             chunk_bytes, align = e.get("chunk_bytes"), e.get("chunk_align", 1)
             if type(chunk_bytes) is not int or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-                raise CodecError(f"{where}: chunk_bytes {strict_json.brief(chunk_bytes)} must be a positive integer "
-                                 f"up to {MAX_CHUNK_BYTES}")
+                raise CodecError(
+                    f"{where}: chunk_bytes {strict_json.brief(chunk_bytes)} must be a positive integer "
+                    f"up to {MAX_CHUNK_BYTES}"
+                )
             need = CHUNK_ALIGN.get(codec, 1)
             if type(align) is not int or not 0 < align <= MAX_CHUNK_ALIGN or align & (align - 1) or align % need:
-                raise CodecError(f"{where}: chunk_align {strict_json.brief(align)} must be a power of two up to "
-                                 f"{MAX_CHUNK_ALIGN} and a multiple of {need}")
+                raise CodecError(
+                    f"{where}: chunk_align {strict_json.brief(align)} must be a power of two up to "
+                    f"{MAX_CHUNK_ALIGN} and a multiple of {need}"
+                )
             sizes = _chunk_bytes(e.get("chunks", ""), where)
             if len(sizes) // 4 != -(-nbytes // chunk_bytes):
                 raise CodecError(
@@ -263,6 +282,7 @@ def parse_compression(header: SafetensorsHeader) -> dict[str, CompressedEntry]:
         crc = e.get("crc32")
         if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
             raise CodecError(f"{where}: crc32 {strict_json.brief(crc)} is not a 32-bit unsigned integer")
-        out[name] = CompressedEntry(name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, chunks,
-                                    crc, align)
+        out[name] = CompressedEntry(
+            name, dtype, shape, nbytes, codec, layout, t.nbytes, params, chunk_bytes, chunks, crc, align
+        )
     return out

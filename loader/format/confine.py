@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from gdsload.loader.errors import FileUnreadableError, GdsloadError
+from ..errors import FileUnreadableError, GdsloadError
 
 __all__ = ["open_beneath", "PathEscapesRootError"]
 
@@ -80,11 +80,14 @@ def open_beneath(path: str, roots: Sequence[str], flags: int = os.O_RDONLY | os.
     """
     global _openat2_missing
     path = os.path.abspath(path)
-    root = next((r for r in sorted(roots, key=len, reverse=True)
-                 if path == r or path.startswith(r.rstrip("/") + "/")), None)
+    root = next(
+        (r for r in sorted(roots, key=len, reverse=True) if path == r or path.startswith(r.rstrip("/") + "/")), None
+    )
     if root is None:
-        raise PathEscapesRootError(f"{path!r} is not under the allowed directories {list(roots)}; "
-                                   "give a path inside one, or add its directory with --allow-root")
+        raise PathEscapesRootError(
+            f"{path!r} is not under the allowed directories {list(roots)}; "
+            "give a path inside one, or add its directory with --allow-root"
+        )
     rel = os.path.relpath(path, root)
     try:
         rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -105,7 +108,8 @@ def open_beneath(path: str, roots: Sequence[str], flags: int = os.O_RDONLY | os.
                 f"{path!r} leads out of {root!r} ({'a symlink on the way' if e.errno == errno.ELOOP else 'it escapes'});"
                 " files are opened only inside the allowed directories — replace the link by the file"
             ) from None
-        raise FileUnreadableError(f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and "
-                                  "this user may read it") from None
+        raise FileUnreadableError(
+            f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and this user may read it"
+        ) from None
     finally:
         os.close(rootfd)

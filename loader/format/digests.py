@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gdsload.loader.errors import ConfigError, ManifestError
+from ..errors import ConfigError, ManifestError
 
 __all__ = ["ALGORITHMS", "DEFAULT", "Hasher", "hasher", "algorithm_of", "digest_algorithm", "require", "file_digest"]
 
@@ -47,10 +47,11 @@ def _blake3() -> Any:
     try:
         import blake3
     except ImportError:
-        raise ConfigError("blake3 digests need the blake3 package, which is not installed (gdsload depends on it): "
-                          "`pip install blake3`; or write sha256 digests (--digest-algorithm sha256, "
-                          "digest='sha256'), or load a model whose manifest records blake3 digests without verify"
-                          ) from None
+        raise ConfigError(
+            "blake3 digests need the blake3 package, which is not installed (gdsload depends on it): "
+            "`pip install blake3`; or write sha256 digests (--digest-algorithm sha256, "
+            "digest='sha256'), or load a model whose manifest records blake3 digests without verify"
+        ) from None
     return blake3
 
 
@@ -78,8 +79,10 @@ def digest_algorithm(digest: bool | str | None) -> str | None:
     if digest is False or digest is None:
         return None
     if digest not in ALGORITHMS:
-        raise ConfigError(f"digest={digest!r} names no digest algorithm gdsload knows; give True (blake3), "
-                          "'blake3', 'sha256', or False for none")
+        raise ConfigError(
+            f"digest={digest!r} names no digest algorithm gdsload knows; give True (blake3), "
+            "'blake3', 'sha256', or False for none"
+        )
     return digest
 
 
@@ -96,9 +99,11 @@ def algorithm_of(digest: str, where: str = "the manifest") -> str:
     ``where`` (the manifest and the file it describes) when it is not one gdsload checks."""
     algorithm, sep, hexpart = digest.partition(":")
     if not sep or algorithm not in ALGORITHMS or not hexpart:
-        raise ManifestError(f"{where}: the digest {digest!r} is not '<algorithm>:<hex>' with an algorithm of "
-                            f"{', '.join(ALGORITHMS)}; rewrite the manifest (gdsload compress and shard write one) "
-                            "or load without verifying")
+        raise ManifestError(
+            f"{where}: the digest {digest!r} is not '<algorithm>:<hex>' with an algorithm of "
+            f"{', '.join(ALGORITHMS)}; rewrite the manifest (gdsload compress and shard write one) "
+            "or load without verifying"
+        )
     return algorithm
 
 

@@ -20,10 +20,16 @@ from collections.abc import Iterable
 from typing import NamedTuple
 from pathlib import Path
 
-from gdsload.loader.errors import (ConfigError, FileUnreadableError, GdsloadError, ManifestError, NoFilesForRankError,
-                                  UnfinishedOutputError)
-from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest, ManifestFile
-from gdsload.loader.format.ranks import PP_TP_PATTERN, parse_rank_file
+from ..errors import (
+    ConfigError,
+    FileUnreadableError,
+    GdsloadError,
+    ManifestError,
+    NoFilesForRankError,
+    UnfinishedOutputError,
+)
+from .manifest import MANIFEST_NAME, Manifest, ManifestFile
+from .ranks import PP_TP_PATTERN, parse_rank_file
 
 __all__ = ["RankFiles", "ScannedLayout", "discover", "list_ranks", "scan_layout", "VLLM_PATTERN", "TRTLLM_PATTERN"]
 
@@ -79,8 +85,10 @@ def _kind(p: Path, shown: str) -> str | None:
     except OSError as e:
         if e.errno == errno.ELOOP:
             return None
-        raise FileUnreadableError(e.errno, f"{shown!r} cannot be looked up ({e.strerror or e}); check the "
-                                  "permissions of the directories on its path") from None
+        raise FileUnreadableError(
+            e.errno,
+            f"{shown!r} cannot be looked up ({e.strerror or e}); check the permissions of the directories on its path",
+        ) from None
     return "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
 
 
@@ -90,18 +98,22 @@ def _lexists(p: Path) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     except OSError as e:
-        raise FileUnreadableError(e.errno, f"{str(p)!r} cannot be looked up ({e.strerror or e}); check the "
-                                  "permissions of the directories on its path") from None
+        raise FileUnreadableError(
+            e.errno,
+            f"{str(p)!r} cannot be looked up ({e.strerror or e}); check the permissions of the directories on its path",
+        ) from None
     return True
 
 
 def _safetensors_in(root: Path) -> list[str]:
     try:
-        return sorted(p.name for p in root.iterdir()
-                      if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file())
+        return sorted(
+            p.name for p in root.iterdir() if p.suffix == ".safetensors" and not p.name.startswith(".") and p.is_file()
+        )
     except OSError as e:
-        raise FileUnreadableError(e.errno, f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); "
-                                  "check its permissions") from None
+        raise FileUnreadableError(
+            e.errno, f"model directory {str(root)!r} cannot be listed ({e.strerror or e}); check its permissions"
+        ) from None
 
 
 class ScannedLayout(NamedTuple):
@@ -236,8 +248,10 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
         if source == "plain":
             hint = "it is a TP=1 checkpoint; shard it with `gdsload shard SRC OUT --tp N`"
         elif rank < max(ranks):  # a gap: higher ranks are here, this one is not
-            hint = (f"rank {rank}'s files are missing although higher ranks are here; the copy is incomplete "
-                    "(re-copy it), or this host was given only some of the ranks")
+            hint = (
+                f"rank {rank}'s files are missing although higher ranks are here; the copy is incomplete "
+                "(re-copy it), or this host was given only some of the ranks"
+            )
         else:
             layout = f"tp={scanned.tp_size}" + (f" x pp={scanned.pp_size}" if scanned.pp_size > 1 else "")
             hint = f"was it sharded for {layout}?"
@@ -247,8 +261,15 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
         )
     if source == "vllm":
         _check_last_part(path, scanned, rank)
-    return RankFiles(root=root_dir, rank=rank, tp_size=scanned.tp_size, source=source, files=ranks[rank],
-                     manifest=manifest, pp_size=scanned.pp_size)
+    return RankFiles(
+        root=root_dir,
+        rank=rank,
+        tp_size=scanned.tp_size,
+        source=source,
+        files=ranks[rank],
+        manifest=manifest,
+        pp_size=scanned.pp_size,
+    )
 
 
 def _check_last_part(path: str | os.PathLike[str], scanned: ScannedLayout, rank: int) -> None:
@@ -262,7 +283,7 @@ def _check_last_part(path: str | os.PathLike[str], scanned: ScannedLayout, rank:
     (or from a single-rank model); a manifest (``gdsload.json``, which gdsload's writers write) lists every
     file with its size.
     """
-    from gdsload.loader.format.safetensors import read_header
+    from .safetensors import read_header
 
     tp = scanned.tp_size
     stage = [r for r in range(rank // tp * tp, rank // tp * tp + tp) if r in scanned.ranks]
@@ -281,4 +302,5 @@ def _check_last_part(path: str | os.PathLike[str], scanned: ScannedLayout, rank:
             f"rank {rank} under {str(path)!r} has {len(mine)} part(s), rank {longest} of the same pipeline stage has "
             f"{len(scanned.ranks[longest])}, and {len(missing)} tensor(s) rank {longest} holds are in none of rank "
             f"{rank}'s files (e.g. {', '.join(map(repr, missing[:3]))}): its last part is missing — the copy is "
-            "incomplete; re-copy the directory (a manifest, gdsload.json, lists every file and its size)")
+            "incomplete; re-copy the directory (a manifest, gdsload.json, lists every file and its size)"
+        )

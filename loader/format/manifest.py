@@ -36,10 +36,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from gdsload.loader.errors import FileUnreadableError, ManifestError
-from gdsload.loader.format import strict_json
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.safetensors import SafetensorsHeader, open_regular, read_header
+from ..errors import FileUnreadableError, ManifestError
+from . import strict_json
+from .atomic import atomic_output
+from .safetensors import SafetensorsHeader, open_regular, read_header
 
 __all__ = [
     "MANIFEST_NAME",
@@ -101,9 +101,11 @@ class Manifest(NamedTuple):
         try:
             size = os.fstat(fd).st_size
             if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{path!r} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may be; "
-                                    "it is damaged or not a gdsload manifest: rewrite it (gdsload shard and compress "
-                                    "write one) or remove it")
+                raise ManifestError(
+                    f"{path!r} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may be; "
+                    "it is damaged or not a gdsload manifest: rewrite it (gdsload shard and compress "
+                    "write one) or remove it"
+                )
             raw = _read_all(fd, path, size)
         finally:
             os.close(fd)
@@ -117,11 +119,13 @@ class Manifest(NamedTuple):
 
         strict_json.check_value(doc, ManifestError, repr(where))  # nesting bounded, before anything walks it
         if not isinstance(doc, dict) or doc.get("format") != "gdsload-manifest":
-            raise bad("not a gdsload manifest (missing \"format\": \"gdsload-manifest\")")
+            raise bad('not a gdsload manifest (missing "format": "gdsload-manifest")')
         version = doc.get("format_version")
         if version != MANIFEST_VERSION:
-            raise bad(f"format_version {strict_json.brief(version)} is not supported (this gdsload reads "
-                      f"{MANIFEST_VERSION}); upgrade gdsload")
+            raise bad(
+                f"format_version {strict_json.brief(version)} is not supported (this gdsload reads "
+                f"{MANIFEST_VERSION}); upgrade gdsload"
+            )
         sizes = {}
         for key in ("tp_size", "pp_size", "ep_size"):
             value = doc.get(key, 1 if key != "tp_size" else None)
@@ -146,8 +150,9 @@ class Manifest(NamedTuple):
             raise bad(f"the ranks list {listed} files, more than the {MAX_FILES} a manifest may list")
         for key, files in raw_ranks.items():
             if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key)) or int(key) >= world:
-                raise bad(f"rank key {strict_json.brief(key)} is not a rank in 0..{world - 1} (written without leading "
-                          "zeros)")
+                raise bad(
+                    f"rank key {strict_json.brief(key)} is not a rank in 0..{world - 1} (written without leading zeros)"
+                )
             if not isinstance(files, list) or not files:
                 raise bad(f"rank {key} must list at least one file")
             entries = []
@@ -156,23 +161,35 @@ class Manifest(NamedTuple):
                     entry = ManifestFile(**f)
                 except TypeError as e:
                     raise bad(f"rank {key}: file entry {strict_json.brief(f)} is malformed ({e})") from None
-                if (not isinstance(entry.path, str) or "\x00" in entry.path or os.path.isabs(entry.path)
-                        or ".." in Path(entry.path).parts):
-                    raise bad(f"rank {key}: file path {strict_json.brief(entry.path)} must be relative and stay inside "
-                              "the directory")
+                if (
+                    not isinstance(entry.path, str)
+                    or "\x00" in entry.path
+                    or os.path.isabs(entry.path)
+                    or ".." in Path(entry.path).parts
+                ):
+                    raise bad(
+                        f"rank {key}: file path {strict_json.brief(entry.path)} must be relative and stay inside "
+                        "the directory"
+                    )
                 for field in ("bytes", "stored_bytes", "logical_bytes"):
                     value = getattr(entry, field)
                     if type(value) is not int or not 0 <= value < 2**63:
-                        raise bad(f"rank {key}: file {entry.path!r}: {field} {strict_json.brief(value)} must be an "
-                                  "integer in [0, 2**63)")
+                        raise bad(
+                            f"rank {key}: file {entry.path!r}: {field} {strict_json.brief(value)} must be an "
+                            "integer in [0, 2**63)"
+                        )
                 if entry.digest is not None and not isinstance(entry.digest, str):
-                    raise bad(f"rank {key}: file {entry.path!r}: digest {strict_json.brief(entry.digest)} must be a "
-                              "string '<algorithm>:<hex>' (or null: none recorded)")
+                    raise bad(
+                        f"rank {key}: file {entry.path!r}: digest {strict_json.brief(entry.digest)} must be a "
+                        "string '<algorithm>:<hex>' (or null: none recorded)"
+                    )
                 entries.append(entry._replace(path=os.path.normpath(entry.path)))  # "./a" and "a" name one file
             ranks[int(key)] = tuple(entries)
         missing = sorted(set(range(world)) - set(ranks))
         if missing:
-            raise bad(f"the layout has {world} ranks (tp_size={tp} x pp_size={pp}) but ranks {missing[:8]} have no files")
+            raise bad(
+                f"the layout has {world} ranks (tp_size={tp} x pp_size={pp}) but ranks {missing[:8]} have no files"
+            )
         extra = doc.get("extra") or {}
         if not isinstance(extra, dict):
             raise bad(f"'extra' must be an object, got {strict_json.brief(extra)}; fix or remove it")
@@ -216,18 +233,19 @@ def _read_all(fd: int, path: str, size: int) -> bytes:
 
 def logical_bytes(header: SafetensorsHeader) -> int:
     """Bytes the file's tensors occupy once decoded."""
-    from gdsload.loader.format.compression import parse_compression
+    from .compression import parse_compression
 
     compressed = parse_compression(header)
     return sum(compressed[t.name].nbytes if t.name in compressed else t.nbytes for t in header.tensors)
 
 
-def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bool | str = True,
-                  known_digest: str | None = None) -> ManifestFile:
+def describe_file(
+    directory: str | os.PathLike[str], relpath: str, *, digest: bool | str = True, known_digest: str | None = None
+) -> ManifestFile:
     """Build the manifest entry of an existing file (reads its header, and its bytes for the digest
     unless ``known_digest``, the one its writer computed, is given and of the algorithm asked for).
     ``digest``: True or ``"blake3"``, ``"sha256"``, or False for none."""
-    from gdsload.loader.format import digests  # here: a load imports no hashing
+    from . import digests  # here: a load imports no hashing
 
     full = Path(directory) / relpath
     header = read_header(full)
@@ -237,8 +255,13 @@ def describe_file(directory: str | os.PathLike[str], relpath: str, *, digest: bo
         bytes=header.file_size,
         stored_bytes=header.data_len,
         logical_bytes=logical_bytes(header),
-        digest=(known_digest if known_digest and known_digest.startswith(f"{algorithm}:")
-                else digests.file_digest(full, algorithm)) if algorithm else None,
+        digest=(
+            known_digest
+            if known_digest and known_digest.startswith(f"{algorithm}:")
+            else digests.file_digest(full, algorithm)
+        )
+        if algorithm
+        else None,
     )
 
 
@@ -246,8 +269,13 @@ _HASH_THREADS = 8
 """Files hashed at once, at most."""
 
 
-def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterable[str]], *, digest: bool | str,
-                  known: Mapping[str, str]) -> dict[int, tuple[ManifestFile, ...]]:
+def _describe_all(
+    directory: str | os.PathLike[str],
+    ranks: Mapping[int, Iterable[str]],
+    *,
+    digest: bool | str,
+    known: Mapping[str, str],
+) -> dict[int, tuple[ManifestFile, ...]]:
     """:func:`describe_file` of every rank's files, those without a ``known`` digest hashed up to a file per
     core at once (the hashes let go of the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -255,8 +283,9 @@ def _describe_all(directory: str | os.PathLike[str], ranks: Mapping[int, Iterabl
     listed = {r: list(paths) for r, paths in ranks.items()}
     every = [p for paths in listed.values() for p in paths]
     with ThreadPoolExecutor(max(1, min(len(every), os.cpu_count() or 1, _HASH_THREADS))) as pool:
-        described = dict(zip(every, pool.map(
-            lambda p: describe_file(directory, p, digest=digest, known_digest=known.get(p)), every)))
+        described = dict(
+            zip(every, pool.map(lambda p: describe_file(directory, p, digest=digest, known_digest=known.get(p)), every))
+        )
     return {r: tuple(described[p] for p in paths) for r, paths in listed.items()}
 
 
@@ -280,7 +309,7 @@ def write_manifest(
 
     >>> write_manifest("out", {0: ["model-rank-0-part-0.safetensors"]}, tp_size=1, layout="hf")  # doctest: +SKIP
     """
-    from gdsload.loader.version import __version__
+    from ..version import __version__
 
     manifest = Manifest(
         tp_size=tp_size,
@@ -305,15 +334,21 @@ def redigest(directory: str | os.PathLike[str], digest: bool | str = True) -> bo
     >>> redigest("llama3-tp2", "sha256")  # doctest: +SKIP
     True
     """
-    from gdsload.loader.format.digests import digest_algorithm
+    from .digests import digest_algorithm
 
     algorithm = digest_algorithm(digest)
     manifest = Manifest.read(directory)
     recorded = [f.digest for files in manifest.ranks.values() for f in files]
     if all(d is None if algorithm is None else (d or "").startswith(f"{algorithm}:") for d in recorded):
         return False
-    write_manifest(directory, {r: [f.path for f in files] for r, files in manifest.ranks.items()},
-                   tp_size=manifest.tp_size, layout=manifest.layout, extra=manifest.extra, digest=digest,
-                   pp_size=manifest.pp_size, ep_size=manifest.ep_size)
+    write_manifest(
+        directory,
+        {r: [f.path for f in files] for r, files in manifest.ranks.items()},
+        tp_size=manifest.tp_size,
+        layout=manifest.layout,
+        extra=manifest.extra,
+        digest=digest,
+        pp_size=manifest.pp_size,
+        ep_size=manifest.ep_size,
+    )
     return True
-

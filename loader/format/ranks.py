@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from gdsload.loader.errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ParallelLayout", "TP_PATTERN", "PP_TP_PATTERN", "parse_rank_file"]
 

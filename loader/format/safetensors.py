@@ -21,9 +21,9 @@ import stat
 import struct
 from typing import Any, BinaryIO, NamedTuple
 
-from gdsload.loader.dtypes import ITEMSIZE, SAFETENSORS_DTYPES
-from gdsload.loader.errors import FileUnreadableError, HeaderError, TruncatedFileError
-from gdsload.loader.format import strict_json
+from ..dtypes import ITEMSIZE, SAFETENSORS_DTYPES
+from ..errors import FileUnreadableError, HeaderError, TruncatedFileError
+from . import strict_json
 
 
 __all__ = [
@@ -73,8 +73,15 @@ class SafetensorsHeader:
 
     __slots__ = ("path", "header_len", "file_size", "tensors", "metadata", "raw")
 
-    def __init__(self, path: str, header_len: int, file_size: int, tensors: tuple[TensorInfo, ...],
-                 metadata: dict[str, str] | None = None, raw: bytes = b"") -> None:
+    def __init__(
+        self,
+        path: str,
+        header_len: int,
+        file_size: int,
+        tensors: tuple[TensorInfo, ...],
+        metadata: dict[str, str] | None = None,
+        raw: bytes = b"",
+    ) -> None:
         self.path = path
         self.header_len = header_len
         """Bytes of the JSON header (after the 8-byte length)."""
@@ -87,8 +94,10 @@ class SafetensorsHeader:
         whole-file digest of the loaded bytes starts with."""
 
     def __repr__(self) -> str:
-        return (f"SafetensorsHeader(path={self.path!r}, header_len={self.header_len}, file_size={self.file_size}, "
-                f"{len(self.tensors)} tensors)")
+        return (
+            f"SafetensorsHeader(path={self.path!r}, header_len={self.header_len}, file_size={self.file_size}, "
+            f"{len(self.tensors)} tensors)"
+        )
 
     @property
     def data_offset(self) -> int:
@@ -157,13 +166,15 @@ def open_regular(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise FileUnreadableError(e.errno, f"{path!r} cannot be opened ({e.strerror or e}); check that it exists "
-                                  "and this user may read it") from None
+        raise FileUnreadableError(
+            e.errno, f"{path!r} cannot be opened ({e.strerror or e}); check that it exists and this user may read it"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FileUnreadableError(errno.EINVAL, f"{path!r} is not a regular file; point gdsload at "
-                                      "safetensors files")
+            raise FileUnreadableError(
+                errno.EINVAL, f"{path!r} is not a regular file; point gdsload at safetensors files"
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -196,8 +207,14 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
     if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON whitespace may lead, as safetensors accepts
         raise HeaderError(f"{path!r}: header must be a JSON object starting with '{{', got {raw[:16]!r}")
     # Nesting is bounded where entries may hold keys of other writers (_parse_tensor); the known fields are flat.
-    doc = strict_json.loads(raw, HeaderError, f"{path!r}: header", max_depth=None, strings=False,
-                            invalid="is not valid UTF-8 JSON; the file is corrupt")
+    doc = strict_json.loads(
+        raw,
+        HeaderError,
+        f"{path!r}: header",
+        max_depth=None,
+        strings=False,
+        invalid="is not valid UTF-8 JSON; the file is corrupt",
+    )
     if not isinstance(doc, dict):
         raise HeaderError(f"{path!r}: header must be a JSON object, got {type(doc).__name__}")
 
@@ -226,8 +243,9 @@ def parse_header(buf: bytes, file_size: int, *, path: str = "<bytes>") -> Safete
             f"{path!r}: data section is {data_len} bytes but the tensors cover {cursor}; "
             "the file has trailing bytes or a header that lies"
         )
-    return SafetensorsHeader(path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata,
-                             raw=bytes(buf[: 8 + n]))
+    return SafetensorsHeader(
+        path=path, header_len=n, file_size=file_size, tensors=tuple(tensors), metadata=metadata, raw=bytes(buf[: 8 + n])
+    )
 
 
 def _parse_metadata(path: str, meta: Any) -> dict[str, str]:
@@ -248,23 +266,25 @@ _SUB_BYTE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
 def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     where = f"{path!r}: tensor {name!r}"
     if not isinstance(entry, dict):
-        raise HeaderError(f"{where}: entry must be an object with dtype, shape, data_offsets; got "
-                          f"{strict_json.brief(entry)}")
+        raise HeaderError(
+            f"{where}: entry must be an object with dtype, shape, data_offsets; got {strict_json.brief(entry)}"
+        )
     missing = sorted(_TENSOR_KEYS - set(entry))
     if missing:  # other keys are ignored, as safetensors ignores them
         raise HeaderError(f"{where}: entry lacks {missing}; it needs dtype, shape and data_offsets")
     check_text(name, f"{where}: the name", HeaderError)
     if len(entry) > len(_TENSOR_KEYS):  # keys of other writers: bounded and valid Unicode, as safetensors wants
-        strict_json.check_value({k: v for k, v in entry.items() if k not in _TENSOR_KEYS}, HeaderError,
-                                f"{where}: entry", depth=2)
+        strict_json.check_value(
+            {k: v for k, v in entry.items() if k not in _TENSOR_KEYS}, HeaderError, f"{where}: entry", depth=2
+        )
     dtype = entry["dtype"]
     if dtype in _SUB_BYTE_DTYPES:
-        raise HeaderError(f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
-                          "does not read those yet: store them as U8 blocks (as MXFP4/NVFP4 checkpoints usually do)")
-    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise HeaderError(
-            f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
+            f"{where}: dtype {dtype} packs elements into fractions of a byte (FP4/FP6); gdsload "
+            "does not read those yet: store them as U8 blocks (as MXFP4/NVFP4 checkpoints usually do)"
         )
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise HeaderError(f"{where}: unknown dtype {dtype!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}")
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         # 2**63: a dimension must fit the int64 every framework keeps sizes in (even with another dimension 0)
@@ -273,11 +293,14 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
     for d in shape:  # counted as safetensors counts (left to right, in 64 bits): an overflow on the way is refused
         count *= d
         if count >= 2**63:
-            raise HeaderError(f"{where}: shape {strict_json.brief(shape)} has 2**63 elements or more (counted left "
-                              "to right); no file holds such a tensor")
+            raise HeaderError(
+                f"{where}: shape {strict_json.brief(shape)} has 2**63 elements or more (counted left "
+                "to right); no file holds such a tensor"
+            )
     if count * ITEMSIZE[dtype] * 8 >= 2**64:
-        raise HeaderError(f"{where}: shape {strict_json.brief(shape)} x {dtype} is 2**61 bytes or more; no file "
-                          "holds such a tensor")
+        raise HeaderError(
+            f"{where}: shape {strict_json.brief(shape)} x {dtype} is 2**61 bytes or more; no file holds such a tensor"
+        )
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -285,8 +308,10 @@ def _parse_tensor(path: str, name: str, entry: Any) -> TensorInfo:
         or not all(type(o) is int and 0 <= o < 2**63 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise HeaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end < 2**63, got "
-                          f"{strict_json.brief(offsets)}")
+        raise HeaderError(
+            f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end < 2**63, got "
+            f"{strict_json.brief(offsets)}"
+        )
     begin, end = offsets
     expected = count * ITEMSIZE[dtype]
     if end - begin != expected:
@@ -302,5 +327,6 @@ def check_text(text: str, what: str, error: type[ValueError] = ValueError) -> No
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise error(f"{what} is not valid Unicode (it holds a lone surrogate); safetensors cannot read such a "
-                    "header: rename it") from None
+        raise error(
+            f"{what} is not valid Unicode (it holds a lone surrogate); safetensors cannot read such a header: rename it"
+        ) from None

@@ -67,8 +67,16 @@ def _int(text: str) -> Any:
     return NEG_ZERO if text == "-0" else int(text)
 
 
-def loads(raw: bytes | str, error: Callable[[str], Exception], where: str, *, duplicates: bool = False,
-          max_depth: int | None = MAX_DEPTH, strings: bool = True, invalid: str = "is not valid JSON") -> Any:
+def loads(
+    raw: bytes | str,
+    error: Callable[[str], Exception],
+    where: str,
+    *,
+    duplicates: bool = False,
+    max_depth: int | None = MAX_DEPTH,
+    strings: bool = True,
+    invalid: str = "is not valid JSON",
+) -> Any:
     """Parse ``raw`` (UTF-8 bytes or text) strictly; any failure raises ``error(message)``, the message starting
     with ``where`` (the file and the field).
 
@@ -91,8 +99,9 @@ def loads(raw: bytes | str, error: Callable[[str], Exception], where: str, *, du
     except DuplicateKey as e:
         raise error(f"{where}: key {brief(e.args[0])} appears twice in one object; keys must be unique") from None
     except _Constant as e:
-        raise error(f"{where} holds the literal {e.args[0]}, which JSON does not allow (the safetensors library "
-                    "rejects it)") from None
+        raise error(
+            f"{where} holds the literal {e.args[0]}, which JSON does not allow (the safetensors library rejects it)"
+        ) from None
     except RecursionError:
         raise error(f"{where} {invalid} (nested too deeply to parse)") from None
     except json.JSONDecodeError as e:
@@ -105,8 +114,15 @@ def loads(raw: bytes | str, error: Callable[[str], Exception], where: str, *, du
     return doc
 
 
-def check_value(value: Any, error: Callable[[str], Exception], where: str, *, max_depth: int = MAX_DEPTH,
-                depth: int = 1, surrogates: bool = True) -> None:
+def check_value(
+    value: Any,
+    error: Callable[[str], Exception],
+    where: str,
+    *,
+    max_depth: int = MAX_DEPTH,
+    depth: int = 1,
+    surrogates: bool = True,
+) -> None:
     """Raise ``error`` if ``value`` (parsed JSON) nests deeper than ``max_depth`` (``value`` itself at ``depth``)
     or, with ``surrogates``, holds a string or key with a lone surrogate. Iterative: any depth is safe to walk."""
     stack: list[tuple[Any, int]] = [(value, depth)]
@@ -118,8 +134,10 @@ def check_value(value: Any, error: Callable[[str], Exception], where: str, *, ma
             continue
         if isinstance(v, (dict, list)):
             if d > max_depth:
-                raise error(f"{where} nests arrays and objects more than {max_depth} levels deep; nothing gdsload "
-                            "reads needs that (the file is damaged or hostile)")
+                raise error(
+                    f"{where} nests arrays and objects more than {max_depth} levels deep; nothing gdsload "
+                    "reads needs that (the file is damaged or hostile)"
+                )
             if isinstance(v, dict):
                 for k, item in v.items():
                     if surrogates:
@@ -133,5 +151,7 @@ def _check_text(text: str, error: Callable[[str], Exception], where: str) -> Non
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise error(f"{where}: the string {brief(text)} holds a lone UTF-16 surrogate escape, which is not valid "
-                    "Unicode (the safetensors library rejects it)") from None
+        raise error(
+            f"{where}: the string {brief(text)} holds a lone UTF-16 surrogate escape, which is not valid "
+            "Unicode (the safetensors library rejects it)"
+        ) from None

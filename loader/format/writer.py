@@ -19,11 +19,11 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
-from gdsload.loader.config import usable_cores
-from gdsload.loader.dtypes import ITEMSIZE, from_torch
-from gdsload.loader.format import strict_json
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.safetensors import DATA_ALIGNMENT, check_text
+from ..config import usable_cores
+from ..dtypes import ITEMSIZE, from_torch
+from . import strict_json
+from .atomic import atomic_output
+from .safetensors import DATA_ALIGNMENT, check_text
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,9 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         done += n
 
 
-def aligned_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None,
-                   alignment: int = DATA_ALIGNMENT) -> tuple[list[TensorSpec], bytes, int]:
+def aligned_header(
+    specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None, alignment: int = DATA_ALIGNMENT
+) -> tuple[list[TensorSpec], bytes, int]:
     """The layout of an aligned safetensors file: the order of its tensors (by element size, largest
     first, stable for equal sizes, so each is naturally aligned), its header (space-padded so data
     starts at a multiple of ``alignment``) and the length of its data section. ``ValueError`` for
@@ -184,7 +185,7 @@ class AlignedWriter:
         self.order, self.header, self.data_len = aligned_header(specs, metadata or None, alignment)
         self.digest: str | None = None
         """``"<algorithm>:<hex>"`` of the whole file once the ``with`` block ended without error (with ``digest``)."""
-        from gdsload.loader.format.digests import hasher, require  # here: loading a file hashes nothing
+        from .digests import hasher, require  # here: loading a file hashes nothing
 
         algorithm = require(digest)  # its package imported now: a writer that cannot hash fails before writing
         self._algorithm = algorithm
@@ -203,7 +204,7 @@ class AlignedWriter:
 
     def _plan_checksums(self, specs: list[TensorSpec], metadata: dict[str, str]) -> None:
         """Put a table of zeros for the tensors to checksum into ``metadata`` (filled in at the end)."""
-        from gdsload.loader.format import checksums as sums
+        from . import checksums as sums
 
         sums.require()
         names = [s.name for s in specs]
@@ -253,7 +254,9 @@ class AlignedWriter:
             raise ValueError(f"expected tensor {spec.name!r} next (see AlignedWriter.order), got {name!r}")
         got = TensorSpec.of(name, tensor)
         if got != spec:
-            raise ValueError(f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}")
+            raise ValueError(
+                f"tensor {name!r}: declared {spec.dtype}{list(spec.shape)}, got {got.dtype}{list(got.shape)}"
+            )
         view = tensor_bytes(tensor)
         self._submit(name, view, self._at, checksum=name in self._crc_names)
         self._at += len(view)
@@ -263,8 +266,10 @@ class AlignedWriter:
     def _submit(self, name: str | None, view: memoryview, offset: int, *, checksum: bool = False) -> None:
         assert self._f is not None and self._pool is not None
         fd = self._f.fileno()
-        futures = [self._pool.submit(pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
-                   for i in range(0, len(view), WRITE_PIECE)]
+        futures = [
+            self._pool.submit(pwrite_all, fd, view[i : i + WRITE_PIECE], offset + i)
+            for i in range(0, len(view), WRITE_PIECE)
+        ]
         if checksum:
             assert name is not None
             futures.append(self._pool.submit(self._checksum, name, view))
@@ -275,7 +280,7 @@ class AlignedWriter:
         self._pending_bytes += len(view)
 
     def _checksum(self, name: str, view: memoryview) -> None:
-        from gdsload.loader.format.checksums import crc32
+        from .checksums import crc32
 
         self._crcs[name] = crc32(view)
 
@@ -287,12 +292,15 @@ class AlignedWriter:
         """Write the header, its checksums now known, in the room left for it (its length does not depend on them)."""
         if not self._table:
             return
-        from gdsload.loader.format.checksums import render
+        from .checksums import render
 
         assert self._f is not None
         table = {n: self._crcs[n] for n in _table_names(self._metadata)}
-        _, header, _ = aligned_header([TensorSpec(s.name, s.dtype, s.shape) for s in self.order],
-                                      {**self._metadata, CHECKSUMS_KEY: render(table)}, self._alignment)
+        _, header, _ = aligned_header(
+            [TensorSpec(s.name, s.dtype, s.shape) for s in self.order],
+            {**self._metadata, CHECKSUMS_KEY: render(table)},
+            self._alignment,
+        )
         if len(header) != len(self.header):  # cannot happen: the table's length does not depend on its values
             raise AssertionError(f"{self._out.path}: the header changed length when its checksums were filled in")
         try:
@@ -344,7 +352,7 @@ class AlignedWriter:
             try:
                 self._finish_header()
                 if self._algorithm and self._hash is None:  # the finished file, before it takes its name
-                    from gdsload.loader.format.digests import file_digest
+                    from .digests import file_digest
 
                     digest = file_digest(self._out.tmp, self._algorithm)
             except BaseException:

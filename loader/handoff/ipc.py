@@ -31,9 +31,9 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from gdsload.loader.dtypes import ITEMSIZE, to_torch
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.pipeline.result import LoadResult
+from ..dtypes import ITEMSIZE, to_torch
+from ..errors import GdsloadError
+from ..pipeline.result import LoadResult
 
 if TYPE_CHECKING:
     import torch
@@ -63,22 +63,34 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
         raise IpcError("the result was closed; there is no arena to export")
     mapped = [s.name for s in result.slots if s.buffer > result.report.direct_tensors]  # after the caller's targets
     if mapped:
-        raise IpcError(f"{len(mapped)} tensor(s) are views of their files' own pages, mapped by the 'mmap' backend "
-                       f"(what load_rank picks for host memory), not of an arena ({', '.join(map(repr, mapped[:4]))}); "
-                       "to hand a rank to another process, load it with backend='cpu', or onto "
-                       "TorchDevice(torch.device('cpu'), shared=True) (shared memory from the start)")
+        raise IpcError(
+            f"{len(mapped)} tensor(s) are views of their files' own pages, mapped by the 'mmap' backend "
+            f"(what load_rank picks for host memory), not of an arena ({', '.join(map(repr, mapped[:4]))}); "
+            "to hand a rank to another process, load it with backend='cpu', or onto "
+            "TorchDevice(torch.device('cpu'), shared=True) (shared memory from the start)"
+        )
     outside = [s.name for s in result.slots if s.buffer]
     if outside:
-        raise IpcError(f"{len(outside)} tensor(s) were loaded into the caller's own memory, not the arena "
-                       f"({', '.join(map(repr, outside[:4]))}); only arena tensors can be exported")
+        raise IpcError(
+            f"{len(outside)} tensor(s) were loaded into the caller's own memory, not the arena "
+            f"({', '.join(map(repr, outside[:4]))}); only arena tensors can be exported"
+        )
     device = result.device
     rank = result.report.rank if rank is None else rank
     if device is not None and not device.uses_torch:
         return _export_ipc(result, rank)
     (arena,) = result.arenas
     storage = arena.untyped_storage()
-    table = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
-              "nbytes": s.nbytes} for s in result.slots]
+    table = [
+        {
+            "name": s.name,
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "offset": s.offset if s.nbytes else 0,
+            "nbytes": s.nbytes,
+        }
+        for s in result.slots
+    ]
     doc: dict[str, Any] = {"version": IPC_VERSION, "rank": rank, "nbytes": storage.nbytes(), "tensors": table}
     if arena.device.type == "cuda":
         import torch
@@ -87,9 +99,13 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
         doc["kind"] = "cuda"
         doc["cuda"] = {
             "device_uuid": str(torch.cuda.get_device_properties(dev).uuid),
-            "handle": _b64(handle), "size": size, "offset": offset,
-            "ref_counter_handle": _b64(ref_handle), "ref_counter_offset": ref_offset,
-            "event_handle": _b64(event_handle) if event_handle else None, "event_sync_required": event_sync,
+            "handle": _b64(handle),
+            "size": size,
+            "offset": offset,
+            "ref_counter_handle": _b64(ref_handle),
+            "ref_counter_offset": ref_offset,
+            "event_handle": _b64(event_handle) if event_handle else None,
+            "event_sync_required": event_sync,
         }
     elif arena.device.type == "cpu":
         if not storage.is_shared():
@@ -105,12 +121,25 @@ def export_rank(result: LoadResult, *, rank: int | None = None) -> dict[str, Any
 def _export_ipc(result: LoadResult, rank: int) -> dict[str, Any]:
     device, arena = result.device, result.arena
     return {
-        "version": IPC_VERSION, "rank": rank, "nbytes": arena.nbytes,
-        "tensors": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset if s.nbytes else 0,
-                     "nbytes": s.nbytes} for s in result.slots],
+        "version": IPC_VERSION,
+        "rank": rank,
+        "nbytes": arena.nbytes,
+        "tensors": [
+            {
+                "name": s.name,
+                "dtype": s.dtype,
+                "shape": list(s.shape),
+                "offset": s.offset if s.nbytes else 0,
+                "nbytes": s.nbytes,
+            }
+            for s in result.slots
+        ],
         "kind": "cuda-ipc",
-        "cuda_ipc": {"device_uuid": device.facts()["uuid"], "handle": _b64(device.ipc_handle(arena)),
-                     "size": arena.nbytes},
+        "cuda_ipc": {
+            "device_uuid": device.facts()["uuid"],
+            "handle": _b64(device.ipc_handle(arena)),
+            "size": arena.nbytes,
+        },
     }
 
 
@@ -137,11 +166,18 @@ class _IpcMapping:
         # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
         rc = self._cuda.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1))
         if rc != 0:
-            raise IpcError(f"cuIpcOpenMemHandle failed (CUresult {rc}) on device {device}; the exporter may have "
-                           "unloaded the rank, or this process is not on the exporter's GPU")
+            raise IpcError(
+                f"cuIpcOpenMemHandle failed (CUresult {rc}) on device {device}; the exporter may have "
+                "unloaded the rank, or this process is not on the exporter's GPU"
+            )
         self.ptr = ptr.value
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
-                                         "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
     def __del__(self) -> None:
         if not getattr(self, "ptr", None):
@@ -174,7 +210,9 @@ def import_rank(doc: dict[str, Any], *, private: bool = False) -> dict[str, torc
     try:
         return _import_checked(doc, private=private)
     except (KeyError, TypeError, ValueError) as e:
-        raise IpcError(f"the IPC document is damaged ({type(e).__name__}: {e}); ask the sidecar for a new one") from None
+        raise IpcError(
+            f"the IPC document is damaged ({type(e).__name__}: {e}); ask the sidecar for a new one"
+        ) from None
 
 
 def _check_table(doc: dict[str, Any]) -> None:
@@ -189,8 +227,10 @@ def _check_table(doc: dict[str, Any]) -> None:
         ok = ok and type(offset) is int and type(nbytes) is int and 0 <= offset and offset + nbytes <= total
         ok = ok and nbytes == math.prod(shape) * ITEMSIZE[t["dtype"]] and offset % ITEMSIZE[t["dtype"]] == 0
         if not ok:
-            raise IpcError(f"the IPC document's tensor entry {t!r:.200} does not fit its {total}-byte arena (offset, "
-                           "size, dtype and shape must agree); the document is damaged: ask the sidecar for a new one")
+            raise IpcError(
+                f"the IPC document's tensor entry {t!r:.200} does not fit its {total}-byte arena (offset, "
+                "size, dtype and shape must agree); the document is damaged: ask the sidecar for a new one"
+            )
 
 
 def _import_checked(doc: dict[str, Any], *, private: bool = False) -> dict[str, torch.Tensor]:
@@ -202,17 +242,24 @@ def _import_checked(doc: dict[str, Any], *, private: bool = False) -> dict[str, 
         device = _device_by_uuid(c["device_uuid"])
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(
-                device, _unb64(c["handle"]), c["size"], c["offset"],
-                _unb64(c["ref_counter_handle"]), c["ref_counter_offset"],
-                _unb64(c["event_handle"]) if c["event_handle"] else b"", c["event_sync_required"],
+                device,
+                _unb64(c["handle"]),
+                c["size"],
+                c["offset"],
+                _unb64(c["ref_counter_handle"]),
+                c["ref_counter_offset"],
+                _unb64(c["event_handle"]) if c["event_handle"] else b"",
+                c["event_sync_required"],
             )
         dev = torch.device("cuda", device)
     elif kind == "cuda-ipc":
         c = doc["cuda_ipc"]
         handle = _unb64(c["handle"])
         if len(handle) != ctypes.sizeof(_CUipcMemHandle):
-            raise IpcError(f"the CUDA IPC handle is {len(handle)} bytes, not {ctypes.sizeof(_CUipcMemHandle)}; "
-                           "the document is damaged: ask the sidecar for a new one")
+            raise IpcError(
+                f"the CUDA IPC handle is {len(handle)} bytes, not {ctypes.sizeof(_CUipcMemHandle)}; "
+                "the document is damaged: ask the sidecar for a new one"
+            )
         device = _device_by_uuid(c["device_uuid"])
         dev = torch.device("cuda", device)
         with torch.cuda.device(device):
@@ -258,8 +305,10 @@ def _map_private(handle: bytes, size: int) -> torch.Tensor:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
-        raise IpcError(f"cannot open the exporter's shared memory {path!r} ({e.strerror}); the sidecar no longer "
-                       "holds it, or this process cannot see its /dev/shm: ask the sidecar for a new document") from None
+        raise IpcError(
+            f"cannot open the exporter's shared memory {path!r} ({e.strerror}); the sidecar no longer "
+            "holds it, or this process cannot see its /dev/shm: ask the sidecar for a new document"
+        ) from None
     try:
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
@@ -268,8 +317,10 @@ def _map_private(handle: bytes, size: int) -> torch.Tensor:
         have = os.fstat(fd).st_size
         lead = have - size
         if not 0 <= lead <= mmap.PAGESIZE:
-            raise IpcError(f"the exporter's shared memory {path!r} has {have} bytes, the document says {size}; "
-                           "ask the sidecar for a new document")
+            raise IpcError(
+                f"the exporter's shared memory {path!r} has {have} bytes, the document says {size}; "
+                "ask the sidecar for a new document"
+            )
         mm = mmap.mmap(fd, have, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

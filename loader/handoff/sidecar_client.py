@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.handoff.ipc import IpcError, import_rank
+from ..errors import GdsloadError
+from .ipc import IpcError, import_rank
 
 __all__ = [
     "DEFAULT_SIDECAR_URL",
@@ -88,8 +88,14 @@ class _HoldConnection:
     releases it when it closes (this process exited, or :meth:`close`). A thread reads it: the sidecar ends it
     with ``released`` (it voided the lease) or ``stopping``."""
 
-    def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, sock: socket.socket,
-                 rank: int, on_end: Callable[[str], None]):
+    def __init__(
+        self,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        sock: socket.socket,
+        rank: int,
+        on_end: Callable[[str], None],
+    ):
         self._conn, self._response, self._sock = conn, response, sock
         self.ended: str | None = None
         """Why the sidecar ended the hold (None while it holds)."""
@@ -203,8 +209,9 @@ class MappedRank:
         self._on_lost = on_lost or _warn_lost
         self.held = True
         _HELD.append(self)  # the mapping lives as long as the process: nothing may collect it
-        log.info("rank %d: holding lease %s of %s for the life of this process", self.rank, self.lease,
-                 self.client.base_url)
+        log.info(
+            "rank %d: holding lease %s of %s for the life of this process", self.rank, self.lease, self.client.base_url
+        )
 
     def _hold_ended(self, why: str) -> None:
         if self.held and self._on_lost is not None:
@@ -255,10 +262,15 @@ def _close_hold_sockets() -> None:
 
 
 def _warn_lost(mapped: MappedRank, why: str) -> None:
-    log.warning("rank %d: the sidecar no longer holds this engine's lease %s: %s. Its memory is "
-                "%s", mapped.rank, mapped.lease, why,
-                "still mapped here, copy-on-write (the weights stay valid)" if mapped.device.type == "cpu"
-                else "CUDA IPC memory the sidecar may free: restart this engine")
+    log.warning(
+        "rank %d: the sidecar no longer holds this engine's lease %s: %s. Its memory is %s",
+        mapped.rank,
+        mapped.lease,
+        why,
+        "still mapped here, copy-on-write (the weights stay valid)"
+        if mapped.device.type == "cpu"
+        else "CUDA IPC memory the sidecar may free: restart this engine",
+    )
 
 
 class SidecarClient:
@@ -286,15 +298,20 @@ class SidecarClient:
         try:
             doc = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SidecarProtocolError(f"{self.base_url}/v1/ipc/{rank} did not return JSON ({e}); "
-                                       "is that URL a gdsload sidecar?") from None
+            raise SidecarProtocolError(
+                f"{self.base_url}/v1/ipc/{rank} did not return JSON ({e}); is that URL a gdsload sidecar?"
+            ) from None
         if not isinstance(doc, dict) or "kind" not in doc or "tensors" not in doc:
-            raise SidecarProtocolError(f"{self.base_url}/v1/ipc/{rank} returned JSON that is not an IPC document "
-                                       f"(keys {sorted(doc)[:8] if isinstance(doc, dict) else type(doc).__name__}); "
-                                       "upgrade gdsload on the sidecar or the engine side")
+            raise SidecarProtocolError(
+                f"{self.base_url}/v1/ipc/{rank} returned JSON that is not an IPC document "
+                f"(keys {sorted(doc)[:8] if isinstance(doc, dict) else type(doc).__name__}); "
+                "upgrade gdsload on the sidecar or the engine side"
+            )
         if doc.get("rank") != rank:
-            raise SidecarProtocolError(f"asked the sidecar for rank {rank} and got the document of rank "
-                                       f"{doc.get('rank')!r}; the sidecar is serving another model or mapping")
+            raise SidecarProtocolError(
+                f"asked the sidecar for rank {rank} and got the document of rank "
+                f"{doc.get('rank')!r}; the sidecar is serving another model or mapping"
+            )
         return doc
 
     def release(self, rank: int, *, lease: str | None = None) -> None:
@@ -346,10 +363,24 @@ class SidecarClient:
                 hold.close()
             raise
         nbytes = int(doc.get("nbytes", 0))
-        log.info("rank %d: mapped %d tensors (%d bytes) from %s on %s", rank, len(tensors), nbytes, self.base_url,
-                 mapped_device)
-        mapped = MappedRank(rank=rank, tensors=tensors, device=mapped_device, nbytes=nbytes, client=self,
-                            lease=lease, _hold=hold, _hold_error=hold_error)
+        log.info(
+            "rank %d: mapped %d tensors (%d bytes) from %s on %s",
+            rank,
+            len(tensors),
+            nbytes,
+            self.base_url,
+            mapped_device,
+        )
+        mapped = MappedRank(
+            rank=rank,
+            tensors=tensors,
+            device=mapped_device,
+            nbytes=nbytes,
+            client=self,
+            lease=lease,
+            _hold=hold,
+            _hold_error=hold_error,
+        )
         holder.append(mapped)
         return mapped
 
@@ -364,8 +395,9 @@ class SidecarClient:
         conn, response, sock = self._open_hold(rank, lease)
         return _HoldConnection(conn, response, sock, rank, on_end)
 
-    def _open_hold(self, rank: int, lease: str
-                   ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+    def _open_hold(
+        self, rank: int, lease: str
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
         """``GET /v1/ipc/{rank}/hold``: the open connection, its response past the first line, and its socket."""
         url = urllib.parse.urlsplit(self.base_url)
         cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
@@ -382,17 +414,20 @@ class SidecarClient:
             if response.status != 200:
                 detail = response.read(_BODY_LIMIT).decode("utf-8", "replace").strip()
                 if response.status in (401, 403):
-                    raise SidecarAuthError(f"{where}: HTTP {response.status} ({detail!r}); use the token `gdsload "
-                                           "serve` was started with")
+                    raise SidecarAuthError(
+                        f"{where}: HTTP {response.status} ({detail!r}); use the token `gdsload serve` was started with"
+                    )
                 if response.status in (404, 405):
                     raise SidecarNotReadyError(
                         f"{where}: HTTP {response.status} ({detail!r}): the sidecar no longer holds lease {lease} of "
                         f"rank {rank}, or is a gdsload without held leases; upgrade it, or pass "
-                        "{\"adopt\": false} to copy the tensors instead")
+                        '{"adopt": false} to copy the tensors instead'
+                    )
                 raise SidecarProtocolError(f"{where}: unexpected HTTP {response.status} ({detail!r})")
             if response.readline().strip() != b"held":
-                raise SidecarProtocolError(f"{where} did not answer 'held'; upgrade the sidecar, or pass "
-                                           "{\"adopt\": false}")
+                raise SidecarProtocolError(
+                    f"{where} did not answer 'held'; upgrade the sidecar, or pass {{\"adopt\": false}}"
+                )
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise SidecarUnavailableError(f"{where}: {type(e).__name__}: {e}") from None
@@ -417,8 +452,11 @@ class SidecarClient:
         except urllib.error.HTTPError as e:
             detail = _detail(e)
             if e.code in (401, 403):
-                hint = ("no token was sent; pass the token `gdsload serve` uses (token or token_file)"
-                        if not self._token else "the token was refused; use the token `gdsload serve` was started with")
+                hint = (
+                    "no token was sent; pass the token `gdsload serve` uses (token or token_file)"
+                    if not self._token
+                    else "the token was refused; use the token `gdsload serve` was started with"
+                )
                 raise SidecarAuthError(f"{method} {url}: HTTP {e.code} {detail}; {hint}") from None
             if e.code in (404, 409, 503):
                 raise SidecarNotReadyError(

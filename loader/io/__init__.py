@@ -17,16 +17,28 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from gdsload.loader.errors import BackendUnavailableError, ConfigError, TruncatedFileError
+from ..errors import BackendUnavailableError, ConfigError, TruncatedFileError
 
 if TYPE_CHECKING:  # types only: the registry is read by processes that never load (a server's parent)
-    from gdsload.loader.devices import Device
-    from gdsload.loader.plan import Extent, LoadPlan
+    from ..devices import Device
+    from ..plan import Extent, LoadPlan
 
-__all__ = ["Backend", "ReadOptions", "IO_MODES", "register_backend", "backend_names", "is_backend", "auto_order",
-           "select_backend", "backend_class", "wait_preads", "extent_slice"]
+__all__ = [
+    "Backend",
+    "ReadOptions",
+    "IO_MODES",
+    "register_backend",
+    "backend_names",
+    "is_backend",
+    "auto_order",
+    "select_backend",
+    "backend_class",
+    "wait_preads",
+    "extent_slice",
+]
 
 log = logging.getLogger(__name__)
+
 
 class _Entry(NamedTuple):
     target: str
@@ -41,8 +53,9 @@ _REGISTRY: dict[str, _Entry] = {}
 _ENTRY_POINTS_LOADED = False
 
 
-def register_backend(name: str, target: str, *, auto: int | None = None,
-                     kinds: tuple[str, ...] = ("cpu", "cuda")) -> None:
+def register_backend(
+    name: str, target: str, *, auto: int | None = None, kinds: tuple[str, ...] = ("cpu", "cuda")
+) -> None:
     """Make backend ``name`` known: ``target`` is ``"module:Class"``, imported on first use.
 
     ``auto`` is its place in ``backend="auto"``'s order (lower first; None: only when named);
@@ -137,7 +150,7 @@ class Backend(abc.ABC):
     checksums are computed there, beside the reads). Readers that do not call it are checked after the read."""
 
     def __init__(self, device: Device | Any, options: ReadOptions):
-        from gdsload.loader.devices import as_device
+        from ..devices import as_device
 
         self.device = as_device(device)
         self.options = options
@@ -170,8 +183,9 @@ class Backend(abc.ABC):
     def read(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None) -> None:
         """Copy every extent into its buffer; return once the bytes are there (device work synchronized)."""
 
-    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
+    ) -> Callable[[], None]:
         """Start copying ``extents`` into their buffers; returns the function that waits for them.
 
         Backends that can keep reads in flight across calls (``pinned``, ``cufile``) override
@@ -224,7 +238,7 @@ def _unavailable(cls: type[Backend], device: Device) -> str | None:
 def select_backend(name: str, device: Device | Any, options: ReadOptions) -> Backend:
     """Instantiate the backend ``name`` (or the first one that can run, for ``"auto"``) for ``device``
     (a :class:`~gdsload.loader.devices.Device`, or a torch device)."""
-    from gdsload.loader.devices import as_device
+    from ..devices import as_device
 
     device = as_device(device)
     if name != "auto":

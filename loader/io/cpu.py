@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from typing import Any
 
-from gdsload.loader.devices import Device
-from gdsload.loader.errors import TruncatedFileError
-from gdsload.loader.plan import Extent, LoadPlan, split_extents
-from gdsload.loader.io import Backend, Progress
+from ..devices import Device
+from ..errors import TruncatedFileError
+from ..plan import Extent, LoadPlan, split_extents
+from . import Backend, Progress
 
 __all__ = ["CpuBackend", "pread_into"]
 
@@ -56,7 +56,7 @@ class CpuBackend(Backend):
         """Readers for this plan's files: the caller's number, else by whether the files are cached (asked
         once, when there is something to read: a mapping backend often has nothing)."""
         if self._threads is None:
-            from gdsload.loader.io.pagecache import is_cold
+            from .pagecache import is_cold
 
             assert self.plan is not None
             self._threads = self.DEFAULT_THREADS if is_cold(*self.plan.open_paths) else self.CACHED_THREADS
@@ -71,8 +71,12 @@ class CpuBackend(Backend):
         on_chunk = self.on_chunk
 
         def work(c: Extent) -> None:
-            pread_into(self._fds[c.file_index], views[c.buffer][c.offset : c.offset + c.length], c.file_offset,
-                       paths[c.file_index])
+            pread_into(
+                self._fds[c.file_index],
+                views[c.buffer][c.offset : c.offset + c.length],
+                c.file_offset,
+                paths[c.file_index],
+            )
             if on_chunk is not None:  # the bytes are still in this core's caches
                 on_chunk(c.buffer, c.offset, c.length)
             if progress is not None:

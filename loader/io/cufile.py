@@ -32,18 +32,25 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gdsload.loader.devices import Device
-from gdsload.loader.errors import BackendUnavailableError
-from gdsload.loader.io.iomode import (KvikioState, cufile_io_mode, gds_filesystem, kvikio_state, nvidia_fs_loaded,
-                                     o_direct_supported, p2pdma_configured)
-from gdsload.loader.io.kvikio_env import settings_to_apply, value_in_force
-from gdsload.loader.io.pagecache import is_cold
-from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
-from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
-from gdsload.loader.io.fst_reader import make_fst_reader
-from gdsload.loader.io.staged import StagedReaderError, StagedReader
-from gdsload.loader.io.staged import prepare as staged_prepare
-from gdsload.loader.io.staged import unavailable as staged_unavailable
+from ..devices import Device
+from ..errors import BackendUnavailableError
+from .iomode import (
+    KvikioState,
+    cufile_io_mode,
+    gds_filesystem,
+    kvikio_state,
+    nvidia_fs_loaded,
+    o_direct_supported,
+    p2pdma_configured,
+)
+from .kvikio_env import settings_to_apply, value_in_force
+from .pagecache import is_cold
+from ..plan import Extent, LoadPlan, direct_read_order, fd_path
+from . import Backend, Progress, extent_slice, wait_preads
+from .fst_reader import make_fst_reader
+from .staged import StagedReaderError, StagedReader
+from .staged import prepare as staged_prepare
+from .staged import unavailable as staged_unavailable
 
 __all__ = ["CuFileBackend", "has_direct_switch", "kvikio_reads_direct", "MIN_DIRECT_TASK"]
 
@@ -99,13 +106,17 @@ class CuFileBackend(Backend):
             return None  # without torch, kvikio is the only reader (GDS or its compat mode)
         if not _gds_possible():
             # Known without importing kvikio (about 65 ms on an H200 host) or opening the cuFile driver.
-            return ("no GPUDirect Storage here (no nvidia-fs module, and cufile.json does not turn on P2PDMA); "
-                    "it would bounce through host memory")
+            return (
+                "no GPUDirect Storage here (no nvidia-fs module, and cufile.json does not turn on P2PDMA); "
+                "it would bounce through host memory"
+            )
         state = kvikio_state()
         if state.compat_preferred or not state.gds_available:
-            return ("no GPUDirect Storage here (kvikio compat mode "
-                    f"{'on' if state.compat_preferred else 'off'}, cuFile is_gds_available={state.gds_available}); "
-                    "it would bounce through host memory")
+            return (
+                "no GPUDirect Storage here (kvikio compat mode "
+                f"{'on' if state.compat_preferred else 'off'}, cuFile is_gds_available={state.gds_available}); "
+                "it would bounce through host memory"
+            )
         return None
 
     def prepare(self, paths: Sequence[str]) -> None:
@@ -130,8 +141,9 @@ class CuFileBackend(Backend):
             # No GPUDirect Storage and the files cached: kvikio would bounce them through host memory; the staged
             # reader does that faster (see loader/io/staged.py), and the report says so. kvikio is not imported.
             try:
-                self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
-                                           chunk=self.options.chunk_bytes)
+                self.staged = StagedReader(
+                    self.device, plan, threads=self.options.num_threads, chunk=self.options.chunk_bytes
+                )
             except StagedReaderError as e:
                 why = str(e)
             else:
@@ -142,17 +154,26 @@ class CuFileBackend(Backend):
             import kvikio
             import kvikio.defaults
         except Exception as e:  # installed but broken: say so, as the probe would have
-            raise BackendUnavailableError(f"{self.name}: kvikio cannot be imported ({type(e).__name__}: {e}); "
-                                          "reinstall gdsload[cu12] or gdsload[cu13]") from None
+            raise BackendUnavailableError(
+                f"{self.name}: kvikio cannot be imported ({type(e).__name__}: {e}); "
+                "reinstall gdsload[cu12] or gdsload[cu13]"
+            ) from None
         self._state: KvikioState = kvikio_state()
         direct_ok = [o_direct_supported(f.path) for f in plan.files]
-        self._modes = [cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path))
-                       for ok, f in zip(direct_ok, plan.files)]
+        self._modes = [
+            cufile_io_mode(self._state, ok, gds_fs=gds_filesystem(f.path)) for ok, f in zip(direct_ok, plan.files)
+        ]
         # Only kvikio's own POSIX path takes this switch; with cuFile (GDS, or cuFile's own compat
         # mode) kvikio hands the reads to cuFile.
         has_switch = has_direct_switch(kvikio)
-        self.cold_direct = has_switch and bool(plan.files) and all(m == "posix" for m in self._modes) \
-            and all(direct_ok) and self._task(cold=True) >= MIN_DIRECT_TASK and cold
+        self.cold_direct = (
+            has_switch
+            and bool(plan.files)
+            and all(m == "posix" for m in self._modes)
+            and all(direct_ok)
+            and self._task(cold=True) >= MIN_DIRECT_TASK
+            and cold
+        )
         why = "the rank is cold" if self.cold_direct else why
         if why is None and not all(m in ("posix", "compat") for m in self._modes):
             why = "GPUDirect Storage serves some of the files"
@@ -160,8 +181,9 @@ class CuFileBackend(Backend):
             # Bounce buffers either way (a cold rank without O_DIRECT, or kvikio's compat mode where GDS could
             # run): the staged reader reads through the page cache faster, as above.
             try:
-                self.staged = StagedReader(self.device, plan, threads=self.options.num_threads,
-                                           chunk=self.options.chunk_bytes)
+                self.staged = StagedReader(
+                    self.device, plan, threads=self.options.num_threads, chunk=self.options.chunk_bytes
+                )
             except StagedReaderError as e:
                 why = str(e)
         if self.staged is not None:
@@ -176,12 +198,16 @@ class CuFileBackend(Backend):
         # Process-wide kvikio settings, held from open to close (per read, kvikio would rebuild its
         # thread pool for every staging group of a compressed load); a KVIKIO_* variable the user set wins.
         self._settings = kvikio.defaults.set(settings_to_apply(settings))
-        self._cold_shape = (int(value_in_force(kvikio, settings, "task_size")),
-                            int(value_in_force(kvikio, settings, "num_threads")))
+        self._cold_shape = (
+            int(value_in_force(kvikio, settings, "task_size")),
+            int(value_in_force(kvikio, settings, "num_threads")),
+        )
         for fd in plan.fds:  # one by one: close() closes those opened before a failure
             self._files.append(kvikio.CuFile(fd_path(fd), "r"))  # the file the plan's header came from
-        self._direct = [m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
-                        for m, cf in zip(self._modes, self._files)]
+        self._direct = [
+            m in ("gds", "p2pdma") or (self.cold_direct and kvikio_reads_direct(cf))
+            for m, cf in zip(self._modes, self._files)
+        ]
 
     def _open_cold_reader(self, plan: LoadPlan) -> bool:
         """For a cold rank on a host without GDS: fastsafetensors' reader for every read, where it is installed,
@@ -189,8 +215,9 @@ class CuFileBackend(Backend):
         process without torch); otherwise (False) kvikio reads the rank, with the reason logged."""
         if self.COLD_READER != "fastsafetensors" or not all(o_direct_supported(f.path) for f in plan.files):
             return False
-        self.cold_reader, why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
-                                                open_paths=[fd_path(fd) for fd in plan.fds])
+        self.cold_reader, why = make_fst_reader(
+            [f.path for f in plan.files], lambda: self.device.index or 0, open_paths=[fd_path(fd) for fd in plan.fds]
+        )
         if self.cold_reader is None:
             log.info("%s: cold reads through kvikio: %s", self.name, why)
             return False
@@ -210,21 +237,22 @@ class CuFileBackend(Backend):
         if not cold:
             # One bounce buffer per task, as the pinned backend sizes them (kvikio's default is 16 MiB each).
             task = self._task(cold=False)
-            return {"num_threads": threads, "task_size": task, "bounce_buffer_size": task,
-                    "auto_direct_io_read": False}
+            return {"num_threads": threads, "task_size": task, "bounce_buffer_size": task, "auto_direct_io_read": False}
         read = self._task(cold=True)
         piece = max(read, (self.COLD_PIECE or read) // read * read)
         return {"num_threads": threads, "task_size": piece, "bounce_buffer_size": read, "auto_direct_io_read": True}
 
-    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
+    ) -> Callable[[], None]:
         assert self.plan is not None
         self.device.activate()
         if self.cold_reader is not None:
             for e in extents:
                 self._ran[e.file_index].add("fastsafetensors")
-            return self.cold_reader.submit(extents, [(self.device.address(d), self.device.nbytes(d)) for d in dsts],
-                                           progress)
+            return self.cold_reader.submit(
+                extents, [(self.device.address(d), self.device.nbytes(d)) for d in dsts], progress
+            )
         reader = "staged" if self.staged is not None else "kvikio"
         for e in extents:
             self._ran[e.file_index].add(reader)
@@ -235,8 +263,7 @@ class CuFileBackend(Backend):
             reads = direct_read_order(extents, task, self.COLD_STREAMS or threads)
         else:
             reads = [e for e in extents if e.length]
-        futures = [(e, self._files[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
-                   for e in reads]
+        futures = [(e, self._files[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset)) for e in reads]
 
         def wait() -> None:
             # A kvikio read is done when its bytes are in place (its bounce-buffer copies synchronized by

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gdsload.loader.devices import Device
-from gdsload.loader.errors import BackendUnavailableError
-from gdsload.loader.io.iomode import kvikio_state, nvidia_fs_loaded
-from gdsload.loader.plan import Extent, LoadPlan
-from gdsload.loader.io import Backend, Progress
+from ..devices import Device
+from ..errors import BackendUnavailableError
+from .iomode import kvikio_state, nvidia_fs_loaded
+from ..plan import Extent, LoadPlan
+from . import Backend, Progress
 
 __all__ = ["FastSafetensorsBackend"]
 

@@ -21,9 +21,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gdsload.loader.errors import TruncatedFileError
-from gdsload.loader.plan import Extent
-from gdsload.loader.io import Progress
+from ..errors import TruncatedFileError
+from ..plan import Extent
+from . import Progress
 
 __all__ = ["FstReader", "fst_reader_unavailable", "file_runs", "make_fst_reader"]
 
@@ -56,8 +56,13 @@ def file_runs(extents: Sequence[Extent]) -> list[Extent]:
         if not e.length:
             continue
         last = runs[-1] if runs else None
-        if (last is not None and last.file_index == e.file_index and last.buffer == e.buffer
-                and last.file_offset + last.length == e.file_offset and last.offset + last.length == e.offset):
+        if (
+            last is not None
+            and last.file_index == e.file_index
+            and last.buffer == e.buffer
+            and last.file_offset + last.length == e.file_offset
+            and last.offset + last.length == e.offset
+        ):
             runs[-1] = Extent(e.file_index, last.file_offset, last.length + e.length, last.offset, e.buffer)
         else:
             runs.append(e)
@@ -75,8 +80,9 @@ class FstReader:
         self.paths = list(paths)
         cpp.load_library_functions("")  # the CUDA runtime the process already has loaded
         numa = get_device_numa_node(device_index)
-        self._reader = cpp.nogds_file_reader(False, BOUNCE_KIB, THREADS, True, device_index,
-                                             -1 if numa is None else numa)
+        self._reader = cpp.nogds_file_reader(
+            False, BOUNCE_KIB, THREADS, True, device_index, -1 if numa is None else numa
+        )
         self._fds: list[int] = []
         try:
             for p in open_paths or self.paths:
@@ -92,8 +98,9 @@ class FstReader:
             self._gil_was = bool(cpp.get_gil_release())
             cpp.set_gil_release(True)
 
-    def submit(self, extents: Sequence[Extent], buffers: Sequence[tuple[int, int]], progress: Progress | None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Extent], buffers: Sequence[tuple[int, int]], progress: Progress | None
+    ) -> Callable[[], None]:
         """Start reading ``extents`` into device memory; returns the waiter.
 
         ``buffers[i]`` is ``(address, nbytes)`` of the extents' buffer ``i``. Each submission
@@ -108,8 +115,14 @@ class FstReader:
         for e in runs:
             if e.buffer not in dsts:
                 dsts[e.buffer] = self._cpp.gds_device_buffer(*buffers[e.buffer], True)
-            requests.append((e, self._reader.submit_read(self._fds[e.file_index], dsts[e.buffer], e.file_offset,
-                                                         e.length, e.offset)))
+            requests.append(
+                (
+                    e,
+                    self._reader.submit_read(
+                        self._fds[e.file_index], dsts[e.buffer], e.file_offset, e.length, e.offset
+                    ),
+                )
+            )
 
         def wait(_dsts: Any = dsts) -> None:  # holds the buffer objects until their reads are over
             failed = []
@@ -122,7 +135,8 @@ class FstReader:
                 e = failed[0]
                 raise TruncatedFileError(
                     f"{self.paths[e.file_index]!r}: reading {e.length} bytes at {e.file_offset} failed "
-                    f"({len(failed)} of {len(requests)} reads); the file shrank or the disk failed while loading")
+                    f"({len(failed)} of {len(requests)} reads); the file shrank or the disk failed while loading"
+                )
 
         return wait
 
@@ -136,8 +150,9 @@ class FstReader:
             self._gil_was = None
 
 
-def make_fst_reader(paths: Sequence[str], device_index: Callable[[], int], *,
-                    open_paths: Sequence[str] | None = None) -> tuple[Any, str | None]:
+def make_fst_reader(
+    paths: Sequence[str], device_index: Callable[[], int], *, open_paths: Sequence[str] | None = None
+) -> tuple[Any, str | None]:
     """An :class:`FstReader` for the GPU ``device_index()`` names (asked only when fastsafetensors is
     there), or None and why not (fastsafetensors missing, or its set-up failed). ``open_paths`` are
     what to open (the plan's files by descriptor); ``paths`` name them in messages."""

@@ -57,4 +57,3 @@ def value_in_force(kvikio: Any, wanted: Mapping[str, Any], name: str, env: Mappi
     if name in user_settings(env):
         return kvikio.defaults.get(name)
     return wanted[name]
-

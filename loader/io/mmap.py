@@ -36,11 +36,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gdsload.loader.devices import Device
-from gdsload.loader.errors import FileUnreadableError, TruncatedFileError
-from gdsload.loader.plan import Extent, LoadPlan
-from gdsload.loader.io import Progress
-from gdsload.loader.io.cpu import CpuBackend
+from ..devices import Device
+from ..errors import FileUnreadableError, TruncatedFileError
+from ..plan import Extent, LoadPlan
+from . import Progress
+from .cpu import CpuBackend
 
 __all__ = ["MmapBackend", "mapped_pieces"]
 
@@ -66,8 +66,14 @@ def _vm_read(address: int, buf: Any, n: int) -> int:
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                                          ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        libc.process_vm_readv.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
         libc.process_vm_readv.restype = ctypes.c_ssize_t
         _libc = libc
     local, remote = _Iovec(ctypes.addressof(buf), n), _Iovec(address, n)
@@ -120,9 +126,12 @@ def _populate(address: int, n: int, path: str, at: int) -> None:
 
 
 def _truncated(path: str, at: int) -> TruncatedFileError:
-    return TruncatedFileError(f"{path!r} was cut short while it was mapped and loaded (its bytes from about "
-                              f"{at} on of the checked range are gone); re-copy it, and do not change model "
-                              "files while they load")
+    return TruncatedFileError(
+        f"{path!r} was cut short while it was mapped and loaded (its bytes from about "
+        f"{at} on of the checked range are gone); re-copy it, and do not change model "
+        "files while they load"
+    )
+
 
 _Run = tuple[int, int, int]
 """Neighbouring tensors of one mapped file: ``(start, length)`` of the page-aligned range they lie in, and
@@ -154,7 +163,7 @@ class MmapBackend(CpuBackend):
         the kernel can reclaim, where an arena could not be)."""
         if not self.picked_by_auto:
             return
-        from gdsload.loader.io.pagecache import COLD_RESIDENCY, resident_fraction
+        from .pagecache import COLD_RESIDENCY, resident_fraction
 
         try:
             self._cold = bool(paths) and resident_fraction(paths, samples=64) < COLD_RESIDENCY
@@ -175,14 +184,17 @@ class MmapBackend(CpuBackend):
             want = plan.files[i].header.file_size
             size = os.fstat(fd).st_size
             if size < want:  # shorter than its header says: its tensors would lie past the end
-                raise TruncatedFileError(f"{path!r} is {size} bytes now, its header described {want}: it was cut "
-                                         "short after its header was read; re-copy it")
+                raise TruncatedFileError(
+                    f"{path!r} is {size} bytes now, its header described {want}: it was cut "
+                    "short after its header was read; re-copy it"
+                )
             try:
                 m = mmap.mmap(fd, want, access=mmap.ACCESS_COPY) if want else None
             except (OSError, ValueError) as e:
                 raise FileUnreadableError(f"{path!r} cannot be mapped ({e}); load it with backend='cpu'") from None
-            self._maps.append(torch.frombuffer(m, dtype=torch.uint8) if m is not None
-                              else torch.empty(0, dtype=torch.uint8))
+            self._maps.append(
+                torch.frombuffer(m, dtype=torch.uint8) if m is not None else torch.empty(0, dtype=torch.uint8)
+            )
             if m is not None and runs:
                 self._pending.append((i, m, runs))
 
@@ -218,11 +230,15 @@ class MmapBackend(CpuBackend):
         assert self.plan is not None
         path = self.plan.files[i].path
         if e.errno == errno.EFAULT and os.fstat(self._fds[i]).st_size < end:
-            raise TruncatedFileError(f"{path!r} was cut short while it was mapped (it ends before byte {end}): the "
-                                     "file shrank while it was being loaded; re-copy it") from None
-        raise FileUnreadableError(f"{path!r}: its pages up to byte {end} could not be read into memory "
-                                  f"({os.strerror(e.errno or 0)}); check the device it lies on, or load it with "
-                                  "backend='cpu'") from None
+            raise TruncatedFileError(
+                f"{path!r} was cut short while it was mapped (it ends before byte {end}): the "
+                "file shrank while it was being loaded; re-copy it"
+            ) from None
+        raise FileUnreadableError(
+            f"{path!r}: its pages up to byte {end} could not be read into memory "
+            f"({os.strerror(e.errno or 0)}); check the device it lies on, or load it with "
+            "backend='cpu'"
+        ) from None
 
     def io_modes(self) -> list[str]:
         assert self.plan is not None

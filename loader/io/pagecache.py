@@ -100,7 +100,7 @@ def is_cold(*paths: str) -> bool:
     Files on a memory file system are never cold, and are not probed (about 8 ms per 9 GB, 4 % of a
     load from tmpfs).
     """
-    from gdsload.loader.io.iomode import mount_of  # here: importing it costs about half a millisecond
+    from .iomode import mount_of  # here: importing it costs about half a millisecond
 
     if paths and all(mount_of(p)[1] in MEMORY_FILESYSTEMS for p in paths):
         return False

@@ -39,22 +39,21 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.devices import Device
-from gdsload.loader.io.iomode import cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
-from gdsload.loader.io.kvikio_env import settings_to_apply, user_settings, value_in_force
-from gdsload.loader.io.pagecache import COLD_RESIDENCY, is_cold
-from gdsload.loader.plan import Extent, LoadPlan, direct_read_order, fd_path
-from gdsload.loader.io import Backend, Progress, extent_slice, wait_preads
-from gdsload.loader.io.cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
-from gdsload.loader.io.fst_reader import make_fst_reader
-from gdsload.loader.io.staged import StagedReaderError, StagedReader
-from gdsload.loader.io.staged import prepare as staged_prepare
-from gdsload.loader.io.staged import unavailable as staged_unavailable
+from ..devices import Device
+from .iomode import cufile_io_mode, gds_filesystem, kvikio_state, o_direct_supported
+from .kvikio_env import settings_to_apply, user_settings, value_in_force
+from .pagecache import COLD_RESIDENCY, is_cold
+from ..plan import Extent, LoadPlan, direct_read_order, fd_path
+from . import Backend, Progress, extent_slice, wait_preads
+from .cufile import MIN_DIRECT_TASK, CuFileBackend, has_direct_switch, kvikio_reads_direct
+from .fst_reader import make_fst_reader
+from .staged import StagedReaderError, StagedReader
+from .staged import prepare as staged_prepare
+from .staged import unavailable as staged_unavailable
 
 __all__ = ["PinnedBackend", "COLD_RESIDENCY"]
 
 log = logging.getLogger(__name__)
-
 
 
 def _kvikio() -> Any | None:
@@ -113,26 +112,43 @@ class PinnedBackend(Backend):
         fst_why = None
         if rank_cold and all(self._direct) and CuFileBackend.COLD_READER == "fastsafetensors":
             # fastsafetensors' reader does every read of a cold rank (see cufile): no other reader is set up
-            self._fst, fst_why = make_fst_reader([f.path for f in plan.files], lambda: self.device.index or 0,
-                                                 open_paths=[fd_path(fd) for fd in plan.fds])
+            self._fst, fst_why = make_fst_reader(
+                [f.path for f in plan.files],
+                lambda: self.device.index or 0,
+                open_paths=[fd_path(fd) for fd in plan.fds],
+            )
         staged_why = staged_unavailable() if not all(self._direct) else "no cached files"
         if staged_why is None:
             try:
-                self._staged = StagedReader(self.device, plan, threads=self.options.num_threads,
-                                            chunk=self.options.chunk_bytes)
+                self._staged = StagedReader(
+                    self.device, plan, threads=self.options.num_threads, chunk=self.options.chunk_bytes
+                )
             except StagedReaderError as e:
                 staged_why = str(e)
         # kvikio only where it reads something: cold files, or cached ones without the staged reader.
         self._kv = _kvikio() if self._fst is None and (any(self._direct) or staged_why is not None) else None
         self._kv_switch = self._kv is not None and has_direct_switch(self._kv)
-        self.kvikio_direct = (self._kv_switch and rank_cold and all(self._direct)
-                              and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK)
-        self._reader_of = [("kvikio" if self.kvikio_direct else "ring") if d
-                        else "staged" if staged_why is None else "kvikio" if self._kv is not None else "ring"
-                        for d in self._direct] if self._fst is None else ["fastsafetensors"] * len(plan.files)
+        self.kvikio_direct = (
+            self._kv_switch and rank_cold and all(self._direct) and self._kvikio_task(direct=True) >= MIN_DIRECT_TASK
+        )
+        self._reader_of = (
+            [
+                ("kvikio" if self.kvikio_direct else "ring")
+                if d
+                else "staged"
+                if staged_why is None
+                else "kvikio"
+                if self._kv is not None
+                else "ring"
+                for d in self._direct
+            ]
+            if self._fst is None
+            else ["fastsafetensors"] * len(plan.files)
+        )
         if staged_why is not None and not all(self._direct):
-            log.debug("pinned: cached files through %s: %s", "kvikio" if self._kv is not None else "the ring",
-                      staged_why)
+            log.debug(
+                "pinned: cached files through %s: %s", "kvikio" if self._kv is not None else "the ring", staged_why
+            )
         if fst_why is not None:
             log.info("pinned: cold reads through %s: %s", "kvikio" if self.kvikio_direct else "the ring", fst_why)
         self._cufiles: dict[int, Any] = {}
@@ -151,22 +167,33 @@ class PinnedBackend(Backend):
 
     def _make_ring(self) -> Any:
         """The Python ring, for the files no other reader reads; imported only then."""
-        from gdsload.loader.io.ring import PAGE, RingFile, StagingRing
+        from .ring import PAGE, RingFile, StagingRing
 
         assert self.plan is not None
         chunk = self.options.chunk_bytes or self.RING_CHUNK
         threads = self.ring_threads()
         per_thread = self.BUFFERS_PER_THREAD * (chunk + 2 * PAGE)
-        budget = (self.options.pinned_bytes - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
-                  - (self._staged.pool.staging_bytes if self._staged is not None else 0))
+        budget = (
+            self.options.pinned_bytes
+            - (self._kvikio_threads() * self._kvikio_task() if self._cufiles else 0)
+            - (self._staged.pool.staging_bytes if self._staged is not None else 0)
+        )
         ring_threads = max(1, min(threads, budget // per_thread))
         if ring_threads < threads:
-            log.info("pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
-                     ring_threads, threads, self.options.pinned_bytes)
-        return StagingRing(self.device.device, [RingFile(fd, d, f.path) for fd, d, f in
-                                                zip(self._fds, self._fd_direct, self.plan.files)],
-                           threads=ring_threads, chunk=chunk, buffers=self.BUFFERS_PER_THREAD,
-                           streams=self.RING_STREAMS)
+            log.info(
+                "pinned: %d ring threads instead of %d to keep pinned staging within %d bytes",
+                ring_threads,
+                threads,
+                self.options.pinned_bytes,
+            )
+        return StagingRing(
+            self.device.device,
+            [RingFile(fd, d, f.path) for fd, d, f in zip(self._fds, self._fd_direct, self.plan.files)],
+            threads=ring_threads,
+            chunk=chunk,
+            buffers=self.BUFFERS_PER_THREAD,
+            streams=self.RING_STREAMS,
+        )
 
     def ring_threads(self) -> int:
         """Readers the ring wants (before the pinned budget): as asked, else per what it serves."""
@@ -199,8 +226,12 @@ class PinnedBackend(Backend):
         """The kvikio settings this load wants (POSIX reads through pinned bounce buffers: compat mode on),
         before the user's ``KVIKIO_*`` variables take theirs back (:mod:`~gdsload.loader.io.kvikio_env`)."""
         task = self._kvikio_task()
-        settings = {"compat_mode": compat_on, "num_threads": self._kvikio_threads(), "task_size": task,
-                    "bounce_buffer_size": task}
+        settings = {
+            "compat_mode": compat_on,
+            "num_threads": self._kvikio_threads(),
+            "task_size": task,
+            "bounce_buffer_size": task,
+        }
         if self._kv_switch:
             settings["auto_direct_io_read"] = self.kvikio_direct
         return settings
@@ -212,8 +243,9 @@ class PinnedBackend(Backend):
         self._kv_shape = (int(value_in_force(kv, wanted, "task_size")), int(value_in_force(kv, wanted, "num_threads")))
         return held
 
-    def submit(self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Extent], dsts: Sequence[Any], progress: Progress | None = None
+    ) -> Callable[[], None]:
         assert self.plan is not None
         self.device.activate()
         if self._fst is not None:  # a cold rank: every read, whole or a compressed load's group (see cufile)
@@ -229,8 +261,9 @@ class PinnedBackend(Backend):
         staged_wait = self._staged.submit(staged, dsts, progress) if self._staged is not None and staged else None
         ring = [e for e in extents if self._reader_of[e.file_index] == "ring"]
         ring_wait = self._ring.submit(ring, dsts, progress) if self._ring is not None and ring else None
-        futures = [(e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset))
-                   for e in kv_extents]
+        futures = [
+            (e, self._cufiles[e.file_index].pread(extent_slice(dsts, e), e.length, e.file_offset)) for e in kv_extents
+        ]
 
         def wait() -> None:
             assert self.plan is not None
@@ -259,8 +292,12 @@ class PinnedBackend(Backend):
             # The user's KVIKIO_COMPAT_MODE held, not ours: kvikio may hand its files to cuFile.
             state = kvikio_state()
             if not state.compat_preferred:
-                modes = [cufile_io_mode(state, o_direct_supported(f.path), gds_fs=gds_filesystem(f.path))
-                         if e == "kvikio" else m for f, e, m in zip(self.plan.files, self._reader_of, modes)]
+                modes = [
+                    cufile_io_mode(state, o_direct_supported(f.path), gds_fs=gds_filesystem(f.path))
+                    if e == "kvikio"
+                    else m
+                    for f, e, m in zip(self.plan.files, self._reader_of, modes)
+                ]
         return modes
 
     def direct_io(self) -> list[bool]:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from gdsload.loader.errors import TruncatedFileError
-from gdsload.loader.plan import Extent, align_up, split_extents, stream_order
+from ..errors import TruncatedFileError
+from ..plan import Extent, align_up, split_extents, stream_order
 
 __all__ = ["StagingRing", "RingFile", "PAGE", "stream_order"]
 
@@ -77,8 +77,16 @@ class _Group:
 
 
 class StagingRing:
-    def __init__(self, device: torch.device, files: Sequence[RingFile], *, threads: int, chunk: int,
-                 buffers: int = 2, streams: int | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        files: Sequence[RingFile],
+        *,
+        threads: int,
+        chunk: int,
+        buffers: int = 2,
+        streams: int | None = None,
+    ):
         if threads < 1 or chunk < PAGE or buffers < 1 or (streams is not None and streams < 1):
             raise ValueError(f"bad ring shape: threads={threads} chunk={chunk} buffers={buffers} streams={streams}")
         self.streams = streams or threads
@@ -95,12 +103,14 @@ class StagingRing:
         """Host staging the ring holds once all its threads run."""
         return self.threads * self.buffers * (self.chunk + 2 * PAGE)
 
-    def submit(self, extents: Sequence[Extent], dsts: Sequence[torch.Tensor], progress: Progress | None = None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Extent], dsts: Sequence[torch.Tensor], progress: Progress | None = None
+    ) -> Callable[[], None]:
         """Queue ``extents`` for copying into their buffers of ``dsts``; returns the function that waits for
         them (and raises the first error of this group)."""
-        chunks = stream_order(split_extents([e for e in extents if e.length], self.chunk, interleave=False),
-                              self.streams)
+        chunks = stream_order(
+            split_extents([e for e in extents if e.length], self.chunk, interleave=False), self.streams
+        )
         group = _Group(len(chunks))
         if chunks:
             self._start(len(chunks))

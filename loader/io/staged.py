@@ -27,12 +27,24 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gdsload.loader.config import parse_bool
-from gdsload.loader.devices import PrimaryContext, cuda_error_name
-from gdsload.loader.errors import BackendUnavailableError, FileUnreadableError, GdsloadError, TruncatedFileError
+from ..config import parse_bool
+from ..devices import PrimaryContext, cuda_error_name
+from ..errors import BackendUnavailableError, FileUnreadableError, GdsloadError, TruncatedFileError
 
-__all__ = ["StagedPool", "StagedReader", "StagedReaderError", "StagedRangeError", "unavailable", "library_path", "shared_pool",
-           "prepare", "release", "DEFAULT_THREADS", "DEFAULT_CHUNK", "DEFAULT_BUFFERS"]
+__all__ = [
+    "StagedPool",
+    "StagedReader",
+    "StagedReaderError",
+    "StagedRangeError",
+    "unavailable",
+    "library_path",
+    "shared_pool",
+    "prepare",
+    "release",
+    "DEFAULT_THREADS",
+    "DEFAULT_CHUNK",
+    "DEFAULT_BUFFERS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +81,13 @@ class _Ticket:
 
 
 class _Extent(ctypes.Structure):
-    _fields_ = [("fd", ctypes.c_int), ("tag", ctypes.c_int), ("offset", ctypes.c_longlong),
-                ("length", ctypes.c_longlong), ("dst", ctypes.c_ulonglong)]
+    _fields_ = [
+        ("fd", ctypes.c_int),
+        ("tag", ctypes.c_int),
+        ("offset", ctypes.c_longlong),
+        ("length", ctypes.c_longlong),
+        ("dst", ctypes.c_ulonglong),
+    ]
 
 
 class _Error(ctypes.Structure):
@@ -147,8 +164,9 @@ class StagedPool:
         if not handle:
             if self._cuda:
                 self._cuda.release()
-            raise StagedReaderError("the staged reader did not start (the CUDA driver lacks a function it needs, "
-                                    "or memory is short)")
+            raise StagedReaderError(
+                "the staged reader did not start (the CUDA driver lacks a function it needs, or memory is short)"
+            )
         self._handle: int | None = handle
         self._state = threading.Lock()
         """Guards ``_handle``, ``_closing`` and ``_tickets``."""
@@ -169,8 +187,9 @@ class StagedPool:
         """Host staging (pinned, on a GPU) the pool holds once all its threads run."""
         return self.threads * self.buffers * self.chunk
 
-    def submit(self, items: Sequence[tuple[int, int, int, int]], paths: Sequence[str],
-               progress: Progress | None = None) -> Callable[[], None]:
+    def submit(
+        self, items: Sequence[tuple[int, int, int, int]], paths: Sequence[str], progress: Progress | None = None
+    ) -> Callable[[], None]:
         """Queue ``(fd, file_offset, length, dst_address)`` ranges (``paths[i]`` names item i in errors); returns the
         function that waits until every byte is at its destination, calling ``progress`` with the bytes done.
 
@@ -192,9 +211,11 @@ class StagedPool:
                         raise StagedRangeError(
                             f"the staged reader refused {len(items)} range(s) of {', '.join(map(repr, paths[:3]))}: "
                             f"{os.strerror(code)} (a range is negative, ends past byte 2**63 - 1, or needs more than "
-                            f"2**26 chunks of {self.chunk} bytes)")
-                    raise StagedReaderError("the staged reader could not queue the reads (out of memory, or no "
-                                            "thread starts)")
+                            f"2**26 chunks of {self.chunk} bytes)"
+                        )
+                    raise StagedReaderError(
+                        "the staged reader could not queue the reads (out of memory, or no thread starts)"
+                    )
                 ticket = _Ticket(handle)
                 self._tickets.add(ticket)
         lengths = [n for _, _, n, _ in items]
@@ -220,8 +241,9 @@ class StagedPool:
                 if handle is None:  # forgotten without a close (the process forked, or is exiting)
                     ticket.error = _Error(_INVALID, 0, -1, 0)
                     break
-                finished = self._lib.gdsl_wait(handle, ticket.handle, POLL_MS if progress else -1,
-                                               ctypes.byref(done), ctypes.byref(err))
+                finished = self._lib.gdsl_wait(
+                    handle, ticket.handle, POLL_MS if progress else -1, ctypes.byref(done), ctypes.byref(err)
+                )
                 ticket.done_bytes = done.value
                 if finished:
                     ticket.handle = None  # freed by the pool
@@ -234,22 +256,30 @@ class StagedPool:
                     reported = done.value
         return reported
 
-    def _error(self, err: _Error, paths: Sequence[str], lengths: Sequence[int],
-               items: Sequence[tuple[int, int, int, int]]) -> Exception:
+    def _error(
+        self, err: _Error, paths: Sequence[str], lengths: Sequence[int], items: Sequence[tuple[int, int, int, int]]
+    ) -> Exception:
         path = paths[err.tag] if 0 <= err.tag < len(paths) else "?"
         if err.code == _EOF:
             _, off, n, _ = items[err.tag]
-            return TruncatedFileError(f"{path!r} ends at byte {err.offset}, inside the range {off}-{off + n} it "
-                                      "should hold; the file shrank while it was being loaded — re-copy it")
+            return TruncatedFileError(
+                f"{path!r} ends at byte {err.offset}, inside the range {off}-{off + n} it "
+                "should hold; the file shrank while it was being loaded — re-copy it"
+            )
         if err.code == _READ:
-            return FileUnreadableError(err.detail, f"reading {path!r} at byte {err.offset}: "
-                                                   f"{os.strerror(err.detail)} ({_errno.errorcode.get(err.detail, '?')})")
+            return FileUnreadableError(
+                err.detail,
+                f"reading {path!r} at byte {err.offset}: "
+                f"{os.strerror(err.detail)} ({_errno.errorcode.get(err.detail, '?')})",
+            )
         if err.code == _CUDA:
             where = f" copying {path!r} at byte {err.offset}" if err.tag >= 0 else " setting up its threads"
             return StagedReaderError(f"CUDA failed{where}: {cuda_error_name(err.detail)}")
         if err.code == _INVALID:
-            return StagedReaderError(f"the reads of {path!r} were not waited for before the staged reader was "
-                                     "dropped (the process forked or is exiting); load again")
+            return StagedReaderError(
+                f"the reads of {path!r} were not waited for before the staged reader was "
+                "dropped (the process forked or is exiting); load again"
+            )
         return StagedReaderError("the staged reader's threads could not allocate their staging buffers")
 
     def close(self) -> None:
@@ -290,15 +320,23 @@ class StagedReader:
     It uses the process's shared pool of its shape (:func:`shared_pool`).
     """
 
-    def __init__(self, device: Any, plan: Any, *, threads: int | None = None, chunk: int | None = None,
-                 buffers: int | None = None):
+    def __init__(
+        self,
+        device: Any,
+        plan: Any,
+        *,
+        threads: int | None = None,
+        chunk: int | None = None,
+        buffers: int | None = None,
+    ):
         self.device = device
         self.plan = plan
         index = (device.index or 0) if device.kind == "cuda" else None
         self.pool = _pool_for(index, threads, chunk, buffers)
 
-    def submit(self, extents: Sequence[Any], dsts: Sequence[Any], progress: Progress | None = None
-               ) -> Callable[[], None]:
+    def submit(
+        self, extents: Sequence[Any], dsts: Sequence[Any], progress: Progress | None = None
+    ) -> Callable[[], None]:
         """Start copying ``extents`` (:class:`~gdsload.loader.plan.Extent`) into ``dsts``; returns the waiter."""
         extents = [e for e in extents if e.length]
         bases = [self.device.address(d) for d in dsts]
@@ -319,19 +357,24 @@ def _check_ranges(items: Sequence[tuple[int, int, int, int]], paths: Sequence[st
     for i, (fd, off, n, _) in enumerate(items):
         path = paths[i] if i < len(paths) else "?"
         if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off > MAX_OFFSET - n:
-            raise StagedRangeError(f"{path!r}: range of {n!r} bytes at offset {off!r} is not a range of a file "
-                                   "(negative, or ending past byte 2**63 - 1)")
+            raise StagedRangeError(
+                f"{path!r}: range of {n!r} bytes at offset {off!r} is not a range of a file "
+                "(negative, or ending past byte 2**63 - 1)"
+            )
         if fd not in sizes:
             try:
                 st = os.fstat(fd)
             except OSError as e:
-                raise FileUnreadableError(e.errno, f"{path!r}: its descriptor {fd} cannot be used "
-                                          f"({e.strerror or e})") from None
+                raise FileUnreadableError(
+                    e.errno, f"{path!r}: its descriptor {fd} cannot be used ({e.strerror or e})"
+                ) from None
             sizes[fd] = st.st_size if stat.S_ISREG(st.st_mode) else None
         size = sizes[fd]
         if size is not None and off + n > size:
-            raise TruncatedFileError(f"{path!r} ends at byte {size}, inside the range {off}-{off + n} it should "
-                                     "hold; the file shrank while it was being loaded — re-copy it")
+            raise TruncatedFileError(
+                f"{path!r} ends at byte {size}, inside the range {off}-{off + n} it should "
+                "hold; the file shrank while it was being loaded — re-copy it"
+            )
 
 
 _shared: dict[tuple[int | None, int, int, int], StagedPool] = {}
@@ -357,8 +400,9 @@ def shared_pool(device_index: int | None, *, threads: int, chunk: int, buffers: 
 def _pool_for(index: int | None, threads: int | None, chunk: int | None, buffers: int | None = None) -> StagedPool:
     """The shared pool a load of these options uses (None: the default shape), the same for ``prepare``
     and :class:`StagedReader`, so that the pool started ahead is the one that reads."""
-    return shared_pool(index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK,
-                         buffers=buffers or DEFAULT_BUFFERS)
+    return shared_pool(
+        index, threads=threads or DEFAULT_THREADS, chunk=chunk or DEFAULT_CHUNK, buffers=buffers or DEFAULT_BUFFERS
+    )
 
 
 def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, chunk: int | None = None) -> None:
@@ -367,7 +411,7 @@ def prepare(device: Any, paths: Sequence[str], *, threads: int | None = None, ch
     the caller plans the load. A failure here is left for the reader to meet and report."""
     if device.kind != "cuda" or not paths or unavailable() is not None:
         return
-    from gdsload.loader.io.pagecache import is_cold
+    from .pagecache import is_cold
 
     if is_cold(*paths):
         return

@@ -6,8 +6,8 @@
 - :mod:`.result`: :class:`LoadResult` and its :class:`LoadReport`.
 """
 
-from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.pipeline.load import load_rank
-from gdsload.loader.pipeline.result import PHASES, FileReport, LoadReport, LoadResult, Slot
+from .config import LoadConfig
+from .load import load_rank
+from .result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
 __all__ = ["load_rank", "LoadConfig", "LoadResult", "LoadReport", "FileReport", "Slot", "PHASES"]

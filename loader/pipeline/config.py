@@ -18,8 +18,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from gdsload.loader.config import parse_bool, parse_size
-from gdsload.loader.errors import ConfigError
+from ..config import parse_bool, parse_size
+from ..errors import ConfigError
 
 __all__ = ["LoadConfig", "DEFAULT_STAGING_BYTES"]
 
@@ -53,7 +53,7 @@ class LoadConfig(NamedTuple):
 
     def check(self) -> LoadConfig:
         """This config, once every value is known to be usable; :class:`ConfigError` naming the first that is not."""
-        from gdsload.loader.io import backend_names, is_backend
+        from ..io import backend_names, is_backend
 
         if self.backend != "auto" and not is_backend(self.backend):
             raise ConfigError(f"backend={self.backend!r} is not known; choose one of {['auto', *backend_names()]}")
@@ -62,8 +62,10 @@ class LoadConfig(NamedTuple):
         if self.chunk_bytes is not None and (
             type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30 or self.chunk_bytes % 4096
         ):
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of 4 KiB between 4 KiB and 1 GiB; "
-                              "write binary units, e.g. 4MiB (4M and 4MB mean 4,000,000 bytes)")
+            raise ConfigError(
+                f"chunk_bytes={self.chunk_bytes!r} must be a multiple of 4 KiB between 4 KiB and 1 GiB; "
+                "write binary units, e.g. 4MiB (4M and 4MB mean 4,000,000 bytes)"
+            )
         if type(self.pinned_bytes) is not int or self.pinned_bytes < 1 << 20:
             raise ConfigError(f"pinned_bytes={self.pinned_bytes!r} must be at least 1 MiB")
         if type(self.staging_bytes) is not int or self.staging_bytes < 1 << 20:

@@ -35,14 +35,14 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.io import Backend
-from gdsload.loader.devices import Device, Stream
-from gdsload.loader.errors import CodecError, DeviceMemoryError
-from gdsload.loader.pipeline.config import DEFAULT_STAGING_BYTES
-from gdsload.loader.plan import CompressedTensor, Extent, LoadPlan, align_up
+from ..io import Backend
+from ..devices import Device, Stream
+from ..errors import CodecError, DeviceMemoryError
+from .config import DEFAULT_STAGING_BYTES
+from ..plan import CompressedTensor, Extent, LoadPlan, align_up
 
 if TYPE_CHECKING:
-    from gdsload.loader.codecs import GpuCodecs
+    from ..codecs import GpuCodecs
 
 __all__ = ["DecodeStats", "load_compressed", "DEFAULT_STAGING", "STAGING_SLOTS"]
 
@@ -109,8 +109,9 @@ def _chunk_run(t: CompressedTensor, starts: Sequence[int], ends: Sequence[int], 
     return _Piece(t, start, end - start, first, None if stop == len(ends) else stop)
 
 
-def _groups(tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool = False
-            ) -> list[list[tuple[_Piece, int]]]:
+def _groups(
+    tensors: tuple[CompressedTensor, ...], staging: int, *, split: bool = False
+) -> list[list[tuple[_Piece, int]]]:
     """Pack tensors (in file order) into groups of at most ``staging`` bytes, each piece with its staging
     offset (a 4 KiB boundary). With ``split``, a chunked tensor that does not fit in what is left of a
     group fills it with its first chunks and goes on in the next groups; otherwise it starts a group of
@@ -172,9 +173,10 @@ class _Run:
     def reads(self, at: int) -> list[Extent]:
         """Its reads, into a buffer where its first byte (stream offset ``start``) lies at ``at``."""
         shift = at - self.start
-        return [*(Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, s + shift)
-                  for p, s in self.pieces),
-                *(Extent(e.file_index, e.file_offset, e.length, s + shift) for e, s in self.copies)]
+        return [
+            *(Extent(p.tensor.file_index, p.tensor.file_offset + p.start, p.nbytes, s + shift) for p, s in self.pieces),
+            *(Extent(e.file_index, e.file_offset, e.length, s + shift) for e, s in self.copies),
+        ]
 
 
 class _InPlace(NamedTuple):
@@ -202,8 +204,10 @@ def _stream_runs(plan: LoadPlan, files: list[int], group_bytes: int, align: int)
     of whole tensors and runs of chunks, in file order, at most ``group_bytes`` each, smaller towards the end
     (see :data:`_MIN_RUN`); a tensor that cannot be split is a group of its own where it does not fit. Each
     tensor starts at a multiple of ``align`` in the stream."""
-    items: list[Any] = sorted([*(e for i in files for e in plan.files[i].extents), *plan.compressed],
-                              key=lambda x: (x.file_index, x.file_offset))
+    items: list[Any] = sorted(
+        [*(e for i in files for e in plan.files[i].extents), *plan.compressed],
+        key=lambda x: (x.file_index, x.file_offset),
+    )
     total = sum(align_up(x.length if isinstance(x, Extent) else x.entry.stored_bytes, align) for x in items)
     runs: list[_Run] = []
     at = 0  # the stream offset of the next tensor
@@ -272,8 +276,9 @@ def in_place(plan: LoadPlan, staging_bytes: int) -> _InPlace | None:
         return None
     # The arena below the stored bytes must stay clear of what the uncompressed files read into it. Above it lie
     # the slots of tensors a foreign file holds misaligned: the load copies them there after the decode stage.
-    floor = max((e.offset + e.length for f in plan.files if not f.compressed for e in f.extents if e.buffer == 0),
-                default=0)
+    floor = max(
+        (e.offset + e.length for f in plan.files if not f.compressed for e in f.extents if e.buffer == 0), default=0
+    )
     top = plan.arena_bytes
     need = 0  # the lowest base that keeps every group so far clear of its own and later stored bytes
     best: tuple[int, int] = (0, 0)  # (groups in the arena, base)
@@ -317,8 +322,17 @@ def load_compressed(
         return stats
     t0 = time.perf_counter()
     if reader.device.kind == "cpu":
-        _decode_on_cpu(plan, reader, dsts, stats, verify=verify, staging_bytes=staging_bytes, progress=progress,
-                       threads=threads, t0=t0)
+        _decode_on_cpu(
+            plan,
+            reader,
+            dsts,
+            stats,
+            verify=verify,
+            staging_bytes=staging_bytes,
+            progress=progress,
+            threads=threads,
+            t0=t0,
+        )
         return stats
     layout = in_place(plan, staging_bytes) if IN_PLACE else None
     if layout is not None:
@@ -347,8 +361,10 @@ def _staging(reader: Backend, nbytes: int, path: str, what: str) -> Any:
     try:
         return reader.allocate(nbytes)
     except (MemoryError, RuntimeError) as e:
-        raise DeviceMemoryError(f"{path!r}: {what} cannot be allocated on {reader.device} ({type(e).__name__}: "
-                                f"{str(e)[:200]}); free memory on the device") from None
+        raise DeviceMemoryError(
+            f"{path!r}: {what} cannot be allocated on {reader.device} ({type(e).__name__}: "
+            f"{str(e)[:200]}); free memory on the device"
+        ) from None
 
 
 def _read_raw(plan: LoadPlan, reader: Backend, dsts: list[Any], progress: Callable[[int], None] | None) -> None:
@@ -363,10 +379,20 @@ def _buffer_bytes(plan: LoadPlan, staging_bytes: int, split: bool) -> int:
     return max(staging_bytes // STAGING_SLOTS // _ALIGN * _ALIGN, _ALIGN, max(_unit(t, split) for t in plan.compressed))
 
 
-def _decode_on_cpu(plan: LoadPlan, reader: Backend, dsts: list[Any], stats: DecodeStats, *, verify: bool,
-                   staging_bytes: int, progress: Callable[[int], None] | None, threads: int, t0: float) -> None:
+def _decode_on_cpu(
+    plan: LoadPlan,
+    reader: Backend,
+    dsts: list[Any],
+    stats: DecodeStats,
+    *,
+    verify: bool,
+    staging_bytes: int,
+    progress: Callable[[int], None] | None,
+    threads: int,
+    t0: float,
+) -> None:
     """Zstd on the CPU: whole tensors read into one buffer, then decoded straight into place, in turns."""
-    from gdsload.loader.codecs import cpu_decode
+    from ..codecs import cpu_decode
 
     device = reader.device
     _read_raw(plan, reader, dsts, progress)
@@ -380,21 +406,29 @@ def _decode_on_cpu(plan: LoadPlan, reader: Backend, dsts: list[Any], stats: Deco
         d = time.perf_counter()
         for p, off in group:
             t = p.tensor
-            cpu_decode(t.entry, view[off : off + t.entry.stored_bytes],
-                       outs[t.buffer][t.offset : t.offset + t.entry.nbytes], verify=verify,
-                       path=plan.files[t.file_index].path, threads=threads)
+            cpu_decode(
+                t.entry,
+                view[off : off + t.entry.stored_bytes],
+                outs[t.buffer][t.offset : t.offset + t.entry.nbytes],
+                verify=verify,
+                path=plan.files[t.file_index].path,
+                threads=threads,
+            )
         stats.decode_busy_seconds += time.perf_counter() - d
     # Reads and decodes take turns here: none of the decoding hides behind reads.
     stats.tail_seconds = stats.decode_busy_seconds
     stats.read_seconds = time.perf_counter() - t0 - stats.tail_seconds
 
 
-def _in_place_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _InPlace, stats: DecodeStats
-                     ) -> tuple[list[_Group], int]:
+def _in_place_groups(
+    plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _InPlace, stats: DecodeStats
+) -> tuple[list[_Group], int]:
     """The groups of the in-place schedule, each in a buffer of its own (none is reused: every read is queued
     at once), the spill buffer allocated."""
     arena = dsts[0]
-    spill = _staging(reader, layout.spill, plan.files[0].path, f"{layout.spill} bytes of staging") if layout.spill else None
+    spill = (
+        _staging(reader, layout.spill, plan.files[0].path, f"{layout.spill} bytes of staging") if layout.spill else None
+    )
     stats.staging_bytes = layout.spill
     paths = [f.path for f in plan.files]
 
@@ -407,12 +441,23 @@ def _in_place_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _
         buf, at = where(k, r.start)
 
         def jobs() -> tuple[list[Any], list[tuple[Any, Any]]]:
-            from gdsload.loader.codecs import DecodeJob
+            from ..codecs import DecodeJob
 
-            out = [DecodeJob(p.tensor.entry, buf[o : o + p.nbytes], _place(dsts, p.tensor), paths[p.tensor.file_index],
-                             p.first, p.stop) for p, o in ((p, where(k, s)[1]) for p, s in r.pieces)]
-            copies = [(dsts[e.buffer][e.offset : e.offset + e.length], buf[o : o + e.length])
-                      for e, o in ((e, where(k, s)[1]) for e, s in r.copies)]
+            out = [
+                DecodeJob(
+                    p.tensor.entry,
+                    buf[o : o + p.nbytes],
+                    _place(dsts, p.tensor),
+                    paths[p.tensor.file_index],
+                    p.first,
+                    p.stop,
+                )
+                for p, o in ((p, where(k, s)[1]) for p, s in r.pieces)
+            ]
+            copies = [
+                (dsts[e.buffer][e.offset : e.offset + e.length], buf[o : o + e.length])
+                for e, o in ((e, where(k, s)[1]) for e, s in r.copies)
+            ]
             return out, copies
 
         return _Group(r.reads(at), [buf], jobs)
@@ -420,8 +465,14 @@ def _in_place_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], layout: _
     return [group(k) for k in range(len(layout.runs))], len(layout.runs)
 
 
-def _staged_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], staging_bytes: int, stats: DecodeStats,
-                   progress: Callable[[int], None] | None) -> tuple[list[_Group], int]:
+def _staged_groups(
+    plan: LoadPlan,
+    reader: Backend,
+    dsts: list[Any],
+    staging_bytes: int,
+    stats: DecodeStats,
+    progress: Callable[[int], None] | None,
+) -> tuple[list[_Group], int]:
     """The groups of the staging schedule, group ``i`` in staging buffer ``i % 3``, the buffers allocated and
     the compressed files' raw tensors read."""
     _read_raw(plan, reader, dsts, progress)
@@ -429,18 +480,29 @@ def _staged_groups(plan: LoadPlan, reader: Backend, dsts: list[Any], staging_byt
     staging = _buffer_bytes(plan, staging_bytes, True)
     groups = _groups(plan.compressed, staging, split=True)
     nslots = min(STAGING_SLOTS, len(groups))
-    slots = [_staging(reader, staging, paths[0], f"{STAGING_SLOTS} staging buffers of {staging} bytes")
-             for _ in range(nslots)]
+    slots = [
+        _staging(reader, staging, paths[0], f"{STAGING_SLOTS} staging buffers of {staging} bytes")
+        for _ in range(nslots)
+    ]
     stats.staging_bytes = staging * nslots
 
     def group(i: int) -> _Group:
         pieces, slot = groups[i], slots[i % nslots]
 
         def jobs() -> tuple[list[Any], list[tuple[Any, Any]]]:
-            from gdsload.loader.codecs import DecodeJob
+            from ..codecs import DecodeJob
 
-            return [DecodeJob(p.tensor.entry, slot[off : off + p.nbytes], _place(dsts, p.tensor),
-                              paths[p.tensor.file_index], p.first, p.stop) for p, off in pieces], []
+            return [
+                DecodeJob(
+                    p.tensor.entry,
+                    slot[off : off + p.nbytes],
+                    _place(dsts, p.tensor),
+                    paths[p.tensor.file_index],
+                    p.first,
+                    p.stop,
+                )
+                for p, off in pieces
+            ], []
 
         return _Group(_extents(pieces), [slot], jobs)
 
@@ -451,8 +513,17 @@ IN_PLACE = True
 """Whether GPU loads use the in-place schedule where it applies (:func:`in_place`); staging buffers otherwise."""
 
 
-def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: int, stats: DecodeStats, *,
-                verify: bool, progress: Callable[[int], None] | None, t0: float) -> None:
+def _run_groups(
+    plan: LoadPlan,
+    reader: Backend,
+    groups: list[_Group],
+    nslots: int,
+    stats: DecodeStats,
+    *,
+    verify: bool,
+    progress: Callable[[int], None] | None,
+    t0: float,
+) -> None:
     """Read ``groups`` and decode each on a GPU decoder thread once read. Group ``i`` reads into buffer
     ``i % nslots`` (see :func:`_pipeline`), which it may take only once the decoder is done with the group
     before it there: staging buffers take turns (three), while in place every group has its own place
@@ -469,15 +540,16 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
         # Started once the first groups' reads are under way: the codecs (and nvCOMP) are imported here
         # while the reader fills staging, instead of before its first read.
         try:
-            from gdsload.loader.codecs import GpuCodecs, nvcomp_available
-            from gdsload.loader.codecs.registry import codec
+            from ..codecs import GpuCodecs, nvcomp_available
+            from ..codecs.registry import codec
 
             # A batch decoder's chunks go through nvCOMP's C API alone, which also leaves GPU 0 alone.
             c_api_only = all(codec(t.entry.codec).batch_decoder and t.entry.layout == "chunks" for t in plan.compressed)
             reason = nvcomp_available(library_only=c_api_only)
             if reason is not None:
-                raise CodecError(f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP "
-                                 f"cannot run: {reason}")
+                raise CodecError(
+                    f"{paths[plan.compressed[0].file_index]!r} holds compressed tensors but nvCOMP cannot run: {reason}"
+                )
             if not c_api_only:
                 _warn_if_other_gpus(device)
             stream = device.stream()
@@ -558,7 +630,7 @@ def _run_groups(plan: LoadPlan, reader: Backend, groups: list[_Group], nslots: i
 
 def _check_decoded(codecs: GpuCodecs, device: Device, job: Any) -> None:
     """Check a decoded tensor's ``crc32`` on the GPU (nvCOMP's CRC kernel), or from a host copy without it."""
-    from gdsload.loader.codecs import check_crc32
+    from ..codecs import check_crc32
 
     entry, where = job.entry, f"{job.path!r}: tensor {job.entry.name!r}"
     if entry.crc32 is None or not entry.nbytes:
@@ -567,8 +639,10 @@ def _check_decoded(codecs: GpuCodecs, device: Device, job: Any) -> None:
     if got is None:
         check_crc32(entry, device.to_host(job.dst), where)
     elif got[0] != entry.crc32:
-        raise CodecError(f"{where}: decoded bytes have CRC-32 {got[0]:#010x} where the file records "
-                         f"{entry.crc32:#010x}; the file is corrupt")
+        raise CodecError(
+            f"{where}: decoded bytes have CRC-32 {got[0]:#010x} where the file records "
+            f"{entry.crc32:#010x}; the file is corrupt"
+        )
 
 
 _WARNED: set[int] = set()
@@ -579,15 +653,19 @@ def _warn_if_other_gpus(device: Device) -> None:
     index = device.index
     if not index or index in _WARNED:
         return
-    from gdsload.loader.codecs import cuda_device_count
+    from ..codecs import cuda_device_count
 
     visible = cuda_device_count()
     if visible > 1:
         _WARNED.add(index)
-        log.warning("decoding compressed tensors on GPU %d in a process that sees %d GPUs: nvCOMP's decode also "
-                    "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes). Give each process "
-                    "only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, whose workers "
-                    "see one GPU each", index, visible)
+        log.warning(
+            "decoding compressed tensors on GPU %d in a process that sees %d GPUs: nvCOMP's decode also "
+            "opens a CUDA context on GPU 0 (about 0.5 GiB there, and slower decodes). Give each process "
+            "only its own GPU (CUDA_VISIBLE_DEVICES), or load through `gdsload serve`, whose workers "
+            "see one GPU each",
+            index,
+            visible,
+        )
 
 
 def _pipeline(

@@ -21,16 +21,16 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gdsload.loader.io import ReadOptions, select_backend
-from gdsload.loader.pipeline.config import LoadConfig
-from gdsload.loader.devices import Device, as_device
-from gdsload.loader.format.compression import add_codec_lookup
-from gdsload.loader.format.discovery import RankFiles, discover
-from gdsload.loader.dtypes import from_torch
-from gdsload.loader.config import format_bytes, gc_paused
-from gdsload.loader.errors import ConfigError, DeviceMemoryError
-from gdsload.loader.plan import FilePlan, LoadPlan, plan_rank
-from gdsload.loader.pipeline.result import PHASES, FileReport, LoadReport, LoadResult, Slot
+from ..io import ReadOptions, select_backend
+from .config import LoadConfig
+from ..devices import Device, as_device
+from ..format.compression import add_codec_lookup
+from ..format.discovery import RankFiles, discover
+from ..dtypes import from_torch
+from ..config import format_bytes, gc_paused
+from ..errors import ConfigError, DeviceMemoryError
+from ..plan import FilePlan, LoadPlan, plan_rank
+from .result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def _codec_lookup(name: str) -> None:
     """A file names a codec not registered yet: the codec registry looks for it among the built-ins and
     other packages' entry points. Imported only then: a load of built-in codecs' files does not need it."""
-    from gdsload.loader.codecs.registry import codec_names
+    from ..codecs.registry import codec_names
 
     codec_names()  # registers every codec it can find; the file's is checked against them afterwards
 
@@ -113,8 +113,14 @@ def load_rank(
     torch.Size([16032, 4096])
     """
     clock = _Clock()
-    cfg = LoadConfig.resolve(backend=backend, num_threads=num_threads, chunk_bytes=chunk_bytes, verify=verify,
-                             pinned_bytes=pinned_bytes, staging_bytes=staging_bytes)
+    cfg = LoadConfig.resolve(
+        backend=backend,
+        num_threads=num_threads,
+        chunk_bytes=chunk_bytes,
+        verify=verify,
+        pinned_bytes=pinned_bytes,
+        staging_bytes=staging_bytes,
+    )
     dev = as_device(device)
     clock.lap("import")  # a torch device's first use imports torch: the interpreter's cost, kept apart
     target_bufs, target_specs = _targets(into, dev)
@@ -122,8 +128,9 @@ def load_rank(
     clock.lap("setup")
     rank_files = discover(path, rank)
     reader.prepare(rank_files.files)  # e.g. the staged reader pins its buffers while the headers are read
-    plan = plan_rank(rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened,
-                     confine=confine)
+    plan = plan_rank(
+        rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened, confine=confine
+    )
     try:
         if on_plan is not None:
             on_plan(plan)
@@ -136,7 +143,7 @@ def load_rank(
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
         verifier = None
         if cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
-            from gdsload.loader.pipeline.verify import Verifier
+            from .verify import Verifier
 
             verifier = Verifier(plan, rank_files, cfg.verify)
             if dev.kind == "cpu":
@@ -147,16 +154,25 @@ def load_rank(
         clock.lap("setup")
 
         # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the decode stage).
-        reader.read(plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
-                    dsts, progress)
+        reader.read(
+            plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
+            dsts,
+            progress,
+        )
         reader.on_chunk = None  # the decode stage reads into staging buffers of its own
         tail, busy, staged = 0.0, 0.0, 0
         if plan.compressed:  # the codecs are imported by the loads that need them
-            from gdsload.loader.pipeline.decode import load_compressed
+            from .decode import load_compressed
 
-            stats = load_compressed(plan, reader, dsts, verify=cfg.verify is not False,
-                                    staging_bytes=cfg.staging_bytes, progress=progress,
-                                    threads=cfg.num_threads or 4)
+            stats = load_compressed(
+                plan,
+                reader,
+                dsts,
+                verify=cfg.verify is not False,
+                staging_bytes=cfg.staging_bytes,
+                progress=progress,
+                threads=cfg.num_threads or 4,
+            )
             tail, busy, staged = stats.tail_seconds, stats.decode_busy_seconds, stats.staging_bytes
         dev.synchronize()
         clock.lap("read", hand_to="decode", handed=tail)
@@ -171,11 +187,17 @@ def load_rank(
         if dev.uses_torch:
             targets = len(plan.targets)
             viewed = [s for s in slots if not 0 < s.buffer <= targets]
-            tensors = dict(zip((s.name for s in viewed),
-                               dev.views(dsts, [(s.buffer, s.offset, s.nbytes, s.dtype, s.shape) for s in viewed])))
+            tensors = dict(
+                zip(
+                    (s.name for s in viewed),
+                    dev.views(dsts, [(s.buffer, s.offset, s.nbytes, s.dtype, s.shape) for s in viewed]),
+                )
+            )
             if targets:  # the caller's own destinations, in the plan's order
-                tensors = {s.name: into[s.name] if 0 < s.buffer <= targets else tensors[s.name]  # type: ignore[index]
-                           for s in slots}
+                tensors = {
+                    s.name: into[s.name] if 0 < s.buffer <= targets else tensors[s.name]  # type: ignore[index]
+                    for s in slots
+                }
         clock.lap("place")
 
         outcome = verifier.finish(dev, dsts, cfg.num_threads or 4) if verifier is not None else None
@@ -193,9 +215,12 @@ def load_rank(
         device=str(dev),
         backend=reader.name,
         source=rank_files.source,
-        files=[file_report(f, mode, d, read_by)._replace(checked_tensors=outcome.checked[i] if outcome else 0,
-                                                         checked_by=outcome.how[i] if outcome else "")
-               for i, (f, mode, d, read_by) in enumerate(zip(plan.files, io_modes, direct, readers))],
+        files=[
+            file_report(f, mode, d, read_by)._replace(
+                checked_tensors=outcome.checked[i] if outcome else 0, checked_by=outcome.how[i] if outcome else ""
+            )
+            for i, (f, mode, d, read_by) in enumerate(zip(plan.files, io_modes, direct, readers))
+        ],
         phases={k: clock.phases.get(k, 0.0) for k in PHASES},
         verified=outcome.verified if outcome else False,
         verification=outcome.summary if outcome else {"mode": "off"},
@@ -219,7 +244,9 @@ def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:
         ) from None
 
 
-def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+def _targets(
+    into: Mapping[str, Any] | None, dev: Device
+) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
     """The caller's destinations as byte buffers, and the dtype and shape each must hold."""
     if not into:
         return {}, {}
@@ -232,11 +259,14 @@ def _targets(into: Mapping[str, Any] | None, dev: Device) -> tuple[dict[str, Any
         if not hasattr(t, "is_contiguous"):
             raise ConfigError(f"{where} must be a torch tensor, got {type(t).__name__}")
         if not t.is_contiguous():
-            raise ConfigError(f"{where} is not contiguous (strides {tuple(t.stride())}); pass contiguous "
-                              "storage, or leave the name out and copy the loaded tensor")
+            raise ConfigError(
+                f"{where} is not contiguous (strides {tuple(t.stride())}); pass contiguous "
+                "storage, or leave the name out and copy the loaded tensor"
+            )
         if t.device.type != dev.kind or (dev.index is not None and t.device.index not in (None, dev.index)):
-            raise ConfigError(f"{where} is on {str(t.device)!r}, but the load goes to {dev}; give destinations on "
-                              "the load's device")
+            raise ConfigError(
+                f"{where} is on {str(t.device)!r}, but the load goes to {dev}; give destinations on the load's device"
+            )
         specs[name] = (from_torch(t.dtype), tuple(t.shape))
         bufs[name] = dev.bytes_of(t)
     return bufs, specs
@@ -265,7 +295,7 @@ def verify_digests(rank_files: RankFiles, plan: LoadPlan, arena: Any, device: De
     :func:`load_rank` does this itself with ``verify=True`` (:mod:`gdsload.loader.pipeline.verify`); no path is
     read again, so a file replaced after it was loaded does not pass.
     """
-    from gdsload.loader.pipeline.verify import Verifier
+    from .verify import Verifier
 
     v = Verifier(plan, rank_files, True)
     done = v._digests(device, [arena])

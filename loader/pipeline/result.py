@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.config import format_bytes
+from ..config import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -50,13 +50,35 @@ class FileReport(NamedTuple):
 class LoadReport:
     """How one rank's load went: its files, and the wall time of each phase (:data:`PHASES`)."""
 
-    FIELDS = ("rank", "device", "backend", "source", "files", "phases", "verified", "decode_busy_seconds",
-              "staging_bytes", "direct_tensors", "verification")
+    FIELDS = (
+        "rank",
+        "device",
+        "backend",
+        "source",
+        "files",
+        "phases",
+        "verified",
+        "decode_busy_seconds",
+        "staging_bytes",
+        "direct_tensors",
+        "verification",
+    )
     """The constructor's arguments, which are also the report's attributes."""
 
-    def __init__(self, rank: int, device: str, backend: str, source: str, files: list[FileReport],
-                 phases: dict[str, float] | None = None, verified: bool = False, decode_busy_seconds: float = 0.0,
-                 staging_bytes: int = 0, direct_tensors: int = 0, verification: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        device: str,
+        backend: str,
+        source: str,
+        files: list[FileReport],
+        phases: dict[str, float] | None = None,
+        verified: bool = False,
+        decode_busy_seconds: float = 0.0,
+        staging_bytes: int = 0,
+        direct_tensors: int = 0,
+        verification: dict[str, Any] | None = None,
+    ) -> None:
         self.rank = rank
         self.device = device
         self.backend = backend
@@ -172,8 +194,14 @@ class LoadResult:
     :meth:`close` drops every reference the result holds.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], arenas: list[Any], report: LoadReport,
-                 slots: list[Slot] | None = None, device: Any = None) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        arenas: list[Any],
+        report: LoadReport,
+        slots: list[Slot] | None = None,
+        device: Any = None,
+    ) -> None:
         self.tensors = tensors
         self.arenas = arenas
         self.report = report

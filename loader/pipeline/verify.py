@@ -25,13 +25,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.errors import IntegrityError
-from gdsload.loader.format.checksums import crc32, parse_checksums, require
+from ..errors import IntegrityError
+from ..format.checksums import crc32, parse_checksums, require
 
 if TYPE_CHECKING:
-    from gdsload.loader.devices import Device
-    from gdsload.loader.format.discovery import RankFiles
-    from gdsload.loader.plan import LoadPlan
+    from ..devices import Device
+    from ..format.discovery import RankFiles
+    from ..plan import LoadPlan
 
 __all__ = ["Check", "Verifier", "VerifyOutcome"]
 
@@ -101,8 +101,9 @@ class Verifier:
                 if packed.entry.layout == "chunks":
                     self.decoded[p.file_index] += 1  # the decode stage checks these (verify is on)
                 else:  # nvCOMP's own container: its decoded bytes are checked here
-                    self.checks.append(Check(p.name, p.file_index, p.buffer, p.offset, p.nbytes, packed.entry.crc32,
-                                             decoded=True))
+                    self.checks.append(
+                        Check(p.name, p.file_index, p.buffer, p.offset, p.nbytes, packed.entry.crc32, decoded=True)
+                    )
                 continue
             if table is None or p.name not in table:
                 continue
@@ -132,9 +133,9 @@ class Verifier:
 
         def load() -> None:
             try:
-                from gdsload.loader.codecs.nvcomp_c import library_unavailable
+                from ..codecs.nvcomp_c import library_unavailable
 
-                import gdsload.loader.codecs  # noqa: F401
+                from .. import codecs  # noqa: F401
 
                 library_unavailable()
             except Exception as e:  # finish() meets the same failure, and says what it means there
@@ -227,19 +228,25 @@ class Verifier:
             if self.decoded[i]:
                 parts.append("crc32 of decoded bytes")
             how.append("; ".join(parts))
-        unchecked = [(f.path, self.loaded[i] - checked[i]) for i, f in enumerate(self.plan.files)
-                     if checked[i] < self.loaded[i]]
+        unchecked = [
+            (f.path, self.loaded[i] - checked[i]) for i, f in enumerate(self.plan.files) if checked[i] < self.loaded[i]
+        ]
         if self.mode is True and unchecked:
             path, n = unchecked[0]
             entry = self.rank_files.manifest_entry(path)
-            why = ("there is no manifest" if self.rank_files.manifest is None else
-                   "the manifest records no digest for it" if entry is None or entry.digest is None else
-                   "this load does not hold the file's whole data section to compute its manifest digest from "
-                   "(the file is compressed, or only part of it was loaded)")
+            why = (
+                "there is no manifest"
+                if self.rank_files.manifest is None
+                else "the manifest records no digest for it"
+                if entry is None or entry.digest is None
+                else "this load does not hold the file's whole data section to compute its manifest digest from "
+                "(the file is compressed, or only part of it was loaded)"
+            )
             raise IntegrityError(
                 f"{path!r}: verify was asked for, but {n} of its tensors cannot be checked: the file records no "
                 f"checksums for them and {why}; rewrite it with `gdsload compress` or `gdsload shard` (they record "
-                "checksums), or load with the default verify (checks what is recorded)")
+                "checksums), or load with the default verify (checks what is recorded)"
+            )
         summary = {
             "mode": {None: "recorded checksums", True: "everything (checksums and manifest digests)"}[self.mode],
             "checked_tensors": sum(checked),
@@ -250,8 +257,12 @@ class Verifier:
             "digest_files": sum(1 for d in digests if d),
         }
         if unchecked:
-            log.info("rank %d: %d tensor(s) not checked (their files record no checksums), e.g. in %r",
-                     self.plan.rank, summary["unchecked_tensors"], unchecked[0][0])
+            log.info(
+                "rank %d: %d tensor(s) not checked (their files record no checksums), e.g. in %r",
+                self.plan.rank,
+                summary["unchecked_tensors"],
+                unchecked[0][0],
+            )
         return VerifyOutcome(not unchecked and bool(self.loaded), checked, how, summary)
 
     def _finish_on_cpu(self, device: Device, dsts: Sequence[Any], threads: int) -> None:
@@ -267,10 +278,11 @@ class Verifier:
             c, st = self.checks[i], self._progress[i]
             crc, at = st.crc, st.at
             if c.buffer in self._mapped:
-                from gdsload.loader.io.mmap import mapped_pieces
+                from ..io.mmap import mapped_pieces
 
-                for piece in mapped_pieces(self._addresses[c.buffer] + c.offset + at, c.nbytes - at,
-                                           self._mapped[c.buffer]):
+                for piece in mapped_pieces(
+                    self._addresses[c.buffer] + c.offset + at, c.nbytes - at, self._mapped[c.buffer]
+                ):
                     crc = crc32(piece, crc)
                 self._got[i] = crc
                 return
@@ -299,26 +311,31 @@ class Verifier:
             return f"{device}, nvCOMP"
         if self._warming is not None:
             self._warming.join()
-        from gdsload.loader.codecs import GpuCodecs
+        from ..codecs import GpuCodecs
 
         stream = device.stream(1)
         codecs = GpuCodecs(device, stream.handle)
         try:  # one batch for every tensor of the rank
-            spans = [(device.address(dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
-                     for i in todo]
+            spans = [
+                (device.address(dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
+                for i in todo
+            ]
             got = codecs.crcs(spans, f"rank {self.plan.rank}")
         finally:
             codecs.close()
         on_device = got is not None
         for k, i in enumerate(todo):
             c = self.checks[i]
-            self._got[i] = (got[k] if got is not None
-                            else crc32(device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes])))
+            self._got[i] = (
+                got[k] if got is not None else crc32(device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes]))
+            )
         if on_device:
             return f"{device}, nvCOMP"
-        log.warning("rank %d: nvCOMP's CRC kernel is not available, so the tensors' checksums were checked from host "
-                    "copies (a copy of the rank); install gdsload[cu12] or gdsload[cu13] to check them on the GPU",
-                    self.plan.rank)
+        log.warning(
+            "rank %d: nvCOMP's CRC kernel is not available, so the tensors' checksums were checked from host "
+            "copies (a copy of the rank); install gdsload[cu12] or gdsload[cu13] to check them on the GPU",
+            self.plan.rank,
+        )
         return "cpu, from copies of the GPU's bytes"
 
     def _raise_on_mismatch(self) -> None:
@@ -331,12 +348,13 @@ class Verifier:
         raise IntegrityError(
             f"{path!r}: tensor {c.name!r}: {what} {got:#010x} where the file records "
             f"{c.expected:#010x} ({len(wrong)} tensor(s) of rank {self.plan.rank} differ); the file is corrupt or "
-            "changed while it was loaded: re-copy it (verify=False skips the check)")
+            "changed while it was loaded: re-copy it (verify=False skips the check)"
+        )
 
     def _digests(self, device: Device, dsts: Sequence[Any]) -> list[str]:
         """With ``verify=True``: each file's manifest digest, computed over the bytes the load holds (the header
         as parsed, then the data section where the load holds it whole). Per file, the algorithm checked, or ""."""
-        from gdsload.loader.format.digests import algorithm_of, hasher
+        from ..format.digests import algorithm_of, hasher
 
         out = []
         manifest = os.path.join(self.rank_files.root, "gdsload.json")
@@ -354,7 +372,8 @@ class Verifier:
             if got != entry.digest:
                 raise IntegrityError(
                     f"{f.path!r}: {algorithm} digest {got!r} does not match the manifest's {entry.digest!r}; "
-                    "the file is corrupt or was replaced — re-copy it or rewrite the manifest")
+                    "the file is corrupt or was replaced — re-copy it or rewrite the manifest"
+                )
             out.append(algorithm)
         return out
 
@@ -366,7 +385,7 @@ class Verifier:
         if f.mirror_offset >= 0:
             buf, start = dsts[0], f.mirror_offset
         elif k in self.plan.mapped:
-            from gdsload.loader.io.mmap import mapped_pieces
+            from ..io.mmap import mapped_pieces
 
             buf = dsts[1 + len(self.plan.targets) + self.plan.mapped.index(k)]
             return mapped_pieces(device.address(buf) + f.header.data_offset, n, f.path)

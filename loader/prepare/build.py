@@ -16,19 +16,27 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gdsload.loader.config import format_bytes
-from gdsload.loader.dtypes import to_torch
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.format.writer import TensorSpec
-from gdsload.loader.prepare.quantize import QuantScheme, compute_scale, quantize_into
-from gdsload.loader.prepare.recipe import Part, Recipe, View
-from gdsload.loader.prepare.source import SourceCheckpoint, SourceCheckpointError
+from ..config import format_bytes
+from ..dtypes import to_torch
+from ..errors import GdsloadError
+from ..format.writer import TensorSpec
+from .quantize import QuantScheme, compute_scale, quantize_into
+from .recipe import Part, Recipe, View
+from .source import SourceCheckpoint, SourceCheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK_BYTES", "TensorBuilder", "TensorFileWriter", "WriterFactory", "write_file", "ShardWriteError",
-           "CompressWriteError", "write_error"]
+__all__ = [
+    "CHUNK_BYTES",
+    "TensorBuilder",
+    "TensorFileWriter",
+    "WriterFactory",
+    "write_file",
+    "ShardWriteError",
+    "CompressWriteError",
+    "write_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +58,15 @@ def write_error(e: OSError, path: Path, what: str, kind: type[OSError] = ShardWr
     the fix."""
     code = e.errno if e.errno is not None else errno.EIO
     reason = e.strerror or str(e)
-    fix = ("free space on that filesystem or choose an OUT with room" if code in (errno.ENOSPC, errno.EDQUOT)
-           else "check the directory's permissions and the filesystem")
-    err = kind(code, f"writing {str(path)!r} ({what}) failed: {reason} [errno {code}]; "
-                                f"nothing partial was kept — {fix}, then rerun")
+    fix = (
+        "free space on that filesystem or choose an OUT with room"
+        if code in (errno.ENOSPC, errno.EDQUOT)
+        else "check the directory's permissions and the filesystem"
+    )
+    err = kind(
+        code,
+        f"writing {str(path)!r} ({what}) failed: {reason} [errno {code}]; nothing partial was kept — {fix}, then rerun",
+    )
     err.filename = str(path)
     return err
 
@@ -136,7 +149,9 @@ class TensorBuilder:
             elif part.kind == "fp8":
                 self._quantized(out, part)
             else:
-                raise ValueError(f"part kind {part.kind!r} of {recipe.name!r} is not one of copy, fp8, scale, fill, const")
+                raise ValueError(
+                    f"part kind {part.kind!r} of {recipe.name!r} is not one of copy, fp8, scale, fill, const"
+                )
         return out
 
     def _row(self, name: str) -> int:

@@ -19,19 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gdsload.loader.codecs import default_params, encode_tensor, nvcomp_available
-from gdsload.loader.codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
-from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
-from gdsload.loader.format.digests import require
-from gdsload.loader.format.discovery import scan_layout
-from gdsload.loader.errors import CodecError, ConfigError, GdsloadError
-from gdsload.loader.format.atomic import create_locked, remove_dead_leftovers
-from gdsload.loader.format.safetensors import read_header
-from gdsload.loader.format.writer import AlignedWriter, TensorSpec
-from gdsload.loader.format.manifest import MANIFEST_NAME, write_manifest
-from gdsload.loader.prepare.build import CompressWriteError, write_error
-from gdsload.loader.prepare.gpu_compress import compress_files, torch_free_gpu
-from gdsload.loader.prepare.stats import CompressStats
+from ..codecs import default_params, encode_tensor, nvcomp_available
+from ..codecs.registry import CPU_DEFAULT, GPU_DEFAULT, codec as codec_spec, codec_names
+from ..format.compression import FORMAT_VERSION, METADATA_KEY, parse_compression
+from ..format.digests import require
+from ..format.discovery import scan_layout
+from ..errors import CodecError, ConfigError, GdsloadError
+from ..format.atomic import create_locked, remove_dead_leftovers
+from ..format.safetensors import read_header
+from ..format.writer import AlignedWriter, TensorSpec
+from ..format.manifest import MANIFEST_NAME, write_manifest
+from .build import CompressWriteError, write_error
+from .gpu_compress import compress_files, torch_free_gpu
+from .stats import CompressStats
 
 if TYPE_CHECKING:
     import torch
@@ -90,13 +90,20 @@ def compress_file(
     t0 = time.perf_counter()
     index = torch_free_gpu(codec, device)
     if index is not None:
-        stats = compress_files([(src, dst)], index=index, min_gain=min_gain, checksum=checksum,
-                               min_tensor_bytes=min_tensor_bytes, digest=digest, progress=progress)[0]
+        stats = compress_files(
+            [(src, dst)],
+            index=index,
+            min_gain=min_gain,
+            checksum=checksum,
+            min_tensor_bytes=min_tensor_bytes,
+            digest=digest,
+            progress=progress,
+        )[0]
         stats.seconds = time.perf_counter() - t0
         return stats
     import torch
 
-    from gdsload.loader.pipeline.load import load_rank
+    from ..pipeline.load import load_rank
 
     dev = compress_device(codec, device)
     header = read_header(src)
@@ -116,8 +123,15 @@ def compress_file(
         if nbytes >= min_tensor_bytes:
             dtype = source_entries[t.name].dtype if t.name in source_entries else t.dtype
             # On a GPU the compressed bytes stay there until written (copied out through pinned memory below).
-            entry, blob = encode_tensor(t.name, tensor, dtype, codec, params=default_params(codec, dtype),
-                                        checksum=checksum, keep_on_device=True)
+            entry, blob = encode_tensor(
+                t.name,
+                tensor,
+                dtype,
+                codec,
+                params=default_params(codec, dtype),
+                checksum=checksum,
+                keep_on_device=True,
+            )
             stored = int(blob.nbytes)
             if stored <= (1 - min_gain) * nbytes:
                 kept = True
@@ -236,23 +250,54 @@ def compress_dir(
                 shutil.copy2(item, staging / rel_item)
         index = torch_free_gpu(codec, device)
         if index is not None:  # the files are written while the next ones are compressed
-            done = compress_files(pairs, index=index, min_gain=min_gain, checksum=True,
-                                  min_tensor_bytes=min_tensor_bytes, digest=digest, progress=progress)
+            done = compress_files(
+                pairs,
+                index=index,
+                min_gain=min_gain,
+                checksum=True,
+                min_tensor_bytes=min_tensor_bytes,
+                digest=digest,
+                progress=progress,
+            )
         else:
-            done = [compress_file(item, out_item, codec=codec, min_gain=min_gain, device=device,
-                                  min_tensor_bytes=min_tensor_bytes, progress=progress, digest=digest)
-                    for item, out_item in pairs]
+            done = [
+                compress_file(
+                    item,
+                    out_item,
+                    codec=codec,
+                    min_gain=min_gain,
+                    device=device,
+                    min_tensor_bytes=min_tensor_bytes,
+                    progress=progress,
+                    digest=digest,
+                )
+                for item, out_item in pairs
+            ]
         for (item, _), stats in zip(pairs, done):
-            log.info("%s: %d/%d tensors compressed, ratio %.3f", item.relative_to(src_p), stats.compressed,
-                     stats.tensors, stats.ratio)
+            log.info(
+                "%s: %d/%d tensors compressed, ratio %.3f",
+                item.relative_to(src_p),
+                stats.compressed,
+                stats.tensors,
+                stats.ratio,
+            )
             total.add(stats)
         rel = {r: [os.path.relpath(p, src_p) for p in files] for r, files in ranks.items()}
         layout = manifest.layout if manifest else {"vllm": "vllm", "trtllm": "trtllm"}.get(source, "plain")
         extra = dict(manifest.extra) if manifest else {}
         extra["compression"] = {"codec": codec, "min_gain": min_gain, "ratio": round(total.ratio, 4)}
         digests = {os.path.relpath(p, staging): d for p, d in total.digests.items()}
-        write_manifest(staging, rel, tp_size=scanned.tp_size, pp_size=scanned.pp_size, ep_size=scanned.ep_size,
-                       layout=layout, extra=extra, digest=digest, digests=digests)
+        write_manifest(
+            staging,
+            rel,
+            tp_size=scanned.tp_size,
+            pp_size=scanned.pp_size,
+            ep_size=scanned.ep_size,
+            layout=layout,
+            extra=extra,
+            digest=digest,
+            digests=digests,
+        )
         writing.unlink()
         os.rename(staging, out_p)  # OUT appears complete, in one step
         total.digests = {str(out_p / rel): d for rel, d in digests.items()}

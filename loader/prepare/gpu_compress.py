@@ -33,11 +33,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gdsload.loader.config import format_bytes
-from gdsload.loader.errors import DeviceMemoryError
+from ..config import format_bytes
+from ..errors import DeviceMemoryError
 
-__all__ = ["torch_free_gpu", "encode_file", "encode_tensors", "write_file", "compress_files", "write_encoded",
-           "EncodedFile", "DeviceTensor", "Job"]
+__all__ = [
+    "torch_free_gpu",
+    "encode_file",
+    "encode_tensors",
+    "write_file",
+    "compress_files",
+    "write_encoded",
+    "EncodedFile",
+    "DeviceTensor",
+    "Job",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,22 +67,22 @@ def torch_free_gpu(codec_name: str, device: Any) -> int | None:
 
     ``device`` is None (the first GPU), ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a torch device.
     """
-    from gdsload.loader.codecs.registry import codec
+    from ..codecs.registry import codec
 
     if codec_name != "ans" or codec(codec_name).layouts[0] != "chunks":  # the only layout written here
         return None
     kind, index = ("cuda", 0) if device is None else _parse_device(device)
     if kind != "cuda":
         return None
-    from gdsload.loader.devices import torch_free_unavailable
-    from gdsload.loader.pipeline.config import LoadConfig
+    from ..devices import torch_free_unavailable
+    from ..pipeline.config import LoadConfig
 
     if torch_free_unavailable(LoadConfig.resolve().backend) is not None:  # kvikio, a GPU, the backend (cupy below)
         return None
     try:
         import cupy
 
-        from gdsload.loader.codecs.nvcomp_c import nvcomp_version
+        from ..codecs.nvcomp_c import nvcomp_version
 
         if index >= int(cupy.cuda.runtime.getDeviceCount()):
             return None
@@ -116,14 +125,21 @@ class DeviceTensor(NamedTuple):
     nbytes: int
 
 
-def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, index: int, min_gain: float,
-                checksum: bool, min_tensor_bytes: int) -> EncodedFile:
+def encode_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    index: int,
+    min_gain: float,
+    checksum: bool,
+    min_tensor_bytes: int,
+) -> EncodedFile:
     """Read ``src`` onto GPU ``index``, compress its tensors with ANS, and lay out ``dst``'s data on the GPU
     (:func:`encode_tensors`; the file keeps its metadata and its tensors' order)."""
-    from gdsload.loader.devices import CupyDevice
-    from gdsload.loader.format.compression import METADATA_KEY
-    from gdsload.loader.format.safetensors import read_header
-    from gdsload.loader.pipeline.load import load_rank
+    from ..devices import CupyDevice
+    from ..format.compression import METADATA_KEY
+    from ..format.safetensors import read_header
+    from ..pipeline.load import load_rank
 
     src, dst = str(src), str(dst)
     header = read_header(src)
@@ -131,17 +147,37 @@ def encode_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, ind
     loaded = load_rank(src, device=dev)
     try:
         slots = {s.name: s for s in loaded.slots}
-        tensors = [DeviceTensor(t.name, s.dtype, tuple(s.shape), int(loaded.arenas[s.buffer].data.ptr) + s.offset,
-                                s.nbytes) for t in header.tensors for s in (slots[t.name],)]
+        tensors = [
+            DeviceTensor(t.name, s.dtype, tuple(s.shape), int(loaded.arenas[s.buffer].data.ptr) + s.offset, s.nbytes)
+            for t in header.tensors
+            for s in (slots[t.name],)
+        ]
         metadata = {k: v for k, v in header.metadata.items() if k != METADATA_KEY}
-        return encode_tensors(dev, tensors, metadata, dst, mode_from=src, min_gain=min_gain, checksum=checksum,
-                              min_tensor_bytes=min_tensor_bytes)
+        return encode_tensors(
+            dev,
+            tensors,
+            metadata,
+            dst,
+            mode_from=src,
+            min_gain=min_gain,
+            checksum=checksum,
+            min_tensor_bytes=min_tensor_bytes,
+        )
     finally:
         loaded.close()
 
 
-def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str, str], dst: str | os.PathLike[str],
-                   *, mode_from: str | None, min_gain: float, checksum: bool, min_tensor_bytes: int) -> EncodedFile:
+def encode_tensors(
+    dev: Any,
+    tensors: Sequence[DeviceTensor],
+    metadata: dict[str, str],
+    dst: str | os.PathLike[str],
+    *,
+    mode_from: str | None,
+    min_gain: float,
+    checksum: bool,
+    min_tensor_bytes: int,
+) -> EncodedFile:
     """Compress ``tensors`` (on ``dev``, a :class:`~gdsload.loader.devices.CupyDevice`) with ANS and lay out
     ``dst``'s data section on the GPU; returns it with its header, ready for :func:`write_file`.
 
@@ -151,12 +187,12 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
     ``mode_from`` once written (None: those of a new file). The tensors' memory is only read, and
     may be released once this returns.
     """
-    from gdsload.loader.codecs import _CupyStreamBytes, default_params
-    from gdsload.loader.codecs.registry import codec
-    from gdsload.loader.codecs.nvcomp_c import ans_encode, device_crc32
-    from gdsload.loader.format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
-    from gdsload.loader.format.writer import TensorSpec, aligned_header
-    from gdsload.loader.prepare.stats import CompressStats
+    from ..codecs import _CupyStreamBytes, default_params
+    from ..codecs.registry import codec
+    from ..codecs.nvcomp_c import ans_encode, device_crc32
+    from ..format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
+    from ..format.writer import TensorSpec, aligned_header
+    from .stats import CompressStats
 
     dst = str(dst)
     what = f"{dst!r}"
@@ -187,15 +223,16 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
             counts = [-(-where[n].nbytes // chunk_bytes) for n in names]
             offsets = [np.arange(c, dtype=np.int64) * chunk_bytes for c in counts]
             src_at = np.concatenate([where[n].address + o for n, o in zip(names, offsets)]).astype(np.uint64)
-            src_len = np.concatenate([np.minimum(chunk_bytes, where[n].nbytes - o)
-                                      for n, o in zip(names, offsets)]).astype(np.uint64)
+            src_len = np.concatenate(
+                [np.minimum(chunk_bytes, where[n].nbytes - o) for n, o in zip(names, offsets)]
+            ).astype(np.uint64)
             slots = ans_encode(src_at, src_len, data_type, on_stream, stream.ptr, what)
             first = 0
             for n, c in zip(names, counts):
                 chunk_sizes[n] = slots.sizes[first : first + c]
                 chunk_at[n] = (slots, slots.address + first * slots.slot_bytes)
                 first += c
-        from gdsload.loader.format import checksums
+        from ..format import checksums
 
         # The compressed tensors' crc32, and the checksum table a writer records for the raw ones where the source
         # has none (a re-pack of a gdsload file keeps the source's table): one batch of CRCs on the GPU.
@@ -217,8 +254,20 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
             stats.logical_bytes += t.nbytes
             if t.name in chunk_sizes:
                 params = default_params("ans", t.dtype)
-                entry = CompressedEntry(t.name, t.dtype, t.shape, t.nbytes, "ans", "chunks", 0, params,
-                                        chunk_bytes, tuple(chunk_sizes[t.name].tolist()), crcs[t.name], align)
+                entry = CompressedEntry(
+                    t.name,
+                    t.dtype,
+                    t.shape,
+                    t.nbytes,
+                    "ans",
+                    "chunks",
+                    0,
+                    params,
+                    chunk_bytes,
+                    tuple(chunk_sizes[t.name].tolist()),
+                    crcs[t.name],
+                    align,
+                )
                 starts, sizes, _, _ = entry.chunk_table()
                 stored = int(starts[-1] + sizes[-1])
                 if stored <= (1 - min_gain) * t.nbytes:
@@ -239,7 +288,8 @@ def encode_tensors(dev: Any, tensors: Sequence[DeviceTensor], metadata: dict[str
             metadata[METADATA_KEY] = json.dumps({"version": FORMAT_VERSION, "tensors": entries}, separators=(",", ":"))
         if table_needed:  # as AlignedWriter records it: the raw tensors, in the order given
             metadata[checksums.METADATA_KEY] = checksums.render(
-                {t.name: crcs.get(t.name) or 0 for t in tensors if t.name not in packed})
+                {t.name: crcs.get(t.name) or 0 for t in tensors if t.name not in packed}
+            )
         order, head, data_len = aligned_header(specs, metadata)
 
         data = dev.empty(data_len)
@@ -282,9 +332,9 @@ def write_file(enc: EncodedFile, *, digest: bool | str, progress: Callable[[int]
     """
     import cupy
 
-    from gdsload.loader.format.digests import digest_algorithm, hasher
-    from gdsload.loader.format.atomic import atomic_output
-    from gdsload.loader.format.writer import WRITE_PIECE, pwrite_all
+    from ..format.digests import digest_algorithm, hasher
+    from ..format.atomic import atomic_output
+    from ..format.writer import WRITE_PIECE, pwrite_all
 
     t0 = time.perf_counter()
     cupy.cuda.Device(enc.index).use()
@@ -309,8 +359,10 @@ def write_file(enc: EncodedFile, *, digest: bool | str, progress: Callable[[int]
                 cupy.cuda.runtime.memcpyAsync(ring[k].ptr, int(enc.data.data.ptr) + at, n, 2, stream.ptr)
                 stream.synchronize()
                 view = views[k][:n]
-                writing[k] = [pool.submit(pwrite_all, fd, view[j : j + WRITE_PIECE], start + at + j)
-                              for j in range(0, n, WRITE_PIECE)]
+                writing[k] = [
+                    pool.submit(pwrite_all, fd, view[j : j + WRITE_PIECE], start + at + j)
+                    for j in range(0, n, WRITE_PIECE)
+                ]
                 if h is not None:
                     h.update(view)
                 if progress is not None and total:
@@ -323,15 +375,25 @@ def write_file(enc: EncodedFile, *, digest: bool | str, progress: Callable[[int]
     except OSError as e:
         if str(enc.dst) in str(e):
             raise
-        raise OSError(e.errno, f"writing it failed ({e.strerror or e}); nothing was written under that name",
-                      str(enc.dst)) from e
+        raise OSError(
+            e.errno, f"writing it failed ({e.strerror or e}); nothing was written under that name", str(enc.dst)
+        ) from e
     except (cupy.cuda.runtime.CUDARuntimeError, MemoryError) as e:  # pinning, or the copy out of the GPU
-        raise OSError(errno.EIO, f"copying its data out of GPU {enc.index} failed ({type(e).__name__}: {e}); "
-                      "nothing was written under that name", str(enc.dst)) from e
+        raise OSError(
+            errno.EIO,
+            f"copying its data out of GPU {enc.index} failed ({type(e).__name__}: {e}); "
+            "nothing was written under that name",
+            str(enc.dst),
+        ) from e
     if enc.src is not None:
         shutil.copymode(enc.src, enc.dst)  # private weights stay private
-    log.info("%s: %d bytes written%s in %.2f s", enc.dst, len(enc.header) + total, " and hashed" if h else "",
-             time.perf_counter() - t0)
+    log.info(
+        "%s: %d bytes written%s in %.2f s",
+        enc.dst,
+        len(enc.header) + total,
+        " and hashed" if h else "",
+        time.perf_counter() - t0,
+    )
     return h.text() if h is not None else None
 
 
@@ -344,8 +406,11 @@ def _preallocate(fd: int, nbytes: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
     if libc.fallocate(fd, 0, 0, nbytes) and ctypes.get_errno() == errno.ENOSPC:
-        raise OSError(errno.ENOSPC, f"the file system has no room for its {nbytes} bytes; free space there or write "
-                      "elsewhere", None)
+        raise OSError(
+            errno.ENOSPC,
+            f"the file system has no room for its {nbytes} bytes; free space there or write elsewhere",
+            None,
+        )
 
 
 class Job(NamedTuple):
@@ -357,24 +422,49 @@ class Job(NamedTuple):
     encode: Callable[[], EncodedFile]
 
 
-def compress_files(pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]], *, index: int,
-                   min_gain: float, checksum: bool, min_tensor_bytes: int, digest: bool | str,
-                   progress: Callable[[int], None] | None = None) -> list[Any]:
+def compress_files(
+    pairs: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]],
+    *,
+    index: int,
+    min_gain: float,
+    checksum: bool,
+    min_tensor_bytes: int,
+    digest: bool | str,
+    progress: Callable[[int], None] | None = None,
+) -> list[Any]:
     """Compress each ``(src, dst)`` with ANS on GPU ``index`` without torch; the stats of each, in order.
 
     A file takes up to four times its logical size in GPU memory while it is encoded (what was read,
     aligned copies, the encoder's output and the laid-out file); see :func:`write_encoded`.
     """
-    jobs = [Job(str(src), 4 * _logical_bytes(src),
-                functools.partial(encode_file, src, dst, index=index, min_gain=min_gain, checksum=checksum,
-                                  min_tensor_bytes=min_tensor_bytes))
-            for src, dst in pairs]
+    jobs = [
+        Job(
+            str(src),
+            4 * _logical_bytes(src),
+            functools.partial(
+                encode_file,
+                src,
+                dst,
+                index=index,
+                min_gain=min_gain,
+                checksum=checksum,
+                min_tensor_bytes=min_tensor_bytes,
+            ),
+        )
+        for src, dst in pairs
+    ]
     sizes = [os.stat(src).st_size for src, _ in pairs]
     return write_encoded(jobs, sizes, index=index, digest=digest, progress=progress)
 
 
-def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, digest: bool | str,
-                  progress: Callable[[int], None] | None = None) -> list[Any]:
+def write_encoded(
+    jobs: Sequence[Job],
+    sizes: Sequence[int],
+    *,
+    index: int,
+    digest: bool | str,
+    progress: Callable[[int], None] | None = None,
+) -> list[Any]:
     """Encode each job on GPU ``index`` and write it; the stats of each (with its digest), in order.
 
     The largest job (by ``sizes``) goes first: its write, and its hash, take longest, and the others'
@@ -387,6 +477,7 @@ def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, dige
     lock = threading.Lock()
     step = None
     if progress is not None:
+
         def step(n: int) -> None:
             with lock:
                 progress(n)
@@ -419,9 +510,11 @@ def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, dige
                     raise DeviceMemoryError(
                         f"{job.what!r}: compressing it takes up to {format_bytes(job.need)} on GPU {index}, and "
                         f"that cannot be allocated ({type(e).__name__}: {str(e)[:200]}); free memory on that GPU, "
-                        "or write smaller files (`gdsload shard --max-file-size`)") from None
-                log.info("%s: read, compressed and laid out on GPU %d in %.2f s", job.what, index,
-                         time.perf_counter() - t0)
+                        "or write smaller files (`gdsload shard --max-file-size`)"
+                    ) from None
+                log.info(
+                    "%s: read, compressed and laid out on GPU %d in %.2f s", job.what, index, time.perf_counter() - t0
+                )
                 writing.append((enc, writers.submit(write_file, enc, digest=digest, progress=step), t0))
             while writing:
                 finish_oldest()
@@ -437,8 +530,8 @@ def write_encoded(jobs: Sequence[Job], sizes: Sequence[int], *, index: int, dige
 
 def _logical_bytes(src: str | os.PathLike[str]) -> int:
     """Bytes ``src``'s tensors take decoded (a compressed source decodes to more than its size)."""
-    from gdsload.loader.format.compression import parse_compression
-    from gdsload.loader.format.safetensors import read_header
+    from ..format.compression import parse_compression
+    from ..format.safetensors import read_header
 
     header = read_header(src)
     packed = parse_compression(header)
@@ -448,4 +541,3 @@ def _logical_bytes(src: str | os.PathLike[str]) -> int:
 def _free_bytes(cupy: Any, index: int) -> int:
     cupy.cuda.Device(index).use()
     return int(cupy.cuda.runtime.memGetInfo()[0])
-

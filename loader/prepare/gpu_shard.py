@@ -27,13 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from gdsload.loader.config import format_bytes
-from gdsload.loader.dtypes import ITEMSIZE
-from gdsload.loader.prepare.gpu_compress import DeviceTensor, EncodedFile, Job, encode_tensors, torch_free_gpu, \
-    write_encoded
-from gdsload.loader.format import checksums
-from gdsload.loader.prepare.recipe import Recipe, View
-from gdsload.loader.prepare.shard import PlannedFile, ShardPlan, SourceReadError, file_metadata
+from ..config import format_bytes
+from ..dtypes import ITEMSIZE
+from .gpu_compress import (
+    DeviceTensor,
+    EncodedFile,
+    Job,
+    encode_tensors,
+    torch_free_gpu,
+    write_encoded,
+)
+from ..format import checksums
+from .recipe import Recipe, View
+from .shard import PlannedFile, ShardPlan, SourceReadError, file_metadata
 
 __all__ = ["gpu_for", "GpuShardWriter", "compression_totals"]
 
@@ -49,29 +55,36 @@ def gpu_for(plan: ShardPlan) -> int | None:
     compress with ANS, quantizes (done through torch), :func:`torch_free_gpu` finds no GPU path, or
     the GPU lacks the memory to hold the source and a file being encoded (logged)."""
     options = plan.options
-    if options.compress is None or options.quantize is not None or not all(
-            _buildable(plan, t, spec.dtype) for f in plan.files for t, spec in zip(f.tensors, f.specs)):
+    if (
+        options.compress is None
+        or options.quantize is not None
+        or not all(_buildable(plan, t, spec.dtype) for f in plan.files for t, spec in zip(f.tensors, f.specs))
+    ):
         return None
     index = torch_free_gpu(options.compress, None)
     if index is None:
         return None
     import cupy
 
-    from gdsload.loader.prepare.gpu_compress import _free_bytes
+    from .gpu_compress import _free_bytes
 
     need = _source_bytes(plan) + _ENCODE_FACTOR * max((f.nbytes for f in plan.files), default=0)
     free = _free_bytes(cupy, index)
     if free < need:
-        log.info("sharding through torch, then compressing: building the files on GPU %d takes %s, %s is free",
-                 index, format_bytes(need), format_bytes(free))
+        log.info(
+            "sharding through torch, then compressing: building the files on GPU %d takes %s, %s is free",
+            index,
+            format_bytes(need),
+            format_bytes(free),
+        )
         return None
     return index
 
 
 def compression_totals(paths: Sequence[Path]) -> tuple[int, int]:
     """Logical and stored bytes of the tensors of ``paths`` (from their headers)."""
-    from gdsload.loader.format.compression import parse_compression
-    from gdsload.loader.format.safetensors import read_header
+    from ..format.compression import parse_compression
+    from ..format.safetensors import read_header
 
     logical = stored = 0
     for path in paths:
@@ -143,9 +156,16 @@ class GpuShardWriter:
     >>> execute_plan(plan, "/models/llama3-tp2-ans", files_writer=GpuShardWriter(plan, gpu_for(plan)))
     """
 
-    def __init__(self, plan: ShardPlan, index: int, *, min_gain: float = 0.02, checksum: bool = True,
-                 min_tensor_bytes: int | None = None):
-        from gdsload.loader.prepare.compress import MIN_TENSOR_BYTES
+    def __init__(
+        self,
+        plan: ShardPlan,
+        index: int,
+        *,
+        min_gain: float = 0.02,
+        checksum: bool = True,
+        min_tensor_bytes: int | None = None,
+    ):
+        from .compress import MIN_TENSOR_BYTES
 
         self.plan = plan
         self.index = index
@@ -154,17 +174,20 @@ class GpuShardWriter:
         self.min_tensor_bytes = MIN_TENSOR_BYTES if min_tensor_bytes is None else min_tensor_bytes
 
     def write(self, todo: Sequence[tuple[PlannedFile, Path]], progress: Callable[[int], None] | None) -> dict[str, str]:
-        from gdsload.loader.devices import CupyDevice
+        from ..devices import CupyDevice
 
         if not todo:
             return {}
         dev = CupyDevice(self.index)
         sources, loads = self._load_sources(dev, [f for f, _ in todo])
         try:
-            jobs = [Job(str(path), _ENCODE_FACTOR * f.nbytes, functools.partial(self._encode, dev, sources, f, path))
-                    for f, path in todo]
-            stats = write_encoded(jobs, [f.nbytes for f, _ in todo], index=self.index,
-                                  digest=self.plan.options.digest, progress=progress)
+            jobs = [
+                Job(str(path), _ENCODE_FACTOR * f.nbytes, functools.partial(self._encode, dev, sources, f, path))
+                for f, path in todo
+            ]
+            stats = write_encoded(
+                jobs, [f.nbytes for f, _ in todo], index=self.index, digest=self.plan.options.digest, progress=progress
+            )
         finally:
             for loaded in loads:
                 loaded.close()
@@ -173,11 +196,16 @@ class GpuShardWriter:
     def manifest_extra(self, paths: Sequence[Path]) -> dict[str, Any]:
         """The ``compression`` block ``gdsload compress`` records, over every file of the output."""
         logical, stored = compression_totals(paths)
-        return {"compression": {"codec": self.plan.options.compress, "min_gain": self.min_gain,
-                                "ratio": round(logical / stored if stored else 1.0, 4)}}
+        return {
+            "compression": {
+                "codec": self.plan.options.compress,
+                "min_gain": self.min_gain,
+                "ratio": round(logical / stored if stored else 1.0, 4),
+            }
+        }
 
     def _load_sources(self, dev: Any, files: Sequence[PlannedFile]) -> tuple[dict[str, DeviceTensor], list[Any]]:
-        from gdsload.loader.pipeline.load import load_rank
+        from ..pipeline.load import load_rank
 
         sources: dict[str, DeviceTensor] = {}
         loads: list[Any] = []
@@ -189,9 +217,11 @@ class GpuShardWriter:
                     planned = self.plan.source.tensors[s.name].info
                     if (s.dtype, tuple(s.shape)) != (planned.dtype, tuple(planned.shape)):
                         raise SourceReadError(
-                            errno.ESTALE, f"{path!r}: tensor {s.name!r} is now {s.dtype} {list(s.shape)}, planned as "
+                            errno.ESTALE,
+                            f"{path!r}: tensor {s.name!r} is now {s.dtype} {list(s.shape)}, planned as "
                             f"{planned.dtype} {list(planned.shape)}; the source changed since planning — restore it "
-                            "and rerun")
+                            "and rerun",
+                        )
                     address = int(loaded.arenas[s.buffer].data.ptr) + s.offset
                     sources[s.name] = DeviceTensor(s.name, s.dtype, tuple(s.shape), address, s.nbytes)
         except BaseException:
@@ -201,7 +231,7 @@ class GpuShardWriter:
         return sources, loads
 
     def _encode(self, dev: Any, sources: dict[str, DeviceTensor], f: PlannedFile, path: Path) -> EncodedFile:
-        from gdsload.loader.format.writer import aligned_header
+        from ..format.writer import aligned_header
 
         metadata = file_metadata(self.plan, f)
         # The order the uncompressed shard's header lists its tensors in: what `gdsload compress` reads.
@@ -212,27 +242,41 @@ class GpuShardWriter:
         tensors = [_build(dev, stream, sources, by_name[spec.name], spec.dtype, held) for spec in order]
         stream.synchronize()
         metadata[checksums.METADATA_KEY] = _checksum_table(dev, stream, tensors, f, str(path))
-        return encode_tensors(dev, tensors, metadata, path, mode_from=None, min_gain=self.min_gain,
-                              checksum=self.checksum, min_tensor_bytes=self.min_tensor_bytes)
+        return encode_tensors(
+            dev,
+            tensors,
+            metadata,
+            path,
+            mode_from=None,
+            min_gain=self.min_gain,
+            checksum=self.checksum,
+            min_tensor_bytes=self.min_tensor_bytes,
+        )
 
 
 def _checksum_table(dev: Any, stream: Any, tensors: Sequence[DeviceTensor], f: PlannedFile, what: str) -> str:
     """The checksum table the uncompressed shard's writer records (every tensor, in the plan's order), which the
     compressed file keeps: CRCs of the tensors built on the GPU, in one batch."""
-    from gdsload.loader.codecs import _CupyStreamBytes
-    from gdsload.loader.codecs.nvcomp_c import device_crc32
-    from gdsload.loader.prepare.gpu_compress import _host_crc32
+    from ..codecs import _CupyStreamBytes
+    from ..codecs.nvcomp_c import device_crc32
+    from .gpu_compress import _host_crc32
 
     nonempty = [t for t in tensors if t.nbytes]
-    got = device_crc32([(t.address, t.nbytes) for t in nonempty], _CupyStreamBytes(stream.ptr), stream.ptr, what) \
-        if nonempty else []
-    crc = {t.name: int(got[i]) if got is not None else _host_crc32(dev.cupy, t.address, t.nbytes)
-           for i, t in enumerate(nonempty)}
+    got = (
+        device_crc32([(t.address, t.nbytes) for t in nonempty], _CupyStreamBytes(stream.ptr), stream.ptr, what)
+        if nonempty
+        else []
+    )
+    crc = {
+        t.name: int(got[i]) if got is not None else _host_crc32(dev.cupy, t.address, t.nbytes)
+        for i, t in enumerate(nonempty)
+    }
     return checksums.render({spec.name: crc.get(spec.name, 0) for spec in f.specs})
 
 
-def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: Recipe, dtype: str,
-           held: list[Any]) -> DeviceTensor:
+def _build(
+    dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: Recipe, dtype: str, held: list[Any]
+) -> DeviceTensor:
     """Output tensor ``t`` in GPU memory: where it lies in a source tensor, or built into a new buffer."""
     runtime = dev.cupy.cuda.runtime
     item = ITEMSIZE[dtype]
@@ -253,20 +297,41 @@ def _build(dev: Any, stream: Any, sources: dict[str, DeviceTensor], t: Recipe, d
     for p in t.parts:
         if p.kind in ("fill", "const"):
             rows, pitch, length = _fold(p.dst)  # type: ignore[misc]
-            host = _filled(float(p.value), dtype, p.dst.numel) if p.kind == "fill" else \
-                np.frombuffer(p.value or b"", dtype=np.uint8).copy()  # type: ignore[arg-type]
+            host = (
+                _filled(float(p.value), dtype, p.dst.numel)
+                if p.kind == "fill"
+                else np.frombuffer(p.value or b"", dtype=np.uint8).copy()
+            )  # type: ignore[arg-type]
             held.append(host)
-            runtime.memcpy2DAsync(base + p.dst.offset * item, pitch * item, host.ctypes.data, length * item,
-                                  length * item, rows, 1, stream.ptr)
+            runtime.memcpy2DAsync(
+                base + p.dst.offset * item,
+                pitch * item,
+                host.ctypes.data,
+                length * item,
+                length * item,
+                rows,
+                1,
+                stream.ptr,
+            )
             continue
         geometry = _copy_geometry(p.dst, p.src)  # type: ignore[arg-type]
         if p.kind != "copy" or geometry is None:
-            raise ValueError(f"output tensor {t.name!r}: a {p.kind} part from {p.source!r} cannot be built on the GPU "
-                             "(gdsload shard builds it through torch)")
+            raise ValueError(
+                f"output tensor {t.name!r}: a {p.kind} part from {p.source!r} cannot be built on the GPU "
+                "(gdsload shard builds it through torch)"
+            )
         rows, dpitch, spitch, length = geometry
         src = sources[p.source]  # type: ignore[index]
-        runtime.memcpy2DAsync(base + p.dst.offset * item, dpitch * item, src.address + p.src.offset * item,  # type: ignore[union-attr]
-                              spitch * item, length * item, rows, 3, stream.ptr)
+        runtime.memcpy2DAsync(
+            base + p.dst.offset * item,
+            dpitch * item,
+            src.address + p.src.offset * item,  # type: ignore[union-attr]
+            spitch * item,
+            length * item,
+            rows,
+            3,
+            stream.ptr,
+        )
     return DeviceTensor(t.name, dtype, t.shape, base, nbytes)
 
 

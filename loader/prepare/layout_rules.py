@@ -37,11 +37,11 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.model_config import ModelConfig
-from gdsload.loader.prepare.quantize import QuantScheme
-from gdsload.loader.prepare.recipe import Part, Recipe, View
-from gdsload.loader.prepare.source import SourceCheckpoint, SourceCheckpointError, UnsupportedModelError
+from ..errors import GdsloadError
+from ..model_config import ModelConfig
+from .quantize import QuantScheme
+from .recipe import Part, Recipe, View
+from .source import SourceCheckpoint, SourceCheckpointError, UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -81,6 +81,7 @@ SOURCE_DTYPES = ("BF16", "F16", "F32")
 MAX_LAYERS = 10_000
 """More layers than any model has: a config asking for more is damaged, refused before any work."""
 
+
 @dataclass(frozen=True)
 class EngineState:
     """A tensor the engine's attention layer registers that no Hugging Face checkpoint holds.
@@ -116,8 +117,9 @@ def vllm_attention_state(quant: QuantScheme | None) -> tuple[EngineState, ...]:
     if quant is None:
         return tuple(out)
     if not quant.per_channel:
-        return tuple(EngineState(n, (), None, -1.0) for n in ("q_scale", "k_scale", "v_scale", "prob_scale")) + \
-            tuple(out)
+        return tuple(EngineState(n, (), None, -1.0) for n in ("q_scale", "k_scale", "v_scale", "prob_scale")) + tuple(
+            out
+        )
     scales = [EngineState(n, (1,), "F32", 1.0) for n in ("k_scale", "v_scale", "q_scale")]
     zeros = [EngineState(n, (1,), None, 0.0) for n in ("k_zero_point", "v_zero_point", "q_zero_point")]
     return tuple(scales + zeros + out)
@@ -190,8 +192,10 @@ class LlamaSpec:
             raise UnsupportedModelError(f"{where!r}: head_dim must be a positive integer, got {head_dim!r}")
         layers = config.need("num_hidden_layers", UnsupportedModelError)
         if layers > MAX_LAYERS:
-            raise UnsupportedModelError(f"{where!r}: num_hidden_layers={layers} is more than any model has "
-                                        f"(at most {MAX_LAYERS}); the config is damaged")
+            raise UnsupportedModelError(
+                f"{where!r}: num_hidden_layers={layers} is more than any model has "
+                f"(at most {MAX_LAYERS}); the config is damaged"
+            )
         model_type = SUPPORTED_ARCHITECTURES[arch]
         attention_bias = bool(config.raw.get("attention_bias", False))
         return cls(
@@ -226,12 +230,16 @@ def _tp_problems(spec: LlamaSpec, tp: int) -> list[str]:
     if spec.kv_heads >= tp and spec.kv_heads % tp:
         out.append(f"num_key_value_heads={spec.kv_heads} is not divisible by tp={tp}")
     if spec.kv_heads < tp and tp % spec.kv_heads:
-        out.append(f"tp={tp} is not a multiple of num_key_value_heads={spec.kv_heads} (KV heads can't be replicated evenly)")
+        out.append(
+            f"tp={tp} is not a multiple of num_key_value_heads={spec.kv_heads} (KV heads can't be replicated evenly)"
+        )
     if spec.intermediate % tp:
         out.append(f"intermediate_size={spec.intermediate} is not divisible by tp={tp}")
     vp = padded_vocab(spec.vocab)
     if vp % tp:
-        out.append(f"the vocabulary padded to a multiple of {VOCAB_PADDING} ({spec.vocab} -> {vp}) is not divisible by tp={tp}")
+        out.append(
+            f"the vocabulary padded to a multiple of {VOCAB_PADDING} ({spec.vocab} -> {vp}) is not divisible by tp={tp}"
+        )
     return out
 
 
@@ -324,8 +332,13 @@ def _piece(source: str, rng: tuple[int, int]) -> Piece:
     return Piece(source, rng[0], rng[1])
 
 
-def _joined(pieces: Sequence[Piece], dim: int | None, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]],
-            kind: str = "copy") -> list[Part]:
+def _joined(
+    pieces: Sequence[Piece],
+    dim: int | None,
+    shape: tuple[int, ...],
+    shapes: Mapping[str, tuple[int, ...]],
+    kind: str = "copy",
+) -> list[Part]:
     """Parts writing ``pieces`` of their sources one after another along ``dim`` of an output of ``shape``
     (``dim`` None: the one piece is its whole source)."""
     out = View.of(shape)
@@ -399,8 +412,14 @@ def rank_recipes(
             if dim == 0:  # each piece's rows of its source's [rows, 1] scales
                 offset = 0
                 for p in pieces:
-                    scales.append(Part(View.of(scale_shape).narrow(0, offset, p.length), "scale", p.source,
-                                       View.of((shapes[p.source][0], 1)).narrow(0, p.start, p.length)))
+                    scales.append(
+                        Part(
+                            View.of(scale_shape).narrow(0, offset, p.length),
+                            "scale",
+                            p.source,
+                            View.of((shapes[p.source][0], 1)).narrow(0, p.start, p.length),
+                        )
+                    )
                     offset += p.length
             else:  # a row-parallel weight keeps every row: the whole [rows, 1] scale
                 (p,) = pieces
@@ -409,8 +428,9 @@ def rank_recipes(
             # vLLM: one scale per fused piece; the hf layout: the one scale of its one source
             scale_shape = (len(pieces),) if layout == "vllm" else ()
             for k, p in enumerate(pieces):
-                scales.append(Part(View(k, (), ()) if scale_shape else View(0, (), ()), "scale", p.source,
-                                   View(0, (), ())))
+                scales.append(
+                    Part(View(k, (), ()) if scale_shape else View(0, (), ()), "scale", p.source, View(0, (), ()))
+                )
         out.append(Recipe(name + ".weight_scale", "F32", scale_shape, tuple(scales)))
 
     def bias(name: str, pieces: list[Piece]) -> None:
@@ -434,11 +454,21 @@ def rank_recipes(
         a, m = p + "self_attn.", p + "mlp."
         replicate(p + "input_layernorm.weight", (h,))
         if layout == "vllm":
-            linear(a + "qkv_proj", [_piece(a + "q_proj.weight", rg.q), _piece(a + "k_proj.weight", rg.kv),
-                                    _piece(a + "v_proj.weight", rg.kv)], 0, h)
+            linear(
+                a + "qkv_proj",
+                [
+                    _piece(a + "q_proj.weight", rg.q),
+                    _piece(a + "k_proj.weight", rg.kv),
+                    _piece(a + "v_proj.weight", rg.kv),
+                ],
+                0,
+                h,
+            )
             if spec.qkv_bias:
-                bias(a + "qkv_proj", [_piece(a + f"{x}_proj.bias", r) for x, r in
-                                      (("q", rg.q), ("k", rg.kv), ("v", rg.kv))])
+                bias(
+                    a + "qkv_proj",
+                    [_piece(a + f"{x}_proj.bias", r) for x, r in (("q", rg.q), ("k", rg.kv), ("v", rg.kv))],
+                )
         else:
             for x, r in (("q", rg.q), ("k", rg.kv), ("v", rg.kv)):
                 linear(a + f"{x}_proj", [_piece(a + f"{x}_proj.weight", r)], 0, h)
@@ -450,12 +480,19 @@ def rank_recipes(
         if layout == "vllm":
             for st in vllm_attention_state(quant):
                 shape = st.shape
-                out.append(Recipe(a + "attn." + st.name, st.dtype or model_dtype, shape,
-                                  (Part(View.of(shape), "fill", value=st.fill),)))
+                out.append(
+                    Recipe(
+                        a + "attn." + st.name,
+                        st.dtype or model_dtype,
+                        shape,
+                        (Part(View.of(shape), "fill", value=st.fill),),
+                    )
+                )
         replicate(p + "post_attention_layernorm.weight", (h,))
         if layout == "vllm":
-            linear(m + "gate_up_proj", [_piece(m + "gate_proj.weight", rg.mlp),
-                                        _piece(m + "up_proj.weight", rg.mlp)], 0, h)
+            linear(
+                m + "gate_up_proj", [_piece(m + "gate_proj.weight", rg.mlp), _piece(m + "up_proj.weight", rg.mlp)], 0, h
+            )
             if spec.mlp_bias:
                 bias(m + "gate_up_proj", [_piece(m + "gate_proj.bias", rg.mlp), _piece(m + "up_proj.bias", rg.mlp)])
         else:
@@ -472,7 +509,9 @@ def rank_recipes(
     return out
 
 
-def check_source(source: SourceCheckpoint, spec: LlamaSpec, ignored: Sequence[str] = ("*.rotary_emb.inv_freq",)) -> None:
+def check_source(
+    source: SourceCheckpoint, spec: LlamaSpec, ignored: Sequence[str] = ("*.rotary_emb.inv_freq",)
+) -> None:
     """Check ``source`` holds exactly the tensors ``spec`` implies (shapes, unquantized dtypes).
 
     Raises :class:`SourceCheckpointError` naming the tensor, the file and the mismatch. ``ignored`` are
@@ -482,16 +521,22 @@ def check_source(source: SourceCheckpoint, spec: LlamaSpec, ignored: Sequence[st
     expected = expected_tensors(spec)
     missing = [n for n in expected if n not in source.tensors]
     if missing:
-        loc = f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} ({', '.join(map(repr, missing[:4]))}" + \
-              (", ..." if len(missing) > 4 else "") + ")"
+        loc = (
+            f"{len(missing)} tensor{'s' if len(missing) > 1 else ''} ({', '.join(map(repr, missing[:4]))}"
+            + (", ..." if len(missing) > 4 else "")
+            + ")"
+        )
         raise SourceCheckpointError(
             f"{str(source.root)!r} lacks {loc} that {where!r} implies ({spec.architecture}, "
             f"{spec.layers} layers, tie_word_embeddings={spec.tie_embeddings}); the checkpoint is incomplete "
             "or config.json does not belong to it"
         )
     ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
-    extra = sorted(n for n in set(source.tensors) - set(expected)
-                   if n not in ignorable and not any(fnmatch.fnmatch(n, g) for g in ignored))
+    extra = sorted(
+        n
+        for n in set(source.tensors) - set(expected)
+        if n not in ignorable and not any(fnmatch.fnmatch(n, g) for g in ignored)
+    )
     if extra:
         raise SourceCheckpointError(
             f"{str(source.root)!r} holds {len(extra)} tensor(s) a {spec.architecture} with this config.json does not "

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.format.ranks import ParallelLayout
-from gdsload.loader.prepare import vllm_trace
-from gdsload.loader.prepare.layout_rules import ShardConfigError
-from gdsload.loader.prepare.quantize import QuantScheme, quantization_config
-from gdsload.loader.prepare.recipe import Recipe
-from gdsload.loader.prepare.source import SourceCheckpoint, UnsupportedModelError
+from ..errors import GdsloadError
+from ..format.ranks import ParallelLayout
+from . import vllm_trace
+from .layout_rules import ShardConfigError
+from .quantize import QuantScheme, quantization_config
+from .recipe import Recipe
+from .source import SourceCheckpoint, UnsupportedModelError
 
 __all__ = ["EngineLayout", "vllm_interpreter", "trace_layout", "VllmNotFoundError"]
 
@@ -58,8 +58,10 @@ def vllm_interpreter(given: str | os.PathLike[str] | None) -> str | None:
     if given is not None:
         path = Path(given)
         if not path.is_file() or not os.access(path, os.X_OK):
-            raise VllmNotFoundError(f"--vllm-python {str(given)!r} is not an executable file; give the python of an "
-                                    "environment where vLLM is installed (e.g. /opt/vllm/bin/python)")
+            raise VllmNotFoundError(
+                f"--vllm-python {str(given)!r} is not an executable file; give the python of an "
+                "environment where vLLM is installed (e.g. /opt/vllm/bin/python)"
+            )
         return str(path)
     try:
         found = importlib.util.find_spec("vllm") is not None
@@ -68,15 +70,32 @@ def vllm_interpreter(given: str | os.PathLike[str] | None) -> str | None:
     return sys.executable if found else None
 
 
-def _request(source: SourceCheckpoint, layout: ParallelLayout, scheme: QuantScheme | None, dtype: str,
-             trust_remote_code: bool, ranks: list[int] | None) -> dict[str, Any]:
-    tensors = [[name, loc.info.dtype, list(loc.info.shape), loc.path, list(loc.file_range)]
-               for name, loc in source.tensors.items()]
+def _request(
+    source: SourceCheckpoint,
+    layout: ParallelLayout,
+    scheme: QuantScheme | None,
+    dtype: str,
+    trust_remote_code: bool,
+    ranks: list[int] | None,
+) -> dict[str, Any]:
+    tensors = [
+        [name, loc.info.dtype, list(loc.info.shape), loc.path, list(loc.file_range)]
+        for name, loc in source.tensors.items()
+    ]
     overrides = {"quantization_config": quantization_config(scheme, ignored=["lm_head"])} if scheme else {}
-    return {"format": vllm_trace.FORMAT, "source": str(source.root), "tp": layout.tp, "pp": layout.pp,
-            "ep": layout.ep, "dtype": dtype, "hf_overrides": overrides, "tensors": tensors, "ranks": ranks,
-            "trust_remote_code": trust_remote_code,
-            "fp8_scales": None if scheme is None else ("channel" if scheme.per_channel else "tensor")}
+    return {
+        "format": vllm_trace.FORMAT,
+        "source": str(source.root),
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "dtype": dtype,
+        "hf_overrides": overrides,
+        "tensors": tensors,
+        "ranks": ranks,
+        "trust_remote_code": trust_remote_code,
+        "fp8_scales": None if scheme is None else ("channel" if scheme.per_channel else "tensor"),
+    }
 
 
 def trace_layout(
@@ -103,8 +122,15 @@ def trace_layout(
         with open(request_path, "w") as f:
             json.dump(_request(source, layout, scheme, dtype, trust_remote_code, ranks), f)
         env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0", "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.run([python, vllm_trace.__file__, request_path, out_path], env=env, cwd=tmp,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+        proc = subprocess.run(
+            [python, vllm_trace.__file__, request_path, out_path],
+            env=env,
+            cwd=tmp,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+        )
         try:
             with open(out_path) as f:
                 doc = json.load(f)
@@ -117,8 +143,10 @@ def trace_layout(
     if "error" in doc:
         kind, message = doc.get("kind"), doc["error"]
         if kind == "import":
-            raise VllmNotFoundError(f"{python} cannot import vLLM ({message}); give --vllm-python the interpreter of "
-                                    "an environment where vLLM is installed")
+            raise VllmNotFoundError(
+                f"{python} cannot import vLLM ({message}); give --vllm-python the interpreter of "
+                "an environment where vLLM is installed"
+            )
         if kind == "vllm":
             raise ShardConfigError(f"vLLM refuses {what} of {str(source.root)!r}: {message}")
         raise UnsupportedModelError(
@@ -126,8 +154,18 @@ def trace_layout(
             "save_sharded_state instead (gdsload loads its output), or use --layout-source builtin for a Llama-family model"
         )
     ranks_out = {int(r): [Recipe.from_json(e) for e in d["entries"]] for r, d in doc["ranks"].items()}
-    result = EngineLayout(architecture=doc["architecture"], vllm_version=doc["vllm_version"], dtype=doc["dtype"],
-                          ranks=ranks_out, seconds=time.perf_counter() - start)
-    log.info("vLLM %s laid out %s (%d ranks) in %.1f s", result.vllm_version, result.architecture, len(ranks_out),
-             result.seconds)
+    result = EngineLayout(
+        architecture=doc["architecture"],
+        vllm_version=doc["vllm_version"],
+        dtype=doc["dtype"],
+        ranks=ranks_out,
+        seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "vLLM %s laid out %s (%d ranks) in %.1f s",
+        result.vllm_version,
+        result.architecture,
+        len(ranks_out),
+        result.seconds,
+    )
     return result

@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from gdsload.loader.errors import FormatError, GdsloadError, ManifestError
-from gdsload.loader.format.manifest import MANIFEST_NAME, Manifest
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.safetensors import read_header
+from ..errors import FormatError, GdsloadError, ManifestError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.atomic import atomic_output
+from ..format.safetensors import read_header
 
 __all__ = [
     "PARTIAL_DIR",

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gdsload.loader.errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported by the functions that quantize: planning a sharding needs none of it
     import torch
@@ -97,9 +97,7 @@ class QuantScheme:
             raise ConfigError(f"quantize={text!r} must be a string: fp8, fp8:per-tensor or fp8:per-channel")
         method, _, granularity = text.strip().lower().partition(":")
         if method != "fp8":
-            raise ConfigError(
-                f"--quantize {text!r} is not supported; use fp8, fp8:per-tensor or fp8:per-channel"
-            )
+            raise ConfigError(f"--quantize {text!r} is not supported; use fp8, fp8:per-tensor or fp8:per-channel")
         return cls(method=method, granularity=granularity or "per-tensor")
 
     def __str__(self) -> str:
@@ -154,7 +152,9 @@ def quantize_into(dst: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     import torch
 
     if work.dtype != torch.float32 or work.numel() < weight.numel():
-        raise ValueError(f"work buffer must be fp32 with >= {weight.numel()} elements, got {work.dtype}[{work.numel()}]")
+        raise ValueError(
+            f"work buffer must be fp32 with >= {weight.numel()} elements, got {work.dtype}[{work.numel()}]"
+        )
     x = work[: weight.numel()].view(weight.shape)
     x.copy_(weight)
     x.div_(scale.to(torch.float32))

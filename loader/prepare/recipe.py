@@ -68,7 +68,7 @@ class View(NamedTuple):
         if hi - lo <= limit or not self.numel:
             yield -1, 0, 0
             return
-        dim = max(range(len(self.shape)), key=lambda d: (abs(self.strides[d]) if self.shape[d] > 1 else -1))
+        dim = max(range(len(self.shape)), key=lambda d: abs(self.strides[d]) if self.shape[d] > 1 else -1)
         step = abs(self.strides[dim]) or 1
         per = max(1, limit // step)
         for start in range(0, self.shape[dim], per):

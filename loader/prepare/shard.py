@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from gdsload.loader.config import format_bytes, usable_cores
-from gdsload.loader.errors import ConfigError, GdsloadError
-from gdsload.loader.format.manifest import MANIFEST_NAME, redigest, write_manifest
-from gdsload.loader.format.ranks import ParallelLayout
-from gdsload.loader.format.atomic import atomic_output
-from gdsload.loader.format.writer import AlignedWriter, TensorSpec
-from gdsload.loader.prepare import outdir
-from gdsload.loader.prepare.build import (
+from ..config import format_bytes, usable_cores
+from ..errors import ConfigError, GdsloadError
+from ..format.manifest import MANIFEST_NAME, redigest, write_manifest
+from ..format.ranks import ParallelLayout
+from ..format.atomic import atomic_output
+from ..format.writer import AlignedWriter, TensorSpec
+from . import outdir
+from .build import (
     CHUNK_BYTES,
     ShardWriteError,
     TensorBuilder,
@@ -50,12 +50,18 @@ from gdsload.loader.prepare.build import (
     write_error,
     write_file,
 )
-from gdsload.loader.prepare.layout_rules import LAYOUTS, LlamaSpec, ShardConfigError, check_source, check_tp, \
-    rank_recipes
-from gdsload.loader.prepare.outdir import FINISHED_DIR, PARTIAL_DIR, OutputExistsError
-from gdsload.loader.prepare.quantize import QuantScheme, quantization_config
-from gdsload.loader.prepare.recipe import Recipe
-from gdsload.loader.prepare.source import (
+from .layout_rules import (
+    LAYOUTS,
+    LlamaSpec,
+    ShardConfigError,
+    check_source,
+    check_tp,
+    rank_recipes,
+)
+from .outdir import FINISHED_DIR, PARTIAL_DIR, OutputExistsError
+from .quantize import QuantScheme, quantization_config
+from .recipe import Recipe
+from .source import (
     SourceCheckpoint,
     inside_source,
     SourceCheckpointError,
@@ -97,9 +103,20 @@ LAYOUT_SOURCES = ("auto", "vllm", "builtin")
 gdsload's built-in Llama-family rules."""
 
 _COPIED_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-    "chat_template.json", "*.tiktoken", "LICENSE*", "USE_POLICY.md", "NOTICE*",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.tiktoken",
+    "LICENSE*",
+    "USE_POLICY.md",
+    "NOTICE*",
 )
 """Besides config.json (rewritten), these SRC files are copied to OUT."""
 
@@ -150,19 +167,21 @@ class ShardOptions:
         if self.layout_source not in LAYOUT_SOURCES:
             raise ConfigError(f"layout_source={self.layout_source!r} is not one of {', '.join(LAYOUT_SOURCES)}")
         if self.layout == "hf" and (self.pp > 1 or self.ep > 1 or self.layout_source == "vllm"):
-            raise ConfigError("layout='hf' (Hugging Face names, per-rank slices) is made by the built-in "
-                              "tensor-parallel rules only; use layout='vllm' for pipeline or expert parallel")
+            raise ConfigError(
+                "layout='hf' (Hugging Face names, per-rank slices) is made by the built-in "
+                "tensor-parallel rules only; use layout='vllm' for pipeline or expert parallel"
+            )
         if self.quantize is not None:
             QuantScheme.parse(self.quantize)
         if type(self.max_file_bytes) is not int or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} must be a positive number of bytes")
         if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
             raise ConfigError(f"workers={self.workers!r} must be a positive integer (or None: one per core)")
-        from gdsload.loader.format.digests import require
+        from ..format.digests import require
 
         require(self.digest)  # a ConfigError naming the choices, or the package to install, before any file
         if self.compress is not None:
-            from gdsload.loader.codecs.registry import codec_names
+            from ..codecs.registry import codec_names
 
             if self.compress not in codec_names():
                 raise ConfigError(f"compress={self.compress!r} is not one of {', '.join(codec_names())}")
@@ -178,8 +197,12 @@ class ShardOptions:
     def describe(self) -> dict[str, Any]:
         """The options that change the files (the run's fingerprint and the manifest record them)."""
         scheme = self.scheme
-        described: dict[str, Any] = {"tp": self.tp, "layout": self.layout,
-                                     "quantize": str(scheme) if scheme else None, "max_file_bytes": self.max_file_bytes}
+        described: dict[str, Any] = {
+            "tp": self.tp,
+            "layout": self.layout,
+            "quantize": str(scheme) if scheme else None,
+            "max_file_bytes": self.max_file_bytes,
+        }
         # Absent when default: the fingerprint of a plain tensor-parallel sharding keeps its form.
         for key, default in (("pp", 1), ("ep", 1), ("compress", None), ("dtype", "auto")):
             if getattr(self, key) != default:
@@ -252,8 +275,12 @@ class ShardPlan:
     # ---- what the output directory needs (outdir.PlannedOutput)
 
     def state(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "source": str(self.source.root), "layout_from": self.layout_from,
-                **self.options.describe()}
+        return {
+            "fingerprint": self.fingerprint,
+            "source": str(self.source.root),
+            "layout_from": self.layout_from,
+            **self.options.describe(),
+        }
 
     def relpaths(self) -> list[str]:
         return [f.relpath for f in self.files]
@@ -290,8 +317,11 @@ class ShardPlan:
                 "architecture": self.architecture,
                 "layout_from": self.layout_from,
                 **self.options.describe(),
-                "parallel": {**p.describe(), "world": p.world,
-                             "ranks": {str(r): dict(zip(("pp_rank", "tp_rank"), p.coords(r))) for r in range(p.world)}},
+                "parallel": {
+                    **p.describe(),
+                    "world": p.world,
+                    "ranks": {str(r): dict(zip(("pp_rank", "tp_rank"), p.coords(r))) for r in range(p.world)},
+                },
             }
         }
 
@@ -313,7 +343,7 @@ def _rules(source: SourceCheckpoint, options: ShardOptions) -> tuple[str, dict[i
 
 
 def _engine(source: SourceCheckpoint, options: ShardOptions, python: str) -> tuple[str, str, dict[int, list[Recipe]]]:
-    from gdsload.loader.prepare.layout_vllm import trace_layout
+    from .layout_vllm import trace_layout
 
     if options.quantize is not None and source.config.quantization:
         raise UnsupportedModelError(
@@ -321,8 +351,14 @@ def _engine(source: SourceCheckpoint, options: ShardOptions, python: str) -> tup
             f"{source.config.quantization.get('quant_method')!r}); shard it without --quantize (vLLM's layout keeps "
             "its quantization), or start from the unquantized checkpoint"
         )
-    traced = trace_layout(source, options.parallel, python=python, scheme=options.scheme, dtype=options.dtype,
-                          trust_remote_code=options.trust_remote_code)
+    traced = trace_layout(
+        source,
+        options.parallel,
+        python=python,
+        scheme=options.scheme,
+        dtype=options.dtype,
+        trust_remote_code=options.trust_remote_code,
+    )
     return traced.architecture, f"vLLM {traced.vllm_version}", traced.ranks
 
 
@@ -338,7 +374,7 @@ def plan_shard(src: str | os.PathLike[str] | SourceCheckpoint, options: ShardOpt
     """
     start = time.perf_counter()
     source = src if isinstance(src, SourceCheckpoint) else SourceCheckpoint(src)
-    from gdsload.loader.prepare.layout_vllm import vllm_interpreter
+    from .layout_vllm import vllm_interpreter
 
     python = None
     if options.layout == "vllm" and options.layout_source != "builtin":
@@ -354,9 +390,18 @@ def plan_shard(src: str | os.PathLike[str] | SourceCheckpoint, options: ShardOpt
     else:
         architecture, ranks = _rules(source, options)
         layout_from = "builtin rules"
-    fp = hashlib.sha256(json.dumps(
-        {"version": _FORMAT_VERSION, "source": str(source.root), "layout_from": layout_from,
-         **source.fingerprint_parts(), **options.describe()}, sort_keys=True).encode()).hexdigest()
+    fp = hashlib.sha256(
+        json.dumps(
+            {
+                "version": _FORMAT_VERSION,
+                "source": str(source.root),
+                "layout_from": layout_from,
+                **source.fingerprint_parts(),
+                **options.describe(),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     layout = options.parallel
     files: list[PlannedFile] = []
     for rank in range(layout.world):
@@ -370,10 +415,20 @@ def plan_shard(src: str | os.PathLike[str] | SourceCheckpoint, options: ShardOpt
             groups[-1].append((t, ts))
             size += ts.nbytes
         for part, group in enumerate(groups):
-            files.append(PlannedFile(rank, part, layout.file_name(rank, part),
-                                     tuple(t for t, _ in group), tuple(s for _, s in group)))
-    plan = ShardPlan(source=source, options=options, architecture=architecture, layout_from=layout_from, files=files,
-                     fingerprint=fp, seconds=time.perf_counter() - start)
+            files.append(
+                PlannedFile(
+                    rank, part, layout.file_name(rank, part), tuple(t for t, _ in group), tuple(s for _, s in group)
+                )
+            )
+    plan = ShardPlan(
+        source=source,
+        options=options,
+        architecture=architecture,
+        layout_from=layout_from,
+        files=files,
+        fingerprint=fp,
+        seconds=time.perf_counter() - start,
+    )
     for name in plan.aux_files():  # a link out of SRC is refused before anything is written
         inside_source(source.root, source.root / name)
     return plan
@@ -415,14 +470,21 @@ class ShardResult:
         extra = f" (resumed: {self.resumed_files} file(s) kept from an interrupted run)" if self.resumed_files else ""
         arch = f"{self.architecture}, " if self.architecture else ""
         planned = f" ({self.plan_seconds:.1f} s of it planning)" if self.plan_seconds >= 0.05 else ""
-        return (f"sharded -> {self.out!r}: {arch}{what}, {n} files, "
-                f"{format_bytes(self.total_bytes)} in {self.seconds:.1f} s{planned}{extra}")
+        return (
+            f"sharded -> {self.out!r}: {arch}{what}, {n} files, "
+            f"{format_bytes(self.total_bytes)} in {self.seconds:.1f} s{planned}{extra}"
+        )
 
 
 def file_metadata(plan: ShardPlan, f: PlannedFile) -> dict[str, str]:
     """The ``__metadata__`` of a planned file: what marks it as this plan's (see :func:`.outdir.is_complete`)."""
-    return {"format": "pt", "gdsload.fingerprint": plan.fingerprint, "gdsload.rank": str(f.rank),
-            "gdsload.part": str(f.part), "gdsload.layout": plan.options.layout}
+    return {
+        "format": "pt",
+        "gdsload.fingerprint": plan.fingerprint,
+        "gdsload.rank": str(f.rank),
+        "gdsload.part": str(f.part),
+        "gdsload.layout": plan.options.layout,
+    }
 
 
 def execute_plan(
@@ -448,10 +510,23 @@ def execute_plan(
     out = Path(out).resolve()
     created, complete = outdir.prepare_output(out, plan)
     o = plan.options
-    result = ShardResult(out=str(out), tp=o.tp, pp=o.pp, ep=o.ep, layout=o.layout,
-                         quantize=str(o.scheme) if o.scheme else None, files=plan.ranks, total_bytes=plan.total_bytes,
-                         written_bytes=0, resumed_files=0, seconds=0.0, already_complete=complete,
-                         layout_from=plan.layout_from, architecture=plan.architecture, plan_seconds=plan.seconds)
+    result = ShardResult(
+        out=str(out),
+        tp=o.tp,
+        pp=o.pp,
+        ep=o.ep,
+        layout=o.layout,
+        quantize=str(o.scheme) if o.scheme else None,
+        files=plan.ranks,
+        total_bytes=plan.total_bytes,
+        written_bytes=0,
+        resumed_files=0,
+        seconds=0.0,
+        already_complete=complete,
+        layout_from=plan.layout_from,
+        architecture=plan.architecture,
+        plan_seconds=plan.seconds,
+    )
     if complete:
         if (out / PARTIAL_DIR).exists():  # killed after its manifest, before its last rename
             outdir.publish(out, out / PARTIAL_DIR)
@@ -528,8 +603,17 @@ def _run(
         extra.update(files_writer.manifest_extra([out / f.relpath for f in plan.files]))
     p = plan.parallel
     try:
-        write_manifest(out, plan.ranks, tp_size=p.tp, pp_size=p.pp, ep_size=p.ep, layout=plan.options.layout,
-                       extra=extra, digest=plan.options.digest, digests=digests)
+        write_manifest(
+            out,
+            plan.ranks,
+            tp_size=p.tp,
+            pp_size=p.pp,
+            ep_size=p.ep,
+            layout=plan.options.layout,
+            extra=extra,
+            digest=plan.options.digest,
+            digests=digests,
+        )
     except OSError as e:
         raise write_error(e, out / MANIFEST_NAME, "the manifest") from e
     outdir.publish(out, partial)
@@ -559,8 +643,12 @@ def _worker_count(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]]) -> 
     return max(1, n)
 
 
-def _write_files(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]], progress: Callable[[int], None] | None,
-                 writer_factory: WriterFactory) -> tuple[dict[str, str], int]:
+def _write_files(
+    plan: ShardPlan,
+    todo: Sequence[tuple[PlannedFile, Path]],
+    progress: Callable[[int], None] | None,
+    writer_factory: WriterFactory,
+) -> tuple[dict[str, str], int]:
     """Build and write every file of ``todo``: in this process, or each file in one of a pool of processes."""
     digests: dict[str, str] = {}
     workers = _worker_count(plan, todo)
@@ -569,8 +657,9 @@ def _write_files(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]], prog
         builder = TensorBuilder(plan.source, scheme)
         try:
             for f, staged in todo:
-                digest = write_file(builder, staged, f.tensors, f.specs, file_metadata(plan, f), writer_factory,
-                                    progress)
+                digest = write_file(
+                    builder, staged, f.tensors, f.specs, file_metadata(plan, f), writer_factory, progress
+                )
                 if digest is not None:
                     digests[f.relpath] = digest
         finally:
@@ -583,12 +672,15 @@ def _write_files(plan: ShardPlan, todo: Sequence[tuple[PlannedFile, Path]], prog
     drain = threading.Thread(target=_drain, args=(queue, progress), name="gdsload-shard-progress", daemon=True)
     drain.start()
     log.info("writing %d files with %d processes", len(todo), workers)
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                                  initargs=(plan.source, scheme, writer_factory, queue))
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_worker_init, initargs=(plan.source, scheme, writer_factory, queue)
+    )
     try:
         # Largest files first: the pool ends when the last one does.
-        jobs = {pool.submit(_worker_write, f.tensors, f.specs, str(staged), file_metadata(plan, f)): f
-                for f, staged in sorted(todo, key=lambda job: -job[0].nbytes)}
+        jobs = {
+            pool.submit(_worker_write, f.tensors, f.specs, str(staged), file_metadata(plan, f)): f
+            for f, staged in sorted(todo, key=lambda job: -job[0].nbytes)
+        }
         for done in concurrent.futures.as_completed(jobs):
             digest = done.result()
             if digest is not None:
@@ -615,8 +707,9 @@ def _drain(queue: Any, progress: Callable[[int], None] | None) -> None:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(source: SourceCheckpoint, scheme: QuantScheme | None, writer_factory: WriterFactory,
-                 queue: Any) -> None:
+def _worker_init(
+    source: SourceCheckpoint, scheme: QuantScheme | None, writer_factory: WriterFactory, queue: Any
+) -> None:
     """In each writing process: one builder (its descriptors and FP8 scales kept across files), and death
     with the parent (Linux ``PR_SET_PDEATHSIG``), so no writer outlives a killed ``gdsload shard``."""
     try:
@@ -629,8 +722,9 @@ def _worker_init(source: SourceCheckpoint, scheme: QuantScheme | None, writer_fa
     _WORKER.update(builder=TensorBuilder(source, scheme), writer_factory=writer_factory, queue=queue)
 
 
-def _worker_write(recipes: Sequence[Recipe], specs: Sequence[TensorSpec], path: str,
-                  metadata: Mapping[str, str]) -> str | None:
+def _worker_write(
+    recipes: Sequence[Recipe], specs: Sequence[TensorSpec], path: str, metadata: Mapping[str, str]
+) -> str | None:
     queue = _WORKER["queue"]
     return write_file(_WORKER["builder"], Path(path), recipes, specs, metadata, _WORKER["writer_factory"], queue.put)
 
@@ -684,7 +778,7 @@ def shard_checkpoint(
 
     >>> shard_checkpoint("/models/Qwen2-7B", "/models/qwen2-tp4-fp8", tp=4, quantize="fp8")  # doctest: +SKIP
     """
-    opts = ShardOptions(tp=tp, pp=pp, ep=ep, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes,
-                        digest=digest, **options)
+    opts = ShardOptions(
+        tp=tp, pp=pp, ep=ep, layout=layout, quantize=quantize, max_file_bytes=max_file_bytes, digest=digest, **options
+    )
     return execute_plan(plan_shard(src, opts), out, progress=progress, writer_factory=writer_factory)
-

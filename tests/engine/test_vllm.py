@@ -26,8 +26,10 @@ from sidecar_proc import Server
 from tiny_models import PROMPTS
 
 TOKEN = "engine-tier-token-8c1f4e2a"
-_LOAD_LINE = re.compile(r"Loading weights took (\d+\.\d+) seconds \(gdsload, tp rank (\d+) of \d+\): "
-                        r"rank \d+: .*? backend=(\S+) io=(\S+)")
+_LOAD_LINE = re.compile(
+    r"Loading weights took (\d+\.\d+) seconds \(gdsload, tp rank (\d+) of \d+\): "
+    r"rank \d+: .*? backend=(\S+) io=(\S+)"
+)
 
 
 def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
@@ -45,8 +47,9 @@ def load_lines(log: str) -> list[tuple[float, int, str, str]]:
 
 def assert_logged(log: str, tp: int) -> None:
     lines = load_lines(log)
-    assert sorted(r for _, r, _, _ in lines) == list(range(tp)), \
+    assert sorted(r for _, r, _, _ in lines) == list(range(tp)), (
         f"expected one 'Loading weights took' line per rank in vLLM's log, found {lines}"
+    )
     assert all(io in ("cpu", "mmap", "posix", "compat", "gds", "p2pdma", "ipc") for *_, io in lines), lines
 
 
@@ -63,8 +66,7 @@ def test_hf_directory(engine: Engine, tiny: dict[str, Path], tp: int):
 # ----------------------------------------------------------------------- pre-sharded (vllm layout), strict
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("llama", 2), ("qwen2", 2), ("mistral", 1),
-                                          ("llama-kv1", 2)])
+@pytest.mark.parametrize(("kind", "tp"), [("llama", 1), ("llama", 2), ("qwen2", 2), ("mistral", 1), ("llama-kv1", 2)])
 def test_sharded_strict_matches_and_vllm_sharded_state_accepts_it(engine: Engine, tiny, made, kind: str, tp: int):
     """``gdsload shard --tp N`` in strict mode (the default); vLLM's own sharded_state loader reads the same files."""
     out = made(kind, "--tp", str(tp))
@@ -121,7 +123,10 @@ def test_fp8_files_hold_exactly_vllms_state_dict(engine: Engine, made, quant: st
     assert sorted(theirs) == list(range(tp))
     for rank in range(tp):
         ours = _file_state(out, rank)
-        assert set(ours) == set(theirs[rank]), (sorted(set(theirs[rank]) - set(ours)), sorted(set(ours) - set(theirs[rank])))
+        assert set(ours) == set(theirs[rank]), (
+            sorted(set(theirs[rank]) - set(ours)),
+            sorted(set(ours) - set(theirs[rank])),
+        )
         diff = {n: (ours[n], theirs[rank][n]) for n in ours if ours[n] != theirs[rank][n]}
         assert not diff, f"rank {rank}: shapes or dtypes differ from vLLM's: {diff}"
 
@@ -151,8 +156,9 @@ def test_sidecar_hand_off(engine: Engine, tiny, made, tmp_path: Path, tp: int, t
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    srv = Server([str(out), "--tp", str(tp), "--device-map", "cpu", "--token-file", str(token_file)],
-                 tmp_path / "serve.log")
+    srv = Server(
+        [str(out), "--tp", str(tp), "--device-map", "cpu", "--token-file", str(token_file)], tmp_path / "serve.log"
+    )
     try:
         srv.poll_ready(timeout=120)
         generation = srv.status()["generation"]
@@ -184,8 +190,15 @@ def _free_port() -> int:
 
 
 def _complete(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
@@ -197,9 +210,26 @@ def test_vllm_serve_answers_completions(engine: Engine, tiny, made, tmp_path: Pa
     out = made("llama", "--tp", "1")
     port = _free_port()
     log_path = tmp_path / "vllm-serve.log"
-    cmd = [str(engine.python.with_name("vllm")), "serve", str(out), "--load-format", "gdsload",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--enforce-eager",
-           "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5", "--seed", "0"]
+    cmd = [
+        str(engine.python.with_name("vllm")),
+        "serve",
+        str(out),
+        "--load-format",
+        "gdsload",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--seed",
+        "0",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine.env(1))
     url = f"http://127.0.0.1:{port}"
@@ -244,8 +274,9 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Pat
 
 
 @pytest.mark.parametrize("from_sidecar", [False, True], ids=["files", "sidecar"])
-def test_two_nodes_through_vllms_launcher_each_load_their_rank(engine: Engine, tiny, made, tmp_path: Path,
-                                                               from_sidecar: bool):
+def test_two_nodes_through_vllms_launcher_each_load_their_rank(
+    engine: Engine, tiny, made, tmp_path: Path, from_sidecar: bool
+):
     """``vllm serve --nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1`` (the second ``--headless``), tp=2 across
     the two nodes on loopback: each node's worker loads its own rank — from the files, or from its own node's
     ``gdsload serve --ranks N`` — and the completions equal vLLM's own loader's at tp=2."""
@@ -258,16 +289,38 @@ def test_two_nodes_through_vllms_launcher_each_load_their_rank(engine: Engine, t
         extras: list[list[str]] = [[], []]
         if from_sidecar:
             for n in range(2):
-                srv = Server([str(out), "--ranks", str(n), "--device-map", "cpu"], tmp_path / f"sidecar{n}.log",
-                             token=TOKEN)
+                srv = Server(
+                    [str(out), "--ranks", str(n), "--device-map", "cpu"], tmp_path / f"sidecar{n}.log", token=TOKEN
+                )
                 sidecars.append(srv)
                 srv.poll_ready(timeout=120)
                 extras[n] = ["--model-loader-extra-config", json.dumps({"sidecar_url": srv.url, "token": TOKEN})]
         for n in range(2):
-            cmd = [str(engine.python.with_name("vllm")), "serve", str(out), "--tensor-parallel-size", "2",
-                   "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(master),
-                   "--load-format", "gdsload", "--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16",
-                   "--seed", "0", *extras[n]]
+            cmd = [
+                str(engine.python.with_name("vllm")),
+                "serve",
+                str(out),
+                "--tensor-parallel-size",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(master),
+                "--load-format",
+                "gdsload",
+                "--max-model-len",
+                "256",
+                "--enforce-eager",
+                "--dtype",
+                "bfloat16",
+                "--seed",
+                "0",
+                *extras[n],
+            ]
             cmd += ["--host", "127.0.0.1", "--port", str(port)] if n == 0 else ["--headless"]
             env = {**engine.env(1), "VLLM_CPU_OMP_THREADS_BIND": str(n % (os.cpu_count() or 1))}
             with open(logs[n], "wb") as log:
@@ -286,10 +339,15 @@ def test_two_nodes_through_vllms_launcher_each_load_their_rank(engine: Engine, t
                 proc.wait(10)
         for srv in sidecars:
             srv.close()
-    assert_same(got, engine.reference(tiny["llama"], 2), f"two vLLM nodes, --load-format gdsload ({'sidecar' if from_sidecar else 'files'})")
+    assert_same(
+        got,
+        engine.reference(tiny["llama"], 2),
+        f"two vLLM nodes, --load-format gdsload ({'sidecar' if from_sidecar else 'files'})",
+    )
     for n, log in enumerate(logs):
         lines = load_lines(log.read_text(errors="replace"))
         assert [r for _, r, _, _ in lines] == [n], f"node {n} must load rank {n} only: {lines}"
         # From the files, host memory: a rank in the page cache is mapped (io=mmap), a cold one read (io=cpu).
-        assert {(b, io) for *_, b, io in lines} <= ({("sidecar", "ipc")} if from_sidecar else {
-            ("cpu", "cpu"), ("mmap", "mmap"), ("mmap", "cpu")}), lines
+        assert {(b, io) for *_, b, io in lines} <= (
+            {("sidecar", "ipc")} if from_sidecar else {("cpu", "cpu"), ("mmap", "mmap"), ("mmap", "cpu")}
+        ), lines

@@ -52,14 +52,18 @@ def rank_state(out: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 def assert_same_state(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], what: str) -> None:
-    assert set(ours) == set(theirs), (f"{what}: names differ: only ours {sorted(set(ours) - set(theirs))[:6]}, "
-                                      f"only vLLM's {sorted(set(theirs) - set(ours))[:6]}")
+    assert set(ours) == set(theirs), (
+        f"{what}: names differ: only ours {sorted(set(ours) - set(theirs))[:6]}, "
+        f"only vLLM's {sorted(set(theirs) - set(ours))[:6]}"
+    )
     for name, t in ours.items():
         v = theirs[name]
-        assert (t.dtype, t.shape) == (v.dtype, v.shape), f"{what}: {name} is {t.dtype} {list(t.shape)}, vLLM's " \
-                                                         f"{v.dtype} {list(v.shape)}"
-        assert torch.equal(t.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), \
+        assert (t.dtype, t.shape) == (v.dtype, v.shape), (
+            f"{what}: {name} is {t.dtype} {list(t.shape)}, vLLM's {v.dtype} {list(v.shape)}"
+        )
+        assert torch.equal(t.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (
             f"{what}: {name} differs from vLLM's bytes"
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -79,13 +83,20 @@ def test_traced_layout_generates_as_vllms_own_loader(engine: Engine, tiny, trace
         assert_same(theirs, want, f"vLLM's sharded_state on {kind} shard --tp {tp}")
 
 
-LAYOUTS = [("mixtral", 1, 2, 1), ("mixtral", 2, 1, 2), ("qwen3-moe", 2, 1, 2), ("deepseek-v2", 2, 1, 2),
-           ("deepseek-v2", 1, 2, 1), ("qwen3", 1, 2, 1)]
+LAYOUTS = [
+    ("mixtral", 1, 2, 1),
+    ("mixtral", 2, 1, 2),
+    ("qwen3-moe", 2, 1, 2),
+    ("deepseek-v2", 2, 1, 2),
+    ("deepseek-v2", 1, 2, 1),
+    ("qwen3", 1, 2, 1),
+]
 
 
 @pytest.mark.parametrize(("kind", "tp", "pp", "ep"), LAYOUTS, ids=[f"{k}-tp{t}-pp{p}-ep{e}" for k, t, p, e in LAYOUTS])
-def test_parallel_layout_holds_what_vllms_own_loader_puts_on_each_rank(engine: Engine, tiny, traced, tmp_path,
-                                                                        kind: str, tp: int, pp: int, ep: int):
+def test_parallel_layout_holds_what_vllms_own_loader_puts_on_each_rank(
+    engine: Engine, tiny, traced, tmp_path, kind: str, tp: int, pp: int, ep: int
+):
     out, _ = traced(kind, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep))
     manifest = Manifest.read(out)
     assert (manifest.tp_size, manifest.pp_size, manifest.ep_size) == (tp, pp, ep)
@@ -105,8 +116,11 @@ def test_parallel_layout_holds_what_vllms_own_loader_puts_on_each_rank(engine: E
     if (kind, tp, pp, ep) in (("mixtral", 1, 2, 1), ("mixtral", 2, 1, 2)):
         from_files = engine.state_values(out, tmp_path / "sharded", tp=tp, pp=pp, ep=ep, load_format="sharded_state")
         for rank, path in from_files.items():
-            assert_same_state(load_file(str(path)), load_file(str(theirs[rank])),
-                              f"vLLM's sharded_state on {kind} tp={tp} pp={pp} ep={ep}, rank {rank}")
+            assert_same_state(
+                load_file(str(path)),
+                load_file(str(theirs[rank])),
+                f"vLLM's sharded_state on {kind} tp={tp} pp={pp} ep={ep}, rank {rank}",
+            )
 
 
 def test_llamas_traced_layout_equals_the_builtin_rules(traced, made):
@@ -116,11 +130,14 @@ def test_llamas_traced_layout_equals_the_builtin_rules(traced, made):
         from_rules = made("llama-kv1", *flags)
         assert Manifest.read(from_rules).extra["shard"]["layout_from"] == "builtin rules"
         for rank in range(2):
-            assert_same_state(rank_state(from_vllm, rank), rank_state(from_rules, rank), f"llama-kv1 {flags} rank {rank}")
+            assert_same_state(
+                rank_state(from_vllm, rank), rank_state(from_rules, rank), f"llama-kv1 {flags} rank {rank}"
+            )
 
 
-@pytest.mark.parametrize(("kind", "quant", "tp"), [("mixtral", "fp8", 2), ("qwen3-moe", "fp8:per-channel", 2),
-                                                    ("deepseek-v2", "fp8", 1)])
+@pytest.mark.parametrize(
+    ("kind", "quant", "tp"), [("mixtral", "fp8", 2), ("qwen3-moe", "fp8:per-channel", 2), ("deepseek-v2", "fp8", 1)]
+)
 def test_fp8_moe_files_hold_exactly_vllms_fp8_state_dict(engine: Engine, traced, kind: str, quant: str, tp: int):
     """Experts included: names, shapes and dtypes of every rank against the state dict vLLM builds for the
     quantized config (the CPU build cannot run FP8 MoE kernels)."""
@@ -129,8 +146,10 @@ def test_fp8_moe_files_hold_exactly_vllms_fp8_state_dict(engine: Engine, traced,
     assert config["quantization_config"]["quant_method"] in ("fp8", "compressed-tensors")
     theirs = engine.state_dict(out, tp)
     for rank in range(tp):
-        ours = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                for n, t in rank_state(out, rank).items()}
+        ours = {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for n, t in rank_state(out, rank).items()
+        }
         assert ours == theirs[rank], f"rank {rank}: {sorted(set(ours) ^ set(theirs[rank]))[:6]}"
         experts = [n for n, v in ours.items() if "experts" in n and v["dtype"] == "float8_e4m3fn"]
         assert experts, "the experts must be quantized too"

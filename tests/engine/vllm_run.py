@@ -31,9 +31,17 @@ def _engine(spec: dict[str, Any], load_format: str | None = None) -> Any:
         kwargs |= {"pipeline_parallel_size": spec["pp"], "distributed_executor_backend": "mp"}
     if spec.get("ep", 1) > 1:
         kwargs["enable_expert_parallel"] = True
-    return LLM(model=spec["model"], load_format=load_format or spec["load_format"],
-               tensor_parallel_size=spec["tp"], dtype="bfloat16", max_model_len=256, enforce_eager=True, gpu_memory_utilization=0.5,
-               seed=0, **kwargs)
+    return LLM(
+        model=spec["model"],
+        load_format=load_format or spec["load_format"],
+        tensor_parallel_size=spec["tp"],
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        seed=0,
+        **kwargs,
+    )
 
 
 def generate(spec: dict[str, Any]) -> dict[str, Any]:
@@ -49,8 +57,9 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
     cases = []
     for o in outputs:
         c = o.outputs[0]
-        cases.append({"tokens": list(c.token_ids),
-                      "logprobs": [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]})
+        cases.append(
+            {"tokens": list(c.token_ids), "logprobs": [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]}
+        )
     return {"engine_ready_s": ready, "outputs": cases}
 
 
@@ -82,8 +91,7 @@ def register_probe() -> None:
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             kept = ShardedStateLoader._filter_subtensors(model.state_dict())
-            found = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                     for k, v in kept.items()}
+            found = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in kept.items()}
             with open(f"{self.out}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
                 json.dump(found, f)
             raise RuntimeError("state-dict-probe: state dict written, engine stopped on purpose")
@@ -102,18 +110,22 @@ def register_probe() -> None:
                 import dataclasses
 
                 self.out = load_config.model_loader_extra_config["out"]
-                super().__init__(dataclasses.replace(load_config, load_format=load_format,
-                                                     model_loader_extra_config={}))
+                super().__init__(
+                    dataclasses.replace(load_config, load_format=load_format, model_loader_extra_config={})
+                )
 
             def load_weights(self, model: Any, model_config: Any) -> None:
                 from safetensors.torch import save_file
 
                 super().load_weights(model, model_config)
                 kept = ShardedStateLoader._filter_subtensors(model.state_dict())
-                rank = get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + \
-                    get_tensor_model_parallel_rank()
-                save_file({k: v.detach().contiguous().clone() for k, v in kept.items()},
-                          f"{self.out}/rank{rank}.safetensors")
+                rank = (
+                    get_pp_group().rank_in_group * get_tensor_model_parallel_world_size()
+                    + get_tensor_model_parallel_rank()
+                )
+                save_file(
+                    {k: v.detach().contiguous().clone() for k, v in kept.items()}, f"{self.out}/rank{rank}.safetensors"
+                )
                 raise RuntimeError("state-values-probe: state written, engine stopped on purpose")
 
         return StateValuesProbe
