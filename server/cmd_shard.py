@@ -252,7 +252,12 @@ def shard(
         result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n), files_writer=writer)
     compression = None
     if two_step:
-        stats = compress_dir(target, out, codec=codec, digest=options.digest)
+        columns = (TextColumn(f"[bold]compress[/] {codec}"), *columns[1:])
+        with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
+            task = bar.add_task("compress", total=plan.total_bytes, layout=str(options.parallel))
+            stats = compress_dir(
+                target, out, codec=codec, digest=options.digest, progress=lambda n: bar.advance(task, n)
+            )
         shutil.rmtree(target)
         result.out = str(out)  # the uncompressed shards it reports were a step on the way
         compression = {
