@@ -46,7 +46,7 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
         raise ConfigError(
             f"{what} {value!r} is not a size; write bytes or a number with a unit like 16MiB, 5GiB, 500MB"
         )
-    from fractions import Fraction  # here: importing it costs a load's start-up 2 ms
+    from fractions import Fraction  # here: a load that parses no size never imports it
 
     return int(Fraction(m[1]) * _UNITS[unit])  # exact: 2.01GB is 2010000000 bytes, not one byte fewer
 
@@ -89,8 +89,8 @@ def gc_paused() -> Iterator[None]:
     """Hold off Python's cyclic garbage collector for the block; it is on again afterwards if it was before.
 
     A load makes thousands of small objects without cycles (headers, extents, placements, tensor views). In a
-    process that has imported torch (about 170,000 objects), they set off collections that find nothing:
-    one full pass cost 47-62 ms during a load of 1,839 tensors on a 2-core machine (``bench/RESULTS.md``).
+    process that has imported torch (which holds a great many objects), they set off full collections that find
+    nothing and cost tens of milliseconds each.
     Blocks may nest and run on several threads at once: the last one out turns the collector back on. The
     collector is the process's: other threads' objects wait for it too while a block runs. A child forked
     inside a block starts with the collector as it was before the first block.

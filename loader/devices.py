@@ -208,8 +208,8 @@ def _driver_stream(index: int | None) -> int | None:
     """A new non-blocking stream in GPU ``index``'s primary context, made through the CUDA driver (the
     context stays retained for the stream's life); None if the driver refuses (torch then makes it).
 
-    torch's first ``torch.cuda.Stream`` makes its whole pool of streams for the device; on an H200 that took
-    3 ms, and 10-23 ms while the reader threads were copying, whose copies it held up meanwhile.
+    torch's first ``torch.cuda.Stream`` makes its whole pool of streams for the device, which takes milliseconds
+    and holds up the reader threads' copies while it runs.
     """
     try:
         return PrimaryContext(index or 0).new_stream()

@@ -4,8 +4,7 @@ compressing without torch) and the CRC-32 of device bytes (:func:`device_crc32`,
 Why not nvCOMP's Python package, which the encoder uses: its ``Codec.decode`` takes one tensor's
 stream at a time, reads the stream's header back to the host to size the output (a copy that
 waits for every decode queued before it) and holds the GIL while it does. A load's reads are
-kept in flight from Python, so they stall behind the decoder (some 45 ms of GIL per 9 GB load
-measured on an H200). The C API decodes any number of raw chunks, of any number
+kept in flight from Python, so they stall behind the decoder. The C API decodes any number of raw chunks, of any number
 of tensors, in one asynchronous call; ctypes releases the GIL for the call, and nothing comes
 back to the host until the batch's statuses are checked, once, after the stream has finished.
 

@@ -10,7 +10,7 @@ Cold files under kvikio's POSIX (compat) mode: when the rank's files are cold in
 ``auto_direct_io_read``) into page-aligned bounce buffers: 4 threads, 2 MiB reads cut at
 2 MiB-aligned file offsets, queued as one sequential stream per thread
 (:func:`~gdsload.loader.plan.stream_order`). Few bytes in flight (4 x 2 MiB) suit a virtio disk
-best: with 16 MiB reads, 11-24 requests waited at the disk, 15-25 ms each, and loads were slower.
+best: with 16 MiB reads, many more requests waited at the disk, each for longer, and loads were slower.
 Buffered reads would copy every byte through the page cache once more and read ahead into it.
 When fastsafetensors is installed, its native reader does all of such a cold rank's reads instead of
 kvikio (``COLD_READER``; :mod:`gdsload.loader.io.fst_reader`): the whole reads into the arena, and a
@@ -89,8 +89,8 @@ class CuFileBackend(Backend):
         if device.kind != "cuda":
             return f"it loads to CUDA devices, not {str(device)!r}"
         if not _gds_possible() and staged_unavailable() is None:
-            # A cached rank is read by the staged reader and never imports kvikio (about 30 ms, and numpy's
-            # 0.2-0.3 s in a process without it); a cold one imports it at open, which reports a broken install.
+            # A cached rank is read by the staged reader and never imports kvikio (nor numpy, in a process
+            # without it); a cold one imports it at open, which reports a broken install.
             if importlib.util.find_spec("kvikio") is None:
                 return "kvikio is not installed; install gdsload[cu12] or gdsload[cu13]"
             return None
@@ -105,7 +105,7 @@ class CuFileBackend(Backend):
         if not device.uses_torch:
             return None  # without torch, kvikio is the only reader (GDS or its compat mode)
         if not _gds_possible():
-            # Known without importing kvikio (about 65 ms on an H200 host) or opening the cuFile driver.
+            # Known without importing kvikio or opening the cuFile driver.
             return (
                 "no GPUDirect Storage here (no nvidia-fs module, and cufile.json does not turn on P2PDMA); "
                 "it would bounce through host memory"

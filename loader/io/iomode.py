@@ -49,7 +49,7 @@ class KvikioState(NamedTuple):
 def kvikio_state() -> KvikioState:
     """Ask kvikio (if installed) how it would read; asked once per process.
 
-    Asking may open the cuFile driver (about 8 ms), and ``auto`` selection asks
+    Asking may open the cuFile driver, which takes milliseconds, and ``auto`` selection asks
     more than once per load.
     """
     try:

@@ -50,7 +50,7 @@ def resident_fraction(paths: Iterable[str], *, samples: int | None = None, windo
 
     With ``samples``, each file larger than ``samples * window_pages`` pages is probed at
     ``samples`` evenly spaced windows of ``window_pages`` pages instead of page by page: an
-    estimate in microseconds, where the exact count takes about 25 ms per GB (measured on tmpfs).
+    estimate in microseconds, where the exact count takes time in proportion to the file's size.
     """
     page = mmap.PAGESIZE
     total = resident = 0

@@ -8,10 +8,10 @@ chosen per file from its page-cache residency (``mincore``):
   (:mod:`gdsload.loader.io.staged`, C): 16 threads ``pread`` 2 MiB chunks into two pinned buffers
   each and copy them to the device on their own streams, the threads and buffers kept for the
   process's next load. It reads as fast as kvikio's reader, and a load skips kvikio's import
-  (about 65 ms) and set-up; where it was not built (no C compiler at install), or with
+  and set-up; where it was not built (no C compiler at install), or with
   ``GDSLOAD_STAGED=0``, kvikio's C++ POSIX reader reads them (compatibility mode forced on, 16
   threads, 4 MiB tasks), and without kvikio the Python ring below, whose per-chunk overhead
-  (event record and host-allocator locking in ``Tensor.copy_``) caps it at about 33 GB/s.
+  (event record and host-allocator locking in ``Tensor.copy_``) caps it below the other two.
 - **cold ranks** (the rank's files cold by size, each accepting O_DIRECT, and a kvikio with the
   ``auto_direct_io_read`` setting, as 26.10 has) go through the same kvikio reader reading with
   O_DIRECT in ``cufile``'s cold shape: 4 threads, 2 MiB reads cut at aligned file offsets, queued
@@ -73,8 +73,8 @@ class PinnedBackend(Backend):
     RING_THREADS_COLD = 4
     """Ring readers when every file the ring serves is read with O_DIRECT (cold)."""
     RING_THREADS_CACHED = 16
-    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads (from
-    tmpfs on an H200: 33.7 GB/s with 16, 23.0 with 8, 28.4 with 32)."""
+    """Ring readers when it also serves cached files (no kvikio): memory copies want more threads (16 was the
+    fastest count tried from tmpfs)."""
     RING_STREAMS: int | None = None
     """Sequential streams the ring keeps going (None: one per reader; see ``ring.stream_order``)."""
     RING_CHUNK = 16 << 20

@@ -385,7 +385,7 @@ def shared_pool(device_index: int | None, *, threads: int, chunk: int, buffers: 
     """The process's pool of this shape for this device, made on first use and kept.
 
     Its threads and pinned buffers serve every later load in the process, so a load pays neither their
-    set-up nor their tear-down (freeing 64 MiB of pinned memory takes about 20 ms). Loads running at
+    set-up nor their tear-down (freeing pinned memory is slow). Loads running at
     once share it, each waiting for its own reads. :func:`release` frees them; a forked child starts
     without them (the parent's threads do not exist there).
     """
