@@ -10,9 +10,9 @@ import click
 
 from ..loader import format_bytes
 from ..loader.codecs.registry import codec_names
-from ..loader.format.digests import ALGORITHMS, DEFAULT
 from .cli import DEVICE
 
+from .options import digest_choice, digest_options, json_option, progress_option
 from .progress import progress_bar
 
 
@@ -42,26 +42,9 @@ def _total_bytes(src: Path) -> int:
 @click.option(
     "--device", type=DEVICE, default=None, help="Where to compress: cuda[:N] or cpu (default: cuda when nvCOMP works)."
 )
-@click.option(
-    "--digest/--no-digest",
-    default=True,
-    show_default=True,
-    help="Record each file's digest in gdsload.json (a directory's output; hashed on the way to disk).",
-)
-@click.option(
-    "--digest-algorithm",
-    type=click.Choice(ALGORITHMS),
-    default=DEFAULT,
-    show_default=True,
-    help="blake3 (fast, on every core), or sha256: the id Hugging Face's LFS would record for these files.",
-)
-@click.option(
-    "--progress/--no-progress",
-    "show_progress",
-    default=None,
-    help="Progress on stderr (a bar on a terminal, a line every few seconds otherwise).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@digest_options("in gdsload.json when the output is a directory")
+@progress_option
+@json_option
 def compress(
     src: str,
     out: str,
@@ -101,7 +84,7 @@ def compress(
                 codec=codec,
                 min_gain=min_gain,
                 device=device,
-                digest=digest_algorithm if digest else False,
+                digest=digest_choice(digest, digest_algorithm),
                 progress=step,
             )
     if as_json:

@@ -9,33 +9,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from ..loader.codecs.registry import codec_names
 from ..loader.prepare.compress import compress_device, compress_dir
 from ..loader.config import format_bytes
 from ..loader.devices import start_primary_context
-from ..loader.format.digests import ALGORITHMS, DEFAULT
 from ..loader.format.manifest import redigest
 from ..loader.prepare.gpu_shard import GpuShardWriter, compression_totals, gpu_for
 from ..loader.prepare.shard import LAYOUT_SOURCES, PARTIAL_DIR, ShardOptions, execute_plan, plan_shard
 
 from .cli import SIZE
+from .options import digest_choice, digest_options, json_option, progress_option
+from .progress import progress_bar
 
 __all__ = ["shard"]
-
-
-def _digest_option(digest: bool, algorithm: str) -> bool | str:
-    """``ShardOptions.digest`` for the flags: True for the default algorithm, its name for another, False for none."""
-    return False if not digest else True if algorithm == DEFAULT else algorithm
 
 
 @click.command("shard")
@@ -134,26 +121,9 @@ def _digest_option(digest: bool, algorithm: str) -> bool | str:
     help="Compress the files with this codec (ans/gdeflate need a GPU; zstd also loads on CPU hosts). ANS without "
     "--quantize is built and compressed on the GPU, without torch.",
 )
-@click.option(
-    "--digest/--no-digest",
-    default=True,
-    show_default=True,
-    help="Record each file's digest in gdsload.json (hashed on the way to disk).",
-)
-@click.option(
-    "--digest-algorithm",
-    type=click.Choice(ALGORITHMS),
-    default=DEFAULT,
-    show_default=True,
-    help="blake3 (fast, on every core), or sha256: the id Hugging Face's LFS would record for these files.",
-)
-@click.option(
-    "--progress/--no-progress",
-    "show_progress",
-    default=None,
-    help="Progress bar on stderr (default: when stderr is a terminal).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@digest_options()
+@progress_option
+@json_option
 def shard(
     src: str,
     out: str,
@@ -202,7 +172,7 @@ def shard(
         layout_source=layout_source,
         quantize=quantize,
         max_file_bytes=max_file_bytes,
-        digest=_digest_option(digest, digest_algorithm),
+        digest=digest_choice(digest, digest_algorithm),
         compress=codec,
         dtype=dtype,
         vllm_python=vllm_python,
@@ -232,32 +202,18 @@ def shard(
             redigest(Path(out), options.digest)  # the same files, the digests this run asks for
             click.echo(f"{out!r} already holds this command's compressed output; nothing to do")
             return
-    console = Console(stderr=True)
-    enabled = console.is_terminal if show_progress is None else show_progress
-    columns = (
-        TextColumn("[bold]shard[/] {task.fields[layout]}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
     # On a GPU, ANS files are built and compressed there and written into OUT (resumable as usual).
     # Otherwise the shards are written beside OUT first (resumable), then compressed into OUT, which
     # appears only when complete.
     two_step = codec is not None and gpu is None
     target = uncompressed if two_step else Path(out)
     writer = GpuShardWriter(plan, gpu) if gpu is not None else None
-    with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
-        task = bar.add_task("shard", total=plan.total_bytes, layout=str(options.parallel))
-        result = execute_plan(plan, target, progress=lambda n: bar.advance(task, n), files_writer=writer)
+    with progress_bar(f"shard ({options.parallel})", plan.total_bytes, enabled=show_progress) as step:
+        result = execute_plan(plan, target, progress=step, files_writer=writer)
     compression = None
     if two_step:
-        columns = (TextColumn(f"[bold]compress[/] {codec}"), *columns[1:])
-        with Progress(*columns, console=console, disable=not enabled, transient=False) as bar:
-            task = bar.add_task("compress", total=plan.total_bytes, layout=str(options.parallel))
-            stats = compress_dir(
-                target, out, codec=codec, digest=options.digest, progress=lambda n: bar.advance(task, n)
-            )
+        with progress_bar(f"compress ({codec})", plan.total_bytes, enabled=show_progress) as step:
+            stats = compress_dir(target, out, codec=codec, digest=options.digest, progress=step)
         shutil.rmtree(target)
         result.out = str(out)  # the uncompressed shards it reports were a step on the way
         compression = {
