@@ -25,6 +25,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..loader.format.ranks import rank_ranges
 from ..loader.errors import (
     ConfigError,
     FileUnreadableError,
@@ -44,7 +45,6 @@ __all__ = [
     "ModelUnreadableError",
     "TensorParallelMismatchError",
     "TooManyRanksError",
-    "ranges",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,19 +86,6 @@ class Target:
     """The ranks this host serves."""
     devices: dict[int, tuple[str, bool]]
     """``{rank: (CUDA_VISIBLE_DEVICES of its worker, explicit?)}``, see :func:`~gdsload.server.workers.assign_devices`."""
-
-
-def ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
-    out, rs = [], sorted(set(ranks))
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def check_target(path: str, config: ServeConfig, ranks: Sequence[int] | None = None, *, strict: bool = False) -> Target:
@@ -163,7 +150,7 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
             "check that it exists and this user may read it"
         ) from None
     sizes = f"tp={scanned.tp_size}" + (f" x pp={scanned.pp_size}" if scanned.pp_size > 1 else "")
-    held = f"{path!r} holds rank{'s' if len(files) > 1 else ''} {ranges(list(files))} ({_layout(source)}, {sizes})"
+    held = f"{path!r} holds rank{'s' if len(files) > 1 else ''} {rank_ranges(list(files))} ({_layout(source)}, {sizes})"
 
     if ranks is not None:
         served, asked = tuple(sorted(set(ranks))), f"ranks {sorted(set(ranks))}"
@@ -188,7 +175,7 @@ def _check(path: str, real: str, config: ServeConfig, ranks: Sequence[int] | Non
             )
         served, asked = tuple(range(tp)), f"--tp {config.tp}"
     elif config.ranks is not None:
-        served, asked = config.ranks, f"--ranks {ranges(config.ranks)}"
+        served, asked = config.ranks, f"--ranks {rank_ranges(config.ranks)}"
     else:
         served, asked = tuple(sorted(files)), ""
     if len(served) > MAX_LOCAL_RANKS:

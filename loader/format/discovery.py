@@ -29,7 +29,7 @@ from ..errors import (
     UnfinishedOutputError,
 )
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile
-from .ranks import PP_TP_PATTERN, parse_rank_file
+from .ranks import PP_TP_PATTERN, parse_rank_file, rank_ranges
 
 __all__ = ["RankFiles", "ScannedLayout", "discover", "list_ranks", "scan_layout", "VLLM_PATTERN", "TRTLLM_PATTERN"]
 
@@ -56,19 +56,6 @@ class RankFiles(NamedTuple):
             return None
         rel = os.path.relpath(path, self.root)
         return next((f for f in self.manifest.ranks[self.rank] if f.path == rel), None)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'"""
-    out, ranks = [], sorted(set(ranks))
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 UNFINISHED_MARKERS = {".gdsload-shard.partial": "shard", ".gdsload-writing": "compress"}
@@ -257,7 +244,7 @@ def discover(path: str | os.PathLike[str], rank: int = 0) -> RankFiles:
             hint = f"was it sharded for {layout}?"
         raise NoFilesForRankError(
             f"No files for rank {rank} under {str(path)!r} matching {pattern!r}; "
-            f"the directory holds rank{'s' if len(ranks) > 1 else ''} {_ranges(list(ranks))} — {hint}"
+            f"the directory holds rank{'s' if len(ranks) > 1 else ''} {rank_ranges(list(ranks))} — {hint}"
         )
     if source == "vllm":
         _check_last_part(path, scanned, rank)

@@ -16,11 +16,12 @@ one pipeline stage, ``model-pp-{pp_rank}-tp-{tp_rank}-part-{part}`` with several
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 
-__all__ = ["ParallelLayout", "TP_PATTERN", "PP_TP_PATTERN", "parse_rank_file"]
+__all__ = ["ParallelLayout", "TP_PATTERN", "PP_TP_PATTERN", "parse_rank_file", "rank_ranges"]
 
 TP_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 """vLLM's ``sharded_state`` file name with one pipeline stage (its ``TP_ONLY_PATTERN``)."""
@@ -102,3 +103,16 @@ def parse_rank_file(name: str) -> tuple[int | None, int, int] | None:
     if m := _PP_TP_RE.match(name):
         return int(m[1]), int(m[2]), int(m[3])
     return None
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``: ranks as people write them."""
+    out, rs = [], sorted(set(ranks))
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ", ".join(out)
