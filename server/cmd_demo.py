@@ -10,6 +10,7 @@ checks that it and its workers exit cleanly. Only the standard library talks HTT
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -29,6 +31,7 @@ import click
 from ..loader.pipeline.result import FileReport, LoadReport
 
 from .cli import SIZE, print_report
+from .options import json_option
 
 __all__ = ["demo", "serve_command"]
 
@@ -50,17 +53,21 @@ def serve_command(*args: str) -> list[str]:
 @click.option("--tp", default=2, show_default=True, help="Ranks to shard the demo model into (one worker each).")
 @click.option("--size", type=SIZE, default="64MiB", show_default=True, help="Approximate model size.")
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for /readyz to answer 200.")
-def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
+@json_option
+def demo(workdir: str | None, tp: int, size: int, timeout: float, as_json: bool = False) -> None:
     """Build a synthetic model as rank shards, serve it with `gdsload serve` (CPU), poll /readyz until 200,
-    print the per-rank load reports from /v1/status, then stop the server with SIGTERM."""
+    print the per-rank load reports from /v1/status, then stop the server with SIGTERM.
+
+    With ``--json`` the steps go to stderr and stdout gets one JSON document: each rank's load report, the time to
+    ready, and whether the server and its workers stopped cleanly."""
     from ..loader.prepare.synthetic import make_checkpoint, shape_for_size
+
+    say = functools.partial(click.echo, err=as_json)
 
     with tempfile.TemporaryDirectory(prefix="gdsload-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp) / "model"
         shape = shape_for_size(size)
-        click.echo(
-            f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}"
-        )
+        say(f"building a synthetic Llama ({shape.layers} layers, hidden {shape.hidden}) as {tp} rank shards in {root}")
         make_checkpoint(root, shape, tp=tp)
 
         log_path = Path(tmp) / "serve.log"
@@ -80,23 +87,34 @@ def demo(workdir: str | None, tp: int, size: int, timeout: float) -> None:
         )  # the demo reads the port and each rank's progress from the log
         token = secrets.token_hex(16)  # /v1/status shows each rank's load report to the token's holder
         env = {**os.environ, "GDSLOAD_VERIFY": "1", "PYTHONUNBUFFERED": "1", "GDSLOAD_TOKEN": token}
-        click.echo(f"starting: gdsload serve {root} --tp {tp} --host 127.0.0.1 --port 0 --device-map cpu")
+        say(f"starting: gdsload serve {root} --tp {tp} --host 127.0.0.1 --port 0 --device-map cpu")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = _wait_for_url(log_path, proc, timeout)
-            click.echo(f"server pid {proc.pid} answers at {url}; polling {url}/readyz like an autoscaler")
-            _poll_ready(url, proc, log_path, timeout, token)
+            say(f"server pid {proc.pid} answers at {url}; polling {url}/readyz like an autoscaler")
+            _poll_ready(url, proc, log_path, timeout, token, say)
             status = _get_json(url + "/v1/status", token)
-            for key in sorted(status["ranks"], key=int):
-                r = status["ranks"][key]
-                print_report(_report_from_dict(r["report"]), as_json=False)
-            click.echo(
+            ranks = sorted(status["ranks"], key=int)
+            if not as_json:
+                for key in ranks:
+                    print_report(_report_from_dict(status["ranks"][key]["report"]), as_json=False)
+            say(
                 f"time to ready: {status['process']['time_to_ready_s']:.2f} s after the server process started "
                 f"({status['load']['time_to_ready_s']:.2f} s from the start of the load)"
             )
             pids = [r["pid"] for r in status["ranks"].values() if r["pid"]]
-            _stop(proc, log_path, pids)
+            _stop(proc, log_path, pids, say)
+            if as_json:
+                doc = {
+                    "model": str(root),
+                    "tp": tp,
+                    "ranks": {key: status["ranks"][key]["report"] for key in ranks},
+                    "time_to_ready_s": status["process"]["time_to_ready_s"],
+                    "load_time_to_ready_s": status["load"]["time_to_ready_s"],
+                    "stopped_cleanly": True,
+                }
+                click.echo(json.dumps(doc, indent=2))
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -146,7 +164,9 @@ def _get_json(url: str, token: str | None = None) -> dict[str, Any]:
     return json.loads(body)
 
 
-def _poll_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float, token: str) -> None:
+def _poll_ready(
+    url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float, token: str, say: Callable[[str], Any]
+) -> None:
     """GET /readyz every 0.2 s (1 s per request) until 200; print each change of the per-rank states."""
     start = time.monotonic()
     last = None
@@ -160,7 +180,7 @@ def _poll_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout
         doc = json.loads(body) if code in (200, 503) else {}
         states = " ".join(f"{r}={s}" for r, s in sorted(doc.get("ranks", {}).items(), key=lambda kv: int(kv[0])))
         if (code, states) != last:
-            click.echo(f"  {time.monotonic() - start:6.2f} s  /readyz {code or 'no answer'}  {states}")
+            say(f"  {time.monotonic() - start:6.2f} s  /readyz {code or 'no answer'}  {states}")
             last = (code, states)
         if code == 200:
             return
@@ -187,7 +207,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _stop(proc: subprocess.Popen[bytes], log_path: Path, worker_pids: list[int]) -> None:
+def _stop(proc: subprocess.Popen[bytes], log_path: Path, worker_pids: list[int], say: Callable[[str], Any]) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         code = proc.wait(30)
@@ -201,7 +221,7 @@ def _stop(proc: subprocess.Popen[bytes], log_path: Path, worker_pids: list[int])
     left = [p for p in worker_pids if _alive(p)]
     if left:
         raise click.ClickException(f"worker processes {left} outlived the server")
-    click.echo(f"server stopped cleanly on SIGTERM (exit status 0); worker processes {worker_pids} are gone")
+    say(f"server stopped cleanly on SIGTERM (exit status 0); worker processes {worker_pids} are gone")
 
 
 if __name__ == "__main__":
