@@ -536,7 +536,7 @@ def test_only_ans_on_a_gpu_is_compressed_without_torch(monkeypatch):
     assert gpu_compress._parse_device("cpu") == ("cpu", 0)
     assert gpu_compress.torch_free_gpu("ans", "cpu") is None
     assert gpu_compress.torch_free_gpu("zstd", "cuda") is None
-    monkeypatch.setitem(registry._CODECS, "ans", registry.codec("ans")._replace(layouts=("native", "chunks")))
+    monkeypatch.setitem(registry._CODECS, "ans", registry.codec("ans").replace(layouts=("native", "chunks")))
     assert gpu_compress.torch_free_gpu("ans", "cuda") is None
 
 

@@ -392,7 +392,7 @@ def test_ans_is_written_as_aligned_chunks_and_old_native_streams_still_load(tmp_
     ref = _reference(sorted(src.glob("*.safetensors")))
     compress_dir(src, tmp_path / "chunks", codec="ans", device="cuda")
     # What compress wrote before: the first layout is the one written.
-    monkeypatch.setitem(registry._CODECS, "ans", registry.codec("ans")._replace(layouts=("native", "chunks")))
+    monkeypatch.setitem(registry._CODECS, "ans", registry.codec("ans").replace(layouts=("native", "chunks")))
     compress_dir(src, tmp_path / "native", codec="ans", device="cuda")
     for name, layout in (("chunks", "chunks"), ("native", "native")):
         files = sorted((tmp_path / name).glob("*.safetensors"))
@@ -409,7 +409,7 @@ def _ans_chunks_after(fill: int) -> list[bytes]:
     took back a buffer full of ``fill`` bytes (which the encoder's output then reuses)."""
     import cupy
 
-    from gdsload.loader.codecs import _CupyStreamBytes
+    from gdsload.loader.codecs.gpu import CupyStreamBytes
     from gdsload.loader.codecs.nvcomp_c import ans_encode
 
     g = torch.Generator().manual_seed(7)
@@ -424,7 +424,7 @@ def _ans_chunks_after(fill: int) -> list[bytes]:
         np.array([data.data.ptr + a for a in starts], np.uint64),
         np.array([min(1 << 17, host.size - a) for a in starts], np.uint64),
         "<f2",
-        _CupyStreamBytes(stream.ptr),
+        CupyStreamBytes(stream.ptr),
         stream.ptr,
         "test",
     )

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .writer import Frames
-from ..codecs import encode_tensor, nvcomp_available
+from ..codecs import codec, encode_tensor, nvcomp_available
 from ..config import usable_cores
 from ..dtypes import from_torch
 from ..errors import CheckpointError, CodecError, ConfigError, IntegrityError
@@ -74,7 +74,6 @@ _SPLIT = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
-_LOCAL = threading.local()
 
 
 def pool() -> ThreadPoolExecutor:
@@ -210,26 +209,16 @@ def gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
         return [codecs.crc32(raw[s : s + SEGMENT], where) for s in range(0, raw.numel(), SEGMENT)]
 
 
-def _compressor(level: int) -> Any:
-    """This thread's Zstd compressor (they are not thread-safe; one per thread is made once)."""
-    import zstandard
-
-    made = getattr(_LOCAL, "zstd", None)
-    if made is None or made[0] != level:
-        made = (level, zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True))
-        _LOCAL.zstd = made
-    return made[1]
-
-
 def _split(piece: np.ndarray, planes: int) -> np.ndarray:
     return piece.reshape(-1, planes).T.copy() if planes > 1 else piece
 
 
 def _encode_cpu(name: str, data: np.ndarray, planes: int, level: int, min_gain: float) -> Stored:
     n = data.size
+    zstd, params = codec("zstd"), {"level": level}
 
     def frame(start: int) -> bytes:
-        return _compressor(level).compress(_split(data[start : start + FRAME], planes))
+        return zstd.encode_chunk(_split(data[start : start + FRAME], planes), params)
 
     work = pool()
     crcs = [work.submit(zlib.crc32, data[s : s + SEGMENT]) for s in range(0, n, SEGMENT)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +41,6 @@ __all__ = ["Slot", "TensorFile"]
 
 log = logging.getLogger(__name__)
 
-_LOCAL = threading.local()
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -69,15 +66,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
         if n <= 0:
             raise CheckpointError(f"{where}: the file ends {len(view) - done} bytes early; it was truncated")
         done += n
-
-
-def _decompressor() -> Any:
-    made = getattr(_LOCAL, "zstd", None)
-    if made is None:
-        import zstandard
-
-        made = _LOCAL.zstd = zstandard.ZstdDecompressor()
-    return made
 
 
 class TensorFile:
@@ -238,7 +226,7 @@ class TensorFile:
             _pread_into(self.fd, memoryview(dst[lo:hi]), slot.start + lo, where)
         else:
             assert starts is not None
-            step = e.chunk_bytes
+            step, spec = e.chunk_bytes, codec_spec(e.codec)
             first, stop = lo // step, -(-hi // step)
             begin, end = int(starts[first]), int(starts[stop - 1]) + e.chunks[stop - 1]
             src = bytearray(end - begin)
@@ -247,12 +235,12 @@ class TensorFile:
                 at, size = int(starts[k]) - begin, e.chunks[k]
                 d_lo, d_hi = k * step, min((k + 1) * step, slot.nbytes)
                 try:
-                    frame = _decompressor().decompress(memoryview(src)[at : at + size], max_output_size=d_hi - d_lo)
-                except Exception as err:  # zstandard.ZstdError: a corrupt frame
-                    raise CodecError(f"{where}: Zstd frame {k} is corrupt ({err}); the file is damaged") from None
+                    frame = spec.decode_chunk(memoryview(src)[at : at + size], d_hi - d_lo, e.params)
+                except Exception as err:  # the codec's own error for a damaged chunk
+                    raise CodecError(f"{where}: {e.codec} chunk {k} is corrupt ({err}); the file is damaged") from None
                 if len(frame) != d_hi - d_lo:
                     raise CodecError(
-                        f"{where}: Zstd frame {k} decoded to {len(frame)} bytes, expected "
+                        f"{where}: {e.codec} chunk {k} decoded to {len(frame)} bytes, expected "
                         f"{d_hi - d_lo}; the file is damaged"
                     )
                 unsplit_frame(frame, dst[d_lo:d_hi], slot.planes)

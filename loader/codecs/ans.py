@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from .registry import CodecSpec, register_codec
+from .registry import Codec, register_codec
 
 CHUNK = 256 << 10
-"""Decoded bytes per chunk. 256 KiB gives 1.50x on N(0, 0.02) bf16 against 1.46x at nvCOMP's
-default 64 KiB, decoding about as fast."""
+"""Decoded bytes per chunk: larger chunks than nvCOMP's default 64 KiB compress bf16 weights better and decode
+about as fast."""
 
 
 def data_type(dtype: str) -> str:
@@ -17,19 +18,20 @@ def data_type(dtype: str) -> str:
     return {"BF16": "<f2", "F16": "<f2", "F32": "<f4"}.get(dtype, "|u1")
 
 
-def _params(dtype: str) -> dict[str, Any]:
-    return {"data_type": data_type(dtype)}
+class Ans(Codec):
+    name = "ans"
+    layouts = ("chunks", "native")
+    chunk_bytes = CHUNK
+    chunk_align = 16
+    nvcomp_algorithm = "ANS"
+    batch_decoder = True
+    self_checked = True
+
+    def params(self, dtype: str) -> dict[str, Any]:
+        return {"data_type": data_type(dtype)}
+
+    def nvcomp_options(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return {"data_type": params["data_type"]} if "data_type" in params else {}
 
 
-register_codec(
-    CodecSpec(
-        "ans",
-        layouts=("chunks", "native"),
-        nvcomp_algorithm="ANS",
-        params=_params,
-        chunk_bytes=CHUNK,
-        chunk_align=16,
-        batch_decoder=True,
-        self_checked=True,
-    )
-)
+register_codec(Ans())

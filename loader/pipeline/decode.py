@@ -543,6 +543,13 @@ def _run_groups(
             from ..codecs import GpuCodecs, nvcomp_available
             from ..codecs.registry import codec
 
+            cpu_only = next((t for t in plan.compressed if not codec(t.entry.codec).gpu), None)
+            if cpu_only is not None:
+                raise CodecError(
+                    f"{paths[cpu_only.file_index]!r}: tensor {cpu_only.entry.name!r} is compressed with "
+                    f"{cpu_only.entry.codec!r}, which decodes on the CPU only; load it with device='cpu', or "
+                    "compress the model with a codec nvCOMP decodes (ans, zstd)"
+                )
             # A batch decoder's chunks go through nvCOMP's C API alone, which also leaves GPU 0 alone.
             c_api_only = all(codec(t.entry.codec).batch_decoder and t.entry.layout == "chunks" for t in plan.compressed)
             reason = nvcomp_available(library_only=c_api_only)

@@ -187,7 +187,8 @@ def encode_tensors(
     ``mode_from`` once written (None: those of a new file). The tensors' memory is only read, and
     may be released once this returns.
     """
-    from ..codecs import _CupyStreamBytes, default_params
+    from ..codecs import default_params
+    from ..codecs.gpu import CupyStreamBytes
     from ..codecs.registry import codec
     from ..codecs.nvcomp_c import ans_encode, device_crc32
     from ..format.compression import FORMAT_VERSION, METADATA_KEY, CompressedEntry
@@ -200,7 +201,7 @@ def encode_tensors(
     chunk_bytes, align = ans.chunk_bytes, ans.chunk_align
     cupy = dev.cupy
     stream = cupy.cuda.Stream(non_blocking=True)
-    on_stream = _CupyStreamBytes(stream.ptr)
+    on_stream = CupyStreamBytes(stream.ptr)
     held: list[Any] = []  # aligned copies of tensors the file left unaligned, alive until encoded
     try:
         where: dict[str, DeviceTensor] = {}

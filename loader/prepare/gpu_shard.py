@@ -257,13 +257,13 @@ class GpuShardWriter:
 def _checksum_table(dev: Any, stream: Any, tensors: Sequence[DeviceTensor], f: PlannedFile, what: str) -> str:
     """The checksum table the uncompressed shard's writer records (every tensor, in the plan's order), which the
     compressed file keeps: CRCs of the tensors built on the GPU, in one batch."""
-    from ..codecs import _CupyStreamBytes
+    from ..codecs.gpu import CupyStreamBytes
     from ..codecs.nvcomp_c import device_crc32
     from .gpu_compress import _host_crc32
 
     nonempty = [t for t in tensors if t.nbytes]
     got = (
-        device_crc32([(t.address, t.nbytes) for t in nonempty], _CupyStreamBytes(stream.ptr), stream.ptr, what)
+        device_crc32([(t.address, t.nbytes) for t in nonempty], CupyStreamBytes(stream.ptr), stream.ptr, what)
         if nonempty
         else []
     )
