@@ -572,7 +572,7 @@ def test_compressed_load_on_gpu1_leaves_gpu0_alone(tmp_path, codec, path):
     assert gpu0 == 0, "the process holds a CUDA context on GPU 0"
 
 
-def test_cached_files_go_through_the_staged_engine_and_the_report_says_so(sharded_dir, monkeypatch):
+def test_cached_files_go_through_the_staged_reader_and_the_report_says_so(sharded_dir, monkeypatch):
     from gdsload.loader.io import staged
 
     if staged.unavailable():
@@ -584,7 +584,7 @@ def test_cached_files_go_through_the_staged_engine_and_the_report_says_so(sharde
         assert {f.reader for f in result.report.files} == {"staged"}, result.report.files
         assert {f.io_mode for f in result.report.files} == {"posix"} and "reader=staged" in result.report.summary()
         _check(result, ref)
-    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # kvikio's engine instead, as without the built engine
+    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # kvikio reads instead, as where the staged reader is not built
     result = load_rank(sharded_dir, 0, device="cuda", backend="pinned")
     assert {f.reader for f in result.report.files} <= {"kvikio", "ring"} and "staged" not in result.report.summary()
     _check(result, ref)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .registry import codec, codec_names
@@ -24,6 +23,8 @@ def encode_chunks(
     """The chunks of the host bytes ``data`` compressed with ``codec_name`` by ``threads`` threads at once and put one
     after the other into one array (also by the threads, a run of chunks each); returns it, the chunks' sizes and,
     with ``checksum``, zlib's CRC-32 of ``data`` computed beside them."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
     spec = codec(codec_name)
@@ -66,6 +67,7 @@ def cpu_decode(
             "device='cuda' on a GPU host, or re-compress with `gdsload compress --codec zstd` for CPU hosts"
         )
     params = entry.params
+    from concurrent.futures import ThreadPoolExecutor
 
     def one(span: tuple[int, int, int, int]) -> None:
         s_off, s_len, d_off, d_len = span
