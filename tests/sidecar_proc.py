@@ -13,7 +13,10 @@ from typing import Any
 
 import httpx
 
-__all__ = ["URL_RE", "Server"]
+__all__ = ["URL_RE", "TOKEN", "Server"]
+
+TOKEN = "test-token-5f0c2a9e1d"
+"""The bearer token the tests start sidecars with."""
 
 URL_RE = re.compile(r"listening on (http://[^\s\"]+:\d+)")
 

@@ -130,7 +130,7 @@ print(json.dumps({{"modes": [f.io_mode for f in r.report.files], "want": want,
 def test_the_cufile_backend_leaves_the_users_settings_to_kvikio_when_it_opens(sharded_dir, monkeypatch):
     """Through the backend's own open and close, with kvikio stood in for (it needs a GPU): what it sets
     leaves out the user's KVIKIO_NTHREADS and KVIKIO_COMPAT_MODE, and is put back at close."""
-    from test_torch_free import _host_reader, _stand_in_kvikio
+    from kvikio_stand_in import host_reader as _host_reader, stand_in_kvikio as _stand_in_kvikio
 
     from gdsload.loader import discover, plan_rank
 

@@ -2,8 +2,8 @@
 
 Each test is bounded in count and time; the figures each one measures are printed (``pytest -s``)
 and asserted where they are a property (no untyped error, no hang, a cut-off within its bound).
-Kills at every commit point of shard and compress are in ``test_shard.py``
-(``test_a_kill_at_any_rename_...``), of checkpoint saves in ``test_checkpoint.py``.
+Kills at every commit point of shard and compress are in ``tests/loader/prepare/test_shard.py``
+(``test_a_kill_at_any_rename_...``), of checkpoint saves in ``tests/loader/checkpoints/test_checkpoint.py``.
 """
 
 from __future__ import annotations

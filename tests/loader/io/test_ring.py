@@ -1,6 +1,6 @@
 """The pinned backend's staging ring, on the CPU: chunking, O_DIRECT rounding, groups, errors.
 
-On a GPU the ring copies through pinned buffers on CUDA streams (tests/test_gpu.py); here the
+On a GPU the ring copies through pinned buffers on CUDA streams (tests/loader/pipeline/test_gpu.py); here the
 same threads, queue, alignment and error bookkeeping run with a host destination.
 """
 
@@ -156,7 +156,7 @@ def test_pinned_ring_reader_count_follows_what_it_serves():
 
 @pytest.mark.parametrize("switch", [True, False])
 def test_pinned_reads_an_all_cold_rank_through_kvikio_with_o_direct_when_kvikio_can(tmp_path, monkeypatch, switch):
-    from test_torch_free import _stand_in_kvikio
+    from kvikio_stand_in import stand_in_kvikio as _stand_in_kvikio
 
     from gdsload.loader import discover, plan_rank, save_file
     from gdsload.loader.io import ReadOptions

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -348,14 +347,14 @@ def test_cuda_tensors_compress_on_their_gpu_and_load_anywhere(tmp_path):
     assert all(torch.equal(into["model"][k], v) for k, v in state["model"].items())
 
 
-def test_top_level_package_is_lazy():
+def test_top_level_package_is_lazy(tmp_path):
     code = "import sys, gdsload; assert 'torch' not in sys.modules; print(sorted(gdsload.__all__))"
     p = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).parent.parent.parent,
+        cwd=tmp_path,
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "['load', 'save']"

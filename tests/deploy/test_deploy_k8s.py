@@ -30,7 +30,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))

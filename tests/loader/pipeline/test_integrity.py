@@ -1,7 +1,7 @@
 """Every load checked by default: the per-tensor checksums writers record, checked on the bytes that were loaded.
 
 The GPU cases (marked ``gpu``) check on the device after the copy (nvCOMP's CRC kernel); run them with
-``pytest -m gpu tests/test_integrity.py`` on a GPU host.
+``pytest -m gpu tests/loader/pipeline/test_integrity.py`` on a GPU host.
 """
 
 from __future__ import annotations

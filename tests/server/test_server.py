@@ -28,9 +28,7 @@ from gdsload.loader.pipeline.result import PHASES
 from gdsload.loader.prepare.synthetic import LlamaShape, make_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
-from sidecar_proc import Server
-
-TOKEN = "test-token-5f0c2a9e1d"
+from sidecar_proc import TOKEN, Server
 
 
 def worker_parent(pid: int, server_pid: int) -> psutil.Process:

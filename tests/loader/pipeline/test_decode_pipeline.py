@@ -1,6 +1,6 @@
 """The compressed loader's read/decode schedule (``decode._pipeline``), without a GPU.
 
-On a GPU the reads go to staging buffers and nvCOMP decodes them (tests/test_gpu.py); here the
+On a GPU the reads go to staging buffers and nvCOMP decodes them (tests/loader/pipeline/test_gpu.py); here the
 same schedule runs with recorded reads and a decoder thread, to pin down its promises: the next
 group is read while the last is waited for, a slot is reused only after its decode, every read
 in flight is waited for before an error leaves, and a decode error stops further reads. The in-place

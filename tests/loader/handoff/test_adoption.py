@@ -28,7 +28,7 @@ from gdsload.loader.handoff.ipc import IpcError, export_rank, import_rank
 from gdsload.loader.prepare.synthetic import make_checkpoint
 from sidecar_proc import Server
 from tensor_cases import engine_shaped
-from test_server import TOKEN
+from sidecar_proc import TOKEN
 
 
 def test_a_private_cpu_mapping_is_copy_on_write(tmp_path: Path):
@@ -193,7 +193,10 @@ def _serve(model: Path, tmp_path: Path) -> Server:
 
 
 def _start_engine(server: Server, files: list[str]) -> tuple[subprocess.Popen[str], dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-c", _ENGINE, server.url, TOKEN, *files],
         stdin=subprocess.PIPE,
@@ -308,8 +311,8 @@ def test_a_sidecar_that_cannot_hold_leases_gets_its_tensors_copied(tmp_path: Pat
     """Against a sidecar without held leases (an older gdsload), the engine copies and releases, as before."""
     from gdsload.loader.adapters.base import AdapterOptions
     from gdsload.loader.adapters.vllm import load_into_model
-    from test_adapters import TOKEN as FAKE_TOKEN
-    from test_adapters import _Sidecar
+    from ipc_sidecar import TOKEN as FAKE_TOKEN
+    from ipc_sidecar import Sidecar as _Sidecar
 
     model_dir = make_checkpoint(tmp_path / "m", "tiny", tp=1)
     exported = load_rank(model_dir, 0, backend="cpu")  # an arena, as the sidecar's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -21,8 +20,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvikio_stand_in import host_reader, stand_in_kvikio
+
 from gdsload.loader import save_file
-from gdsload.loader.devices import TorchDevice, torch_free_unavailable
+from gdsload.loader.devices import torch_free_unavailable
 from gdsload.loader.dtypes import from_torch
 from gdsload.loader.handoff.ipc import IpcError, import_rank
 
@@ -202,90 +203,12 @@ def test_cuda_ipc_document_for_an_absent_gpu_is_a_typed_error():
         import_rank(doc)
 
 
-def _stand_in_kvikio(monkeypatch, fail_on: str | None = None, direct_switch: bool = False) -> dict:
-    """A kvikio whose CuFile.pread copies real file bytes into host memory; records what was done.
-
-    With ``direct_switch`` it has the ``auto_direct_io_read`` setting (kvikio 26.10 has it) and
-    ``CuFile.is_direct_io_supported``."""
-    import types
-    from types import SimpleNamespace
-
-    from gdsload.loader.io import cufile
-    from gdsload.loader.io.iomode import KvikioState
-
-    seen: dict = {"settings": [], "restored": 0, "opened": [], "closed": [], "preads": []}
-
-    class CuFile:
-        def __init__(self, path, mode):
-            path = os.path.realpath(path)  # the plan hands kvikio /proc/self/fd/N: the very file it planned
-            if fail_on and path.endswith(fail_on):
-                raise OSError(f"cannot open {path}")
-            self.fh = open(path, "rb")
-            seen["opened"].append(path)
-
-        def pread(self, buf, n, off):
-            seen["preads"].append((self.fh.name, off, n))
-            self.fh.seek(off)
-            data = self.fh.read(n)
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            return SimpleNamespace(get=lambda: len(data))
-
-        def close(self):
-            self.fh.close()
-            seen["closed"].append(self.fh.name)
-
-    class Settings:
-        def __init__(self, values):
-            seen["settings"].append(values)
-
-        def __exit__(self, *exc):
-            seen["restored"] += 1
-
-    kvikio = types.ModuleType("kvikio")
-    kvikio.CuFile = CuFile
-    kvikio.CompatMode = SimpleNamespace(ON="ON")
-    kvikio.defaults = SimpleNamespace(set=Settings)
-    if direct_switch:
-        kvikio.defaults.get = lambda name: {"auto_direct_io_read": False}[name]
-        CuFile.is_direct_io_supported = lambda self: True
-    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
-    monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
-    monkeypatch.setattr(cufile, "kvikio_state", lambda: KvikioState(True, "stand-in", "ON", True, None))
-    monkeypatch.setenv("GDSLOAD_STAGED", "0")  # these tests are about kvikio's reads, not the staged reader's
-    return seen
-
-
-class _HostAsCuda(TorchDevice):
-    """Host memory that the cufile backend takes for a GPU: records when it is made current and synchronized."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-        self.kind = "cuda"  # type: ignore[misc]
-        self.index = 0
-        self.hooks: list[str] = []
-
-    def activate(self) -> None:
-        self.hooks.append("use")
-
-    def synchronize(self) -> None:
-        self.hooks.append("sync")
-
-
-def _host_reader(chunk: int = 1 << 20):
-    from gdsload.loader.io import ReadOptions
-    from gdsload.loader.io.cufile import CuFileBackend
-
-    r = CuFileBackend(_HostAsCuda(), ReadOptions(num_threads=3, chunk_bytes=chunk))
-    r.hooks = r.device.hooks
-    return r
-
-
 def test_kvikio_reads_land_every_byte_and_hold_settings_from_open_to_close(sharded_dir, monkeypatch):
     from gdsload.loader import discover, plan_rank
 
-    seen = _stand_in_kvikio(monkeypatch)
+    seen = stand_in_kvikio(monkeypatch)
     plan = plan_rank(discover(sharded_dir, 1))
-    reader = _host_reader()
+    reader = host_reader()
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -321,7 +244,7 @@ def _cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str]]:
     from gdsload.loader.io.iomode import o_direct_supported
     from gdsload.loader.io.pagecache import evict, resident_fraction
 
-    seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
+    seen = stand_in_kvikio(monkeypatch, direct_switch=True)
     plan = plan_rank(discover(sharded_dir, 1))
     paths = [f.path for f in plan.files]
     if not o_direct_supported(paths[0]):
@@ -336,12 +259,12 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
     from gdsload.loader.plan import split_extents, stream_order
 
     seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
-    small = _host_reader(chunk=4096)  # kvikio reads O_DIRECT only through bounce buffers of two pages or more
+    small = host_reader(chunk=4096)  # kvikio reads O_DIRECT only through bounce buffers of two pages or more
     small.open(plan)
     small.close()
     assert not small.cold_direct and seen["settings"][-1]["auto_direct_io_read"] is False
     seen["settings"].clear()
-    reader = _host_reader(chunk=8192)
+    reader = host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -358,7 +281,7 @@ def test_cold_files_are_read_with_o_direct_in_one_sequential_stream_per_thread(s
 
     # The same files, now cached: page-cache reads, kvikio's usual shape, O_DIRECT switched off.
     seen["settings"].clear()
-    reader = _host_reader(chunk=8192)
+    reader = host_reader(chunk=8192)
     reader.open(plan)
     reader.read(plan.extents, [reader.allocate(plan.arena_bytes)])
     reader.close()
@@ -391,7 +314,7 @@ def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touche
 
     monkeypatch.setattr(cufile.CuFileBackend, "COLD_READER", "fastsafetensors")
     monkeypatch.setattr(cufile, "make_fst_reader", lambda paths, index, open_paths=None: (Reader(), None))
-    reader = _host_reader(chunk=8192)
+    reader = host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -407,7 +330,7 @@ def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touche
 
     evict(paths)  # the stand-in read through the page cache
     monkeypatch.setattr(cufile, "make_fst_reader", lambda paths, index, open_paths=None: (None, "not here"))
-    reader = _host_reader(chunk=8192)
+    reader = host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -419,7 +342,7 @@ def test_a_cold_rank_goes_to_the_fastsafetensors_reader_and_kvikio_is_not_touche
 def _read_cold_rank(sharded_dir, monkeypatch) -> tuple[dict, Any, list[str], Any]:
     """:func:`_cold_rank`, then one read of it with 8 KiB reads; also returns the arena."""
     seen, plan, paths = _cold_rank(sharded_dir, monkeypatch)
-    reader = _host_reader(chunk=8192)
+    reader = host_reader(chunk=8192)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -463,7 +386,7 @@ def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatc
     from gdsload.loader.io.iomode import o_direct_supported
     from gdsload.loader.io.pagecache import evict, resident_fraction
 
-    seen = _stand_in_kvikio(monkeypatch, direct_switch=True)
+    seen = stand_in_kvikio(monkeypatch, direct_switch=True)
     big, small = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
     save_file({"w": torch.arange(6 << 20, dtype=torch.int32)}, big)
     save_file({"norm": torch.ones(16)}, small)
@@ -474,7 +397,7 @@ def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatc
     if resident_fraction([str(big)]) > 0.1 or resident_fraction([str(small)]) < 0.9:
         pytest.skip("the page cache could not be set up here")
     plan = plan_rank(discover(tmp_path, 0))
-    reader = _host_reader(chunk=1 << 20)
+    reader = host_reader(chunk=1 << 20)
     arena = reader.allocate(plan.arena_bytes)
     reader.open(plan)
     reader.read(plan.extents, [arena])
@@ -487,9 +410,9 @@ def test_a_small_cached_file_does_not_make_a_cold_rank_warm(tmp_path, monkeypatc
 def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharded_dir, monkeypatch):
     from gdsload.loader import discover, plan_rank
 
-    seen = _stand_in_kvikio(monkeypatch, fail_on="part-1.safetensors")
+    seen = stand_in_kvikio(monkeypatch, fail_on="part-1.safetensors")
     plan = plan_rank(discover(sharded_dir, 0))
-    reader = _host_reader()
+    reader = host_reader()
     with pytest.raises(OSError, match="part-1"):
         reader.open(plan)
     reader.close()
@@ -497,7 +420,7 @@ def test_kvikio_reader_closes_the_files_it_opened_when_a_later_open_fails(sharde
 
 
 def test_kvikio_bounce_buffers_are_sized_to_its_task():
-    reader = _host_reader(chunk=8 << 20)
+    reader = host_reader(chunk=8 << 20)
     reader.options = type(reader.options)(chunk_bytes=8 << 20)
     assert reader._kvikio_settings() == {
         "num_threads": 16,

@@ -727,7 +727,7 @@ def test_every_bench_module_is_behind_gdsload_bench():
     from gdsload.bench.cli import SUBCOMMANDS
 
     used = {m for m, _ in SUBCOMMANDS.values()} | {"cli", "coldstart", "methods", "limits", "plot", "__init__"}
-    here = {p.stem for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")}
+    here = {p.stem for p in (Path(__file__).resolve().parents[2] / "bench").glob("*.py")}
     assert here <= used, sorted(here - used)
 
 

@@ -27,7 +27,7 @@ from gdsload.loader.io.cpu import CpuBackend
 from gdsload.loader.io.cufile import CuFileBackend
 from gdsload.loader.io.pinned import PinnedBackend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKER = DEPLOY / "docker"
 ENTRYPOINT = DOCKER / "entrypoint.sh"

@@ -9,7 +9,7 @@ import torch
 
 from gdsload.loader import SidecarClient
 from gdsload.loader.prepare.synthetic import make_checkpoint
-from test_server import TOKEN, Server
+from sidecar_proc import TOKEN, Server
 
 
 def test_engine_maps_a_rank_from_the_real_sidecar_and_releases_its_lease(tmp_path: Path):

@@ -17,13 +17,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+
+from ipc_sidecar import TOKEN, Sidecar
 
 from gdsload.loader import BackendUnavailableError, ConfigError, load_rank, save_file
 from gdsload.loader.adapters import (
@@ -61,7 +62,6 @@ CONFIG = dict(
 )
 PROMPT = [[3, 17, 42, 99, 7, 250, 12, 64]]
 NEW_TOKENS = 12
-TOKEN = "s3cret-token-0123456789"
 
 
 @contextmanager
@@ -280,67 +280,10 @@ def test_importing_adapters_imports_no_engine():
 # ------------------------------------------------------------------------------- sidecar: a real loopback server
 
 
-class _Sidecar:
-    """The sidecar's IPC endpoints as specified (GET /v1/ipc/{rank}, POST .../release, bearer token), on loopback."""
-
-    def __init__(self, docs: dict[int, dict[str, Any]], token: str = TOKEN):
-        self.docs, self.token, self.released, self.requests = docs, token, [], []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _reply(self, code: int, body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _route(self, method: str) -> None:
-                outer.requests.append((method, self.path, self.headers.get("Authorization")))
-                if self.headers.get("Authorization") != f"Bearer {outer.token}":
-                    return self._reply(401, {"detail": "missing or wrong bearer token"})
-                parts = self.path.strip("/").split("/")
-                if parts[:2] != ["v1", "ipc"] or not parts[2:3] or not parts[2].isdigit():
-                    return self._reply(404, {"detail": "no such endpoint"})
-                rank = int(parts[2])
-                if rank not in outer.docs:
-                    return self._reply(503, {"detail": f"rank {rank} is loading"})
-                if method == "GET" and len(parts) == 3:
-                    return self._reply(200, outer.docs[rank])
-                if method == "POST" and parts[3:] == ["release"]:
-                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                    outer.released.append(rank)
-                    return self._reply(200, {"released": rank})
-                return self._reply(405, {"detail": "method not allowed"})
-
-            def do_GET(self) -> None:
-                self._route("GET")
-
-            def do_POST(self) -> None:
-                self._route("POST")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> _Sidecar:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
-
-
 def test_sidecar_tensors_inject_and_generate(reference, prepared):
     _, want_logits, want_tokens = reference
     exported = load_rank(prepared, 0)
-    with _Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
+    with Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
         client = SidecarClient(sidecar.url, token=TOKEN)
         with client.map_rank(0, device="cpu") as mapped:
             model = _empty()
@@ -356,7 +299,7 @@ def test_open_rank_maps_from_the_sidecar_and_releases(prepared, tmp_path):
     exported = load_rank(prepared, 0)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    with _Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
+    with Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
         options = AdapterOptions.from_mapping({"sidecar_url": sidecar.url, "token_file": str(token_file)})
         with open_rank(None, 0, options=options) as w:
             assert w.origin == "sidecar" and sidecar.released == []
@@ -367,7 +310,7 @@ def test_open_rank_maps_from_the_sidecar_and_releases(prepared, tmp_path):
 def test_sidecar_errors_are_typed_and_name_the_fix(prepared):
     exported = load_rank(prepared, 0)  # the sidecar keeps its result alive while it serves the document
     doc = json.loads(json.dumps(export_rank(exported)))
-    with _Sidecar({0: doc, 1: doc}) as sidecar:
+    with Sidecar({0: doc, 1: doc}) as sidecar:
         with pytest.raises(SidecarAuthError, match="HTTP 401.*token was refused") as e:
             SidecarClient(sidecar.url, token="wrong").map_rank(0)
         assert isinstance(e.value, PermissionError)
@@ -451,7 +394,7 @@ def _generate_in_child(url: str, device: str, out: Path) -> dict[str, Any]:
 def test_another_process_maps_injects_and_generates(reference, prepared, tmp_path):
     _, want_logits, want_tokens = reference
     exported = load_rank(prepared, 0)
-    with _Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
+    with Sidecar({0: json.loads(json.dumps(export_rank(exported)))}) as sidecar:
         got = _generate_in_child(sidecar.url, "cpu", tmp_path / "out.pt")
         assert sidecar.released == [0]
     assert got["shares_arena"] and got["zero_copy"] == got["loaded"] > 0
@@ -495,7 +438,7 @@ def test_gpu_another_process_maps_over_cuda_ipc_and_generates(prepared, tmp_path
     exported = _load_to_cuda(prepared)
     doc = json.loads(json.dumps(export_rank(exported)))
     assert doc["kind"] == "cuda"
-    with _Sidecar({0: doc}) as sidecar:
+    with Sidecar({0: doc}) as sidecar:
         got = _generate_in_child(sidecar.url, "cuda:0", tmp_path / "out.pt")
         assert sidecar.released == [0]
     assert got["device"] == "cuda:0" and got["shares_arena"] and got["zero_copy"] == got["loaded"] > 0

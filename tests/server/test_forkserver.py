@@ -1,7 +1,7 @@
 """The worker fork server's preload: what it records, the CUDA check, and the choice of libraries.
 
 The fork server itself runs in every ``gdsload serve`` test (it is the default worker start);
-tests/test_server.py checks that the workers are its children and that it leaves with the server.
+tests/server/test_server.py checks that the workers are its children and that it leaves with the server.
 """
 
 from __future__ import annotations
