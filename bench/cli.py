@@ -18,6 +18,7 @@ import click
 from ..loader import parse_size
 from ..loader.codecs.registry import codec_names
 from ..server.cli import DEVICE_OR_AUTO
+from ..server.options import progress_option
 
 
 def _given(name: str) -> bool:
@@ -148,6 +149,7 @@ def _generator_device(device: str) -> str:
     type=click.Path(exists=True, dir_okay=False),
     help="Only draw chart.png from an existing results.json.",
 )
+@progress_option
 def run(
     model_dir: str | None,
     compressed_dir: str | None,
@@ -164,6 +166,7 @@ def run(
     ttr: bool,
     plot_json: str | None,
     experts: int,
+    show_progress: bool | None,
 ) -> None:
     """Time cold starts of every loader on the same checkpoint, next to the hardware limits."""
     if plot_json:
@@ -218,14 +221,20 @@ def run(
         shape = shape_for_size(parse_size(make_model), experts=experts)
         gen = _generator_device(device)
         click.echo(f"synthetic {'Mixtral' if experts else 'Llama'}: {shape} (values drawn on {gen})")
-        if writer == "safetensors":
-            make_hf_checkpoint(out, shape, max_file_bytes=parse_size(max_file_bytes), device=gen)
-        else:
-            make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen)
+        from ..loader.prepare.synthetic import model_bytes
+        from ..server.progress import progress_bar
+
+        total = model_bytes(shape)
+        with progress_bar("make model", total, enabled=show_progress) as step:
+            if writer == "safetensors":
+                make_hf_checkpoint(out, shape, max_file_bytes=parse_size(max_file_bytes), device=gen, progress=step)
+            else:
+                make_checkpoint(out, shape, tp=tp, max_file_bytes=parse_size(max_file_bytes), device=gen, progress=step)
         if compress_codec:
             from ..loader.prepare.compress import compress_dir
 
-            stats = compress_dir(out, f"{out.rstrip('/')}-{compress_codec}", codec=compress_codec)
+            with progress_bar(f"compress ({compress_codec})", total, enabled=show_progress) as step:
+                stats = compress_dir(out, f"{out.rstrip('/')}-{compress_codec}", codec=compress_codec, progress=step)
             click.echo(f"compressed with {compress_codec}: ratio {stats.ratio:.3f}")
         return
     if not model_dir:

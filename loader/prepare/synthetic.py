@@ -34,6 +34,7 @@ __all__ = [
     "LlamaShape",
     "PRESETS",
     "shape_for_size",
+    "model_bytes",
     "tensor_shapes",
     "make_checkpoint",
     "make_hf_checkpoint",
@@ -119,7 +120,9 @@ def tensor_shapes(s: LlamaShape) -> Iterator[tuple[str, tuple[int, ...], str]]:
     yield "lm_head.weight", (s.vocab, s.hidden), "col"
 
 
-def _bytes(s: LlamaShape) -> int:
+def model_bytes(s: LlamaShape) -> int:
+    """The checkpoint's size: every tensor's bf16 bytes, once (a tensor-parallel split writes the replicated
+    ones once per rank on top)."""
     return sum(math.prod(shape) for _, shape, _ in tensor_shapes(s)) * 2
 
 
@@ -133,11 +136,11 @@ def shape_for_size(nbytes: int, experts: int = 0) -> LlamaShape:
     best = LlamaShape(**{**asdict(PRESETS["tiny"]), "experts": experts})
     for shape in PRESETS.values():
         shape = LlamaShape(**{**asdict(shape), "experts": experts})
-        fixed = _bytes(LlamaShape(**{**asdict(shape), "layers": 0}))
+        fixed = model_bytes(LlamaShape(**{**asdict(shape), "layers": 0}))
         if fixed <= nbytes / 3:
             best = shape
-    fixed = _bytes(LlamaShape(**{**asdict(best), "layers": 0}))
-    per_layer = _bytes(LlamaShape(**{**asdict(best), "layers": 1})) - fixed
+    fixed = model_bytes(LlamaShape(**{**asdict(best), "layers": 0}))
+    per_layer = model_bytes(LlamaShape(**{**asdict(best), "layers": 1})) - fixed
     layers = max(1, round((nbytes - fixed) / per_layer))
     return LlamaShape(**{**asdict(best), "layers": layers})
 

@@ -59,12 +59,15 @@ def test_synthetic_ranks_hold_whole_heads(tmp_path):
 def test_bench_runs_end_to_end_on_cpu(tmp_path):
     model = tmp_path / "m"
     p = subprocess.run(
-        [*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--codec", "zstd"],
+        [*GDSLOAD, "bench", "--make-model", "8MB", "--out", str(model), "--codec", "zstd", "--progress"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
+    # Both halves report progress on stderr, as plain lines off a terminal; stdout keeps the results.
+    assert "make model: " in p.stderr and "compress (zstd): " in p.stderr and "(100%)" in p.stderr, p.stderr
+    assert "make model" not in p.stdout and "compressed with zstd: ratio" in p.stdout, p.stdout
     out = tmp_path / "out"
     p = subprocess.run(
         [
