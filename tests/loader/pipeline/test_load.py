@@ -50,11 +50,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("rank, backend", [(0, None), (1, None), (1, "cpu")])
 def test_load_rank_matches_safetensors(sharded_dir, rank, backend):
-    """Host memory: ``auto`` maps the files (``mmap``); ``cpu`` reads them into an arena. Same bytes either way."""
+    """Host memory: ``auto`` maps cached files (``mmap``); ``cpu`` reads them into an arena. Same bytes either way.
+    (The reference is read first, so the files are cached whatever tests that evict them ran before.)"""
+    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith(f"r{rank}.")}
     start = time.perf_counter()
     result = load_rank(sharded_dir, rank, verify=True, backend=backend)
     wall = time.perf_counter() - start
-    ref = {k: v for k, v in _reference(sharded_dir).items() if k.startswith(f"r{rank}.")}
     assert set(result.tensors) == set(ref)
     for name, t in ref.items():
         assert _same_bits(result.tensors[name], t), name
