@@ -484,6 +484,42 @@ def test_a_lease_no_engine_holds_is_released_within_seconds(tmp_path):
         srv.close()
 
 
+def test_a_peer_that_stops_reading_keeps_no_lease_and_stalls_nothing(tmp_path):
+    """An engine asks for a rank's export and then stops reading, its connection left open (a hung or stopped
+    client): the lease it never held is released within seconds, and the rest of the API answers meanwhile."""
+    import socket
+    from urllib.parse import urlsplit
+
+    srv = _lease_server(tmp_path)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    url = urlsplit(srv.url)
+    peer = socket.create_connection((url.hostname, url.port), timeout=5)
+    try:
+        t = time.monotonic()
+        peer.sendall(
+            f"GET /v1/ipc/0 HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Connection: keep-alive\r\n\r\n".encode()
+        )  # ... and never reads the answer
+        while not _rank0(srv)["leases"] and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert _rank0(srv)["leases"] == 1, "the export was made"
+        slowest = 0.0
+        while _rank0(srv)["leases"] and time.monotonic() - t < 10:
+            for path in ("/healthz", "/readyz"):
+                start = time.monotonic()
+                assert srv.http.get(path, timeout=2).status_code == 200
+                slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+        freed = time.monotonic() - t
+        print(f"leases: an export whose peer stopped reading released {freed:.2f} s after it was asked for")
+        assert _rank0(srv)["leases"] == 0 and freed < 5.0, freed
+        assert slowest < 1.0, slowest
+        assert srv.http.post("/v1/unload", json={}, headers=auth).status_code == 200
+    finally:
+        peer.close()
+        srv.close()
+
+
 # --------------------------------------------------------------------------------------- control plane
 
 
