@@ -214,7 +214,8 @@ class Engine:
     def state_values(
         self, model: Path, out: Path, *, tp: int, pp: int = 1, ep: int = 1, load_format: str = "auto"
     ) -> dict[int, Path]:
-        """Every rank's state as vLLM's own loader (``auto``, or ``sharded_state``) fills it: global rank -> file.
+        """Every rank's state as a load format (vLLM's ``auto`` or ``sharded_state``, or ``gdsload``) fills it:
+        global rank -> file.
 
         vLLM's CPU build loads pipeline- and expert-parallel layouts but cannot run them; the state is taken
         right after loading."""

@@ -114,13 +114,16 @@ def test_parallel_layout_holds_what_vllms_own_loader_puts_on_each_rank(
             stacked = [t for n, t in rank_state(out, rank).items() if ".experts." in n and t.dim() == 3]
             assert stacked and all(t.shape[0] == experts // ep for t in stacked), (rank, [t.shape for t in stacked])
     if (kind, tp, pp, ep) in (("mixtral", 1, 2, 1), ("mixtral", 2, 1, 2)):
-        from_files = engine.state_values(out, tmp_path / "sharded", tp=tp, pp=pp, ep=ep, load_format="sharded_state")
-        for rank, path in from_files.items():
-            assert_same_state(
-                load_file(str(path)),
-                load_file(str(theirs[rank])),
-                f"vLLM's sharded_state on {kind} tp={tp} pp={pp} ep={ep}, rank {rank}",
-            )
+        # The files through vLLM's own sharded_state loader, and through gdsload's load format, each rank its own.
+        for load_format in ("sharded_state", "gdsload"):
+            from_files = engine.state_values(out, tmp_path / load_format, tp=tp, pp=pp, ep=ep, load_format=load_format)
+            assert sorted(from_files) == list(range(tp * pp))
+            for rank, path in from_files.items():
+                assert_same_state(
+                    load_file(str(path)),
+                    load_file(str(theirs[rank])),
+                    f"load format {load_format} on {kind} tp={tp} pp={pp} ep={ep}, rank {rank}",
+                )
 
 
 def test_llamas_traced_layout_equals_the_builtin_rules(traced, made):

@@ -66,6 +66,7 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
 PROBE_FORMAT = "state-dict-probe"
 VALUES_FORMAT = "state-values-probe"
 SHARDED_VALUES_FORMAT = "sharded-state-values-probe"
+GDSLOAD_VALUES_FORMAT = "gdsload-state-values-probe"
 
 
 def register_probe() -> None:
@@ -73,8 +74,9 @@ def register_probe() -> None:
 
     ``state-dict-probe``: each worker writes the state dict vLLM's sharded_state loader would fill (names,
     shapes, dtypes, after vLLM's own shared-tensor filter) to ``OUT/rank{R}.json`` and stops the engine.
-    ``state-values-probe`` / ``sharded-state-values-probe``: vLLM's default (or sharded_state) loader fills the
-    state, which each worker writes to ``OUT/rank{R}.safetensors`` before stopping the engine.
+    ``state-values-probe`` / ``sharded-state-values-probe`` / ``gdsload-state-values-probe``: vLLM's default loader
+    (or sharded_state, or gdsload's load format) fills the state, which each worker writes to
+    ``OUT/rank{R}.safetensors`` before stopping the engine.
     """
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import register_model_loader
@@ -132,6 +134,9 @@ def register_probe() -> None:
 
     register_model_loader(VALUES_FORMAT)(values_probe(DefaultModelLoader, "auto"))
     register_model_loader(SHARDED_VALUES_FORMAT)(values_probe(ShardedStateLoader, "sharded_state"))
+    from gdsload.loader.adapters.vllm import loader_class
+
+    register_model_loader(GDSLOAD_VALUES_FORMAT)(values_probe(loader_class(), "gdsload"))
 
 
 def state_dict(spec: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +163,9 @@ def state_values(spec: dict[str, Any]) -> dict[str, Any]:
     import glob
 
     out = spec["out"]
-    fmt = SHARDED_VALUES_FORMAT if spec.get("load_format") == "sharded_state" else VALUES_FORMAT
+    fmt = {"sharded_state": SHARDED_VALUES_FORMAT, "gdsload": GDSLOAD_VALUES_FORMAT}.get(
+        spec.get("load_format", "auto"), VALUES_FORMAT
+    )
     try:
         _engine({**spec, "extra": {"out": out}}, fmt)
     except Exception:  # vLLM wraps the probe's stop; what counts is that every rank wrote its file
