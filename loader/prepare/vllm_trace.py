@@ -611,6 +611,10 @@ def trace(request: dict[str, Any]) -> dict[str, Any]:
         "ranks": {},
     }
     wanted = request.get("ranks") or list(range(tp * pp))
+    # Every rank's model stays alive until the trace ends: vLLM caches facts about a model by ``id(model)`` (which
+    # layers a pipeline stage lacks), and a later rank's model could otherwise get an earlier one's id, and with it
+    # the wrong stage's missing layers.
+    models: list[Any] = []
     for rank in wanted:
         tp_rank, pp_rank = rank % tp, rank // tp
         _set_groups(tp, pp, tp_rank, pp_rank, cfg.model_config.is_moe)
@@ -661,6 +665,7 @@ def trace(request: dict[str, Any]) -> dict[str, Any]:
             "pp_rank": pp_rank,
             "entries": _rank_entries(model, built, tracer, where),
         }
+        models.append(model)
         del model, state, tracer
     return result
 
