@@ -38,7 +38,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         with open(REPO / ".venv-engine.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; others wait, then reuse it
             python = build_engine_venv(logs / "setup.log")
-    yield Engine(python=python, logs=logs)
+    engine = Engine(python=python, logs=logs)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@
     python vllm_run.py state-dict SPEC.json OUT.json   # the state dict vLLM builds per rank, before loading
     python vllm_run.py state-values SPEC.json OUT.json # every rank's state after vLLM's own loader filled it
                                                        # (load_format "auto", or "sharded_state")
+    python vllm_run.py serve                           # the cases above, one per line of stdin (see serve)
 
 The engine environment also lists :func:`register_probe` as a ``vllm.general_plugins`` entry point,
 so every vLLM process (workers included) knows the probe's load format.
@@ -16,6 +17,7 @@ suite: it runs in another environment.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -177,13 +179,80 @@ def state_values(spec: dict[str, Any]) -> dict[str, Any]:
     return {"files": files}
 
 
-def main() -> None:
-    mode, spec_path, out_path = sys.argv[1:4]
+def run_case(mode: str, spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     result = {"generate": generate, "state-dict": state_dict, "state-values": state_values}[mode](spec)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def serve() -> None:
+    """Run cases one after another, each in a process of its own forked from this one once vLLM is imported,
+    so that no case pays for Python's import of vLLM (seconds) again. One JSON request per line of stdin:
+    ``{"mode", "spec", "out", "log", "cwd", "env", "timeout"}``; one JSON answer per line of stdout:
+    ``{"returncode"}``. The child runs as ``vllm_run.py MODE SPEC OUT`` would, in a new session (a timeout
+    kills its workers too), its output in ``log``, its environment exactly ``env``. Nothing runs in this
+    process but the import, so each child starts from the same state a fresh interpreter would reach."""
+    import signal
+    import traceback
+
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                null = os.open(os.devnull, os.O_RDONLY)  # the requests stay this process's to read
+                os.dup2(null, 0)
+                os.close(null)
+                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
+                os.chdir(req["cwd"])
+                os.environ.clear()
+                os.environ.update(req["env"])
+                run_case(req["mode"], req["spec"], req["out"])
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+                print(e, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + req["timeout"]
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = -9
+                break
+            time.sleep(0.05)
+        try:  # workers the case left behind (its session) do not outlive it
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.stdout.write(json.dumps({"returncode": code}) + "\n")
+        sys.stdout.flush()
+
+
+def main() -> None:
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        run_case(*sys.argv[1:4])
 
 
 if __name__ == "__main__":
