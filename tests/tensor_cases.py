@@ -1,5 +1,5 @@
 """Tensor cases shared by the test modules: every dtype, whole bit patterns, odd and empty shapes;
-and modules shaped like an engine's for a given state dict.
+a safetensors file laid out unaligned; and modules shaped like an engine's for a given state dict.
 
 A plain module rather than conftest helpers: the engine tier has a conftest of its own, and
 ``from conftest import ...`` would find whichever conftest was imported last.
@@ -7,7 +7,10 @@ A plain module rather than conftest helpers: the engine tier has a conftest of i
 
 from __future__ import annotations
 
+import json
 import math
+import struct
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,3 +75,29 @@ def engine_shaped(state: dict[str, torch.Tensor]) -> nn.Module:
             m = getattr(m, p)
         m.register_parameter(leaf, nn.Parameter(torch.empty_like(t), requires_grad=False))
     return model
+
+
+def _misaligned_file(path: Path) -> dict[str, torch.Tensor]:
+    """A valid safetensors file whose header length and tensor offsets break natural alignment."""
+    tensors = {
+        "a.u8": torch.arange(3, dtype=torch.uint8),
+        "b.f32": torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32),
+        "c.bf16": torch.tensor([0.5, 7.0], dtype=torch.bfloat16),
+        "d.i64": torch.tensor([-(2**40), 5], dtype=torch.int64),
+    }
+    header, off = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + n],
+        }
+        off += n
+    raw = json.dumps(header).encode() + b" "  # odd header length: data starts unaligned too
+    data = b"".join(
+        t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
+        for t in tensors.values()
+    )
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return tensors

@@ -1,6 +1,6 @@
 """The pinned backend's staging ring, on the CPU: chunking, O_DIRECT rounding, groups, errors.
 
-On a GPU the ring copies through pinned buffers on CUDA streams (tests/loader/pipeline/test_gpu.py); here the
+On a GPU the ring copies through pinned buffers on CUDA streams (tests/loader/io/test_gpu_readers.py); here the
 same threads, queue, alignment and error bookkeeping run with a host destination.
 """
 

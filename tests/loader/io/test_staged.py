@@ -1,5 +1,5 @@
 """The staged reader (loader/io/_staged.c) driven into host memory: the same threads, buffers, queue and
-error paths as on a GPU, with memcpy in place of the device copy. On a GPU: tests/loader/pipeline/test_gpu.py."""
+error paths as on a GPU, with memcpy in place of the device copy. On a GPU: tests/loader/io/test_gpu_readers.py."""
 
 from __future__ import annotations
 

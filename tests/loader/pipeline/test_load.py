@@ -6,7 +6,6 @@ import json
 import time
 import os
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from tensor_cases import _misaligned_file
 from gdsload.loader.pipeline.result import PHASES
 from gdsload.loader import (
     BackendUnavailableError,
@@ -186,32 +186,6 @@ def test_threads_and_chunk_sizes_give_identical_bytes(sharded_dir, threads, chun
         assert _same_bits(t, ref[name]), name
     assert sum(done) == result.report.stored_bytes
     assert max(done) <= chunk
-
-
-def _misaligned_file(path: Path) -> dict[str, torch.Tensor]:
-    """A valid safetensors file whose header length and tensor offsets break natural alignment."""
-    tensors = {
-        "a.u8": torch.arange(3, dtype=torch.uint8),
-        "b.f32": torch.tensor([1.5, -2.25, 3.0], dtype=torch.float32),
-        "c.bf16": torch.tensor([0.5, 7.0], dtype=torch.bfloat16),
-        "d.i64": torch.tensor([-(2**40), 5], dtype=torch.int64),
-    }
-    header, off = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [off, off + n],
-        }
-        off += n
-    raw = json.dumps(header).encode() + b" "  # odd header length: data starts unaligned too
-    data = b"".join(
-        t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
-        for t in tensors.values()
-    )
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
-    return tensors
 
 
 def test_foreign_misaligned_files_load_and_are_counted(tmp_path):

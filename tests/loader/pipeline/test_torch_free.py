@@ -461,7 +461,7 @@ def test_bare_load_is_bit_identical_and_never_imports_torch(sharded_dir):
 @pytest.mark.gpu
 def test_bare_load_of_foreign_misaligned_file(tmp_path):
     _needs_bare()
-    from test_load import _misaligned_file
+    from tensor_cases import _misaligned_file
 
     path = tmp_path / "foreign.safetensors"
     _misaligned_file(path)
