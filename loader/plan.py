@@ -44,6 +44,7 @@ __all__ = [
     "fd_path",
     "plan_rank",
     "align_up",
+    "landing_groups",
     "split_extents",
     "stream_order",
     "direct_read_order",
@@ -97,6 +98,32 @@ def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
     bounds = [i * n // k for i in range(k + 1)]
     stripes = [chunks[bounds[i] : bounds[i + 1]] for i in range(k)]
     return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
+
+
+def landing_groups(extents: Sequence[Extent], groups: int, min_bytes: int) -> list[list[Extent]]:
+    """Cut ``extents`` (in their order) into at most ``groups`` consecutive groups of about equal bytes, none
+    smaller than ``min_bytes`` (but the last), cutting an extent where a boundary falls inside it.
+
+    A load that checks its bytes on a GPU reads the groups all at once and checks each group's tensors as soon
+    as that group has landed, while the later groups are still being read.
+    """
+    reads = [e for e in extents if e.length]
+    total = sum(e.length for e in reads)
+    k = max(1, min(groups, total // max(min_bytes, 1)))
+    size = -(-total // k) if total else 0
+    out: list[list[Extent]] = [[]]
+    room = size
+    for e in reads:
+        at = 0
+        while at < e.length:
+            if room == 0:
+                out.append([])
+                room = size
+            n = min(room, e.length - at)
+            out[-1].append(Extent(e.file_index, e.file_offset + at, n, e.offset + at, e.buffer))
+            at += n
+            room -= n
+    return [g for g in out if g]
 
 
 def direct_read_order(extents: Sequence[Extent], chunk_bytes: int, streams: int) -> list[Extent]:

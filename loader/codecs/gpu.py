@@ -181,6 +181,16 @@ class GpuCodecs:
             got = None
         return int(got[0]) if got is not None else zlib.crc32(self.device.to_host(array))
 
+    def crc_batches(self, where: str, table: tuple[Any, int, int] | None = None) -> Any:
+        """A :class:`~gdsload.loader.codecs.nvcomp_c.CrcBatches` on this stream (CRC-32s launched as bytes become
+        ready, read back at the end; ``table`` as it takes it); None where nvCOMP's library or its CRC-32 call is
+        missing."""
+        from .nvcomp_c import CrcBatches, library_unavailable
+
+        if library_unavailable() is not None or not CrcBatches.available():
+            return None
+        return CrcBatches(self._stream_bytes(), self.stream or 0, where, table=table)
+
     def crcs(self, spans: list[tuple[int, int]], where: str) -> list[int] | None:
         """zlib's CRC-32 of each device byte range ``(address, nbytes)``, all in one batch on this stream; None
         where nvCOMP's library or its CRC-32 call is missing."""

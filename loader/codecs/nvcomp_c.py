@@ -33,11 +33,24 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import CodecError
+from ..format.checksums import CRC_PIECE_BYTES, combine_pieces, crc_piece_count, crc_pieces
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["AnsChunks", "AnsDecoder", "AnsSlots", "ans_encode", "device_crc32", "library_unavailable", "nvcomp_version"]
+__all__ = [
+    "AnsChunks",
+    "AnsDecoder",
+    "AnsSlots",
+    "CRC_PIECE_BYTES",
+    "CrcBatches",
+    "ans_encode",
+    "combine_pieces",
+    "crc_pieces",
+    "device_crc32",
+    "library_unavailable",
+    "nvcomp_version",
+]
 
 _MIN_VERSION = 6000
 """nvCOMP 6.0: the options struct bound below is its layout."""
@@ -576,36 +589,101 @@ def ans_encode(
     return AnsSlots(slots, base, slot_bytes, sizes)
 
 
-def device_crc32(spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str) -> list[int] | None:
-    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream`` in one
-    batch (``device`` as for :class:`AnsDecoder`); None when this nvCOMP has no CRC-32 call.
+class CrcBatches:
+    """CRC-32s of device byte ranges, launched batch by batch on one stream as their bytes become ready (each
+    batch one asynchronous call), read back once at the end (:meth:`results`).
 
-    Waits for the stream: the results are on the host when it returns, one per range.
+    ``device`` as for :class:`AnsDecoder`. Long ranges are checked in pieces of ``piece`` bytes
+    (:data:`~gdsload.loader.format.checksums.CRC_PIECE_BYTES`) whose CRCs are combined on the host, where
+    ISA-L can combine them (the ``isal`` package); otherwise each range is one piece. A range's bytes must be
+    in place before its batch is launched (or be written earlier on the same stream).
+
+    ``table``: ``(array, address, nbytes)`` of device memory allocated beforehand (:meth:`table_bytes` says how
+    much the ranges need), where the batches' tables go one after another; a device allocation between
+    two launches would keep other streams' copies from running beside them. Without it (or once it is full)
+    each batch allocates its own.
     """
-    lib = _lib()[0]
-    if not hasattr(lib, "nvcompBatchedCRC32Async"):
+
+    def __init__(
+        self,
+        device: Any,
+        stream: int,
+        where: str,
+        *,
+        piece: int = CRC_PIECE_BYTES,
+        table: tuple[Any, int, int] | None = None,
+    ):
+        from ..format.checksums import crc32_combiner
+
+        self._device, self.stream, self.where = device, stream, where
+        self._combine = crc32_combiner()
+        self._piece = piece if self._combine is not None else 0
+        self._table, self._used = table, 0
+        self._batches: list[tuple[Any, int, list[int], list[int]]] = []
+        """Per launched batch: its table (kept until read back), its piece count, pieces' sizes, ranges' counts."""
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this nvCOMP has the CRC-32 call."""
+        return hasattr(_lib()[0], "nvcompBatchedCRC32Async")
+
+    @staticmethod
+    def table_bytes(sizes: Sequence[int], batches: int, piece: int = CRC_PIECE_BYTES) -> int:
+        """Device bytes the tables of ranges of ``sizes`` take, launched in up to ``batches`` batches."""
+        return 20 * sum(crc_piece_count(n, piece) for n in sizes) + 8 * batches
+
+    def launch(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Queue the CRC-32 of each range ``(address, nbytes)`` on the stream; returns at once."""
+        if not spans:
+            return
+        lib = _lib()[0]
+        addresses, sizes, counts = crc_pieces(spans, self._piece)
+        m = len(sizes)
+        nbytes = 20 * m + (4 * m) % 8  # the next batch's table starts 8-byte aligned
+        if self._table is not None and self._used + nbytes <= self._table[2]:
+            table, base = self._table[0][self._used : self._used + nbytes], self._table[1] + self._used
+            self._used += nbytes
+        else:
+            table, base = self._device.empty(nbytes)
+        self._device.put(table, bytearray(_u64(addresses)) + _u64(sizes))
+        conf = _CRC32KernelConf()
+        _raise_on(
+            lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), max(sizes), self.stream),
+            "choosing the CRC-32 kernel",
+            self.where,
+        )
+        opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
+        _raise_on(
+            lib.nvcompBatchedCRC32Async(
+                base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None, self.stream
+            ),
+            f"computing the CRC-32 of {len(spans)} range(s) in {m} piece(s)",
+            self.where,
+        )
+        self._batches.append((table, m, sizes, counts))
+
+    def results(self) -> list[int]:
+        """Wait for the stream; each launched range's CRC-32, in launch order."""
+        self._device.sync()
+        out: list[int] = []
+        for table, m, sizes, counts in self._batches:
+            crcs = memoryview(self._device.get(table, 20 * m)).cast("B")[16 * m :].cast("I").tolist()
+            out.extend(crcs if m == len(counts) else combine_pieces(crcs, sizes, counts, self._combine))
+        self._batches.clear()
+        return out
+
+
+def device_crc32(
+    spans: Sequence[tuple[int, int]], device: Any, stream: int, where: str, *, piece: int = CRC_PIECE_BYTES
+) -> list[int] | None:
+    """zlib's CRC-32 of each device byte range ``(address, nbytes)``, computed on the GPU on ``stream`` in one
+    batch (:class:`CrcBatches`); None when this nvCOMP has no CRC-32 call. Waits for the stream: the results are
+    on the host when it returns, one per range."""
+    if not CrcBatches.available():
         return None
-    m = len(spans)
-    if not m:
-        return []
-    sizes = _u64(n for _, n in spans)
-    host = bytearray(_u64(a for a, _ in spans)) + sizes
-    table, base = device.empty(20 * m)
-    device.put(table, host)
-    conf = _CRC32KernelConf()
-    _raise_on(
-        lib.nvcompBatchedCRC32GetHeuristicConf(None, m, ctypes.byref(conf), max(sizes), stream),
-        "choosing the CRC-32 kernel",
-        where,
-    )
-    opts = _CRC32Opts(spec=_CRC32Spec(**_CRC32_PKZIP), kernel_conf=conf)
-    _raise_on(
-        lib.nvcompBatchedCRC32Async(base, base + 8 * m, m, base + 16 * m, opts, _CRC32_ONLY_SEGMENT, None, stream),
-        f"computing the CRC-32 of {m} range(s)",
-        where,
-    )
-    device.sync()
-    return memoryview(device.get(table, 20 * m)).cast("B")[16 * m :].cast("I").tolist()
+    batches = CrcBatches(device, stream, where, piece=piece)
+    batches.launch(spans)
+    return batches.results()
 
 
 def _raise_on(status: int, what: str, where: str) -> None:

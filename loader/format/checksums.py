@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection, Mapping
+import itertools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..errors import IntegrityError
@@ -32,6 +33,11 @@ __all__ = [
     "METADATA_KEY",
     "ALGORITHM",
     "crc32",
+    "crc32_combiner",
+    "CRC_PIECE_BYTES",
+    "combine_pieces",
+    "crc_piece_count",
+    "crc_pieces",
     "render",
     "placeholder",
     "parse_checksums",
@@ -80,6 +86,68 @@ def crc32(data: Any, value: int = 0) -> int:
     tensors run at once.
     """
     return _impl()(data, value)
+
+
+def crc32_combiner() -> Callable[[int, int, int], int] | None:
+    """``combine(crc_a, crc_b, len_b)``: the CRC-32 of ``a + b`` from the CRCs of its two parts (ISA-L's
+    ``crc32_combine``), or None where the ``isal`` package is missing (``zlib`` has no such call).
+
+    What lets a long range be checked in pieces side by side (on a GPU, one piece per block of threads) and
+    still be compared with the one CRC-32 its file records.
+    """
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return None
+    return isal_zlib.crc32_combine
+
+
+CRC_PIECE_BYTES = 2 << 20
+"""Ranges longer than this are checked in pieces of this size, side by side, and their CRCs combined on the host.
+
+nvCOMP picks one kernel shape for a whole batch from its largest range; a rank's tensors range from a few KiB
+to a GiB, so the largest tensors would each run on a few blocks of threads while the rest of the GPU idles.
+Pieces of one size keep every SM busy."""
+
+
+def crc_piece_count(nbytes: int, piece: int) -> int:
+    """How many pieces :func:`crc_pieces` cuts a range of ``nbytes`` into."""
+    return max(1, -(-nbytes // piece)) if piece > 0 else 1
+
+
+def crc_pieces(spans: Sequence[tuple[int, int]], piece: int) -> tuple[list[int], list[int], list[int]]:
+    """Split byte ranges ``(address, nbytes)`` into pieces of at most ``piece`` bytes (0: no split): the pieces'
+    addresses and sizes, and how many pieces each range has. A range's first piece is its short one, so that
+    every later piece has the full size (:func:`combine_pieces` folds them in order)."""
+    addresses: list[int] = []
+    sizes: list[int] = []
+    counts: list[int] = []
+    for address, n in spans:
+        if piece <= 0 or n <= piece:
+            addresses.append(address)
+            sizes.append(n)
+            counts.append(1)
+            continue
+        head = n % piece or piece
+        addresses.append(address)
+        sizes.append(head)
+        addresses.extend(range(address + head, address + n, piece))
+        sizes.extend(itertools.repeat(piece, (n - head) // piece))
+        counts.append(1 + (n - head) // piece)
+    return addresses, sizes, counts
+
+
+def combine_pieces(crcs: Sequence[int], sizes: Sequence[int], counts: Sequence[int], combine: Any) -> list[int]:
+    """Each range's CRC-32 from its pieces' (as :func:`crc_pieces` split them), folded in order by ``combine``."""
+    out: list[int] = []
+    i = 0
+    for k in counts:
+        crc = crcs[i]
+        for j in range(i + 1, i + k):
+            crc = combine(crc, crcs[j], sizes[j])
+        out.append(crc)
+        i += k
+    return out
 
 
 def render(checksums: Mapping[str, int]) -> str:

@@ -149,6 +149,12 @@ class Backend(abc.ABC):
     ``(buffer, offset, length)`` from the reading thread as each read into host memory finishes (the load's
     checksums are computed there, beside the reads). Readers that do not call it are checked after the read."""
 
+    landed_on_wait: bool = False
+    """Whether the waiter :meth:`submit` returns comes back only once its bytes are at their destination (the
+    device's copies complete, not merely queued), for reads kept in flight together. Set per load by
+    :meth:`open`. A load that checks its bytes on a GPU then reads in groups and checks each group as it lands
+    (:func:`~gdsload.loader.plan.landing_groups`); otherwise it checks after the last read."""
+
     def __init__(self, device: Device | Any, options: ReadOptions):
         from ..devices import as_device
 

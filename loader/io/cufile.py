@@ -132,6 +132,7 @@ class CuFileBackend(Backend):
         self.cold_reader = None
         self.staged = None
         self.cold_direct = False
+        self.landed_on_wait = False  # the staged reader's tickets are done once their copies have completed
         why = staged_unavailable()
         gds = _gds_possible()
         cold = bool(plan.files) and is_cold(*plan.open_paths)
@@ -149,6 +150,7 @@ class CuFileBackend(Backend):
             else:
                 self._modes = ["posix"] * len(plan.files)
                 self._direct = [False] * len(plan.files)
+                self.landed_on_wait = self.device.kind == "cuda"
                 return
         try:
             import kvikio
@@ -189,6 +191,7 @@ class CuFileBackend(Backend):
         if self.staged is not None:
             self._modes = ["posix"] * len(plan.files)
             self._direct = [False] * len(plan.files)
+            self.landed_on_wait = self.device.kind == "cuda"
             return
         if why is not None and not self.cold_direct:
             log.debug("%s: reads through kvikio: %s", self.name, why)

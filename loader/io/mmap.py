@@ -21,8 +21,9 @@ access fail (``SIGBUS``), as with ``safetensors``; files replaced by a rename (w
 and most tools do) keep their old pages. During the load itself a truncated file is a
 :class:`TruncatedFileError`, never a ``SIGBUS``: each file's size is checked against its header under the
 mapping, its pages are mapped in with ``MADV_POPULATE_READ`` (which fails where an access would fault),
-and the load's own reads of mapped bytes (its checksums, a digest) go through :func:`mapped_pieces`, which
-copies them with ``process_vm_readv`` (a fault there is an error code, not a signal). ``auto`` leaves shared
+and the load's own reads of mapped bytes (its checksums, a digest) go through :func:`mapped_pieces`, which maps
+each piece in the same way right before reading it (or, where the kernel lacks that call, copies it with
+``process_vm_readv``: a fault there is an error code, not a signal). ``auto`` leaves shared
 memory (the sidecar's hand-off) to the ``cpu`` backend: only an arena can be handed to another process.
 """
 
@@ -48,7 +49,7 @@ _MADV_POPULATE_READ = 22
 """Linux 5.14+: map every page of a range in one call (fewer faults than touching them one by one); fails with
 EFAULT where an access would raise SIGBUS (the file is shorter than the mapping)."""
 _PIECE = 4 << 20
-"""Bytes :func:`mapped_pieces` copies at a time (a buffer per thread, reused)."""
+"""Bytes :func:`mapped_pieces` hands out at a time."""
 
 
 class _Iovec(ctypes.Structure):
@@ -56,7 +57,7 @@ class _Iovec(ctypes.Structure):
 
 
 _libc: Any = None
-_vm_read_works: bool | None = None
+_populate_works: bool | None = None
 _local = threading.local()
 
 
@@ -83,38 +84,38 @@ def _vm_read(address: int, buf: Any, n: int) -> int:
 
 def mapped_pieces(address: int, nbytes: int, path: str) -> Iterator[memoryview]:
     """The ``nbytes`` mapped bytes at ``address`` (of ``path``'s mapping), in pieces a reader can take without
-    the risk of ``SIGBUS``: copies into a buffer of this thread's, reused for the next piece (use each piece
-    before asking for the next). A page the file no longer holds is a :class:`TruncatedFileError` naming it.
+    the risk of ``SIGBUS`` from a file cut short before the piece: each piece is mapped in with
+    ``MADV_POPULATE_READ`` (which fails where an access would fault) and then read where it lies, nothing
+    copied. A page the file no longer holds is a :class:`TruncatedFileError` naming it. (A truncation in the
+    instant between the two would still fault, as any later access to the tensors would.)
 
-    Where ``process_vm_readv`` is not allowed (a sandbox), each piece is mapped in with ``MADV_POPULATE_READ``
-    first, which fails instead of faulting, and then read where it lies (a truncation in the instant between
-    the two would still fault).
+    Where ``MADV_POPULATE_READ`` is missing (Linux before 5.14), each piece is copied with ``process_vm_readv``
+    into a buffer of this thread's, reused for the next piece (use each piece before asking for the next): a
+    fault there is an error code, not a signal.
     """
-    global _vm_read_works
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = ctypes.create_string_buffer(_PIECE)
-    view = memoryview(buf).cast("B")
+    global _populate_works
     at = 0
     while at < nbytes:
         n = min(_PIECE, nbytes - at)
-        if _vm_read_works is not False:
-            got = _vm_read(address + at, buf, n)
-            if got == -errno.EPERM or got == -errno.ENOSYS:
-                _vm_read_works = False
-            elif got < n:
-                raise _truncated(path, at + max(got, 0))
-            else:
-                _vm_read_works = True
-                yield view[:n]
+        if _populate_works is not False:
+            if _populate(address + at, n, path, at):
+                _populate_works = True
+                yield memoryview((ctypes.c_char * n).from_address(address + at)).cast("B")
                 at += n
                 continue
-        _populate(address + at, n, path, at)
-        yield memoryview((ctypes.c_char * n).from_address(address + at)).cast("B")
+            _populate_works = False
+        buf = getattr(_local, "buf", None)
+        if buf is None:
+            buf = _local.buf = ctypes.create_string_buffer(_PIECE)
+        got = _vm_read(address + at, buf, n)
+        if got < n:
+            raise _truncated(path, at + max(got, 0))
+        yield memoryview(buf).cast("B")[:n]
         at += n
 
 
-def _populate(address: int, n: int, path: str, at: int) -> None:
+def _populate(address: int, n: int, path: str, at: int) -> bool:
+    """Map the pages of ``n`` bytes at ``address`` in (``MADV_POPULATE_READ``): False where the kernel cannot."""
     global _libc
     if _libc is None:
         _vm_read(address, ctypes.create_string_buffer(1), 0)  # loads libc
@@ -123,6 +124,8 @@ def _populate(address: int, n: int, path: str, at: int) -> None:
     if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + n - start), _MADV_POPULATE_READ):
         if ctypes.get_errno() == errno.EFAULT:
             raise _truncated(path, at)
+        return False
+    return True
 
 
 def _truncated(path: str, at: int) -> TruncatedFileError:

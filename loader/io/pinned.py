@@ -164,6 +164,9 @@ class PinnedBackend(Backend):
             if self.kvikio_direct:  # report what kvikio says it does, not only what we asked for
                 self._direct = [d and kvikio_reads_direct(self._cufiles[i]) for i, d in enumerate(self._direct)]
         self._ring = self._make_ring() if "ring" in self._reader_of else None
+        # The staged reader's tickets are done when their copies have completed, and keep the pool busy across
+        # submits (the ring and kvikio's direct reads order a whole rank's reads themselves).
+        self.landed_on_wait = self.device.kind == "cuda" and all(r == "staged" for r in self._reader_of)
 
     def _make_ring(self) -> Any:
         """The Python ring, for the files no other reader reads; imported only then."""

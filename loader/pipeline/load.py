@@ -29,7 +29,7 @@ from ..format.discovery import RankFiles, discover
 from ..dtypes import from_torch
 from ..config import format_bytes, gc_paused
 from ..errors import ConfigError, DeviceMemoryError
-from ..plan import FilePlan, LoadPlan, plan_rank
+from ..plan import Extent, FilePlan, LoadPlan, plan_rank
 from .result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
 if TYPE_CHECKING:
@@ -131,6 +131,7 @@ def load_rank(
     plan = plan_rank(
         rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened, confine=confine
     )
+    verifier: Any = None
     try:
         if on_plan is not None:
             on_plan(plan)
@@ -141,7 +142,7 @@ def load_rank(
         reader.open(plan)
         mapped = reader.file_buffers()
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
-        verifier = None
+        groups: list[list[Extent]] = []
         if cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
             from .verify import Verifier
 
@@ -150,15 +151,23 @@ def load_rank(
                 verifier.attach(dev, dsts)
                 reader.on_chunk = verifier.on_chunk  # each read's bytes are checked by the thread that read them
             else:
-                verifier.warm_up(dev)  # nvCOMP's CRC kernel checks them after the copy: loaded during the reads
+                verifier.warm_up(dev)  # nvCOMP's CRC kernel checks them: its library loads during the reads
+                if reader.landed_on_wait and not plan.compressed:  # each group checked as it lands
+                    verifier.attach_device(dev, dsts)
+                    groups = verifier.landing_groups(plan.extents)
         clock.lap("setup")
 
-        # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the decode stage).
-        reader.read(
-            plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
-            dsts,
-            progress,
-        )
+        if groups:
+            assert verifier is not None
+            _read_in_groups(reader, groups, dsts, progress, verifier.on_landed)
+        else:
+            # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the
+            # decode stage).
+            reader.read(
+                plan.extents if not plan.compressed else [e for f in plan.files if not f.compressed for e in f.extents],
+                dsts,
+                progress,
+            )
         reader.on_chunk = None  # the decode stage reads into staging buffers of its own
         tail, busy, staged = 0.0, 0.0, 0
         if plan.compressed:  # the codecs are imported by the loads that need them
@@ -203,6 +212,8 @@ def load_rank(
         outcome = verifier.finish(dev, dsts, cfg.num_threads or 4) if verifier is not None else None
         clock.lap("verify")
     except BaseException:
+        if verifier is not None:
+            verifier.abandon()
         reader.close()
         plan.close()
         raise
@@ -230,6 +241,33 @@ def load_rank(
     )
     log.info("%s%s", report.summary(), "" if dev.uses_torch else " (without torch)")
     return LoadResult(tensors=tensors, arenas=[arena, *mapped], report=report, slots=slots, device=dev)
+
+
+def _read_in_groups(
+    reader: Any,
+    groups: Sequence[Sequence[Extent]],
+    dsts: Sequence[Any],
+    progress: Callable[[int], None] | None,
+    landed: Callable[[Sequence[Extent]], None],
+) -> None:
+    """Read ``groups`` of extents, all in flight at once; as each group lands (in order), hand it to ``landed``.
+    Every group queued is waited for, even after a failure: its reads write into ``dsts`` until then."""
+    waits: list[Callable[[], None]] = []
+    error: BaseException | None = None
+    try:
+        for g in groups:
+            waits.append(reader.submit(g, dsts, progress))
+    except BaseException as e:
+        error = e
+    for g, wait in zip(groups, waits):
+        try:
+            wait()
+            if error is None:
+                landed(g)
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:

@@ -6,8 +6,11 @@ tensors also record the CRC-32 of their decoded bytes, which the decode stage ch
 - on the CPU, **beside the read**: a reader that reports each finished read (:attr:`Backend.on_chunk`) has the
   CRC of each tensor's pieces computed by the thread that read them, in file order, while the other threads
   read on; whatever no read reported (a mapped file) is checked once the reads are done;
-- on a GPU, **after the copy**: one batch of nvCOMP's CRC kernel over every checked tensor where it lies in
-  device memory (without nvCOMP's library: from host copies, which costs a copy of the rank).
+- on a GPU, **as the bytes land**: a reader whose waits return once the copies are complete has the rank read
+  in groups, all in flight at once (:func:`~gdsload.loader.plan.landing_groups`), and as each group lands,
+  nvCOMP's CRC kernel checks the tensors it completed, on a stream of its own, while the later groups are
+  still being read; with other readers, one batch after the last copy. Either way the results come back
+  once, at the end (without nvCOMP's library: from host copies, which costs a copy of the rank).
 
 ``verify`` is ``None`` by default: every recorded checksum is checked. ``True`` asks for more: each file's
 whole-file manifest digest is also computed over the loaded bytes (the header as parsed, the data section as
@@ -22,7 +25,7 @@ import bisect
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import IntegrityError
@@ -31,7 +34,7 @@ from ..format.checksums import crc32, parse_checksums, require
 if TYPE_CHECKING:
     from ..devices import Device
     from ..format.discovery import RankFiles
-    from ..plan import LoadPlan
+    from ..plan import Extent, LoadPlan
 
 __all__ = ["Check", "Verifier", "VerifyOutcome"]
 
@@ -39,6 +42,12 @@ log = logging.getLogger(__name__)
 
 _HOST_PIECE = 64 << 20
 """Bytes checked per task when a tensor's bytes are checked after the read (a large tensor in pieces)."""
+
+LANDING_GROUPS = 16
+"""Groups a rank is read in when a GPU checks each as it lands: the last group's check is what is left after
+the last copy."""
+LANDING_MIN_BYTES = 64 << 20
+"""No landing group is smaller (a small rank is read in fewer groups, or one)."""
 
 
 class Check(NamedTuple):
@@ -123,6 +132,23 @@ class Verifier:
         self._warming: threading.Thread | None = None
         self._progress = [_Progress() for _ in self.checks]
         self._got: list[int | None] = [None] * len(self.checks)
+        # On a GPU, checked as the bytes land (attach_device):
+        self._device: Device | None = None
+        self._dsts: Sequence[Any] = ()
+        self._left: list[int] = []
+        """Per check, its bytes not landed yet."""
+        self._ready: list[int] = []
+        """Checks whose bytes have all landed, not launched yet."""
+        self._launched: list[int] = []
+        """Checks whose CRC-32 is queued on the device, in launch order."""
+        self._gpu: tuple[Any, Any] | None = None
+        """The check stream's codecs and their CRC batches (None before the first launch)."""
+        self._no_gpu_crc = False
+        self._table: tuple[Any, int, int] | None = None
+        self._stream: Any = None
+        """Device memory for the checks' tables, allocated before the reads."""
+        self.checked_as_landed = 0
+        """Tensors whose check was launched while later groups were still being read."""
 
     def warm_up(self, device: Device) -> None:
         """On a GPU: import the codecs and load nvCOMP's library on a thread of its own while the reads run (a
@@ -150,6 +176,9 @@ class Verifier:
         """Check on the CPU, beside the reads into ``dsts`` (host buffers): :meth:`on_chunk` may be called."""
         self._views = [device.host_memoryview(d) for d in dsts]
         self._addresses = [device.address(d) if k in self._mapped else 0 for k, d in enumerate(dsts)]
+        self._build_index()
+
+    def _build_index(self) -> None:
         by_buffer: dict[int, list[tuple[int, int]]] = {}
         for i, c in enumerate(self.checks):
             if not c.nbytes:
@@ -160,11 +189,10 @@ class Verifier:
             items.sort()
             self._index[k] = ([o for o, _ in items], [i for _, i in items])
 
-    def on_chunk(self, buffer: int, offset: int, length: int) -> None:
-        """Bytes ``offset:offset+length`` of ``dsts[buffer]`` are read: fold them into the CRC of the tensors they
-        belong to, where they continue what is folded already (else they wait for the bytes before them)."""
+    def _overlaps(self, buffer: int, offset: int, length: int) -> Iterator[tuple[int, int, int]]:
+        """The checks bytes ``offset:offset+length`` of ``dsts[buffer]`` belong to: (check, start within it, length)."""
         index = self._index.get(buffer)
-        if index is None or self._views is None:
+        if index is None:
             return
         starts, ids = index
         end = offset + length
@@ -173,8 +201,16 @@ class Verifier:
             c = self.checks[ids[k]]
             a, b = max(offset, c.offset), min(end, c.offset + c.nbytes)
             if a < b:
-                self._piece(ids[k], a - c.offset, b - a)
+                yield ids[k], a - c.offset, b - a
             k += 1
+
+    def on_chunk(self, buffer: int, offset: int, length: int) -> None:
+        """Bytes ``offset:offset+length`` of ``dsts[buffer]`` are read: fold them into the CRC of the tensors they
+        belong to, where they continue what is folded already (else they wait for the bytes before them)."""
+        if self._views is None:
+            return
+        for i, start, n in self._overlaps(buffer, offset, length):
+            self._piece(i, start, n)
 
     def _piece(self, i: int, start: int, length: int) -> None:
         st = self._progress[i]
@@ -198,6 +234,67 @@ class Verifier:
                 st.crc, st.at = crc, at + n
                 if st.at == c.nbytes:
                     self._got[i] = crc
+
+    # ---------------------------------------------------------------------------------- as the bytes land
+
+    def attach_device(self, device: Device, dsts: Sequence[Any]) -> None:
+        """Check on a GPU as groups of reads into ``dsts`` land: :meth:`on_landed` may be called."""
+        self._device, self._dsts = device, dsts
+        self._build_index()
+        self._left = [c.nbytes for c in self.checks]
+
+    def landing_groups(self, extents: Sequence[Extent]) -> list[list[Extent]]:
+        """The groups to read ``extents`` in, each checked as it lands."""
+        from ..plan import landing_groups
+
+        return landing_groups(extents, LANDING_GROUPS, LANDING_MIN_BYTES)
+
+    def on_landed(self, extents: Sequence[Extent]) -> None:
+        """``extents`` are at their destinations (the copies complete): launch the CRC-32 of every tensor whose
+        last bytes they were, on the check stream, and return without waiting for it."""
+        for e in extents:
+            for i, _, n in self._overlaps(e.buffer, e.offset, e.length):
+                self._left[i] -= n
+                if self._left[i] == 0:
+                    self._ready.append(i)
+        if self._ready and (self._warming is None or not self._warming.is_alive()):
+            self._launch()  # else with the next group, once nvCOMP's library is loaded
+
+    def abandon(self) -> None:
+        """The load failed: wait for the checks queued on the device (their tables are freed after) and drop them."""
+        if self._gpu is not None:
+            codecs, batches = self._gpu
+            self._gpu = None
+            try:
+                batches.results()
+            except Exception as e:  # the load's own error is the one to raise
+                log.debug("rank %d: queued checks abandoned: %s", self.plan.rank, e)
+            finally:
+                codecs.close()
+
+    def _launch(self) -> None:
+        assert self._device is not None
+        if self._no_gpu_crc or not self._ready:
+            return
+        if self._gpu is None:
+            from ..codecs import GpuCodecs
+
+            codecs = GpuCodecs(self._device, (self._stream or self._device.stream(1)).handle)
+            batches = codecs.crc_batches(f"rank {self.plan.rank}", self._table)
+            if batches is None:
+                codecs.close()
+                self._no_gpu_crc = True
+                return
+            self._gpu = codecs, batches
+        address = self._device.address
+        self._gpu[1].launch(
+            [
+                (address(self._dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
+                for i in self._ready
+            ]
+        )
+        self._launched.extend(self._ready)
+        self._ready = []
 
     # ------------------------------------------------------------------------------------------ finishing
 
@@ -255,6 +352,7 @@ class Verifier:
             "checked_on": where if self.checks else "",
             "decoded_crc32_tensors": sum(self.decoded) + sum(c.decoded for c in self.checks),
             "digest_files": sum(1 for d in digests if d),
+            "checked_as_landed_tensors": self.checked_as_landed,
         }
         if unchecked:
             log.info(
@@ -303,34 +401,28 @@ class Verifier:
             list(pool.map(rest, todo))
 
     def _finish_on_gpu(self, device: Device, dsts: Sequence[Any], threads: int) -> str:
-        for i, c in enumerate(self.checks):
-            if not c.nbytes:
-                self._got[i] = 0
-        todo = [i for i, c in enumerate(self.checks) if c.nbytes]
-        if not todo:
-            return f"{device}, nvCOMP"
         if self._warming is not None:
             self._warming.join()
-        from ..codecs import GpuCodecs
-
-        stream = device.stream(1)
-        codecs = GpuCodecs(device, stream.handle)
-        try:  # one batch for every tensor of the rank
-            spans = [
-                (device.address(dsts[self.checks[i].buffer]) + self.checks[i].offset, self.checks[i].nbytes)
-                for i in todo
-            ]
-            got = codecs.crcs(spans, f"rank {self.plan.rank}")
+        if self._device is None:  # nothing landed in groups: every tensor is checked now
+            self.attach_device(device, dsts)
+        launched = set(self._launched)
+        self.checked_as_landed = len(launched)
+        self._ready = [i for i, c in enumerate(self.checks) if c.nbytes and i not in launched]
+        self._launch()
+        try:
+            if self._gpu is not None:
+                for i, crc in zip(self._launched, self._gpu[1].results()):
+                    self._got[i] = crc
         finally:
-            codecs.close()
-        on_device = got is not None
-        for k, i in enumerate(todo):
-            c = self.checks[i]
-            self._got[i] = (
-                got[k] if got is not None else crc32(device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes]))
-            )
-        if on_device:
+            if self._gpu is not None:
+                self._gpu[0].close()
+                self._gpu = None
+        todo = [i for i, c in enumerate(self.checks) if c.nbytes and self._got[i] is None]
+        if not todo:
             return f"{device}, nvCOMP"
+        for i in todo:
+            c = self.checks[i]
+            self._got[i] = crc32(device.to_host(dsts[c.buffer][c.offset : c.offset + c.nbytes]))
         log.warning(
             "rank %d: nvCOMP's CRC kernel is not available, so the tensors' checksums were checked from host "
             "copies (a copy of the rank); install gdsload[cu12] or gdsload[cu13] to check them on the GPU",

@@ -368,6 +368,60 @@ def test_ans_batch_results_name_the_chunk_or_tensor_that_failed():
         _check_results(c, table(good, [0, 0, 0], [0xDEADBEEF, 1]), crc_at, m)
 
 
+@pytest.mark.parametrize("piece", [0, 4096, 5000, 1 << 20])
+def test_long_ranges_checked_in_pieces_give_each_ranges_own_crc32(piece):
+    """A GPU checks long ranges in pieces side by side; the pieces' CRCs fold back into each range's CRC-32,
+    the value zlib computes over the whole range (short, empty, exact-multiple and ragged ranges)."""
+    import zlib
+
+    from gdsload.loader.codecs.nvcomp_c import combine_pieces, crc_pieces
+    from gdsload.loader.format.checksums import crc32_combiner
+
+    spans = [(0, 0), (7, 1), (100, 4096), (5000, 8192), (20_000, 12_345), (50_000, 3_000_000), (3_050_000, 1 << 20)]
+    data = os.urandom(max(a + n for a, n in spans))
+    addresses, sizes, counts = crc_pieces(spans, piece)
+    assert sum(counts) == len(sizes) == len(addresses)
+    assert all(0 <= n <= piece for n in sizes) if piece else sizes == [n for _, n in spans]
+    i = 0
+    for (start, n), k in zip(spans, counts):  # a range's pieces tile it, the short one first
+        assert addresses[i] == start and sum(sizes[i : i + k]) == n
+        assert all(addresses[j + 1] == addresses[j] + sizes[j] for j in range(i, i + k - 1))
+        assert all(sizes[j] == piece for j in range(i + 1, i + k))
+        i += k
+    crcs = [zlib.crc32(data[a : a + n]) for a, n in zip(addresses, sizes)]
+    combine = crc32_combiner()
+    assert combine is not None, "isal is a dependency of gdsload"
+    assert combine_pieces(crcs, sizes, counts, combine) == [zlib.crc32(data[a : a + n]) for a, n in spans]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece", [None, 1000])
+def test_the_gpus_crc32_of_long_ranges_checked_in_pieces_is_zlibs(piece):
+    """nvCOMP's CRC kernel over device ranges longer than a piece (the default piece, and a ragged small one):
+    each range's CRC-32 is what zlib computes over the same bytes on the host."""
+    import zlib
+
+    from gdsload.loader.codecs import GpuCodecs
+    from gdsload.loader.codecs.nvcomp_c import CRC_PIECE_BYTES, device_crc32
+    from gdsload.loader.devices import as_device
+
+    dev = as_device("cuda:0")
+    buf = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8, device="cuda:0")
+    host = buf.cpu().numpy().tobytes()
+    spans = [(0, 0), (3, 1), (100, 9 << 20), ((10 << 20) + 1, (17 << 20) + 5), (30 << 20, 8 << 20), (39 << 20, 4097)]
+    stream = torch.cuda.current_stream().cuda_stream
+    codecs = GpuCodecs(dev, stream)
+    got = device_crc32(
+        [(buf.data_ptr() + a, n) for a, n in spans],
+        codecs._stream_bytes(),
+        stream,
+        "test",
+        piece=piece or CRC_PIECE_BYTES,
+    )
+    codecs.close()
+    assert got == [zlib.crc32(host[a : a + n]) for a, n in spans]
+
+
 def test_compress_dir_keeps_names_rewrites_manifest_and_is_atomic(tmp_path, monkeypatch):
     src = make_checkpoint(tmp_path / "m", "tiny", tp=2)
     out = tmp_path / "mz"

@@ -83,10 +83,16 @@ def test_what_gdsload_writes_records_each_tensors_crc32(tmp_path):
         assert packed or path.parent == src
 
 
-@pytest.mark.parametrize("backend", ["cpu", "mmap"])
-def test_single_bit_flips_in_raw_tensors_are_caught_by_default(model, backend):
+@pytest.mark.parametrize("backend", ["cpu", "mmap", "mmap-copy"])
+def test_single_bit_flips_in_raw_tensors_are_caught_by_default(model, backend, monkeypatch):
     """40 single-bit flips anywhere in the tensors' bytes: each load fails with an IntegrityError naming the file
-    and the tensor (with verify left at its default); undone, the model loads and says it was checked."""
+    and the tensor (with verify left at its default); undone, the model loads and says it was checked.
+    ``mmap-copy``: the mapped bytes checked through copies, as where ``MADV_POPULATE_READ`` is missing."""
+    if backend == "mmap-copy":
+        import gdsload.loader.io.mmap as m
+
+        monkeypatch.setattr(m, "_populate_works", False)
+        backend = "mmap"
     rng = random.Random(55)
     files = sorted(model.glob("*.safetensors"))
     caught = 0
@@ -292,6 +298,88 @@ def test_gpu_loads_are_checked_on_the_device_after_the_copy(tmp_path, backend):
     assert load_rank(d, device="cuda", backend=backend, verify=False).report.verified is False
 
 
+def test_a_rank_read_in_landing_groups_is_cut_into_consecutive_groups_of_about_equal_bytes():
+    from gdsload.loader.plan import Extent, landing_groups
+
+    extents = [Extent(0, 0, 100, 0), Extent(1, 0, 0, 100), Extent(1, 10, 250, 100, buffer=1)]
+    groups = landing_groups(extents, 4, 50)
+    assert [sum(e.length for e in g) for g in groups] == [88, 88, 88, 86]
+    flat = [e for g in groups for e in g]
+    # Together they are the extents, in order, cut where a boundary falls inside one.
+    assert [(e.file_index, e.file_offset, e.length, e.offset, e.buffer) for e in flat] == [
+        (0, 0, 88, 0, 0),
+        (0, 88, 12, 88, 0),
+        (1, 10, 76, 100, 1),
+        (1, 86, 88, 176, 1),
+        (1, 174, 86, 264, 1),
+    ]
+    assert landing_groups(extents, 4, 1000) == [[extents[0], extents[2]]]  # small: one group
+    assert landing_groups([], 4, 1) == []
+
+
+def test_landing_groups_are_all_in_flight_and_each_is_handed_on_as_it_lands():
+    """Every group is queued before the first wait; each is handed on after its own wait, in order; after a
+    failure the later groups are still waited for (they write into the buffers until then) but not handed on."""
+    from gdsload.loader.pipeline.load import _read_in_groups
+
+    log: list[str] = []
+
+    class Reader:
+        def submit(self, group, dsts, progress):
+            log.append(f"submit {group[0]}")
+
+            def wait():
+                log.append(f"wait {group[0]}")
+                if group[0] == "g2":
+                    raise OSError("read failed")
+
+            return wait
+
+    _read_in_groups(Reader(), [["g0"], ["g1"]], [], None, lambda g: log.append(f"landed {g[0]}"))
+    assert log == ["submit g0", "submit g1", "wait g0", "landed g0", "wait g1", "landed g1"]
+    log.clear()
+    with pytest.raises(OSError, match="read failed"):
+        _read_in_groups(Reader(), [["g1"], ["g2"], ["g3"]], [], None, lambda g: log.append(f"landed {g[0]}"))
+    assert log == ["submit g1", "submit g2", "submit g3", "wait g1", "landed g1", "wait g2", "wait g3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "driver"])
+def test_gpu_checks_run_as_each_group_of_reads_lands(tmp_path, monkeypatch, device):
+    """A rank read in several groups: the tensors of the groups that landed are checked while the later groups
+    are read, every tensor is checked, and a flip in the first or the last group is caught, naming its tensor."""
+    from gdsload.loader.devices import DriverDevice, torch_free_unavailable
+    from gdsload.loader.pipeline import verify
+
+    if device == "driver" and torch_free_unavailable():
+        pytest.skip(torch_free_unavailable())
+    monkeypatch.setattr(verify, "LANDING_MIN_BYTES", 1 << 20)
+    d = tmp_path / "m"
+    d.mkdir()
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layer{i}.w": torch.randn(512, 1024, generator=g).to(torch.bfloat16) for i in range(12)}
+    tensors["norm"] = torch.randn(77, generator=g)
+    tensors["z.big"] = torch.randn(3 << 20, generator=g)  # 12 MiB: checked in pieces, combined on the host
+    save_file(tensors, d / "model.safetensors")
+
+    def load(**kw):
+        return load_rank(d, device=DriverDevice(0) if device == "driver" else "cuda", **kw)
+
+    result = load()
+    v = result.report.verification
+    assert result.report.verified and v["checked_tensors"] == len(tensors), v
+    assert v["checked_as_landed_tensors"] > 0, v  # not all after the last copy
+    assert "nvCOMP" in v["checked_on"], v
+    path = d / "model.safetensors"
+    h = read_header(path)
+    for name in ("layer0.w", "z.big"):
+        clean = path.read_bytes()
+        _flip(path, h.data_offset + h[name].start + 999, 5)
+        with pytest.raises(IntegrityError, match=f"'{name}'"):
+            load()
+        path.write_bytes(clean)
+
+
 @pytest.mark.gpu
 def test_gpu_checks_of_ans_and_zstd_files(tmp_path):
     """An ANS file's raw tensors (CRC-32 on the device) and a Zstd file decoded on the GPU (its decoded CRC-32 on
@@ -335,6 +423,9 @@ from gdsload.loader import GdsloadError, load_rank
 from gdsload.loader.io.mmap import MmapBackend
 
 path, verify = sys.argv[1], {"none": None, "1": True}[sys.argv[2]]
+if sys.argv[3] == "copy":  # a kernel without MADV_POPULATE_READ: the checks copy the mapped bytes instead
+    import gdsload.loader.io.mmap as m
+    m._populate_works = False
 real = MmapBackend.file_buffers
 
 def cut(self):  # the load has mapped its files: now one of them is cut short, before its bytes are checked
@@ -352,10 +443,12 @@ else:
 """
 
 
+@pytest.mark.parametrize("reads", ["in-place", "copy"])
 @pytest.mark.parametrize("verify", ["none", "1"])
-def test_a_mapped_file_cut_short_during_the_load_is_a_typed_error_not_sigbus(tmp_path, verify):
+def test_a_mapped_file_cut_short_during_the_load_is_a_typed_error_not_sigbus(tmp_path, verify, reads):
     """The mmap reader: a file truncated after it was mapped, while the load checks its bytes, ends the load with
-    a TruncatedFileError naming it (the process used to die of SIGBUS)."""
+    a TruncatedFileError naming it (the process used to die of SIGBUS), whether the checks read the mapping in
+    place or, without ``MADV_POPULATE_READ``, copy it."""
     import subprocess
     import sys
 
@@ -365,7 +458,16 @@ def test_a_mapped_file_cut_short_during_the_load_is_a_typed_error_not_sigbus(tmp
     if verify == "1":
         write_manifest(d, {0: ["model.safetensors"]}, tp_size=1, layout="plain")
     p = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", _TRUNCATE_AFTER_MAPPING, str(d / "model.safetensors"), verify],
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-c",
+            _TRUNCATE_AFTER_MAPPING,
+            str(d / "model.safetensors"),
+            verify,
+            reads,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
