@@ -159,7 +159,8 @@ class Engine:
         pp: int = 1,
         ep: int = 1,
     ) -> tuple[dict[str, Any] | None, str]:
-        """One engine in a fresh process; returns (result JSON or None, the engine's log)."""
+        """One engine in a process of its own (forked, see :meth:`_forked`); returns (result JSON or None, the
+        engine's log)."""
         self._count += 1
         name = f"{self._count:02d}-{mode}-{model.name}-{load_format}-tp{tp}-pp{pp}-ep{ep}"
         spec_path, out_path, log_path = (self.logs / f"{name}.{x}" for x in ("spec.json", "out.json", "log"))

@@ -1,6 +1,6 @@
 """vLLM itself runs ``--load-format gdsload``: every case generates exactly what vLLM's own loader does.
 
-Each case is one vLLM engine in a fresh process (see conftest). Its greedy tokens and their
+Each case is one vLLM engine in a process of its own (see engine_env). Its greedy tokens and their
 logprobs must equal, bit for bit, those of vLLM's ``auto`` loader on the source directory at the
 same tensor-parallel size. Directories come from the ``gdsload`` command line, as a user makes them.
 """
