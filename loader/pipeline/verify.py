@@ -144,9 +144,6 @@ class Verifier:
         self._gpu: tuple[Any, Any] | None = None
         """The check stream's codecs and their CRC batches (None before the first launch)."""
         self._no_gpu_crc = False
-        self._table: tuple[Any, int, int] | None = None
-        self._stream: Any = None
-        """Device memory for the checks' tables, allocated before the reads."""
         self.checked_as_landed = 0
         """Tensors whose check was launched while later groups were still being read."""
 
@@ -279,8 +276,8 @@ class Verifier:
         if self._gpu is None:
             from ..codecs import GpuCodecs
 
-            codecs = GpuCodecs(self._device, (self._stream or self._device.stream(1)).handle)
-            batches = codecs.crc_batches(f"rank {self.plan.rank}", self._table)
+            codecs = GpuCodecs(self._device, self._device.stream(1).handle)
+            batches = codecs.crc_batches(f"rank {self.plan.rank}")
             if batches is None:
                 codecs.close()
                 self._no_gpu_crc = True
