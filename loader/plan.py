@@ -45,6 +45,8 @@ __all__ = [
     "plan_rank",
     "align_up",
     "landing_groups",
+    "LANDING_GROUPS",
+    "LANDING_MIN_BYTES",
     "split_extents",
     "stream_order",
     "direct_read_order",
@@ -100,13 +102,25 @@ def stream_order(chunks: Sequence[Extent], streams: int) -> list[Extent]:
     return [s[j] for j in range(max((len(s) for s in stripes), default=0)) for s in stripes if j < len(s)]
 
 
-def landing_groups(extents: Sequence[Extent], groups: int, min_bytes: int) -> list[list[Extent]]:
+LANDING_GROUPS = 16
+"""Groups a rank is read in when a GPU checks each as it lands: the last group's check is what is left after
+the last copy."""
+LANDING_MIN_BYTES = 64 << 20
+"""No landing group is smaller (a small rank is read in fewer groups, or one)."""
+
+
+def landing_groups(
+    extents: Sequence[Extent], groups: int | None = None, min_bytes: int | None = None
+) -> list[list[Extent]]:
     """Cut ``extents`` (in their order) into at most ``groups`` consecutive groups of about equal bytes, none
-    smaller than ``min_bytes`` (but the last), cutting an extent where a boundary falls inside it.
+    smaller than ``min_bytes`` (but the last), cutting an extent where a boundary falls inside it (by default
+    :data:`LANDING_GROUPS` and :data:`LANDING_MIN_BYTES`).
 
     A load that checks its bytes on a GPU reads the groups all at once and checks each group's tensors as soon
     as that group has landed, while the later groups are still being read.
     """
+    groups = LANDING_GROUPS if groups is None else groups
+    min_bytes = LANDING_MIN_BYTES if min_bytes is None else min_bytes
     reads = [e for e in extents if e.length]
     total = sum(e.length for e in reads)
     k = max(1, min(groups, total // max(min_bytes, 1)))

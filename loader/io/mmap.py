@@ -5,7 +5,8 @@ once more than it must, and the new pages must be zeroed first; here each uncomp
 (``MAP_PRIVATE``: a write to a tensor copies that page, the file never changes) and its tensors are views
 of the mapping, as ``safetensors.safe_open`` hands them out. Before the load returns, every page its
 tensors use is asked for at once (``MADV_WILLNEED``: pages evicted meanwhile are read together) and then
-mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in later. Tensors not aligned
+mapped (``MADV_POPULATE_READ``), so the tensors are in memory, not faulted in later; a load that checks its
+bytes has them mapped by several threads, each checking the pieces it mapped right after. Tensors not aligned
 for their dtype in the file, the caller's own destinations (``into``), and compressed tensors are read as
 the ``cpu`` backend reads.
 
@@ -35,6 +36,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..devices import Device
@@ -50,6 +52,8 @@ _MADV_POPULATE_READ = 22
 EFAULT where an access would raise SIGBUS (the file is shorter than the mapping)."""
 _PIECE = 4 << 20
 """Bytes :func:`mapped_pieces` hands out at a time."""
+_MAP_IN_PIECE = 32 << 20
+"""Bytes a thread maps in at a time (and hands to :attr:`~gdsload.loader.io.Backend.on_chunk`)."""
 
 
 class _Iovec(ctypes.Structure):
@@ -208,7 +212,10 @@ class MmapBackend(CpuBackend):
     def _map_in(self, progress: Progress | None) -> None:
         """Bring in the pages the mapped tensors use (once, at the first read): every file's are asked for
         first, so pages evicted meanwhile are read together rather than one fault's readahead window at a
-        time, then each run is mapped."""
+        time, then they are mapped, piece by piece, by several threads. Each piece mapped is handed to
+        :attr:`on_chunk` by the thread that mapped it, right after: a load that checks its bytes computes
+        their checksums there, beside the mapping of the next pieces, instead of in a pass of its own."""
+        assert self.plan is not None
         pending, self._pending = self._pending, []
         for _, m, runs in pending:
             for start, length, _ in runs:
@@ -216,18 +223,39 @@ class MmapBackend(CpuBackend):
                     m.madvise(mmap.MADV_WILLNEED, start, length)
                 except OSError:
                     break  # only a hint: the pages still come in below
-        populate = True
-        for i, m, runs in pending:
-            for start, length, nbytes in runs:
-                if populate:
-                    try:
-                        m.madvise(_MADV_POPULATE_READ, start, length)
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:
-                            self._failed(i, start + length, e)
-                        populate = False  # a kernel older than 5.14: the pages come in as they are touched
-                if progress is not None:
-                    progress(nbytes)
+        first = 1 + len(self.plan.targets)
+        buffer = {i: first + k for k, i in enumerate(self.plan.mapped)}
+        pieces = [
+            (i, m, at, min(_MAP_IN_PIECE, start + length - at), nbytes if at == start else 0)
+            for i, m, runs in pending
+            for start, length, nbytes in runs
+            for at in range(start, start + length, _MAP_IN_PIECE)
+        ]
+        on_chunk = self.on_chunk
+        populate = [True]
+
+        def map_in(piece: tuple[int, mmap.mmap, int, int, int]) -> None:
+            i, m, at, n, nbytes = piece
+            if populate[0]:
+                try:
+                    m.madvise(_MADV_POPULATE_READ, at, n)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        self._failed(i, at + n, e)
+                    populate[0] = False  # a kernel older than 5.14: the pages come in as they are touched
+            if on_chunk is not None and populate[0]:  # else the checks read through mapped_pieces, after
+                on_chunk(buffer[i], at, n)
+            if progress is not None and nbytes:
+                progress(nbytes)
+
+        # Mapping pages in takes locks the threads would share: several threads pay off where each also checks.
+        threads = 1 if on_chunk is None else max(1, min(self.options.num_threads or self.CACHED_THREADS, len(pieces)))
+        if threads == 1:
+            for piece in pieces:
+                map_in(piece)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="gdsload-mmap") as pool:
+            list(pool.map(map_in, pieces))  # re-raises the first error here
 
     def _failed(self, i: int, end: int, e: OSError) -> None:
         assert self.plan is not None

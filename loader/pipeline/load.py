@@ -29,7 +29,7 @@ from ..format.discovery import RankFiles, discover
 from ..dtypes import from_torch
 from ..config import format_bytes, gc_paused
 from ..errors import ConfigError, DeviceMemoryError
-from ..plan import Extent, FilePlan, LoadPlan, plan_rank
+from ..plan import Extent, FilePlan, LoadPlan, landing_groups, plan_rank
 from .result import PHASES, FileReport, LoadReport, LoadResult, Slot
 
 if TYPE_CHECKING:
@@ -143,7 +143,9 @@ def load_rank(
         mapped = reader.file_buffers()
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
         groups: list[list[Extent]] = []
-        if cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
+        if cfg.verify is not False and dev.kind != "cpu" and reader.landed_on_wait and not plan.compressed:
+            groups = landing_groups(plan.extents)  # each checked as it lands (the checks set up once all are queued)
+        elif cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
             from .verify import Verifier
 
             verifier = Verifier(plan, rank_files, cfg.verify)
@@ -152,14 +154,19 @@ def load_rank(
                 reader.on_chunk = verifier.on_chunk  # each read's bytes are checked by the thread that read them
             else:
                 verifier.warm_up(dev)  # nvCOMP's CRC kernel checks them: its library loads during the reads
-                if reader.landed_on_wait and not plan.compressed:  # each group checked as it lands
-                    verifier.attach_device(dev, dsts)
-                    groups = verifier.landing_groups(plan.extents)
         clock.lap("setup")
 
         if groups:
-            assert verifier is not None
-            _read_in_groups(reader, groups, dsts, progress, verifier.on_landed)
+
+            def checks() -> Any:
+                from .verify import Verifier
+
+                v = Verifier(plan, rank_files, cfg.verify)
+                v.warm_up(dev)
+                v.attach_device(dev, dsts)
+                return v
+
+            verifier = _read_in_groups(reader, groups, dsts, progress, checks)
         else:
             # The compressed files' raw tensors are read with their compressed ones, where any are loaded (the
             # decode stage).
@@ -248,26 +255,33 @@ def _read_in_groups(
     groups: Sequence[Sequence[Extent]],
     dsts: Sequence[Any],
     progress: Callable[[int], None] | None,
-    landed: Callable[[Sequence[Extent]], None],
-) -> None:
-    """Read ``groups`` of extents, all in flight at once; as each group lands (in order), hand it to ``landed``.
-    Every group queued is waited for, even after a failure: its reads write into ``dsts`` until then."""
+    checks: Callable[[], Any],
+) -> Any:
+    """Read ``groups`` of extents, all in flight at once; once they are queued, set up the ``checks()`` (their
+    imports and set-up run while the first groups are read), and as each group lands (in order), hand it to
+    their ``on_landed``. Returns the checks. Every group queued is waited for, even after a failure: its reads
+    write into ``dsts`` until then."""
     waits: list[Callable[[], None]] = []
     error: BaseException | None = None
+    checker: Any = None
     try:
         for g in groups:
             waits.append(reader.submit(g, dsts, progress))
+        checker = checks()
     except BaseException as e:
         error = e
     for g, wait in zip(groups, waits):
         try:
             wait()
             if error is None:
-                landed(g)
+                checker.on_landed(g)
         except BaseException as e:
             error = error or e
     if error is not None:
+        if checker is not None:
+            checker.abandon()
         raise error
+    return checker
 
 
 def _allocate(reader: Any, plan: LoadPlan, nbytes: int) -> Any:

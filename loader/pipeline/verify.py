@@ -4,8 +4,8 @@ Files gdsload writes record the CRC-32 of every tensor (:mod:`gdsload.loader.for
 tensors also record the CRC-32 of their decoded bytes, which the decode stage checks. What is checked, where:
 
 - on the CPU, **beside the read**: a reader that reports each finished read (:attr:`Backend.on_chunk`) has the
-  CRC of each tensor's pieces computed by the thread that read them, in file order, while the other threads
-  read on; whatever no read reported (a mapped file) is checked once the reads are done;
+  CRC of each tensor's pieces computed by the thread that read them (or, the ``mmap`` reader, mapped them in),
+  in file order, while the other threads read on; whatever no read reported is checked once the reads are done;
 - on a GPU, **as the bytes land**: a reader whose waits return once the copies are complete has the rank read
   in groups, all in flight at once (:func:`~gdsload.loader.plan.landing_groups`), and as each group lands,
   nvCOMP's CRC kernel checks the tensors it completed, on a stream of its own, while the later groups are
@@ -42,12 +42,6 @@ log = logging.getLogger(__name__)
 
 _HOST_PIECE = 64 << 20
 """Bytes checked per task when a tensor's bytes are checked after the read (a large tensor in pieces)."""
-
-LANDING_GROUPS = 16
-"""Groups a rank is read in when a GPU checks each as it lands: the last group's check is what is left after
-the last copy."""
-LANDING_MIN_BYTES = 64 << 20
-"""No landing group is smaller (a small rank is read in fewer groups, or one)."""
 
 
 class Check(NamedTuple):
@@ -137,6 +131,8 @@ class Verifier:
         self._dsts: Sequence[Any] = ()
         self._left: list[int] = []
         """Per check, its bytes not landed yet."""
+        self._table: tuple[Any, int, int] | None = None
+        """The checks' device tables, allocated before the reads (:meth:`attach_device`)."""
         self._ready: list[int] = []
         """Checks whose bytes have all landed, not launched yet."""
         self._launched: list[int] = []
@@ -235,16 +231,20 @@ class Verifier:
     # ---------------------------------------------------------------------------------- as the bytes land
 
     def attach_device(self, device: Device, dsts: Sequence[Any]) -> None:
-        """Check on a GPU as groups of reads into ``dsts`` land: :meth:`on_landed` may be called."""
+        """Check on a GPU as groups of reads into ``dsts`` land: :meth:`on_landed` may be called.
+
+        The device memory of the checks' tables, and their stream, are made here, once, and not batch by batch
+        between the checks' launches while the reads' copies run on other streams."""
+        from ..codecs.nvcomp_c import CrcBatches
+        from ..plan import LANDING_GROUPS
+
         self._device, self._dsts = device, dsts
         self._build_index()
         self._left = [c.nbytes for c in self.checks]
-
-    def landing_groups(self, extents: Sequence[Extent]) -> list[list[Extent]]:
-        """The groups to read ``extents`` in, each checked as it lands."""
-        from ..plan import landing_groups
-
-        return landing_groups(extents, LANDING_GROUPS, LANDING_MIN_BYTES)
+        device.stream(1)  # the check stream, kept per device: made now, once
+        nbytes = CrcBatches.table_bytes([c.nbytes for c in self.checks], LANDING_GROUPS + 2)
+        table = device.empty(nbytes)
+        self._table = (table, device.address(table), nbytes)
 
     def on_landed(self, extents: Sequence[Extent]) -> None:
         """``extents`` are at their destinations (the copies complete): launch the CRC-32 of every tensor whose
@@ -268,6 +268,7 @@ class Verifier:
                 log.debug("rank %d: queued checks abandoned: %s", self.plan.rank, e)
             finally:
                 codecs.close()
+        self._table = None  # nothing queued uses it now
 
     def _launch(self) -> None:
         assert self._device is not None
@@ -277,7 +278,7 @@ class Verifier:
             from ..codecs import GpuCodecs
 
             codecs = GpuCodecs(self._device, self._device.stream(1).handle)
-            batches = codecs.crc_batches(f"rank {self.plan.rank}")
+            batches = codecs.crc_batches(f"rank {self.plan.rank}", self._table)
             if batches is None:
                 codecs.close()
                 self._no_gpu_crc = True
@@ -414,6 +415,7 @@ class Verifier:
             if self._gpu is not None:
                 self._gpu[0].close()
                 self._gpu = None
+            self._table = None
         todo = [i for i, c in enumerate(self.checks) if c.nbytes and self._got[i] is None]
         if not todo:
             return f"{device}, nvCOMP"

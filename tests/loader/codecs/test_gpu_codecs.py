@@ -7,7 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from gpu_cases import _bench_like, _bits, _check, _reference, _skip_if_missing
+from gpu_cases import _bench_like, _bits, _check, _reference, _skip_if_missing, gpu_device
 from gdsload.loader import CodecError, load_rank, save_file
 from gdsload.loader.prepare.compress import compress_dir, compress_file
 
@@ -141,17 +141,7 @@ def test_one_flipped_byte_in_ans_data_is_caught_without_verify(tmp_path, where):
     )
     good = tmp_path / "good.safetensors"
     compress_file(src, good, codec="ans", device="cuda")
-    if where == "cupy":
-        pytest.importorskip("cupy")
-        from gdsload.loader.devices import CupyDevice
-
-        device = CupyDevice(0)
-    elif where == "driver":
-        from gdsload.loader.devices import DriverDevice
-
-        device = DriverDevice(0)
-    else:
-        device = "cuda"
+    device = gpu_device(where)
     assert load_rank(good, device=device, verify=False).report.logical_bytes == 3 * 2 * 1024 * 1024
     h = read_header(good)
     for frac in (0.1, 0.5, 0.9):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_cases import _bench_like, _bits, _check, _reference, _skip_if_missing
+from gpu_cases import _bench_like, _bits, _check, _reference, _skip_if_missing, gpu_device
 from gdsload.loader import CodecError, load_rank, save_file
 from gdsload.loader.prepare.compress import compress_dir
 
@@ -74,17 +74,7 @@ def test_a_flipped_byte_in_any_staging_group_fails_the_load(tmp_path, monkeypatc
     from gdsload.loader import read_header
 
     _many_groups(tmp_path, monkeypatch, seed=5)
-    if where == "cupy":
-        pytest.importorskip("cupy")
-        from gdsload.loader.devices import CupyDevice
-
-        device = CupyDevice(0)
-    elif where == "driver":
-        from gdsload.loader.devices import DriverDevice
-
-        device = DriverDevice(0)
-    else:
-        device = "cuda"
+    device = gpu_device(where)
     good = tmp_path / "z" / "model.safetensors"
     assert (
         load_rank(tmp_path / "z", device=device).report.logical_bytes == (23 * 512 * 512 + 4096 * 1024 + 3 * 2048) * 2

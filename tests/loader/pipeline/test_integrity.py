@@ -144,6 +144,38 @@ def test_the_check_runs_beside_the_read_in_the_reading_threads(model, monkeypatc
     assert threads and all(t.startswith("gdsload-cpu") for t in threads), set(threads)
 
 
+def test_mapped_bytes_are_checked_by_the_threads_that_map_them_in(tmp_path, monkeypatch):
+    """With the mmap reader, each piece of a mapping is checked right after the thread that mapped its pages in
+    (several threads, pieces smaller than a tensor), not in a pass over the mappings after the load."""
+    import gdsload.loader.io.mmap as mapped
+    import gdsload.loader.pipeline.verify as verify
+
+    d = tmp_path / "m"
+    d.mkdir()
+    g = torch.Generator().manual_seed(2)
+    tensors = {f"t{i}": torch.randn(1_000_000 + 4097 * i, generator=g) for i in range(5)}  # about 4 MB each
+    save_file(tensors, d / "model.safetensors")
+    monkeypatch.setattr(mapped, "_MAP_IN_PIECE", 1 << 20)
+    threads: list[str] = []
+    real = verify.crc32
+
+    def spy(data, value=0):
+        threads.append(threading.current_thread().name)
+        return real(data, value)
+
+    monkeypatch.setattr(verify, "crc32", spy)
+    result = load_rank(d, backend="mmap", num_threads=2)
+    report = result.report
+    assert report.files[0].io_mode == "mmap"
+    assert report.verified and report.verification["checked_on"] == "cpu, beside the read"
+    assert len(threads) > len(tensors) and all(t.startswith("gdsload-mmap") for t in threads), set(threads)
+    assert all(torch.equal(result.tensors[k], v) for k, v in tensors.items())
+    h = read_header(d / "model.safetensors")
+    _flip(d / "model.safetensors", h.data_offset + h["t3"].start + (3 << 20) // 2)  # inside a middle piece of t3
+    with pytest.raises(IntegrityError, match="'t3'"):
+        load_rank(d, backend="mmap", num_threads=2)
+
+
 def test_partial_and_direct_loads_are_checked(model):
     """``only`` and ``into`` loads check what they load, where it landed."""
     path = model / "model-rank-0-part-0.safetensors"
@@ -318,8 +350,9 @@ def test_a_rank_read_in_landing_groups_is_cut_into_consecutive_groups_of_about_e
 
 
 def test_landing_groups_are_all_in_flight_and_each_is_handed_on_as_it_lands():
-    """Every group is queued before the first wait; each is handed on after its own wait, in order; after a
-    failure the later groups are still waited for (they write into the buffers until then) but not handed on."""
+    """Every group is queued before the checks are set up and before the first wait; each is handed on after its
+    own wait, in order; after a failure the later groups are still waited for (they write into the buffers until
+    then) but not handed on, and the checks queued are abandoned."""
     from gdsload.loader.pipeline.load import _read_in_groups
 
     log: list[str] = []
@@ -335,12 +368,34 @@ def test_landing_groups_are_all_in_flight_and_each_is_handed_on_as_it_lands():
 
             return wait
 
-    _read_in_groups(Reader(), [["g0"], ["g1"]], [], None, lambda g: log.append(f"landed {g[0]}"))
-    assert log == ["submit g0", "submit g1", "wait g0", "landed g0", "wait g1", "landed g1"]
+    class Checks:
+        def on_landed(self, g):
+            log.append(f"landed {g[0]}")
+
+        def abandon(self):
+            log.append("abandoned")
+
+    def checks():
+        log.append("checks")
+        return Checks()
+
+    assert isinstance(_read_in_groups(Reader(), [["g0"], ["g1"]], [], None, checks), Checks)
+    assert log == ["submit g0", "submit g1", "checks", "wait g0", "landed g0", "wait g1", "landed g1"]
     log.clear()
     with pytest.raises(OSError, match="read failed"):
-        _read_in_groups(Reader(), [["g1"], ["g2"], ["g3"]], [], None, lambda g: log.append(f"landed {g[0]}"))
-    assert log == ["submit g1", "submit g2", "submit g3", "wait g1", "landed g1", "wait g2", "wait g3"]
+        _read_in_groups(Reader(), [["g1"], ["g2"], ["g3"]], [], None, checks)
+    assert log == [
+        *("submit g1", "submit g2", "submit g3", "checks"),
+        *("wait g1", "landed g1", "wait g2", "wait g3", "abandoned"),
+    ]
+    log.clear()
+
+    def broken():
+        raise RuntimeError("no checks")
+
+    with pytest.raises(RuntimeError, match="no checks"):
+        _read_in_groups(Reader(), [["g0"], ["g1"]], [], None, broken)
+    assert log == ["submit g0", "submit g1", "wait g0", "wait g1"]  # still every read waited for
 
 
 @pytest.mark.gpu
@@ -349,11 +404,11 @@ def test_gpu_checks_run_as_each_group_of_reads_lands(tmp_path, monkeypatch, devi
     """A rank read in several groups: the tensors of the groups that landed are checked while the later groups
     are read, every tensor is checked, and a flip in the first or the last group is caught, naming its tensor."""
     from gdsload.loader.devices import DriverDevice, torch_free_unavailable
-    from gdsload.loader.pipeline import verify
+    from gdsload.loader import plan
 
     if device == "driver" and torch_free_unavailable():
         pytest.skip(torch_free_unavailable())
-    monkeypatch.setattr(verify, "LANDING_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(plan, "LANDING_MIN_BYTES", 1 << 20)
     d = tmp_path / "m"
     d.mkdir()
     g = torch.Generator().manual_seed(5)

@@ -20,6 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from gpu_cases import _bench_like
 from kvikio_stand_in import host_reader, stand_in_kvikio
 
 from gdsload.loader import save_file
@@ -508,18 +509,7 @@ def test_bare_load_decodes_compressed_files(tmp_path, codec):
     _needs_bare()
     from gdsload.loader.prepare.compress import compress_dir
 
-    src = tmp_path / "src"
-    src.mkdir()
-    g = torch.Generator().manual_seed(1)
-    for part in range(2):
-        save_file(
-            {
-                f"p{part}.w": (0.02 * torch.randn(2048, 1024, generator=g)).to(torch.bfloat16),
-                f"p{part}.f32": 0.02 * torch.randn(512, 256, generator=g),
-                f"p{part}.norm": torch.ones(1024, dtype=torch.bfloat16),
-            },
-            src / f"model-rank-0-part-{part}.safetensors",
-        )
+    src = _bench_like(tmp_path, fp8=False)
     out_dir = tmp_path / codec
     compress_dir(src, out_dir, codec=codec, device="cuda")
     out, _ = _run(out_dir, verify=True)
