@@ -143,9 +143,12 @@ def load_rank(
         mapped = reader.file_buffers()
         dsts = [arena, *(target_bufs[name] for name in plan.targets), *mapped]
         groups: list[list[Extent]] = []
-        if cfg.verify is not False and dev.kind != "cpu" and reader.landed_on_wait and not plan.compressed:
+        # Files that record nothing to check (a Hugging Face download) are read as with verify off; what was
+        # left unchecked is counted after the reads.
+        checking = cfg.verify is True or (cfg.verify is None and (bool(plan.compressed) or _records_checksums(plan)))
+        if checking and dev.kind != "cpu" and reader.landed_on_wait and not plan.compressed:
             groups = landing_groups(plan.extents)  # each checked as it lands (the checks set up once all are queued)
-        elif cfg.verify is not False:  # imported by the loads that check (a load that verifies nothing hashes nothing)
+        elif checking:  # imported by the loads that check (a load that verifies nothing hashes nothing)
             from .verify import Verifier
 
             verifier = Verifier(plan, rank_files, cfg.verify)
@@ -216,6 +219,10 @@ def load_rank(
                 }
         clock.lap("place")
 
+        if verifier is None and cfg.verify is not False:  # nothing recorded: the report says what went unchecked
+            from .verify import Verifier
+
+            verifier = Verifier(plan, rank_files, cfg.verify)
         outcome = verifier.finish(dev, dsts, cfg.num_threads or 4) if verifier is not None else None
         clock.lap("verify")
     except BaseException:
@@ -248,6 +255,13 @@ def load_rank(
     )
     log.info("%s%s", report.summary(), "" if dev.uses_torch else " (without torch)")
     return LoadResult(tensors=tensors, arenas=[arena, *mapped], report=report, slots=slots, device=dev)
+
+
+def _records_checksums(plan: LoadPlan) -> bool:
+    """Whether any file of the plan records checksums of its tensors (files gdsload wrote do)."""
+    from ..format.checksums import METADATA_KEY
+
+    return any(METADATA_KEY in f.header.metadata for f in plan.files)
 
 
 def _read_in_groups(
