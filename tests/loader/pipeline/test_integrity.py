@@ -127,8 +127,8 @@ def test_verify_false_and_the_environment_turn_the_check_off(model, monkeypatch)
         load_rank(model)
 
 
-def test_the_check_runs_beside_the_read_in_the_reading_threads(model, monkeypatch):
-    """With the cpu reader, each tensor's CRC is folded in by the thread that read its bytes, as they arrive."""
+def _crc_threads(monkeypatch) -> list[str]:
+    """The names of the threads that compute the load's CRCs, in call order (filled as the load runs)."""
     import gdsload.loader.pipeline.verify as verify
 
     threads: list[str] = []
@@ -139,6 +139,12 @@ def test_the_check_runs_beside_the_read_in_the_reading_threads(model, monkeypatc
         return real(data, value)
 
     monkeypatch.setattr(verify, "crc32", spy)
+    return threads
+
+
+def test_the_check_runs_beside_the_read_in_the_reading_threads(model, monkeypatch):
+    """With the cpu reader, each tensor's CRC is folded in by the thread that read its bytes, as they arrive."""
+    threads = _crc_threads(monkeypatch)
     report = load_rank(model, backend="cpu", num_threads=2, chunk_bytes=4096).report
     assert report.verified and report.verification["checked_on"] == "cpu, beside the read"
     assert threads and all(t.startswith("gdsload-cpu") for t in threads), set(threads)
@@ -148,7 +154,6 @@ def test_mapped_bytes_are_checked_by_the_threads_that_map_them_in(tmp_path, monk
     """With the mmap reader, each piece of a mapping is checked right after the thread that mapped its pages in
     (several threads, pieces smaller than a tensor), not in a pass over the mappings after the load."""
     import gdsload.loader.io.mmap as mapped
-    import gdsload.loader.pipeline.verify as verify
 
     d = tmp_path / "m"
     d.mkdir()
@@ -156,14 +161,7 @@ def test_mapped_bytes_are_checked_by_the_threads_that_map_them_in(tmp_path, monk
     tensors = {f"t{i}": torch.randn(1_000_000 + 4097 * i, generator=g) for i in range(5)}  # about 4 MB each
     save_file(tensors, d / "model.safetensors")
     monkeypatch.setattr(mapped, "_MAP_IN_PIECE", 1 << 20)
-    threads: list[str] = []
-    real = verify.crc32
-
-    def spy(data, value=0):
-        threads.append(threading.current_thread().name)
-        return real(data, value)
-
-    monkeypatch.setattr(verify, "crc32", spy)
+    threads = _crc_threads(monkeypatch)
     result = load_rank(d, backend="mmap", num_threads=2)
     report = result.report
     assert report.files[0].io_mode == "mmap"
