@@ -132,7 +132,7 @@ class Verifier:
         self._left: list[int] = []
         """Per check, its bytes not landed yet."""
         self._table: tuple[Any, int, int] | None = None
-        """The checks' device tables, allocated before the reads (:meth:`attach_device`)."""
+        """The checks' device tables, allocated once for every group's CRC results (:meth:`attach_device`)."""
         self._ready: list[int] = []
         """Checks whose bytes have all landed, not launched yet."""
         self._launched: list[int] = []
