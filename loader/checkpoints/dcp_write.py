@@ -10,9 +10,9 @@ objects as bytes), so any state dict DCP takes is saved, and :class:`~.dcp_read.
 any world size.
 
 It is also DCP's ``AsyncStager``: with ``dcp.async_save``, :meth:`GdsloadWriter.stage` runs in the training loop
-and takes a snapshot (CUDA tensors compressed on their GPU and only the compressed bytes copied to host memory; CPU
-tensors copied, or compressed at once past ``staging_limit``), then the save runs in DCP's background thread from
-that snapshot while training goes on. :attr:`GdsloadWriter.last_stage` reports the stall and the host memory held.
+and takes a snapshot (CUDA tensors compressed on their GPU and only the compressed bytes copied to page-locked host
+memory, which the next save reuses; CPU tensors copied, or compressed at once past ``staging_limit``), then the save
+runs in DCP's background thread from that snapshot while training goes on. :attr:`GdsloadWriter.last_stage` reports the stall and the host memory held.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -44,7 +45,8 @@ from .dcp_layout import (
     previous_save,
     remove_unused,
 )
-from .encode import Stored, dtype_name, encode, gpu_codec_for, resolve_codec
+from .encode import Stored, dtype_name, encode, gpu_codec_for, resolve_codec, to_host
+from .writer import Frames
 from .tensorfile import Planned, TensorFileWriter
 from ..config import format_bytes
 from ..errors import CheckpointError, ConfigError
@@ -55,6 +57,47 @@ __all__ = ["GdsloadWriter", "StageReport", "SaveStats"]
 log = logging.getLogger(__name__)
 
 
+PINNED_BLOCK = 64 << 20
+"""``async_save`` takes page-locked host memory in blocks of this size from torch's pinned-memory cache: a power of
+two, which the cache hands back whole to the next save instead of allocating and locking new memory."""
+
+
+class _PinnedBlocks:
+    """Page-locked host memory that :meth:`GdsloadWriter.stage` copies CUDA tensors' stored bytes into, each copy
+    queued without waiting for the one before (:meth:`wait` waits for them all). Blocks of :data:`PINNED_BLOCK`
+    bytes are filled one after the other; an item that spans two is written as :class:`Frames`."""
+
+    def __init__(self) -> None:
+        self.blocks: list[torch.Tensor] = []
+        self._used = PINNED_BLOCK
+        self._devices: set[torch.device] = set()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * PINNED_BLOCK
+
+    def __call__(self, src: torch.Tensor) -> np.ndarray | Frames:
+        self._devices.add(src.device)
+        parts: list[np.ndarray] = []
+        done, n = 0, src.numel()
+        while done < n:
+            if self._used == PINNED_BLOCK:
+                self.blocks.append(torch.empty(PINNED_BLOCK, dtype=torch.uint8, pin_memory=True))
+                self._used = 0
+            k = min(n - done, PINNED_BLOCK - self._used)
+            dst = self.blocks[-1][self._used : self._used + k]
+            dst.copy_(src[done : done + k], non_blocking=True)
+            parts.append(dst.numpy())
+            done, self._used = done + k, self._used + k
+        if len(parts) == 1:
+            return parts[0]
+        return Frames(parts) if parts else np.empty(0, np.uint8)
+
+    def wait(self) -> None:
+        for device in self._devices:
+            torch.cuda.current_stream(device).synchronize()
+
+
 @dataclasses.dataclass(frozen=True)
 class StageReport:
     """What :meth:`GdsloadWriter.stage` did while the training loop waited."""
@@ -62,7 +105,9 @@ class StageReport:
     seconds: float
     """The stall: the loop waited this long."""
     host_bytes: int
-    """Host memory the snapshot holds until the background save has written it (released item by item)."""
+    """Host memory the snapshot holds until the background save has written it, released as it is written: CUDA
+    tensors' stored bytes in whole :data:`PINNED_BLOCK` blocks of page-locked memory (back to torch's
+    pinned-memory cache, for the next save), the rest item by item."""
     logical_bytes: int
     gpu_compressed: int
     """Logical bytes compressed on GPUs during the stall (only their compressed bytes were copied)."""
@@ -329,6 +374,7 @@ class GdsloadWriter(StorageWriter, AsyncStager):
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, None, True)
         items: dict[MetadataIndex, Stored | torch.Tensor | bytes] = {}
+        pinned = _PinnedBlocks()
         held = logical = on_gpu = copied = on_cpu = 0
         for item in planner.create_local_plan().items:
             data = planner.resolve_data(item)
@@ -342,12 +388,19 @@ class GdsloadWriter(StorageWriter, AsyncStager):
             gpu = gpu_codec_for(self.codec) if t.is_cuda else None
             past_limit = self.staging_limit is not None and copied + n > self.staging_limit
             if gpu is not None or past_limit:
-                s = encode(t, self.codec, name=_entry_name(item.index), planes=self.planes, min_gain=self.min_gain)
+                s = encode(
+                    t,
+                    self.codec,
+                    name=_entry_name(item.index),
+                    planes=self.planes,
+                    min_gain=self.min_gain,
+                    host=pinned if gpu is not None else to_host,
+                )
                 items[item.index] = s
-                held += s.data.nbytes
                 if gpu is not None:
                     on_gpu += n
                 else:
+                    held += s.data.nbytes
                     on_cpu += n
             else:
                 copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
@@ -355,6 +408,8 @@ class GdsloadWriter(StorageWriter, AsyncStager):
                 items[item.index] = copy
                 held += n
                 copied += n
+        pinned.wait()  # the copies out of the GPUs: training may change the tensors once this returns
+        held += pinned.nbytes
         batch = _Batch(items, set())
         staged = self._alias(state_dict, batch)
         batch.report = StageReport(time.perf_counter() - t0, held, logical, on_gpu, copied, on_cpu)

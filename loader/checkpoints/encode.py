@@ -20,7 +20,7 @@ import base64
 import logging
 import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -205,8 +205,13 @@ def gpu_crcs(raw: torch.Tensor, where: str) -> list[int]:
         codecs = _CRC_CODECS.get(index)
         if codecs is None:
             codecs = _CRC_CODECS[index] = GpuCodecs(as_device(torch.device("cuda", index)), encode=True)
+    base, n = raw.data_ptr(), raw.numel()
+    spans = [(base + s, min(SEGMENT, n - s)) for s in range(0, n, SEGMENT)]
     with torch.cuda.device(raw.device):
-        return [codecs.crc32(raw[s : s + SEGMENT], where) for s in range(0, raw.numel(), SEGMENT)]
+        got = codecs.crcs(spans, where)  # every segment in one batch
+        if got is None:  # nvCOMP's C library or its CRC-32 call is missing: of host copies
+            return [codecs.crc32(raw[s : s + SEGMENT], where) for s in range(0, n, SEGMENT)]
+        return [int(c) for c in got]
 
 
 def _split(piece: np.ndarray, planes: int) -> np.ndarray:
@@ -233,7 +238,14 @@ def _encode_cpu(name: str, data: np.ndarray, planes: int, level: int, min_gain: 
     return Stored(Frames(frames), n, sums, entry, planes)
 
 
-def _encode_gpu(name: str, t: torch.Tensor, raw: torch.Tensor, codec: str, min_gain: float) -> Stored:
+def to_host(blob: torch.Tensor) -> np.ndarray:
+    """Device bytes copied to new host memory (the copy waits)."""
+    return blob.cpu().numpy()
+
+
+def _encode_gpu(
+    name: str, t: torch.Tensor, raw: torch.Tensor, codec: str, min_gain: float, host: Callable[[torch.Tensor], Any]
+) -> Stored:
     try:
         dtype = from_torch(t.dtype)
         src = t
@@ -241,12 +253,11 @@ def _encode_gpu(name: str, t: torch.Tensor, raw: torch.Tensor, codec: str, min_g
         dtype, src = "U8", raw
     n = raw.numel()
     sums = gpu_crcs(raw, name)
-    entry, blob = encode_tensor(name, src, dtype, codec, checksum=False)
-    assert isinstance(blob, np.ndarray)
-    if blob.size > (1 - min_gain) * n:
-        log.debug("%s: %s gains %.1f%% only; stored raw", name, codec, 100 * (1 - blob.size / n))
-        return Stored(raw.cpu().numpy(), n, sums)
-    return Stored(blob, n, sums, entry._replace(dtype="U8", shape=(n,)))
+    entry, blob = encode_tensor(name, src, dtype, codec, checksum=False, keep_on_device=True)
+    if blob.numel() > (1 - min_gain) * n:
+        log.debug("%s: %s gains %.1f%% only; stored raw", name, codec, 100 * (1 - blob.numel() / n))
+        return Stored(host(raw), n, sums)
+    return Stored(host(blob), n, sums, entry._replace(dtype="U8", shape=(n,)))
 
 
 def gpu_codec_for(codec: str) -> str | None:
@@ -266,10 +277,20 @@ def gpu_codec_for(codec: str) -> str | None:
 
 
 def encode(
-    t: torch.Tensor, codec: str, *, name: str, planes: bool = True, min_gain: float = 0.02, level: int = ZSTD_LEVEL
+    t: torch.Tensor,
+    codec: str,
+    *,
+    name: str,
+    planes: bool = True,
+    min_gain: float = 0.02,
+    level: int = ZSTD_LEVEL,
+    host: Callable[[torch.Tensor], Any] = to_host,
 ) -> Stored:
     """``t``'s bytes as a file stores them, compressed with ``codec`` (see :data:`CODECS`) where that gains
     ``min_gain`` and the tensor is at least 64 KiB.
+
+    A CUDA tensor compressed on its GPU leaves it through ``host`` (its stored bytes, a CUDA uint8 tensor, in; host
+    memory the file writer takes out: a uint8 array or :class:`Frames`); by default a copy to new memory.
 
     >>> s = encode(torch.zeros(1 << 20), "zstd", name="w")
     >>> s.entry.codec, s.nbytes, s.data.nbytes < 1 << 12
@@ -289,7 +310,7 @@ def encode(
         raw = t.contiguous().reshape(-1).view(torch.uint8)
         gpu = gpu_codec_for(codec) if raw.is_cuda else None
         if gpu is not None:
-            out = _encode_gpu(name, t, raw, gpu, min_gain)
+            out = _encode_gpu(name, t, raw, gpu, min_gain, host)
         else:
             data = raw.cpu().numpy() if raw.is_cuda else raw.numpy()
             out = _encode_cpu(name, data, planes_for(t.dtype, planes), level, min_gain)

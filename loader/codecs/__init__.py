@@ -37,6 +37,12 @@ __all__ = [
 ]
 
 
+def _c_library_unavailable() -> str | None:
+    from .nvcomp_c import library_unavailable
+
+    return library_unavailable()
+
+
 def default_params(codec_name: str, dtype: str) -> dict[str, Any]:
     """The encoder parameters ``codec_name`` uses for a tensor of safetensors ``dtype``."""
     return codec(codec_name).params(dtype)
@@ -137,11 +143,14 @@ def encode_tensor(
     chunk, align = spec.chunk_bytes, spec.chunk_align
     if raw.data_ptr() % 16:  # nvCOMP's ANS compressor wants 16-byte aligned chunks; a fresh copy is aligned
         raw = raw.clone()
-    enc = codecs.chunked(codec_name, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
-    sizes = tuple(int(a.buffer_size) for a in enc)  # waits for the encoder
     entry = CompressedEntry(
-        name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, sizes, crc, align
+        name, dtype, tuple(tensor.shape), nbytes, codec_name, layout, 0, params, chunk, (), crc, align
     )
-    starts, *_ = entry.chunk_table()
-    blob = gather_chunks(enc, starts.tolist(), sizes, raw.device)
-    return entry._replace(stored_bytes=blob.numel()), blob if keep_on_device else blob.cpu().numpy()
+    if spec.batch_decoder and _c_library_unavailable() is None:  # ANS: every chunk in one call of nvCOMP's C API
+        blob, sizes = codecs.ans_chunks(raw, codec_name, params, f"tensor {name!r}")
+    else:
+        enc = codecs.chunked(codec_name, params).encode(codecs.nv.as_arrays(list(raw.split(chunk))))
+        sizes = tuple(int(a.buffer_size) for a in enc)  # waits for the encoder
+        blob = gather_chunks(enc, entry._replace(chunks=sizes).chunk_table()[0].tolist(), sizes, raw.device)
+    entry = entry._replace(chunks=sizes, stored_bytes=blob.numel())
+    return entry, blob if keep_on_device else blob.cpu().numpy()

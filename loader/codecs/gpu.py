@@ -23,7 +23,15 @@ from ..format.compression import CompressedEntry
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GpuCodecs", "DecodeJob", "gather_chunks", "TorchStreamBytes", "CupyStreamBytes", "DriverStreamBytes"]
+__all__ = [
+    "GpuCodecs",
+    "DecodeJob",
+    "gather_chunks",
+    "pack_slots",
+    "TorchStreamBytes",
+    "CupyStreamBytes",
+    "DriverStreamBytes",
+]
 
 
 class _Bytes:
@@ -53,6 +61,33 @@ def gather_chunks(arrays: list[Any], starts: list[int], sizes: tuple[int, ...], 
     for at, n, a in zip(starts, sizes, arrays):
         out[at : at + n].copy_(torch.as_tensor(_Bytes(a, n), device=device))
     return out
+
+
+def pack_slots(slots: Any, align: int) -> torch.Tensor:
+    """The chunks :func:`~gdsload.loader.codecs.nvcomp_c.ans_encode` left in fixed-size slots of a torch
+    tensor, laid end to end as ``layout: chunks`` stores them (each starting ``align``-aligned, zeros in the gaps),
+    in one masked copy on the device instead of one copy per chunk."""
+    import numpy as np
+    import torch
+
+    sizes = slots.sizes.astype(np.int64)
+    n = len(sizes)
+    if not n:
+        return torch.empty(0, dtype=torch.uint8, device=slots.array.device if slots.array is not None else "cuda")
+    units = -(-sizes // align)  # aligned units each chunk takes up, its padding included
+    total = int(units[:-1].sum()) * align + int(sizes[-1])
+    grid = slots.array[: n * slots.slot_bytes].view(n, slots.slot_bytes // align, align)
+    keep = torch.arange(grid.shape[1], device=grid.device) < torch.from_numpy(units).to(grid.device)[:, None]
+    packed = grid.masked_select(keep.unsqueeze(-1))[:total]
+    # The padding after a chunk holds whatever its slot held past the bitstream: zeroed, as the format writes gaps.
+    pads = units * align - sizes
+    pads[-1] = 0
+    if pads.any():
+        ends = np.cumsum(units * align) - units * align + sizes
+        first_pad = np.cumsum(pads) - pads
+        at = np.repeat(ends, pads) + np.arange(int(pads.sum())) - np.repeat(first_pad, pads)
+        packed[torch.from_numpy(at).to(grid.device)] = 0
+    return packed
 
 
 class DecodeJob(NamedTuple):
@@ -157,6 +192,29 @@ class GpuCodecs:
                 **self._kwargs(),
             )
         return self._cache[key]
+
+    def ans_chunks(
+        self, raw: torch.Tensor, codec_name: str, params: dict[str, Any], where: str
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``raw`` (a 16-byte aligned CUDA uint8 tensor) compressed in chunks of the codec's ``chunk_bytes``, every
+        chunk in one call of nvCOMP's C API (its batched ANS encoder) on this stream, which it waits for; returns
+        the stored bytes, on the device as ``layout: chunks`` lays them out, and each chunk's compressed size."""
+        import numpy as np
+
+        from .nvcomp_c import ans_encode
+
+        spec = codec(codec_name)
+        n = raw.numel()
+        starts = np.arange(0, n, spec.chunk_bytes, dtype=np.uint64)
+        slots = ans_encode(
+            np.uint64(raw.data_ptr()) + starts,
+            np.minimum(np.uint64(spec.chunk_bytes), np.uint64(n) - starts),
+            params["data_type"],
+            self._stream_bytes(),
+            self.stream or 0,
+            where,
+        )
+        return pack_slots(slots, spec.chunk_align), tuple(slots.sizes.tolist())
 
     def _stream_bytes(self) -> TorchStreamBytes | CupyStreamBytes | DriverStreamBytes:
         if self._bytes is None:

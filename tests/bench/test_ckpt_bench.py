@@ -20,6 +20,10 @@ def state(tmp_path_factory: pytest.TempPathFactory):
 def test_every_method_saves_and_restores_bit_exact(state, tmp_path, method):
     row = ckpt_bench.run_one(method, state, tmp_path / "out", "cpu")
     assert row["bit_exact"] and row["written_bytes"] > 0 and 0 < row["stall_s"] <= row["save_s"]
+    if method.endswith("-async"):  # a second save's stall, from the same process
+        assert 0 < row["next_stall_s"] < row["save_s"] + 60
+    else:
+        assert row["next_stall_s"] is None
     if method.startswith("gdsload") or "zstd" in method:
         assert row["ratio"] > 1.02  # the compressed methods write fewer bytes than the state holds
 
@@ -27,7 +31,9 @@ def test_every_method_saves_and_restores_bit_exact(state, tmp_path, method):
 def test_rounds_run_each_method_in_a_fresh_process_and_summarise(state, tmp_path):
     doc = ckpt_bench.run(state, tmp_path, ["torch.save", "gdsload-dcp-async"], 1, "cpu")
     assert [e["method"] for e in doc["summary"]] == ["torch.save", "gdsload-dcp-async"]
-    assert "| gdsload-dcp-async |" in ckpt_bench.table(doc)
+    table = ckpt_bench.table(doc)
+    assert "| gdsload-dcp-async |" in table and "| torch.save |" in table
+    assert doc["summary"][0]["next_stall_s"] is None and doc["summary"][1]["next_stall_s"]["median"] > 0
 
 
 def test_the_ratio_bench_reports_each_part(tmp_path):

@@ -355,3 +355,30 @@ def test_cuda_state_compresses_on_the_gpu_and_reloads(tmp_path):
     cpu = {"model": {k: torch.zeros_like(v, device="cpu") for k, v in state["model"].items()}}
     dcp.load(cpu, storage_reader=GdsloadReader(tmp_path))  # ANS decoded on the GPU, then copied to the CPU
     assert all(torch.equal(cpu["model"][k], v.cpu()) for k, v in state["model"].items())
+
+
+@pytest.mark.gpu
+def test_async_save_copies_cuda_state_out_through_pinned_blocks_and_writes_the_snapshot(tmp_path, monkeypatch):
+    """The stall compresses CUDA tensors on the GPU and queues the copies of their stored bytes into page-locked
+    blocks (an item larger than what a block has left spans two, written as one entry); it returns only once
+    the copies are done, so what training does next is not in the checkpoint."""
+    monkeypatch.setattr(dcp_write, "PINNED_BLOCK", 1 << 20)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {
+        "big": 0.02 * torch.randn(3 << 18, device="cuda", generator=g),  # 3 MiB: its stored bytes span blocks
+        "odd": 0.02 * torch.randn(100_003, device="cuda", generator=g),
+        "noise": torch.randint(0, 256, (1 << 19,), device="cuda", dtype=torch.uint8, generator=g),  # stays raw
+        "step": torch.tensor(7),
+    }
+    want = {k: v.clone() for k, v in state.items()}
+    w = GdsloadWriter(tmp_path)
+    future = dcp.async_save(state, storage_writer=w)
+    for v in state.values():
+        v.add_(1)  # training goes on
+    future.result()
+    report = w.last_stage
+    assert report.gpu_compressed == sum(want[k].numel() * want[k].element_size() for k in ("big", "odd", "noise"))
+    assert report.host_bytes >= 4 << 20  # whole blocks: the 3 MiB tensor's stored bytes, and the raw 0.5 MiB
+    back = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(back, storage_reader=GdsloadReader(tmp_path))
+    assert _bits_equal(back, want)

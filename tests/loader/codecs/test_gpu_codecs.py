@@ -32,7 +32,7 @@ def test_gpu_codecs_round_trip(tmp_path, codec, backend):
 
 def test_ans_compress_runs_without_torch_and_writes_what_the_torch_encoder_writes(tmp_path, monkeypatch):
     """`gdsload compress --codec ans` on a GPU imports no torch: cupy and nvCOMP's C API. Its files hold,
-    tensor for tensor, the entries and bytes the torch encoder (nvCOMP's Python codec) makes; the
+    tensor for tensor, the entries and bytes the torch encoder makes; the
     manifest's digests are the files' blake3; every tensor loads bit-identical to safetensors, from a
     file the safetensors library wrote (tensors at offsets that are not 16-byte aligned)."""
     import subprocess
@@ -206,6 +206,30 @@ def _ans_chunks_after(fill: int) -> list[bytes]:
         slots.array[i * slots.slot_bytes : i * slots.slot_bytes + int(n)].get().tobytes()
         for i, n in enumerate(slots.sizes)
     ]
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "U8"])
+def test_ans_through_the_c_api_stores_what_nvcomps_python_codec_stores(dtype, monkeypatch):
+    """A CUDA tensor's ANS chunks come from one call of nvCOMP's C API, laid end to end on the device in one
+    masked copy; nvCOMP's Python codec (one array per chunk, one copy per chunk), which runs where the C library
+    cannot be loaded, stores the same entry and the same bytes, the zeros between chunks included."""
+    from gdsload.loader import codecs
+    from gdsload.loader.codecs import encode_tensor
+
+    g = torch.Generator().manual_seed(11)
+    n = 5 * (256 << 10) + 1234  # five whole chunks and a short one
+    t = {
+        "BF16": lambda: (0.02 * torch.randn(n // 2, generator=g)).to(torch.bfloat16),
+        "F32": lambda: 0.02 * torch.randn(n // 4, generator=g),
+        "U8": lambda: torch.randint(0, 40, (n,), generator=g, dtype=torch.uint8),
+    }[dtype]().cuda()
+    entry, blob = encode_tensor("w", t, dtype, "ans", keep_on_device=True)
+    assert entry.layout == "chunks" and len(entry.chunks) == 6 and blob.numel() == entry.stored_bytes
+    assert any(size % 16 for size in entry.chunks[:-1])  # some chunk is followed by a gap
+    monkeypatch.setattr(codecs, "_c_library_unavailable", lambda: "stood down for the comparison")
+    entry_py, blob_py = encode_tensor("w", t, dtype, "ans", keep_on_device=True)
+    assert entry_py.to_json() == entry.to_json()
+    assert torch.equal(blob_py, blob)
 
 
 def test_ans_chunks_are_the_same_bytes_whatever_the_memory_held_before():
