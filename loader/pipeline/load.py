@@ -132,6 +132,12 @@ def load_rank(
         rank_files, targets=target_specs, only=only, map_files=reader.maps_files, opened=opened, confine=confine
     )
     verifier: Any = None
+
+    def new_verifier() -> Any:
+        from .verify import Verifier  # imported by the loads that check or count (none with verify off)
+
+        return Verifier(plan, rank_files, cfg.verify)
+
     try:
         if on_plan is not None:
             on_plan(plan)
@@ -148,10 +154,8 @@ def load_rank(
         checking = cfg.verify is True or (cfg.verify is None and (bool(plan.compressed) or _records_checksums(plan)))
         if checking and dev.kind != "cpu" and reader.landed_on_wait and not plan.compressed:
             groups = landing_groups(plan.extents)  # each checked as it lands (the checks set up once all are queued)
-        elif checking:  # imported by the loads that check (a load that verifies nothing hashes nothing)
-            from .verify import Verifier
-
-            verifier = Verifier(plan, rank_files, cfg.verify)
+        elif checking:
+            verifier = new_verifier()
             if dev.kind == "cpu":
                 verifier.attach(dev, dsts)
                 reader.on_chunk = verifier.on_chunk  # each read's bytes are checked by the thread that read them
@@ -162,9 +166,7 @@ def load_rank(
         if groups:
 
             def checks() -> Any:
-                from .verify import Verifier
-
-                v = Verifier(plan, rank_files, cfg.verify)
+                v = new_verifier()
                 v.warm_up(dev)
                 v.attach_device(dev, dsts)
                 return v
@@ -220,9 +222,7 @@ def load_rank(
         clock.lap("place")
 
         if verifier is None and cfg.verify is not False:  # nothing recorded: the report says what went unchecked
-            from .verify import Verifier
-
-            verifier = Verifier(plan, rank_files, cfg.verify)
+            verifier = new_verifier()
         outcome = verifier.finish(dev, dsts, cfg.num_threads or 4) if verifier is not None else None
         clock.lap("verify")
     except BaseException:
