@@ -238,8 +238,9 @@ class Engine:
             self._refs[key] = self.generate(model, "auto", tp)[0]
         return self._refs[key]
 
-    def state_dict(self, model: Path, tp: int) -> dict[int, dict[str, dict[str, Any]]]:
-        result, _ = self.run("state-dict", model, "state-dict-probe", tp)
+    def state_dict(self, model: Path, tp: int, pp: int = 1, ep: int = 1) -> dict[int, dict[str, dict[str, Any]]]:
+        """What every rank's model holds before loading (names, shapes, dtypes): global rank -> state dict."""
+        result, _ = self.run("state-dict", model, "state-dict-probe", tp, pp=pp, ep=ep)
         assert result is not None
         return {int(r): sd for r, sd in result["state_dict"].items()}
 

@@ -138,17 +138,29 @@ def test_llamas_traced_layout_equals_the_builtin_rules(traced, made):
             )
 
 
+FP8_CASES = [
+    ("mixtral", "fp8", 2, 1, 1),
+    ("qwen3-moe", "fp8:per-channel", 2, 1, 1),
+    ("deepseek-v2", "fp8", 1, 1, 1),
+    ("mixtral", "fp8", 1, 2, 1),
+    ("mixtral", "fp8", 2, 1, 2),
+]
+
+
 @pytest.mark.parametrize(
-    ("kind", "quant", "tp"), [("mixtral", "fp8", 2), ("qwen3-moe", "fp8:per-channel", 2), ("deepseek-v2", "fp8", 1)]
+    ("kind", "quant", "tp", "pp", "ep"), FP8_CASES, ids=[f"{k}-{q}-tp{t}-pp{p}-ep{e}" for k, q, t, p, e in FP8_CASES]
 )
-def test_fp8_moe_files_hold_exactly_vllms_fp8_state_dict(engine: Engine, traced, kind: str, quant: str, tp: int):
+def test_fp8_moe_files_hold_exactly_vllms_fp8_state_dict(
+    engine: Engine, traced, kind: str, quant: str, tp: int, pp: int, ep: int
+):
     """Experts included: names, shapes and dtypes of every rank against the state dict vLLM builds for the
-    quantized config (the CPU build cannot run FP8 MoE kernels)."""
-    out, result = traced(kind, "--tp", str(tp), "--quantize", quant)
+    quantized config, pipeline- and expert-parallel layouts too (the CPU build cannot run FP8 MoE kernels)."""
+    out, result = traced(kind, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--quantize", quant)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] in ("fp8", "compressed-tensors")
-    theirs = engine.state_dict(out, tp)
-    for rank in range(tp):
+    theirs = engine.state_dict(out, tp, pp, ep)
+    assert sorted(theirs) == list(range(tp * pp))
+    for rank in range(tp * pp):
         ours = {
             n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             for n, t in rank_state(out, rank).items()

@@ -71,6 +71,13 @@ SHARDED_VALUES_FORMAT = "sharded-state-values-probe"
 GDSLOAD_VALUES_FORMAT = "gdsload-state-values-probe"
 
 
+def _global_rank() -> int:
+    """This worker's global rank as gdsload numbers them: pipeline stage x tp + tensor-parallel rank."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + get_tensor_model_parallel_rank()
+
+
 def register_probe() -> None:
     """vLLM plugin (entry point of the engine environment): the probes' load formats.
 
@@ -80,7 +87,6 @@ def register_probe() -> None:
     (or sharded_state, or gdsload's load format) fills the state, which each worker writes to
     ``OUT/rank{R}.safetensors`` before stopping the engine.
     """
-    from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
@@ -96,13 +102,12 @@ def register_probe() -> None:
         def load_weights(self, model: Any, model_config: Any) -> None:
             kept = ShardedStateLoader._filter_subtensors(model.state_dict())
             found = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in kept.items()}
-            with open(f"{self.out}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
+            with open(f"{self.out}/rank{_global_rank()}.json", "w") as f:
                 json.dump(found, f)
             raise RuntimeError("state-dict-probe: state dict written, engine stopped on purpose")
 
     register_model_loader(PROBE_FORMAT)(StateDictProbe)
 
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     def values_probe(base: type, load_format: str) -> type:
@@ -123,12 +128,9 @@ def register_probe() -> None:
 
                 super().load_weights(model, model_config)
                 kept = ShardedStateLoader._filter_subtensors(model.state_dict())
-                rank = (
-                    get_pp_group().rank_in_group * get_tensor_model_parallel_world_size()
-                    + get_tensor_model_parallel_rank()
-                )
                 save_file(
-                    {k: v.detach().contiguous().clone() for k, v in kept.items()}, f"{self.out}/rank{rank}.safetensors"
+                    {k: v.detach().contiguous().clone() for k, v in kept.items()},
+                    f"{self.out}/rank{_global_rank()}.safetensors",
                 )
                 raise RuntimeError("state-values-probe: state written, engine stopped on purpose")
 
@@ -155,8 +157,9 @@ def state_dict(spec: dict[str, Any]) -> dict[str, Any]:
         for path in sorted(glob.glob(f"{out}/rank*.json")):
             with open(path) as f:
                 ranks[path.rsplit("rank", 1)[1].removesuffix(".json")] = json.load(f)
-    if len(ranks) != spec["tp"]:
-        raise SystemExit(f"state-dict-probe: {len(ranks)} of {spec['tp']} ranks wrote their state dict")
+    world = spec["tp"] * spec.get("pp", 1)
+    if len(ranks) != world:
+        raise SystemExit(f"state-dict-probe: {len(ranks)} of {world} ranks wrote their state dict")
     return {"state_dict": ranks}
 
 

@@ -602,3 +602,23 @@ def test_a_file_is_preallocated_in_one_call(tmp_path):
         _preallocate(f.fileno(), 3 << 20)
         st = os.fstat(f.fileno())
     assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
+
+
+def test_chunks_packed_from_their_slots_sit_where_the_format_says_with_zeros_between():
+    """The batched encoder leaves chunk i in the first sizes[i] bytes of slot i; one masked copy lays them end to
+    end, each at its aligned offset, and zeroes the gaps whatever the slots held past each bitstream."""
+    from gdsload.loader.codecs.gpu import pack_slots
+    from gdsload.loader.codecs.nvcomp_c import AnsSlots
+    from gdsload.loader.format.compression import CompressedEntry
+
+    g = torch.Generator().manual_seed(2)
+    sizes = (17, 4096, 1, 31, 48, 250)
+    slot = 4352  # a multiple of 256, as the encoder sizes them
+    slots = torch.randint(1, 256, (len(sizes) * slot,), generator=g, dtype=torch.uint8)  # no zero byte anywhere
+    packed = pack_slots(AnsSlots(slots, slots.data_ptr(), slot, np.array(sizes, np.uint64)), 16)
+    entry = CompressedEntry("w", "U8", (6 << 12,), 6 << 12, "ans", "chunks", 0, {}, 1 << 12, sizes, None, 16)
+    starts = entry.chunk_table()[0]
+    want = torch.zeros(starts[-1] + sizes[-1], dtype=torch.uint8)
+    for i, (at, n) in enumerate(zip(starts, sizes)):
+        want[at : at + n] = slots[i * slot : i * slot + n]
+    assert torch.equal(packed, want)
