@@ -58,37 +58,40 @@ log = logging.getLogger(__name__)
 
 
 PINNED_BLOCK = 64 << 20
-"""``async_save`` takes page-locked host memory in blocks of this size from torch's pinned-memory cache: a power of
-two, which the cache hands back whole to the next save instead of allocating and locking new memory."""
+"""``async_save`` takes page-locked host memory in blocks of at most this size from torch's pinned-memory cache:
+powers of two, which the cache hands back whole to the next save instead of allocating and locking new memory."""
 
 
 class _PinnedBlocks:
     """Page-locked host memory that :meth:`GdsloadWriter.stage` copies CUDA tensors' stored bytes into, each copy
-    queued without waiting for the one before (:meth:`wait` waits for them all). Blocks of :data:`PINNED_BLOCK`
-    bytes are filled one after the other; an item that spans two is written as :class:`Frames`."""
+    queued without waiting for the one before (:meth:`wait` waits for them all). Blocks are filled one after the
+    other, each :data:`PINNED_BLOCK` bytes or, near the end, the power of two that holds what is left of
+    ``upto`` (the most the stored bytes can take); an item that spans two blocks is written as :class:`Frames`."""
 
-    def __init__(self) -> None:
+    def __init__(self, upto: int) -> None:
         self.blocks: list[torch.Tensor] = []
-        self._used = PINNED_BLOCK
+        self._left = upto
+        self._used = 0
         self._devices: set[torch.device] = set()
 
     @property
     def nbytes(self) -> int:
-        return len(self.blocks) * PINNED_BLOCK
+        return sum(b.numel() for b in self.blocks)
 
     def __call__(self, src: torch.Tensor) -> np.ndarray | Frames:
         self._devices.add(src.device)
         parts: list[np.ndarray] = []
         done, n = 0, src.numel()
         while done < n:
-            if self._used == PINNED_BLOCK:
-                self.blocks.append(torch.empty(PINNED_BLOCK, dtype=torch.uint8, pin_memory=True))
+            if not self.blocks or self._used == self.blocks[-1].numel():
+                size = min(PINNED_BLOCK, 1 << (max(self._left, n - done, 1) - 1).bit_length())
+                self.blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
                 self._used = 0
-            k = min(n - done, PINNED_BLOCK - self._used)
+            k = min(n - done, self.blocks[-1].numel() - self._used)
             dst = self.blocks[-1][self._used : self._used + k]
             dst.copy_(src[done : done + k], non_blocking=True)
             parts.append(dst.numpy())
-            done, self._used = done + k, self._used + k
+            done, self._used, self._left = done + k, self._used + k, self._left - k
         if len(parts) == 1:
             return parts[0]
         return Frames(parts) if parts else np.empty(0, np.uint8)
@@ -105,9 +108,8 @@ class StageReport:
     seconds: float
     """The stall: the loop waited this long."""
     host_bytes: int
-    """Host memory the snapshot holds until the background save has written it, released as it is written: CUDA
-    tensors' stored bytes in whole :data:`PINNED_BLOCK` blocks of page-locked memory (back to torch's
-    pinned-memory cache, for the next save), the rest item by item."""
+    """Bytes the snapshot holds in host memory until the background save has written them (released item by
+    item)."""
     logical_bytes: int
     gpu_compressed: int
     """Logical bytes compressed on GPUs during the stall (only their compressed bytes were copied)."""
@@ -115,12 +117,17 @@ class StageReport:
     """Logical bytes copied as they are, to be compressed in the background."""
     cpu_compressed: int
     """Logical bytes compressed on the CPU during the stall (past ``staging_limit``)."""
+    pinned_bytes: int = 0
+    """Page-locked host memory that holds CUDA tensors' stored bytes (part of ``host_bytes``, in whole blocks
+    of at most :data:`PINNED_BLOCK`): back to torch's pinned-memory cache, for the next save, block by block as
+    the background save writes them."""
 
     def summary(self) -> str:
         return (
             f"stage: {self.seconds:.3f} s stall; {format_bytes(self.logical_bytes)} of state held as "
             f"{format_bytes(self.host_bytes)} of host memory (compressed on GPUs {format_bytes(self.gpu_compressed)}, "
-            f"copied {format_bytes(self.copied)}, compressed on the CPU {format_bytes(self.cpu_compressed)})"
+            f"copied {format_bytes(self.copied)}, compressed on the CPU {format_bytes(self.cpu_compressed)}; "
+            f"{format_bytes(self.pinned_bytes)} page-locked)"
         )
 
 
@@ -374,10 +381,12 @@ class GdsloadWriter(StorageWriter, AsyncStager):
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, None, True)
         items: dict[MetadataIndex, Stored | torch.Tensor | bytes] = {}
-        pinned = _PinnedBlocks()
+        resolved = [(item, planner.resolve_data(item)) for item in planner.create_local_plan().items]
+        cuda = [d for i, d in resolved if i.type != WriteItemType.BYTE_IO and d.is_cuda]
+        gpu = gpu_codec_for(self.codec) if cuda else None  # None: CUDA tensors are copied as they are
+        pinned = _PinnedBlocks(sum(d.numel() * d.element_size() for d in cuda) if gpu is not None else 0)
         held = logical = on_gpu = copied = on_cpu = 0
-        for item in planner.create_local_plan().items:
-            data = planner.resolve_data(item)
+        for item, data in resolved:
             if item.type == WriteItemType.BYTE_IO:
                 items[item.index] = data.getvalue()
                 held += len(items[item.index])
@@ -385,22 +394,22 @@ class GdsloadWriter(StorageWriter, AsyncStager):
             t = data.detach()
             n = t.numel() * t.element_size()
             logical += n
-            gpu = gpu_codec_for(self.codec) if t.is_cuda else None
+            on_its_gpu = t.is_cuda and gpu is not None
             past_limit = self.staging_limit is not None and copied + n > self.staging_limit
-            if gpu is not None or past_limit:
+            if on_its_gpu or past_limit:
                 s = encode(
                     t,
                     self.codec,
                     name=_entry_name(item.index),
                     planes=self.planes,
                     min_gain=self.min_gain,
-                    host=pinned if gpu is not None else to_host,
+                    host=pinned if on_its_gpu else to_host,
                 )
                 items[item.index] = s
-                if gpu is not None:
+                held += s.data.nbytes
+                if on_its_gpu:
                     on_gpu += n
                 else:
-                    held += s.data.nbytes
                     on_cpu += n
             else:
                 copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
@@ -409,10 +418,9 @@ class GdsloadWriter(StorageWriter, AsyncStager):
                 held += n
                 copied += n
         pinned.wait()  # the copies out of the GPUs: training may change the tensors once this returns
-        held += pinned.nbytes
         batch = _Batch(items, set())
         staged = self._alias(state_dict, batch)
-        batch.report = StageReport(time.perf_counter() - t0, held, logical, on_gpu, copied, on_cpu)
+        batch.report = StageReport(time.perf_counter() - t0, held, logical, on_gpu, copied, on_cpu, pinned.nbytes)
         with self._lock:
             self._batches.append(batch)
         self.last_stage = batch.report
