@@ -509,13 +509,15 @@ def test_sampled_residency_tracks_the_exact_count(tmp_path):
     assert resident_fraction(files, samples=64) < 0.05
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead landing pages while the scans run
         os.pread(fd, 32 << 20, 0)  # the first half into the page cache
     finally:
         os.close(fd)
     exact, sampled = resident_fraction(files), resident_fraction(files, samples=64)
     assert 0.45 < exact < 0.75 and abs(sampled - exact) < 0.1
-    # More samples than windows: the exact scan (up to pages the kernel moved between the two scans)
-    assert abs(resident_fraction(files, samples=10_000) - exact) < 0.01
+    # More samples than windows: the exact scan (within what the kernel moved between the scans around it)
+    full, after = resident_fraction(files, samples=10_000), resident_fraction(files)
+    assert min(exact, after) - 0.01 <= full <= max(exact, after) + 0.01
 
 
 def test_on_plan_is_called_once_with_the_plan_before_any_bytes_are_read(sharded_dir):
