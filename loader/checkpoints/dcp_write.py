@@ -12,7 +12,8 @@ any world size.
 It is also DCP's ``AsyncStager``: with ``dcp.async_save``, :meth:`GdsloadWriter.stage` runs in the training loop
 and takes a snapshot (CUDA tensors compressed on their GPU and only the compressed bytes copied to page-locked host
 memory, which the next save reuses; CPU tensors copied, or compressed at once past ``staging_limit``), then the save
-runs in DCP's background thread from that snapshot while training goes on. :attr:`GdsloadWriter.last_stage` reports the stall and the host memory held.
+runs in DCP's background thread from that snapshot while training goes on. :attr:`GdsloadWriter.last_stage` reports
+the stall and the host memory held.
 """
 
 from __future__ import annotations
